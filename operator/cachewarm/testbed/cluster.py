@@ -1,0 +1,409 @@
+"""The local control plane and GCS emulator, started on loopback the way envtest does.
+
+`Testbed` owns one working directory. `start()` brings up etcd, kube-apiserver (RBAC on,
+serving certs made with `cryptography`, a static admin token, service-account token
+signing) and the GCS emulator; `start_controller_manager()` adds kube-controller-manager
+when a test needs Jobs, garbage collection or namespace deletion. The state is written to
+`state.json` so another process (`make dev-down`) can stop what this one started.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import os
+import secrets
+import shutil
+import ssl
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cachewarm import certs
+from cachewarm.testbed.processes import Proc, StartError, free_port, start, wait_until
+
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+ADMIN_USER = "cachewarm-testbed-admin"
+SERVICE_CIDR = "10.96.0.0/16"
+# Controllers a test may need: Jobs make Pods, owner references are collected, namespaces
+# really go away, and every namespace gets its `default` ServiceAccount.
+CONTROLLERS = (
+    "job-controller",
+    "garbage-collector-controller",
+    "namespace-controller",
+    "serviceaccount-controller",
+    "ttl-after-finished-controller",
+)
+
+
+def repo_root() -> Path:
+    """The checkout this package was installed from (editable install), or the cwd."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "hack" / "versions.env").is_file():
+            return parent
+    return Path.cwd()
+
+
+def versions() -> dict[str, str]:
+    """K8S_VERSION and ETCD_VERSION from hack/versions.env (the one place they are pinned)."""
+    out: dict[str, str] = {}
+    path = repo_root() / "hack" / "versions.env"
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip().removesuffix("?").strip()] = value.strip()
+    return out
+
+
+def bin_dir() -> Path:
+    """Where the Go-built binaries are: $CACHEWARM_TESTBED_BIN or the versioned cache."""
+    env = os.environ.get("CACHEWARM_TESTBED_BIN")
+    if env:
+        return Path(env)
+    v = versions()
+    return repo_root() / ".cache" / "bin" / f"k8s-v{v['K8S_VERSION']}_etcd-v{v['ETCD_VERSION']}"
+
+
+def find_binaries() -> dict[str, Path]:
+    """Paths of etcd, kube-apiserver, kube-controller-manager and kubectl.
+
+    Raises StartError naming the missing ones and the command that builds them.
+    """
+    where = bin_dir()
+    found = {name: where / name for name in BINARIES}
+    missing = [name for name, path in found.items() if not os.access(path, os.X_OK)]
+    if missing:
+        raise StartError(
+            f"control-plane binaries missing in {where}: {', '.join(missing)}; "
+            "build them with `make bin`"
+        )
+    return found
+
+
+def _http_ok(url: str, *, token: str | None = None, ca: Path | None = None) -> bool:
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    ctx = ssl.create_default_context(cafile=str(ca)) if ca else None
+    with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
+        return 200 <= int(resp.status) < 300
+
+
+@dataclass
+class State:
+    """What a running testbed is: ports, files and pids. Serialized to state.json."""
+
+    workdir: str
+    owns_workdir: bool
+    etcd_port: int = 0
+    apiserver_port: int = 0
+    gcs_port: int = 0
+    admin_token: str = ""
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+class Testbed:
+    """etcd + kube-apiserver (+ kube-controller-manager) + GCS emulator on loopback."""
+
+    __test__ = False  # not a pytest class, despite the name
+
+    def __init__(self, workdir: Path | None = None) -> None:
+        if workdir is None:
+            self.state = State(workdir=tempfile.mkdtemp(prefix="cachewarm-testbed-"), owns_workdir=True)
+        else:
+            workdir.mkdir(parents=True, exist_ok=True)
+            self.state = State(workdir=str(workdir.resolve()), owns_workdir=False)
+        self.procs: dict[str, Proc] = {}
+
+    # -- paths ---------------------------------------------------------------------------
+
+    @property
+    def workdir(self) -> Path:
+        return Path(self.state.workdir)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.workdir / "pki" / "ca.crt"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.state.apiserver_port}"
+
+    @property
+    def storage_emulator_host(self) -> str:
+        return f"http://127.0.0.1:{self.state.gcs_port}"
+
+    @property
+    def kubectl(self) -> Path:
+        return bin_dir() / "kubectl"
+
+    def env(self) -> dict[str, str]:
+        """Variables a client needs: kubeconfig, the emulator, binaries on PATH."""
+        return {
+            "KUBECONFIG": str(self.kubeconfig),
+            "STORAGE_EMULATOR_HOST": self.storage_emulator_host,
+            # gcsfs 2026.x probes bucket types over gRPC first, which stalls ~60 s against
+            # an emulator.
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "PATH": f"{bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self, *, controller_manager: bool = False) -> Testbed:
+        """Start etcd, kube-apiserver and the GCS emulator; wait until each is ready.
+
+        Raises StartError naming the process that failed, with the tail of its log;
+        everything already started is stopped first.
+        """
+        try:
+            bins = find_binaries()
+            self._write_pki()
+            self._start_etcd(bins["etcd"])
+            self._start_apiserver(bins["kube-apiserver"])
+            self._write_kubeconfig(self.kubeconfig, token=self.state.admin_token, user=ADMIN_USER)
+            self._start_gcs_emulator()
+            if controller_manager:
+                self.start_controller_manager()
+        except BaseException:
+            self.stop()
+            raise
+        self.save()
+        return self
+
+    def start_controller_manager(self) -> None:
+        """Add kube-controller-manager (Jobs, GC, namespaces, service accounts)."""
+        if "kube-controller-manager" in self.procs and self.procs["kube-controller-manager"].alive():
+            return
+        bins = find_binaries()
+        pki = self.workdir / "pki"
+        proc = start(
+            "kube-controller-manager",
+            [
+                str(bins["kube-controller-manager"]),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                f"--controllers={','.join(CONTROLLERS)}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                f"--root-ca-file={self.ca_file}",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                "--concurrent-job-syncs=5",
+                "--v=1",
+            ],
+            self.workdir / "logs" / "kube-controller-manager.log",
+        )
+        self._track(proc)
+        # Ready once the serviceaccount controller has made `default` in `default`.
+        wait_until(
+            proc,
+            lambda: self.kubectl_run("get", "serviceaccount", "default", "-n", "default").returncode == 0,
+            timeout=60,
+            what="ready (no default ServiceAccount appeared)",
+        )
+        self.save()
+
+    def stop(self) -> None:
+        """Stop every process (reverse start order) and remove a workdir we created."""
+        for name in reversed(list(self.procs)):
+            self.procs[name].stop()
+        self.procs.clear()
+        self.state.pids.clear()
+        if self.state.owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        else:
+            state_file = self.workdir / "state.json"
+            if state_file.exists():
+                state_file.unlink()
+
+    def save(self) -> None:
+        self.state.pids = {name: proc.pid for name, proc in self.procs.items()}
+        (self.workdir / "state.json").write_text(json.dumps(asdict(self.state), indent=2))
+
+    @classmethod
+    def load(cls, workdir: Path) -> Testbed | None:
+        """The testbed described by workdir/state.json, or None if there is none."""
+        path = workdir / "state.json"
+        if not path.is_file():
+            return None
+        bed = cls.__new__(cls)
+        bed.state = State(**json.loads(path.read_text()))
+        bed.procs = {
+            name: Proc(name=name, pid=pid, log=workdir / "logs" / f"{name}.log")
+            for name, pid in bed.state.pids.items()
+        }
+        return bed
+
+    def healthy(self) -> bool:
+        """True when every recorded process lives and the apiserver answers /readyz."""
+        if not self.procs or not all(p.alive() for p in self.procs.values()):
+            return False
+        try:
+            return _http_ok(f"{self.server}/readyz", token=self.state.admin_token, ca=self.ca_file)
+        except OSError:
+            return False
+
+    def __enter__(self) -> Testbed:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- clients -------------------------------------------------------------------------
+
+    def kubectl_run(
+        self, *args: str, input: str | None = None, kubeconfig: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this testbed (admin unless `kubeconfig` names another)."""
+        return subprocess.run(
+            [str(self.kubectl), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
+        """A kubeconfig that authenticates as ServiceAccount namespace/name.
+
+        The token comes from the TokenRequest API, so the identity is exactly the one a pod
+        of that ServiceAccount would have, with only the RBAC bound to it.
+        Raises RuntimeError when the ServiceAccount does not exist.
+        """
+        result = self.kubectl_run("create", "token", name, "-n", namespace, "--duration=24h")
+        if result.returncode != 0:
+            raise RuntimeError(f"could not mint a token for {namespace}/{name}: {result.stderr.strip()}")
+        self._write_kubeconfig(path, token=result.stdout.strip(), user=f"{namespace}/{name}")
+        return path
+
+    # -- pieces --------------------------------------------------------------------------
+
+    def _track(self, proc: Proc) -> None:
+        self.procs[proc.name] = proc
+        self.state.pids[proc.name] = proc.pid
+
+    def _write_pki(self) -> None:
+        pki = self.workdir / "pki"
+        pki.mkdir(parents=True, exist_ok=True)
+        now = dt.datetime.now(dt.timezone.utc)
+        ca = certs.make_ca("cachewarm-testbed-ca", now=now)
+        serving = certs.make_serving_cert(
+            ca, ["127.0.0.1", "localhost", "kubernetes.default.svc", "10.96.0.1"], now=now
+        )
+        sa_private, sa_public = certs.make_signing_key()
+        for fname, data in {
+            "ca.crt": ca.cert_pem,
+            "ca.key": ca.key_pem,
+            "apiserver.crt": serving.cert_pem,
+            "apiserver.key": serving.key_pem,
+            "sa.key": sa_private,
+            "sa.pub": sa_public,
+        }.items():
+            (pki / fname).write_bytes(data)
+            (pki / fname).chmod(0o600)
+        self.state.admin_token = secrets.token_hex(24)
+        (pki / "tokens.csv").write_text(
+            f'{self.state.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
+        )
+
+    def _start_etcd(self, binary: Path) -> None:
+        self.state.etcd_port = free_port()
+        peer = free_port()
+        client_url = f"http://127.0.0.1:{self.state.etcd_port}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        proc = start(
+            "etcd",
+            [
+                str(binary),
+                "--name=testbed",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=testbed={peer_url}",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+            self.workdir / "logs" / "etcd.log",
+        )
+        self._track(proc)
+        wait_until(proc, lambda: _http_ok(f"{client_url}/health"), timeout=30, what="healthy")
+
+    def _start_apiserver(self, binary: Path) -> None:
+        self.state.apiserver_port = free_port()
+        pki = self.workdir / "pki"
+        proc = start(
+            "kube-apiserver",
+            [
+                str(binary),
+                f"--etcd-servers=http://127.0.0.1:{self.state.etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.state.apiserver_port}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--token-auth-file={pki / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--allow-privileged=true",
+                f"--cert-dir={pki}",
+                "--v=1",
+            ],
+            self.workdir / "logs" / "kube-apiserver.log",
+        )
+        self._track(proc)
+        wait_until(
+            proc,
+            lambda: _http_ok(f"{self.server}/readyz", token=self.state.admin_token, ca=self.ca_file),
+            timeout=90,
+            what="ready (/readyz)",
+        )
+
+    def _start_gcs_emulator(self) -> None:
+        self.state.gcs_port = free_port()
+        exe = Path(sys.executable).parent / "gcp-storage-emulator"
+        argv = [str(exe)] if exe.exists() else [shutil.which("gcp-storage-emulator") or "gcp-storage-emulator"]
+        proc = start(
+            "gcs-emulator",
+            [*argv, "start", "--host=127.0.0.1", f"--port={self.state.gcs_port}", "--in-memory"],
+            self.workdir / "logs" / "gcs-emulator.log",
+        )
+        self._track(proc)
+        wait_until(
+            proc,
+            lambda: _http_ok(f"{self.storage_emulator_host}/storage/v1/b?project=testbed"),
+            timeout=30,
+            what="answering /storage/v1/b",
+        )
+
+    def _write_kubeconfig(self, path: Path, *, token: str, user: str) -> None:
+        ca_data = base64.b64encode(self.ca_file.read_bytes()).decode()
+        config: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "testbed", "cluster": {"server": self.server, "certificate-authority-data": ca_data}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": user}}],
+            "current-context": "testbed",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.chmod(0o600)

@@ -1,0 +1,121 @@
+"""The real kube-apiserver enforces the CompilationCache schema from crds/: a valid object
+is stored with its defaults, and each wrong one is rejected with a message saying what to
+fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from cachewarm.testbed.cluster import Testbed
+
+pytestmark = pytest.mark.e2e
+
+
+def valid_cache(name: str = "llama") -> dict[str, Any]:
+    return {
+        "apiVersion": "cachewarm.dev/v1alpha1",
+        "kind": "CompilationCache",
+        "metadata": {"name": name},
+        "spec": {
+            "storage": {"gcs": {"bucket": "team-jax-cache", "prefix": "llama-8b", "location": "us-central1"}},
+            "warmup": {
+                "image": "us-docker.pkg.dev/team/train:2026-11-20",
+                "targets": ["train.warm:targets"],
+                "pools": [{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}],
+            },
+        },
+    }
+
+
+def with_change(path: str, value: Any) -> dict[str, Any]:
+    """A valid cache with the dotted `path` set to `value` (a DELETE sentinel removes it)."""
+    obj = valid_cache()
+    *parents, last = path.split(".")
+    node: Any = obj
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if value is DELETE:
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return obj
+
+
+DELETE = object()
+
+# (id, object, text the apiserver's message must contain)
+WRONG: list[tuple[str, dict[str, Any], str]] = [
+    ("bucket-uppercase", with_change("spec.storage.gcs.bucket", "Team-Cache"), "spec.storage.gcs.bucket"),
+    ("bucket-too-short", with_change("spec.storage.gcs.bucket", "ab"), "at least 3 chars"),
+    ("bucket-google", with_change("spec.storage.gcs.bucket", "my-google-cache"), 'must not start with "goog" or contain "google"'),
+    ("bucket-goog-prefix", with_change("spec.storage.gcs.bucket", "goog-cache"), 'must not start with "goog"'),
+    ("bucket-ip", with_change("spec.storage.gcs.bucket", "192.168.5.4"), "must not look like an IP address"),
+    ("bucket-dots", with_change("spec.storage.gcs.bucket", "a..b"), 'must not contain ".."'),
+    ("bucket-missing", with_change("spec.storage.gcs.bucket", DELETE), "spec.storage.gcs.bucket: Required value"),
+    ("location-missing", with_change("spec.storage.gcs.location", DELETE), "spec.storage.gcs.location: Required value"),
+    ("location-spaces", with_change("spec.storage.gcs.location", "us central1"), "spec.storage.gcs.location"),
+    ("prefix-leading-slash", with_change("spec.storage.gcs.prefix", "/llama"), "spec.storage.gcs.prefix"),
+    ("prefix-dotdot", with_change("spec.storage.gcs.prefix", "a/../b"), "must not contain '.' or '..' path segments"),
+    ("soft-delete-3", with_change("spec.storage.gcs.softDeleteDays", 3), "softDeleteDays must be 0 (off) or between 7 and 90"),
+    ("soft-delete-91", with_change("spec.storage.gcs.softDeleteDays", 91), "softDeleteDays must be 0 (off) or between 7 and 90"),
+    ("soft-delete-string", with_change("spec.storage.gcs.softDeleteDays", "seven"), "spec.storage.gcs.softDeleteDays: Invalid value"),
+    ("lifecycle-zero", with_change("spec.storage.gcs.lifecycle", {"deleteAfterDays": 0}), "should be greater than or equal to 1"),
+    ("storage-class", with_change("spec.storage.gcs.storageClass", "FAST"), 'supported values: "STANDARD"'),
+    ("deletion-policy", with_change("spec.storage.gcs.deletionPolicy", "Purge"), 'supported values: "Retain", "Delete"'),
+    ("create-string", with_change("spec.storage.gcs.create", "yes"), "spec.storage.gcs.create: Invalid value"),
+    ("unknown-field", with_change("spec.storage.gcs.regoin", "us"), 'unknown field "spec.storage.gcs.regoin"'),
+    ("both-modes", with_change("spec.warmup.command", ["python", "train.py"]), "set exactly one of warmup.command"),
+    ("no-mode", with_change("spec.warmup.targets", DELETE), "set exactly one of warmup.command"),
+    ("target-syntax", with_change("spec.warmup.targets", ["train.warm"]), "spec.warmup.targets[0]"),
+    ("pool-duplicate", with_change("spec.warmup.pools", [{"name": "a"}, {"name": "a"}]), "Duplicate value"),
+    ("pool-gpu-and-tpu", with_change("spec.warmup.pools.0.tpu", {"type": "tpu-v5p-slice", "topology": "2x2x1"}), "either accelerator (GPU) or tpu, not both"),
+    ("tpu-topology", with_change("spec.warmup.pools.0", {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2by2"}}), "spec.warmup.pools[0].tpu.topology"),
+    ("gpu-count-zero", with_change("spec.warmup.pools.0.accelerator.count", 0), "should be greater than or equal to 1"),
+    ("min-compile-negative", with_change("spec.jax", {"minCompileTimeSecs": -1}), "spec.jax.minCompileTimeSecs"),
+    ("xla-caches", with_change("spec.jax", {"enableXlaCaches": "autotune"}), "spec.jax.enableXlaCaches"),
+    ("injection-mode", with_change("spec.injection", {"mode": "WriteOnly"}), 'supported values: "ReadWrite", "ReadOnly"'),
+    ("schedule", with_change("spec.warmup.schedule", "every day"), "spec.warmup.schedule"),
+]
+
+
+def create(testbed: Testbed, namespace: str, obj: dict[str, Any]) -> tuple[int, str]:
+    result = testbed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_valid_cache_is_stored_with_defaults(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, valid_cache())
+    assert code == 0, out
+    got = crd_installed.kubectl_run("get", "ccache", "llama", "-n", namespace, "-o", "json")
+    gcs = json.loads(got.stdout)["spec"]["storage"]["gcs"]
+    assert gcs["softDeleteDays"] == 7
+    assert gcs["storageClass"] == "STANDARD"
+    assert gcs["deletionPolicy"] == "Retain"
+    assert gcs["lifecycle"] == {"deleteAfterDays": 30}
+
+
+@pytest.mark.parametrize(("obj", "message"), [pytest.param(o, m, id=i) for i, o, m in WRONG])
+def test_wrong_cache_is_rejected_with_message(
+    crd_installed: Testbed, namespace: str, obj: dict[str, Any], message: str
+) -> None:
+    code, out = create(crd_installed, namespace, copy.deepcopy(obj))
+    assert code != 0, f"apiserver accepted an invalid CompilationCache:\n{out}"
+    assert message in out
+
+
+def test_bucket_cannot_change_after_creation(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, valid_cache("moving"))
+    assert code == 0, out
+    patched = crd_installed.kubectl_run(
+        "patch", "ccache", "moving", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"storage": {"gcs": {"bucket": "other-bucket"}}}}),
+    )
+    assert patched.returncode != 0
+    assert "bucket is immutable" in patched.stderr
