@@ -8,8 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
 
 from cachewarm.testbed.cluster import Testbed, repo_root
+from cachewarm.testbed.gcsproxy import ProxyControl
+from cachewarm.testbed.processes import Proc
 
 REPO = repo_root()
 
@@ -58,3 +62,47 @@ def namespace(testbed: Testbed) -> Iterator[str]:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def installed(crd_installed: Testbed) -> Testbed:
+    """`kubectl apply -k manifests/`: namespace, ServiceAccount, least-privilege RBAC."""
+    applied = crd_installed.kubectl_run("apply", "-k", str(REPO / "manifests"))
+    assert applied.returncode == 0, applied.stderr
+    return crd_installed
+
+
+@pytest.fixture(scope="session")
+def operator(installed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """`cachewarm run` as its own process, authenticated as the manifests' ServiceAccount
+    (so it has exactly the RBAC manifests/ grants), with a short resync for drift tests."""
+    kubeconfig = installed.service_account_kubeconfig(
+        "cachewarm-system", "cachewarm-operator", tmp_path_factory.mktemp("operator") / "kubeconfig"
+    )
+    proc = installed.start_operator(kubeconfig, {
+        "CACHEWARM_RESYNC_SECONDS": "3",
+        "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
+        "CACHEWARM_GCS_TIMEOUT_SECONDS": "2",
+        "CACHEWARM_GCP_PROJECT": "testbed",
+    })
+    try:
+        yield proc
+    finally:
+        proc.stop()
+    log = proc.log.read_text(errors="replace")
+    # A permission the operator lacks shows up as a 403 in its log: manifests/ must grant it.
+    assert "Forbidden" not in log and "forbidden" not in log, log[-3000:]
+
+
+@pytest.fixture(scope="session")
+def proxy(testbed: Testbed) -> ProxyControl:
+    return ProxyControl(testbed.storage_emulator_host)
+
+
+@pytest.fixture(scope="session")
+def gcs(testbed: Testbed) -> storage.Client:
+    """A google-cloud-storage client on the emulator (through the proxy), for test setup."""
+    return storage.Client(
+        project="testbed", credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": testbed.storage_emulator_host},
+    )

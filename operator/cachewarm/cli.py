@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
+import pydantic
 
 from cachewarm import __version__
+from cachewarm.settings import Settings
+
+
+def _settings_help() -> str:
+    lines = ["Settings come from environment variables:\n"]
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"  CACHEWARM_{name.upper()}  {field.description} (default: {default!r})\n")
+    return "\b\n" + "".join(lines)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -12,6 +24,26 @@ from cachewarm import __version__
 def cli() -> None:
     """cachewarm keeps JAX/XLA persistent compilation caches on GCS warm across a
     Kubernetes cluster, from one CompilationCache resource."""
+
+
+@cli.command(epilog=_settings_help())
+def run() -> None:
+    """Run the operator: reconcile CompilationCaches (buckets, lifecycle, soft delete).
+
+    Talks to the cluster from its in-cluster ServiceAccount or $KUBECONFIG, and to GCS
+    with Application Default Credentials (or $STORAGE_EMULATOR_HOST).
+    """
+    try:
+        settings = Settings.from_env()
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"CACHEWARM_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        click.echo(f"error: invalid settings: {problems}", err=True)
+        sys.exit(2)
+    from cachewarm import operator  # kopf is heavy; import it only to run
+
+    operator.run(settings)
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def test_dev_up_is_idempotent_and_dev_down_leaves_nothing(tmp_path: Path) -> Non
         bed = Testbed.load(workdir)
         assert bed is not None and bed.healthy()
         pids = dict(bed.state.pids)
-        assert set(pids) == {"etcd", "kube-apiserver", "gcs-emulator"}
+        assert set(pids) == {"etcd", "kube-apiserver", "gcs-emulator", "gcs-proxy"}
 
         env = dict(os.environ)
         for line in (workdir / "env").read_text().splitlines():

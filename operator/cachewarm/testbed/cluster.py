@@ -19,15 +19,19 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import yaml
 
 from cachewarm import certs
 from cachewarm.testbed.processes import Proc, StartError, free_port, start, wait_until
+
+T = TypeVar("T")
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
 ADMIN_USER = "cachewarm-testbed-admin"
@@ -98,6 +102,22 @@ def _http_ok(url: str, *, token: str | None = None, ca: Path | None = None) -> b
         return 200 <= int(resp.status) < 300
 
 
+def eventually(check: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition") -> T:
+    """Poll `check` until it returns something truthy; return it. Raises AssertionError
+    with `what` and the last exception when time runs out."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (AssertionError, RuntimeError, KeyError, TypeError) as exc:
+            last = exc
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last}" if last else ""))
+
+
 @dataclass
 class State:
     """What a running testbed is: ports, files and pids. Serialized to state.json."""
@@ -107,6 +127,7 @@ class State:
     etcd_port: int = 0
     apiserver_port: int = 0
     gcs_port: int = 0
+    gcs_emulator_port: int = 0
     admin_token: str = ""
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -144,6 +165,7 @@ class Testbed:
 
     @property
     def storage_emulator_host(self) -> str:
+        """The GCS endpoint clients use: the fidelity/fault proxy in front of the emulator."""
         return f"http://127.0.0.1:{self.state.gcs_port}"
 
     @property
@@ -218,12 +240,13 @@ class Testbed:
         self.save()
 
     def stop(self) -> None:
-        """Stop every process (reverse start order) and remove a workdir we created."""
+        """Stop every process (reverse start order) and remove a workdir we created
+        (kept for debugging when $CACHEWARM_TESTBED_KEEP is set)."""
         for name in reversed(list(self.procs)):
             self.procs[name].stop()
         self.procs.clear()
         self.state.pids.clear()
-        if self.state.owns_workdir:
+        if self.state.owns_workdir and not os.environ.get("CACHEWARM_TESTBED_KEEP"):
             shutil.rmtree(self.workdir, ignore_errors=True)
         else:
             state_file = self.workdir / "state.json"
@@ -277,6 +300,27 @@ class Testbed:
             timeout=120,
         )
 
+    def apply(self, obj: dict[str, Any], namespace: str) -> str:
+        """`kubectl apply` one object; returns kubectl's output. Raises RuntimeError on failure."""
+        result = self.kubectl_run("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip())
+        return result.stdout
+
+    def get_json(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        """The object as the apiserver stores it, or None when it does not exist."""
+        result = self.kubectl_run("get", kind, name, "-n", namespace, "-o", "json", "--ignore-not-found")
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip())
+        return json.loads(result.stdout) if result.stdout.strip() else None
+
+    def events_for(self, name: str, namespace: str) -> list[dict[str, Any]]:
+        """Core Events whose involvedObject is `name` in `namespace`."""
+        result = self.kubectl_run("get", "events", "-n", namespace, "-o", "json",
+                                  f"--field-selector=involvedObject.name={name}")
+        items: list[dict[str, Any]] = json.loads(result.stdout)["items"] if result.returncode == 0 else []
+        return items
+
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
         """A kubeconfig that authenticates as ServiceAccount namespace/name.
 
@@ -289,6 +333,26 @@ class Testbed:
             raise RuntimeError(f"could not mint a token for {namespace}/{name}: {result.stderr.strip()}")
         self._write_kubeconfig(path, token=result.stdout.strip(), user=f"{namespace}/{name}")
         return path
+
+    def start_operator(self, kubeconfig: Path, env: dict[str, str] | None = None) -> Proc:
+        """Run `cachewarm run` as its own process with `kubeconfig`'s identity; wait until
+        its liveness endpoint answers. The caller stops it (Proc.stop)."""
+        port = free_port()
+        full_env = {
+            **os.environ,
+            **self.env(),
+            "KUBECONFIG": str(kubeconfig),
+            "CACHEWARM_LOG_FORMAT": "console",
+            "CACHEWARM_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        n = sum(1 for name in self.procs if name.startswith("operator"))
+        proc = start(f"operator-{n}", [sys.executable, "-m", "cachewarm", "run"],
+                     self.workdir / "logs" / f"operator-{n}.log", env=full_env)
+        self.procs[proc.name] = proc
+        wait_until(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="live (/healthz)")
+        return proc
 
     # -- pieces --------------------------------------------------------------------------
 
@@ -378,21 +442,28 @@ class Testbed:
         )
 
     def _start_gcs_emulator(self) -> None:
-        self.state.gcs_port = free_port()
+        self.state.gcs_emulator_port = free_port()
+        upstream = f"http://127.0.0.1:{self.state.gcs_emulator_port}"
         exe = Path(sys.executable).parent / "gcp-storage-emulator"
         argv = [str(exe)] if exe.exists() else [shutil.which("gcp-storage-emulator") or "gcp-storage-emulator"]
         proc = start(
             "gcs-emulator",
-            [*argv, "start", "--host=127.0.0.1", f"--port={self.state.gcs_port}", "--in-memory"],
+            [*argv, "start", "--host=127.0.0.1", f"--port={self.state.gcs_emulator_port}", "--in-memory"],
             self.workdir / "logs" / "gcs-emulator.log",
         )
         self._track(proc)
-        wait_until(
-            proc,
-            lambda: _http_ok(f"{self.storage_emulator_host}/storage/v1/b?project=testbed"),
-            timeout=30,
-            what="answering /storage/v1/b",
+        wait_until(proc, lambda: _http_ok(f"{upstream}/storage/v1/b?project=testbed"),
+                   timeout=30, what="answering /storage/v1/b")
+        self.state.gcs_port = free_port()
+        proxy = start(
+            "gcs-proxy",
+            [sys.executable, "-m", "cachewarm.testbed.gcsproxy", f"--port={self.state.gcs_port}",
+             f"--upstream={upstream}"],
+            self.workdir / "logs" / "gcs-proxy.log",
         )
+        self._track(proxy)
+        wait_until(proxy, lambda: _http_ok(f"{self.storage_emulator_host}/storage/v1/b?project=testbed"),
+                   timeout=30, what="answering /storage/v1/b")
 
     def _write_kubeconfig(self, path: Path, *, token: str, user: str) -> None:
         ca_data = base64.b64encode(self.ca_file.read_bytes()).decode()

@@ -1,0 +1,1 @@
+"""Pure builders: spec in, dict out. No I/O and no clock reads."""

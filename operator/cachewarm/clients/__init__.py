@@ -1,0 +1,1 @@
+"""One client module per external system; library exceptions become ours here only."""

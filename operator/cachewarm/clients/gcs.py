@@ -1,0 +1,182 @@
+"""All of cachewarm's calls to Google Cloud Storage, through google-cloud-storage.
+
+Library exceptions become `GcsError` subclasses here and nowhere else. The library's own
+retries are off (retry=None): the reconcile loop retries with backoff and re-reads state
+first, so a lost response never turns into a duplicate write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import google.auth.exceptions
+import requests
+from google.api_core import exceptions as gexc
+from google.cloud import storage
+
+from cachewarm.builders.bucket import BucketInfo
+
+T = TypeVar("T")
+
+
+class GcsError(Exception):
+    """A GCS call failed. `retryable` says whether the same call may work later."""
+
+    reason = "GCSError"
+    retryable = True
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GcsUnavailable(GcsError):
+    """429, 5xx, a timeout or a broken connection: try again with backoff."""
+
+    reason = "GCSUnavailable"
+
+
+class GcsForbidden(GcsError):
+    """403/401 or missing credentials: the operator's identity lacks a permission."""
+
+    reason = "AccessDenied"
+
+
+class GcsConflict(GcsError):
+    """409: e.g. the bucket name is taken by another project."""
+
+    reason = "BucketNameTaken"
+
+
+class GcsNotFound(GcsError):
+    """404 on something that must exist."""
+
+    reason = "BucketNotFound"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    size: int
+
+
+def _translate(call: Callable[[], T], what: str) -> T:
+    try:
+        return call()
+    except gexc.NotFound as exc:
+        raise GcsNotFound(f"{what}: not found", status=404) from exc
+    except (gexc.Forbidden, gexc.Unauthorized) as exc:
+        raise GcsForbidden(f"{what}: permission denied ({exc.message})", status=exc.code) from exc
+    except gexc.Conflict as exc:
+        raise GcsConflict(f"{what}: conflict ({exc.message})", status=409) from exc
+    except (gexc.TooManyRequests, gexc.ServerError) as exc:
+        raise GcsUnavailable(f"{what}: GCS answered {exc.code} ({exc.message})", status=exc.code) from exc
+    except gexc.GoogleAPICallError as exc:
+        raise GcsError(f"{what}: GCS answered {exc.code} ({exc.message})", status=exc.code) from exc
+    except (requests.Timeout, requests.ConnectionError) as exc:
+        raise GcsUnavailable(f"{what}: {type(exc).__name__} talking to GCS") from exc
+    except google.auth.exceptions.GoogleAuthError as exc:
+        raise GcsForbidden(f"{what}: no usable GCP credentials ({exc})") from exc
+
+
+def _info(bucket: storage.Bucket) -> BucketInfo:
+    iam = bucket.iam_configuration
+    soft = bucket.soft_delete_policy.retention_duration_seconds
+    return BucketInfo(
+        name=bucket.name,
+        location=bucket.location or "",
+        storage_class=bucket.storage_class or "",
+        labels=dict(bucket.labels or {}),
+        lifecycle_rules=[dict(rule) for rule in bucket.lifecycle_rules],
+        soft_delete_seconds=int(soft) if soft is not None else None,
+        uniform_access=bool(iam.uniform_bucket_level_access_enabled),
+        public_access_prevention=str(iam.public_access_prevention or ""),
+    )
+
+
+class GcsClient:
+    """Bucket administration and object listing for cache buckets."""
+
+    def __init__(self, *, project: str = "", timeout: float = 30.0, client: storage.Client | None = None) -> None:
+        self._project = project or None
+        self._timeout = timeout
+        self._client = client
+
+    @property
+    def client(self) -> storage.Client:
+        # Created lazily: ADC lookup can be slow and must not run at import time.
+        if self._client is None:
+            self._client = _translate(lambda: storage.Client(project=self._project), "creating GCS client")
+        return self._client
+
+    def get_bucket(self, name: str) -> BucketInfo | None:
+        """The bucket, or None when it does not exist. Raises GcsError."""
+        bucket = _translate(
+            lambda: self.client.lookup_bucket(name, timeout=self._timeout, retry=None),
+            f"reading bucket {name}",
+        )
+        return _info(bucket) if bucket is not None else None
+
+    def create_bucket(
+        self, name: str, *, location: str, storage_class: str, labels: dict[str, str]
+    ) -> BucketInfo:
+        """Create the bucket with uniform access and public access prevention.
+
+        Raises GcsConflict when the name exists (in any project), GcsError otherwise.
+        """
+        bucket = self.client.bucket(name)
+        bucket.storage_class = storage_class
+        bucket.labels = labels
+        bucket.iam_configuration.uniform_bucket_level_access_enabled = True
+        bucket.iam_configuration.public_access_prevention = "enforced"
+        created = _translate(
+            lambda: self.client.create_bucket(
+                bucket, location=location, project=self._project, timeout=self._timeout, retry=None
+            ),
+            f"creating bucket {name}",
+        )
+        return _info(created)
+
+    def patch_bucket(self, name: str, patch: dict[str, Any]) -> BucketInfo:
+        """Apply a patch made by builders.bucket.bucket_patch. Raises GcsError."""
+        bucket = self.client.bucket(name)
+        if "lifecycle" in patch:
+            bucket.lifecycle_rules = patch["lifecycle"]["rule"]
+        if "softDeletePolicy" in patch:
+            bucket.soft_delete_policy.retention_duration_seconds = patch["softDeletePolicy"]["retentionDurationSeconds"]
+        if "iamConfiguration" in patch:
+            iam = patch["iamConfiguration"]
+            bucket.iam_configuration.uniform_bucket_level_access_enabled = iam["uniformBucketLevelAccess"]["enabled"]
+            bucket.iam_configuration.public_access_prevention = iam["publicAccessPrevention"]
+        if "storageClass" in patch:
+            bucket.storage_class = patch["storageClass"]
+        _translate(lambda: bucket.patch(timeout=self._timeout, retry=None), f"updating bucket {name}")
+        return _info(bucket)
+
+    def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
+        """Objects whose names start with `prefix`. Raises GcsError."""
+        blobs = _translate(
+            lambda: list(self.client.list_blobs(bucket, prefix=prefix or None, timeout=self._timeout, retry=None)),
+            f"listing gs://{bucket}/{prefix}",
+        )
+        for blob in blobs:
+            yield ObjectInfo(name=blob.name, size=int(blob.size or 0))
+
+    def delete_object(self, bucket: str, name: str) -> None:
+        """Delete one object; an object already gone counts as deleted. Raises GcsError."""
+        try:
+            _translate(
+                lambda: self.client.bucket(bucket).blob(name).delete(timeout=self._timeout, retry=None),
+                f"deleting gs://{bucket}/{name}",
+            )
+        except GcsNotFound:
+            pass
+
+    def delete_bucket(self, name: str) -> None:
+        """Delete an empty bucket; a bucket already gone counts as deleted. Raises GcsError."""
+        try:
+            _translate(lambda: self.client.bucket(name).delete(timeout=self._timeout, retry=None), f"deleting bucket {name}")
+        except GcsNotFound:
+            pass

@@ -1,0 +1,62 @@
+"""Every cluster-visible string of cachewarm: API group, labels, annotations, finalizer,
+condition types and reasons, env var names. Change them here or nowhere."""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "cachewarm.dev"
+VERSION: Final = "v1alpha1"
+PLURAL: Final = "compilationcaches"
+KIND: Final = "CompilationCache"
+
+# Pods opt in with this label; its value names a CompilationCache in the pod's namespace.
+CACHE_LABEL: Final = f"{GROUP}/cache"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "cachewarm"
+# Labels cachewarm puts on GCS buckets it created (GCS label keys: lowercase, no dots).
+GCS_LABEL_MANAGED_BY: Final = "managed-by"
+GCS_LABEL_CACHE: Final = "cachewarm-cache"
+GCS_LABEL_NAMESPACE: Final = "cachewarm-namespace"
+
+FINALIZER: Final = f"{GROUP}/data-cleanup"
+
+# kopf keeps its progress and diff-base state under status.kopf (declared in the CRD, so
+# structural pruning keeps it); nothing goes into annotations of the user's object.
+KOPF_STATUS_PROGRESS: Final = "status.kopf.progress"
+KOPF_STATUS_DIFFBASE: Final = "status.kopf.last-handled-configuration"
+
+
+class Condition:
+    """Condition types in status.conditions."""
+
+    READY: Final = "Ready"
+    BUCKET_READY: Final = "BucketReady"
+    WARMED: Final = "Warmed"
+
+
+class Reason:
+    """Machine-readable reasons on conditions and events (CamelCase, Kubernetes style)."""
+
+    RECONCILED: Final = "Reconciled"
+    BUCKET_CREATED: Final = "BucketCreated"
+    BUCKET_ADOPTED: Final = "BucketAdopted"
+    BUCKET_NOT_FOUND: Final = "BucketNotFound"
+    LOCATION_MISMATCH: Final = "LocationMismatch"
+    BUCKET_CONFIGURED: Final = "BucketConfigured"
+    DRIFT_CORRECTED: Final = "DriftCorrected"
+    ACCESS_DENIED: Final = "AccessDenied"
+    NAME_TAKEN: Final = "BucketNameTaken"
+    GCS_UNAVAILABLE: Final = "GCSUnavailable"
+    BUCKET_NOT_READY: Final = "BucketNotReady"
+    DATA_DELETED: Final = "DataDeleted"
+    DATA_RETAINED: Final = "DataRetained"
+    BUCKET_DELETED: Final = "BucketDeleted"
+    BUCKET_KEPT: Final = "BucketKept"
+
+
+# JAX reads these once, at `import jax`; they must be in the pod spec.
+ENV_CACHE_DIR: Final = "JAX_COMPILATION_CACHE_DIR"
+ENV_MIN_COMPILE_TIME: Final = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+ENV_MIN_ENTRY_SIZE: Final = "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"
+ENV_ENABLE_XLA_CACHES: Final = "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"

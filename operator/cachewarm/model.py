@@ -1,0 +1,75 @@
+"""Typed view of a CompilationCache. The CRD schema is the validation users see; these
+models turn the body kopf hands us into typed values (with the CRD's defaults, so objects
+stored before a default existed read the same)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class InvalidSpec(ValueError):
+    """The object does not match the schema this operator understands."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, frozen=True, extra="ignore")
+
+
+class Lifecycle(_Model):
+    delete_after_days: int = Field(default=30, alias="deleteAfterDays", ge=1)
+
+
+class GcsStorage(_Model):
+    bucket: str
+    location: str
+    prefix: str = ""
+    create: bool = True
+    storage_class: str = Field(default="STANDARD", alias="storageClass")
+    soft_delete_days: int = Field(default=7, alias="softDeleteDays")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle)
+    deletion_policy: Literal["Retain", "Delete"] = Field(default="Retain", alias="deletionPolicy")
+
+    @property
+    def url(self) -> str:
+        """gs://bucket or gs://bucket/prefix, normalized: the same bytes everywhere."""
+        return f"gs://{self.bucket}/{self.prefix}" if self.prefix else f"gs://{self.bucket}"
+
+    @property
+    def object_prefix(self) -> str:
+        """Object-name prefix of this cache's entries ("" for the bucket root)."""
+        return f"{self.prefix}/" if self.prefix else ""
+
+
+class Storage(_Model):
+    gcs: GcsStorage
+
+
+class JaxSettings(_Model):
+    min_compile_time_secs: float = Field(default=1.0, alias="minCompileTimeSecs", ge=0)
+    min_entry_size_bytes: int = Field(default=0, alias="minEntrySizeBytes", ge=0)
+    enable_xla_caches: str = Field(default="xla_gpu_per_fusion_autotune_cache_dir", alias="enableXlaCaches")
+
+
+class Injection(_Model):
+    mode: Literal["ReadWrite", "ReadOnly"] = "ReadWrite"
+
+
+class CacheSpec(_Model):
+    storage: Storage
+    jax: JaxSettings = Field(default_factory=JaxSettings)
+    injection: Injection = Field(default_factory=Injection)
+    warmup: dict[str, Any] | None = None
+
+
+def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:
+    """The typed spec. Raises InvalidSpec naming the bad fields."""
+    try:
+        return CacheSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise InvalidSpec(problems) from exc

@@ -1,0 +1,270 @@
+"""The operator, as its own process with the manifests' RBAC, reconciles buckets on the
+GCS emulator: create, adopt, region check, drift, deletion policies and GCS faults."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from google.cloud import storage
+
+from cachewarm.testbed.cluster import Testbed, eventually
+from cachewarm.testbed.gcsproxy import ProxyControl
+from cachewarm.testbed.processes import Proc
+
+pytestmark = pytest.mark.e2e
+
+DAY = 86400
+ENTRY = "jit_train_step-" + "ab" * 32 + "-cache"
+
+
+def unique_bucket(stem: str) -> str:
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
+def cache(name: str, bucket: str, **gcs: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "cachewarm.dev/v1alpha1",
+        "kind": "CompilationCache",
+        "metadata": {"name": name},
+        "spec": {"storage": {"gcs": {"bucket": bucket, "location": "us-central1", **gcs}}},
+    }
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return dict(cond)
+    return None
+
+
+def wait_condition(bed: Testbed, ns: str, name: str, type_: str, status: str, reason: str | None = None,
+                   timeout: float = 60) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", name, ns)
+        cond = condition(obj, type_)
+        if cond and cond["status"] == status and (reason is None or cond["reason"] == reason):
+            return obj
+        return None
+    return eventually(check, timeout=timeout, what=f"{type_}={status} ({reason}) on {ns}/{name}")
+
+
+def event_reasons(bed: Testbed, ns: str, name: str) -> list[str]:
+    return [e["reason"] for e in bed.events_for(name, ns)]
+
+
+def bucket_writes(proxy: ProxyControl, bucket: str) -> list[dict[str, Any]]:
+    return [w for w in proxy.writes() if bucket in w["path"] or w["path"].rstrip("/") == "/storage/v1/b"]
+
+
+def test_sample_creates_configured_bucket_and_reaches_ready(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path
+) -> None:
+    sample = yaml.safe_load((repo / "manifests" / "samples" / "compilationcache.yaml").read_text())
+    installed.apply(sample, namespace)
+    obj = wait_condition(installed, namespace, "llama-8b", "Ready", "True")
+
+    bucket = gcs.get_bucket("team-jax-cache")
+    assert bucket.location.lower() == "us-central1"
+    assert bucket.storage_class == "STANDARD"
+    assert bucket.iam_configuration.uniform_bucket_level_access_enabled
+    assert bucket.iam_configuration.public_access_prevention == "enforced"
+    assert bucket.soft_delete_policy.retention_duration_seconds == 7 * DAY
+    assert [dict(r) for r in bucket.lifecycle_rules] == [
+        {"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama-8b/"]}}
+    ]
+    assert bucket.labels["managed-by"] == "cachewarm"
+
+    status = obj["status"]
+    assert status["observedGeneration"] == obj["metadata"]["generation"]
+    assert status["bucket"] == {
+        "url": "gs://team-jax-cache/llama-8b", "location": "us-central1", "storageClass": "STANDARD",
+        "createdByCachewarm": True, "deleteAfterDays": 10, "softDeleteDays": 7,
+    }
+    assert condition(obj, "BucketReady")["reason"] == "Reconciled"
+    # kopf's state lives in status, not in annotations; Retain needs no finalizer.
+    assert not any(k.startswith("kopf.zalando.org") for k in obj["metadata"].get("annotations", {}))
+    assert "progress" in status["kopf"] or "last-handled-configuration" in status["kopf"]
+    assert not obj["metadata"].get("finalizers")
+    assert {"BucketCreated", "BucketConfigured"} <= set(event_reasons(installed, namespace, "llama-8b"))
+
+    # Applying the same file again changes nothing on the object, even across resyncs.
+    before = installed.get_json("ccache", "llama-8b", namespace)
+    out = installed.apply(sample, namespace)
+    assert "unchanged" in out
+    time.sleep(7)  # two resync ticks
+    after = installed.get_json("ccache", "llama-8b", namespace)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+
+
+def test_spec_change_is_applied_and_generation_observed(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    name = unique_bucket("spec-change")
+    installed.apply(cache("c", name, lifecycle={"deleteAfterDays": 5}), namespace)
+    wait_condition(installed, namespace, "c", "Ready", "True")
+    installed.apply(cache("c", name, lifecycle={"deleteAfterDays": 20}, softDeleteDays=0), namespace)
+
+    def updated() -> dict[str, Any] | None:
+        obj = installed.get_json("ccache", "c", namespace)
+        assert obj is not None
+        ok = obj["status"]["observedGeneration"] == obj["metadata"]["generation"] == 2
+        return obj if ok and obj["status"]["bucket"]["deleteAfterDays"] == 20 else None
+    obj = eventually(updated, what="generation 2 reconciled")
+    assert obj["status"]["bucket"]["softDeleteDays"] == 0
+    assert gcs.get_bucket(name).soft_delete_policy.retention_duration_seconds == 0
+
+
+def test_hand_made_drift_is_undone_with_event(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    name = unique_bucket("drift")
+    installed.apply(cache("drifty", name, prefix="p", lifecycle={"deleteAfterDays": 3}), namespace)
+    wait_condition(installed, namespace, "drifty", "Ready", "True")
+
+    bucket = gcs.get_bucket(name)
+    foreign = {"action": {"type": "SetStorageClass", "storageClass": "NEARLINE"}, "condition": {"age": 100}}
+    bucket.lifecycle_rules = [foreign]  # someone replaced our rule with theirs
+    bucket.soft_delete_policy.retention_duration_seconds = 30 * DAY
+    bucket.patch()
+
+    def restored() -> bool:
+        b = gcs.get_bucket(name)
+        rules = [dict(r) for r in b.lifecycle_rules]
+        ours = {"action": {"type": "Delete"}, "condition": {"age": 3, "matchesPrefix": ["p/"]}}
+        return rules == [foreign, ours] and b.soft_delete_policy.retention_duration_seconds == 7 * DAY
+    eventually(restored, timeout=30, what="lifecycle and soft delete restored, foreign rule kept")
+    eventually(lambda: "DriftCorrected" in event_reasons(installed, namespace, "drifty"),
+               timeout=15, what="DriftCorrected event")
+
+
+def test_adopt_missing_bucket_reports_and_writes_nothing(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    name = unique_bucket("absent")
+    proxy.clear_log()
+    installed.apply(cache("adopt", name, create=False), namespace)
+    obj = wait_condition(installed, namespace, "adopt", "BucketReady", "False", "BucketNotFound")
+    assert "create: true" in condition(obj, "BucketReady")["message"]
+    assert condition(obj, "Ready")["status"] == "False"
+    assert gcs.lookup_bucket(name) is None
+    assert bucket_writes(proxy, name) == []
+
+
+def test_adopt_bucket_in_other_region_reports_and_writes_nothing(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    name = unique_bucket("eu")
+    gcs.create_bucket(name, location="europe-west4")
+    blob = gcs.bucket(name).blob("theirs/data.bin")
+    blob.upload_from_string(b"keep me")
+    proxy.clear_log()
+    installed.apply(cache("far", name, create=False), namespace)
+    obj = wait_condition(installed, namespace, "far", "BucketReady", "False", "LocationMismatch")
+    message = condition(obj, "BucketReady")["message"]
+    assert "europe-west4" in message and "us-central1" in message
+    assert bucket_writes(proxy, name) == []
+    b = gcs.get_bucket(name)
+    assert list(b.lifecycle_rules) == []
+    assert gcs.bucket(name).blob("theirs/data.bin").download_as_bytes() == b"keep me"
+
+
+def test_adopted_bucket_is_configured_but_its_own_rules_and_access_kept(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    name = unique_bucket("adopted")
+    gcs.create_bucket(name, location="US-CENTRAL1")
+    b = gcs.get_bucket(name)
+    theirs = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
+    b.lifecycle_rules = [theirs]
+    b.patch()
+    installed.apply(cache("adopted", name, create=False, prefix="jax"), namespace)
+    obj = wait_condition(installed, namespace, "adopted", "Ready", "True")
+    assert obj["status"]["bucket"]["createdByCachewarm"] is False
+    rules = [dict(r) for r in gcs.get_bucket(name).lifecycle_rules]
+    assert rules == [theirs, {"action": {"type": "Delete"}, "condition": {"age": 30, "matchesPrefix": ["jax/"]}}]
+    assert not gcs.get_bucket(name).iam_configuration.uniform_bucket_level_access_enabled
+
+
+def _put(gcs: storage.Client, bucket: str, names: list[str]) -> None:
+    for obj in names:
+        gcs.bucket(bucket).blob(obj).upload_from_string(b"x")
+
+
+def _names(gcs: storage.Client, bucket: str) -> set[str]:
+    return {b.name for b in gcs.list_blobs(bucket)}
+
+
+def test_retain_keeps_bucket_and_entries(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    name = unique_bucket("retain")
+    installed.apply(cache("keep", name, prefix="c"), namespace)
+    wait_condition(installed, namespace, "keep", "Ready", "True")
+    _put(gcs, name, [f"c/{ENTRY}"])
+    assert installed.kubectl_run("delete", "ccache", "keep", "-n", namespace, "--timeout=30s").returncode == 0
+    assert installed.get_json("ccache", "keep", namespace) is None
+    assert _names(gcs, name) == {f"c/{ENTRY}"}
+
+
+def test_delete_removes_entries_and_created_bucket(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    name = unique_bucket("delete")
+    installed.apply(cache("gone", name, prefix="c", deletionPolicy="Delete"), namespace)
+    obj = wait_condition(installed, namespace, "gone", "Ready", "True")
+    assert obj["metadata"]["finalizers"] == ["cachewarm.dev/data-cleanup"]
+    _put(gcs, name, [f"c/{ENTRY}", f"c/{ENTRY.replace('-cache', '-atime')}"])
+    assert installed.kubectl_run("delete", "ccache", "gone", "-n", namespace, "--timeout=60s").returncode == 0
+    assert gcs.lookup_bucket(name) is None
+
+
+def test_delete_never_touches_what_cachewarm_did_not_create(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    # A created bucket that also holds someone else's objects: entries go, the rest stays.
+    made = unique_bucket("shared")
+    installed.apply(cache("shared", made, prefix="c", deletionPolicy="Delete"), namespace)
+    wait_condition(installed, namespace, "shared", "Ready", "True")
+    _put(gcs, made, [f"c/{ENTRY}", "c/notes.txt", "other/data.bin"])
+    # An adopted bucket: entries under the prefix go, the bucket and other data stay.
+    adopted = unique_bucket("adopt-del")
+    gcs.create_bucket(adopted, location="us-central1")
+    _put(gcs, adopted, [f"c/{ENTRY}", f"elsewhere/{ENTRY}", "c/sub/" + ENTRY])
+    installed.apply(cache("adopted", adopted, prefix="c", create=False, deletionPolicy="Delete"), namespace)
+    wait_condition(installed, namespace, "adopted", "Ready", "True")
+
+    for n in ("shared", "adopted"):
+        assert installed.kubectl_run("delete", "ccache", n, "-n", namespace, "--timeout=60s").returncode == 0
+    assert _names(gcs, made) == {"c/notes.txt", "other/data.bin"}
+    assert _names(gcs, adopted) == {f"elsewhere/{ENTRY}", "c/sub/" + ENTRY}
+    reasons = event_reasons(installed, namespace, "adopted")
+    assert "BucketKept" in reasons
+
+
+def test_gcs_faults_end_in_ready_without_duplicate_writes(
+    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    name = unique_bucket("faulty")
+    proxy.clear_log()
+    proxy.faults([
+        {"method": "GET", "path": f"/b/{name}$", "hang": 4, "status": 504, "times": 1},  # client timeout (2 s)
+        {"method": "POST", "path": r"^/storage/v1/b/?$", "status": 429, "times": 2},
+        {"method": "PATCH", "path": f"/b/{name}$", "status": 503, "times": 2},
+    ])
+    try:
+        installed.apply(cache("faulty", name, prefix="f"), namespace)
+        obj = wait_condition(installed, namespace, "faulty", "Ready", "True", timeout=90)
+    finally:
+        proxy.clear_faults()
+    assert obj["status"]["bucket"]["deleteAfterDays"] == 30
+    writes = bucket_writes(proxy, name)
+    # One insert (plus the proxy's own completion PATCH, not logged) and one configuring PATCH.
+    assert [(w["method"]) for w in writes] == ["POST", "PATCH"], writes
+    reasons = event_reasons(installed, namespace, "faulty")
+    assert "GCSUnavailable" in reasons
+    assert gcs.get_bucket(name).soft_delete_policy.retention_duration_seconds == 7 * DAY

@@ -1,0 +1,78 @@
+"""Conditions keep their transition time when nothing changed; settings reject bad env;
+the backoff grows and is capped; the spec model reads the CRD's defaults."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pydantic import ValidationError
+
+from cachewarm import conditions
+from cachewarm.conditions import Cond
+from cachewarm.handlers import backoff
+from cachewarm.model import InvalidSpec, parse_spec
+from cachewarm.settings import Settings
+
+T0 = dt.datetime(2026, 11, 22, 1, 0, tzinfo=dt.timezone.utc)
+T1 = T0 + dt.timedelta(minutes=5)
+
+
+def test_same_status_keeps_transition_time_new_status_moves_it() -> None:
+    first = conditions.merge([], [Cond("Ready", False, "GCSUnavailable", "503")], generation=1, now=T0)
+    same = conditions.merge(first, [Cond("Ready", False, "GCSUnavailable", "429")], generation=1, now=T1)
+    assert same[0]["lastTransitionTime"] == "2026-11-22T01:00:00Z"
+    assert same[0]["message"] == "429"
+    flipped = conditions.merge(same, [Cond("Ready", True, "Reconciled", "ok")], generation=2, now=T1)
+    assert flipped[0] == {
+        "type": "Ready", "status": "True", "reason": "Reconciled", "message": "ok",
+        "observedGeneration": 2, "lastTransitionTime": "2026-11-22T01:05:00Z",
+    }
+
+
+def test_merge_keeps_other_types_sorted() -> None:
+    merged = conditions.merge([{"type": "Warmed", "status": "Unknown"}],
+                              [Cond("Ready", None, "Pending", "")], generation=1, now=T0)
+    assert [c["type"] for c in merged] == ["Ready", "Warmed"]
+    assert merged[0]["status"] == "Unknown"
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEWARM_NAMESPACES", "team-a, team-b")
+    monkeypatch.setenv("CACHEWARM_RESYNC_SECONDS", "60")
+    settings = Settings.from_env()
+    assert settings.namespaces == ["team-a", "team-b"]
+    assert settings.resync_seconds == 60.0
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("CACHEWARM_LOG_FORMAT", "xml"),
+    ("CACHEWARM_LOG_LEVEL", "LOUD"),
+    ("CACHEWARM_RESYNC_SECONDS", "0"),
+    ("CACHEWARM_RESYNC_SECONDS", "soon"),
+    ("CACHEWARM_GCS_TIMEOUT_SECONDS", "-1"),
+])
+def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError):
+        Settings.from_env()
+
+
+def test_backoff_doubles_and_caps() -> None:
+    settings = Settings(retry_delay_seconds=15)
+    assert [backoff(settings, r) for r in range(7)] == [15, 30, 60, 120, 240, 480, 600]
+    assert backoff(settings, 10_000) == 600
+
+
+def test_spec_defaults_match_the_crd() -> None:
+    cache = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}})
+    gcs = cache.storage.gcs
+    assert (gcs.prefix, gcs.create, gcs.storage_class, gcs.soft_delete_days) == ("", True, "STANDARD", 7)
+    assert (gcs.lifecycle.delete_after_days, gcs.deletion_policy) == (30, "Retain")
+    assert gcs.url == "gs://b-1" and gcs.object_prefix == ""
+    assert cache.injection.mode == "ReadWrite"
+
+
+def test_spec_missing_bucket_names_the_field() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.storage\.gcs\.bucket"):
+        parse_spec({"storage": {"gcs": {"location": "US"}}})
