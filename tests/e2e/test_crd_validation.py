@@ -22,7 +22,7 @@ def valid_cache(name: str = "llama") -> dict[str, Any]:
         "kind": "CompilationCache",
         "metadata": {"name": name},
         "spec": {
-            "storage": {"gcs": {"bucket": "team-jax-cache", "prefix": "llama-8b", "location": "us-central1"}},
+            "storage": {"gcs": {"bucket": "schema-check-cache", "prefix": "llama-8b", "location": "us-central1"}},
             "warmup": {
                 "image": "us-docker.pkg.dev/team/train:2026-11-20",
                 "targets": ["train.warm:targets"],
