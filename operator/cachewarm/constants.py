@@ -53,6 +53,7 @@ class Reason:
     DATA_RETAINED: Final = "DataRetained"
     BUCKET_DELETED: Final = "BucketDeleted"
     BUCKET_KEPT: Final = "BucketKept"
+    ENV_KEPT: Final = "UserEnvKept"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.

@@ -3,6 +3,7 @@ writes status, posts events, and maps domain errors to kopf's retry errors."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import logging
@@ -14,7 +15,10 @@ import kopf
 from cachewarm import conditions
 from cachewarm import constants as c
 from cachewarm.clients.gcs import GcsClient, GcsError
+from cachewarm.clients import kube
+from cachewarm.builders.injection import INJECTED_ANNOTATION, inject_pod
 from cachewarm.conditions import Cond
+from cachewarm.injections import RecentInjections
 from cachewarm.model import InvalidSpec, parse_spec
 from cachewarm.reconcile import BucketOutcome, Event, delete_cache_data, reconcile_bucket
 from cachewarm.settings import Settings
@@ -56,9 +60,11 @@ def _write_status(
 def reconcile(
     *, settings: Settings, gcs: GcsClient, body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta,
     status: kopf.Status, patch: kopf.Patch, namespace: str, name: str, retry: int, raise_on_error: bool,
+    injections: RecentInjections,
 ) -> None:
     """Shared by create, update, resume and the resync timer."""
     generation = int(meta.get("generation") or 0)
+    patch.status["injection"] = injections.summary(namespace, name, dt.datetime.now(dt.timezone.utc))
     try:
         cache = parse_spec(spec)
     except InvalidSpec as exc:
@@ -91,7 +97,8 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         namespace: str | None, name: str, retry: int, memo: Any, **_: Any,
     ) -> None:
         reconcile(settings=settings, gcs=memo.gcs, body=body, spec=spec, meta=meta, status=status,
-                  patch=patch, namespace=namespace or "", name=name, retry=retry, raise_on_error=True)
+                  patch=patch, namespace=namespace or "", name=name, retry=retry, raise_on_error=True,
+                  injections=memo.injections)
 
     def on_resync(
         body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
@@ -99,7 +106,8 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     ) -> None:
         # Errors are written to status; the next tick retries, so no kopf backoff here.
         reconcile(settings=settings, gcs=memo.gcs, body=body, spec=spec, meta=meta, status=status,
-                  patch=patch, namespace=namespace or "", name=name, retry=0, raise_on_error=False)
+                  patch=patch, namespace=namespace or "", name=name, retry=0, raise_on_error=False,
+                  injections=memo.injections)
 
     def on_delete(
         body: kopf.Body, spec: kopf.Spec, namespace: str | None, name: str, retry: int, memo: Any, **_: Any,
@@ -118,9 +126,89 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     # A finalizer only where deletion has work to do: deletionPolicy Delete.
     kopf.on.delete(*RESOURCE, id="delete-data", field="spec.storage.gcs.deletionPolicy", value="Delete",
                    registry=registry)(on_delete)
+    def caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, uid: str | None, **_: Any) -> Any:
+        # In-memory index for the webhook: no API call on the pod-admission path.
+        return {(namespace, name): {"spec": dict(spec), "generation": int(meta.get("generation") or 0), "uid": uid}}
+
+    kopf.index(*RESOURCE, id="caches", registry=registry)(caches)
+
+    async def inject(
+        body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: Any, dryrun: bool, **kwargs: Any,
+    ) -> None:
+        try:
+            admit_pod(body, patch, warnings, kwargs["caches"], memo.injections, dryrun=dryrun)
+        except Exception as exc:  # noqa: BLE001 - a pod is never refused on our account
+            warnings.append(f"cachewarm could not inject this pod ({type(exc).__name__}: {exc}); admitted unchanged")
+            patch.clear()
+
+    if settings.webhook_enabled:
+        kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operation="CREATE",
+                       labels={c.CACHE_LABEL: kopf.PRESENT}, registry=registry)(inject)
+
     kopf.timer(*RESOURCE, id="resync", interval=settings.resync_seconds, initial_delay=settings.resync_seconds,
                idle=None, registry=registry)(on_resync)
     _timers_without_finalizer(registry)
+
+
+WEBHOOK_ID = "inject-cache"
+
+
+def admit_pod(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], caches: kopf.Index[Any, Any],
+    injections: RecentInjections, *, dryrun: bool,
+) -> None:
+    """Add the named cache's env to a pod being created, or say in a warning why not."""
+    meta = body.get("metadata") or {}
+    namespace = str(meta.get("namespace") or "")
+    cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
+    pod_name = meta.get("name") or f"{meta.get('generateName', '')}<generated>"
+    entry = next(iter(caches.get((namespace, cache_name), [])), None)
+    if entry is None:
+        warnings.append(
+            f"cachewarm: no CompilationCache {cache_name!r} in namespace {namespace!r} "
+            f"(label {c.CACHE_LABEL}); pod admitted without the cache"
+        )
+        return
+    cache = parse_spec(entry["spec"])
+    result = inject_pod(body, cache_name, entry["generation"], cache)
+    if result.changed:
+        patch.spec["containers"] = result.containers
+        if result.init_containers is not None:
+            patch.spec["initContainers"] = result.init_containers
+        patch.metadata.setdefault("annotations", {})[INJECTED_ANNOTATION] = result.annotation
+    for kept in result.kept:
+        warnings.append(
+            f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
+            f"the value from CompilationCache {cache_name!r} was not applied to it"
+        )
+    if dryrun:
+        return
+    ref = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+           "metadata": {"name": cache_name, "namespace": namespace, "uid": entry["uid"]}}
+    if result.kept:
+        names = ", ".join(sorted({f"{k.container}/{k.name}" for k in result.kept}))
+        _post_in_background(ref, "Warning", c.Reason.ENV_KEPT, f"Pod {pod_name} kept its own {names}")
+    if result.changed:
+        injections.record(namespace, cache_name, dt.datetime.now(dt.timezone.utc))
+
+
+_background: set[asyncio.Future[None]] = set()
+
+
+def _post_in_background(ref: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post an Event without holding up the admission response (kopf's event queue is
+    not reachable from the webhook path)."""
+    log = logging.getLogger("cachewarm.webhook")
+
+    def post() -> None:
+        try:
+            kube.post_event(ref, type=type_, reason=reason, message=message, now=dt.datetime.now(dt.timezone.utc))
+        except kube.KubeError as exc:
+            log.warning("Could not post event %s: %s", reason, exc)
+
+    future = asyncio.get_running_loop().run_in_executor(None, post)
+    _background.add(future)
+    future.add_done_callback(_background.discard)
 
 
 def _timers_without_finalizer(registry: kopf.OperatorRegistry) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -35,7 +36,7 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
+            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=("k8s_ref",)), _object_ref],
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
@@ -45,6 +46,14 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
     # Chatty libraries stay at WARNING unless we debug.
     for noisy in ("urllib3", "google", "aiohttp.access", "kubernetes"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+
+
+def _object_ref(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """kopf's k8s_ref extra as one short field: object=Kind/namespace/name."""
+    ref = event.pop("k8s_ref", None)
+    if isinstance(ref, dict):
+        event["object"] = "/".join(str(p) for p in (ref.get("kind"), ref.get("namespace"), ref.get("name")) if p)
+    return event
 
 
 def get(name: str) -> structlog.stdlib.BoundLogger:

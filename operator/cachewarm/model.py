@@ -50,7 +50,7 @@ class Storage(_Model):
 class JaxSettings(_Model):
     min_compile_time_secs: float = Field(default=1.0, alias="minCompileTimeSecs", ge=0)
     min_entry_size_bytes: int = Field(default=0, alias="minEntrySizeBytes", ge=0)
-    enable_xla_caches: str = Field(default="xla_gpu_per_fusion_autotune_cache_dir", alias="enableXlaCaches")
+    enable_xla_caches: str = Field(default="none", alias="enableXlaCaches")
 
 
 class Injection(_Model):

@@ -40,7 +40,29 @@ class Settings(BaseSettings):
         default="http://0.0.0.0:8080/healthz", description="Where kopf serves the liveness probe; empty turns it off."
     )
 
-    @field_validator("namespaces", mode="before")
+    webhook_enabled: bool = Field(default=True, description="Serve the pod admission webhook that injects the cache env.")
+    webhook_port: int = Field(default=9443, ge=1, le=65535, description="HTTPS port of the admission webhook.")
+    webhook_address: str = Field(default="0.0.0.0", description="Address the webhook listens on.")
+    webhook_cert_dir: str = Field(
+        default="",
+        description="Directory with tls.crt, tls.key and ca.crt (e.g. from cert-manager); empty makes a CA and certificate at startup.",
+    )
+    webhook_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["cachewarm-webhook.cachewarm-system.svc", "cachewarm-webhook.cachewarm-system.svc.cluster.local"],
+        description="Host names and IPs the self-made webhook certificate is valid for, comma-separated.",
+    )
+    webhook_configuration: str = Field(
+        default="cachewarm-pod-injector",
+        description="MutatingWebhookConfiguration whose caBundle (and URL) the operator keeps pointed at itself; empty leaves it alone (cert-manager).",
+    )
+    webhook_url: str = Field(
+        default="", description="URL to register instead of the Service (e.g. https://127.0.0.1:9443 off-cluster); empty keeps the Service."
+    )
+    injection_window_seconds: float = Field(
+        default=3600.0, gt=0, description="Window over which status.injection.recentPods counts injected pods."
+    )
+
+    @field_validator("namespaces", "webhook_hosts", mode="before")
     @classmethod
     def _split_namespaces(cls, value: object) -> object:
         if isinstance(value, str):

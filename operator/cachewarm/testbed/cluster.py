@@ -335,15 +335,22 @@ class Testbed:
         return path
 
     def start_operator(self, kubeconfig: Path, env: dict[str, str] | None = None) -> Proc:
-        """Run `cachewarm run` as its own process with `kubeconfig`'s identity; wait until
-        its liveness endpoint answers. The caller stops it (Proc.stop)."""
+        """Run `cachewarm run` as its own process with `kubeconfig`'s identity, its webhook
+        on a loopback port; wait until its liveness endpoint answers. The caller stops it
+        (Proc.stop); `proc.webhook_url` is where its webhook listens."""
         port = free_port()
+        webhook_port = free_port()
         full_env = {
             **os.environ,
             **self.env(),
             "KUBECONFIG": str(kubeconfig),
             "CACHEWARM_LOG_FORMAT": "console",
             "CACHEWARM_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
+            # The apiserver reaches the webhook on loopback; the operator points the
+            # installed webhook configuration there with its own CA.
+            "CACHEWARM_WEBHOOK_ADDRESS": "127.0.0.1",
+            "CACHEWARM_WEBHOOK_PORT": str(webhook_port),
+            "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{webhook_port}",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
@@ -351,6 +358,7 @@ class Testbed:
         proc = start(f"operator-{n}", [sys.executable, "-m", "cachewarm", "run"],
                      self.workdir / "logs" / f"operator-{n}.log", env=full_env)
         self.procs[proc.name] = proc
+        proc.webhook_url = full_env["CACHEWARM_WEBHOOK_URL"]
         wait_until(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="live (/healthz)")
         return proc
 

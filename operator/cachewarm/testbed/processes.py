@@ -44,6 +44,7 @@ class Proc:
     pid: int
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    webhook_url: str = ""
 
     def alive(self) -> bool:
         if self.popen is not None:

@@ -1,0 +1,111 @@
+"""The cache env a training pod or a warmer gets, and the pod patch the webhook makes.
+
+One function builds the env for both, so a warmer and the pods it warms for compute the
+same cache keys: JAX_COMPILATION_CACHE_DIR is the same normalized string (it enters the
+key whenever XLA's extra caches are on), and the XLA-cache setting is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cachewarm import constants as c
+from cachewarm.model import CacheSpec
+
+# JAX writes an entry only when a compile took at least this long: a reader with this
+# threshold reads hits and never writes (verified with jax 0.10.2, no warnings).
+READ_ONLY_MIN_COMPILE_SECS = "1e9"
+INJECTED_ANNOTATION = f"{c.GROUP}/injected"
+
+Role = Literal["pod", "warmer"]
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if not float(value).is_integer() else f"{float(value):.1f}"
+
+
+def cache_env(cache: CacheSpec, role: Role) -> list[dict[str, str]]:
+    """Env vars (name/value dicts, in a stable order) that point JAX at this cache.
+
+    A `warmer` always writes; a `pod` writes only in ReadWrite mode.
+    """
+    gcs = cache.storage.gcs
+    min_compile = (
+        READ_ONLY_MIN_COMPILE_SECS
+        if role == "pod" and cache.injection.mode == "ReadOnly"
+        else _number(cache.jax.min_compile_time_secs)
+    )
+    return [
+        {"name": c.ENV_CACHE_DIR, "value": gcs.url},
+        {"name": c.ENV_MIN_COMPILE_TIME, "value": min_compile},
+        {"name": c.ENV_MIN_ENTRY_SIZE, "value": str(cache.jax.min_entry_size_bytes)},
+        {"name": c.ENV_ENABLE_XLA_CACHES, "value": cache.jax.enable_xla_caches},
+    ]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A variable a container already set to something else; the user's value wins."""
+
+    container: str
+    name: str
+
+
+@dataclass
+class PodInjection:
+    """The webhook's decision for one pod."""
+
+    containers: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]] | None
+    annotation: str
+    kept: list[Kept] = field(default_factory=list)
+    changed: bool = False
+
+
+def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], kept: list[Kept]) -> tuple[dict[str, Any], bool]:
+    out = copy.deepcopy(dict(container))
+    existing = {e.get("name"): e for e in out.get("env") or []}
+    added = []
+    for var in env:
+        have = existing.get(var["name"])
+        if have is None:
+            added.append(dict(var))
+        elif have.get("value") != var["value"] or "valueFrom" in have:
+            kept.append(Kept(str(out.get("name", "")), var["name"]))
+    if added:
+        out["env"] = [*(out.get("env") or []), *added]
+    return out, bool(added)
+
+
+def annotation_value(cache_name: str, generation: int, cache: CacheSpec) -> str:
+    return f"{cache_name} (generation {generation}, {cache.injection.mode}, {cache.storage.gcs.url})"
+
+
+def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: CacheSpec) -> PodInjection:
+    """Add the cache env to every container and init container that lacks it.
+
+    Env a container already has wins (listed in `kept` when its value differs). Applying
+    the result again changes nothing, so webhook reinvocation yields the same pod.
+    """
+    env = cache_env(cache, "pod")
+    spec = pod.get("spec") or {}
+    kept: list[Kept] = []
+    changed = False
+    containers = []
+    for container in spec.get("containers") or []:
+        new, did = _inject(container, env, kept)
+        containers.append(new)
+        changed |= did
+    init_containers = None
+    if spec.get("initContainers"):
+        init_containers = []
+        for container in spec["initContainers"]:
+            new, did = _inject(container, env, kept)
+            init_containers.append(new)
+            changed |= did
+    annotation = annotation_value(cache_name, generation, cache)
+    current = ((pod.get("metadata") or {}).get("annotations") or {}).get(INJECTED_ANNOTATION)
+    return PodInjection(containers, init_containers, annotation, kept, changed or current != annotation)
