@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 INSERT_FIELDS = ("location", "storageClass", "labels", "iamConfiguration", "lifecycle", "softDeletePolicy")
 
 
@@ -89,11 +90,14 @@ class Proxy:
         ) as resp:
             payload = await resp.read()
             status = resp.status
-            ctype = resp.headers.get("Content-Type", "application/json")
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+        # Resumable uploads answer with a Location on the emulator: point it back at us.
+        if "Location" in out_headers:
+            out_headers["Location"] = out_headers["Location"].replace(self.upstream, f"http://{request.host}")
         self.log.append({"method": request.method, "path": request.path, "status": status})
         if request.method == "POST" and re.fullmatch(r"/storage/v1/b/?", request.path) and status == 200:
             payload, status = await self._complete_insert(json.loads(data or b"{}"), payload, status)
-        return web.Response(body=payload, status=status, headers={"Content-Type": ctype})
+        return web.Response(body=payload, status=status, headers=out_headers)
 
     async def _complete_insert(self, body: dict[str, Any], payload: bytes, status: int) -> tuple[bytes, int]:
         fields = {k: body[k] for k in INSERT_FIELDS if k in body}
