@@ -1,4 +1,4 @@
-"""The `cachewarm` command line: `run` (the operator)."""
+"""The `cachewarm` command line: `run` (the operator) and `warm` (the warmer)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,23 @@ def run() -> None:
         )
         click.echo(f"error: invalid settings: {problems}", err=True)
         sys.exit(2)
-    from cachewarm import operator  # kopf is heavy; import it only to run
+    from cachewarm import main as operator_main  # kopf is heavy; import it only to run
 
-    operator.run(settings)
+    operator_main.run(settings)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+             add_help_option=False)
+@click.pass_context
+def warm(ctx: click.Context) -> None:
+    """Precompile a training program into the cache (the warmer Job's entrypoint).
+
+    `cachewarm warm targets MODULE:CALLABLE ...` or `cachewarm warm command -- ENTRYPOINT`;
+    `cachewarm warm --help` for details. Needs jax; reads the cache env JAX_* like a pod.
+    """
+    from cachewarm import warmer  # the same single file the warmer init container ships
+
+    sys.exit(warmer.main(list(ctx.args)))
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=("k8s_ref",)), _object_ref],
+            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=("k8s_ref", "cache")), _object_ref],
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
@@ -44,7 +44,8 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     # Chatty libraries stay at WARNING unless we debug.
-    for noisy in ("urllib3", "google", "aiohttp.access", "kubernetes"):
+    # kopf says "Handler ... succeeded" for every timer tick; our own lines say what changed.
+    for noisy in ("urllib3", "google", "aiohttp.access", "kubernetes", "kopf.objects"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 

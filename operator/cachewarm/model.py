@@ -53,15 +53,62 @@ class JaxSettings(_Model):
     enable_xla_caches: str = Field(default="none", alias="enableXlaCaches")
 
 
+class WaitForWarm(_Model):
+    enabled: bool = False
+    timeout_seconds: int = Field(default=1800, alias="timeoutSeconds", ge=1)
+
+
 class Injection(_Model):
     mode: Literal["ReadWrite", "ReadOnly"] = "ReadWrite"
+    wait_for_warm: WaitForWarm = Field(default_factory=WaitForWarm, alias="waitForWarm")
+
+
+class Accelerator(_Model):
+    type: str
+    count: int = Field(ge=1)
+
+
+class Tpu(_Model):
+    type: str
+    topology: str
+
+
+class EnvVar(_Model):
+    name: str
+    value: str
+
+
+class Pool(_Model):
+    name: str
+    accelerator: Accelerator | None = None
+    tpu: Tpu | None = None
+    hosts: int = Field(default=1, ge=1)
+    chips_per_host: int | None = Field(default=None, alias="chipsPerHost")
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class Warmup(_Model):
+    image: str
+    pools: list[Pool]
+    command: list[str] | None = None
+    targets: list[str] | None = None
+    env: list[EnvVar] = Field(default_factory=list)
+    python: str = "python"
+    working_dir: str | None = Field(default=None, alias="workingDir")
+    parallelism: int = Field(default=1, ge=1)
+    backoff_limit: int = Field(default=1, alias="backoffLimit", ge=0)
+    active_deadline_seconds: int = Field(default=3600, alias="activeDeadlineSeconds", ge=1)
+    ttl_seconds_after_finished: int = Field(default=86400, alias="ttlSecondsAfterFinished", ge=0)
+    schedule: str | None = None
 
 
 class CacheSpec(_Model):
     storage: Storage
     jax: JaxSettings = Field(default_factory=JaxSettings)
     injection: Injection = Field(default_factory=Injection)
-    warmup: dict[str, Any] | None = None
+    warmup: Warmup | None = None
 
 
 def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:

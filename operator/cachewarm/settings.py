@@ -40,6 +40,13 @@ class Settings(BaseSettings):
         default="http://0.0.0.0:8080/healthz", description="Where kopf serves the liveness probe; empty turns it off."
     )
 
+    warmer_image: str = Field(
+        default="cachewarm/warmer:0.1.0",
+        description="Image of the warmer init container that copies the warmer into training-image pods.",
+    )
+    warm_poll_seconds: float = Field(
+        default=10.0, gt=0, description="How often a cache with warmers running or pods waiting is re-checked."
+    )
     webhook_enabled: bool = Field(default=True, description="Serve the pod admission webhook that injects the cache env.")
     webhook_port: int = Field(default=9443, ge=1, le=65535, description="HTTPS port of the admission webhook.")
     webhook_address: str = Field(default="0.0.0.0", description="Address the webhook listens on.")

@@ -82,3 +82,70 @@ def post_event(involved: dict[str, Any], *, type: str, reason: str, message: str
         client.CoreV1Api().create_namespaced_event(meta["namespace"], event)
     except ApiException as exc:
         raise KubeError(f"posting event {reason}: {exc.reason}", exc.status) from exc
+
+
+def _dict(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = client.ApiClient().sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
+    return out
+
+
+def list_jobs(namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Jobs matching a label selector, as plain dicts. Raises KubeError."""
+    try:
+        jobs = client.BatchV1Api().list_namespaced_job(namespace, label_selector=selector)
+    except ApiException as exc:
+        raise KubeError(f"listing Jobs in {namespace}: {exc.reason}", exc.status) from exc
+    return [_dict(j) for j in jobs.items]
+
+
+def create(body: dict[str, Any]) -> bool:
+    """Create a namespaced Job or Service; False when it already exists (same name).
+    Raises KubeError."""
+    namespace = body["metadata"]["namespace"]
+    try:
+        if body["kind"] == "Job":
+            client.BatchV1Api().create_namespaced_job(namespace, body)  # type: ignore[arg-type]  # dicts are accepted
+        elif body["kind"] == "Service":
+            client.CoreV1Api().create_namespaced_service(namespace, body)  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"cannot create {body['kind']}")
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise KubeError(f"creating {body['kind']} {namespace}/{body['metadata']['name']}: {exc.reason}",
+                        exc.status) from exc
+    return True
+
+
+def delete_job(namespace: str, name: str) -> None:
+    """Delete a Job and, in the background, its pods; a Job already gone is fine.
+    Raises KubeError."""
+    try:
+        client.BatchV1Api().delete_namespaced_job(name, namespace, propagation_policy="Background")
+    except ApiException as exc:
+        if exc.status != 404:
+            raise KubeError(f"deleting Job {namespace}/{name}: {exc.reason}", exc.status) from exc
+
+
+def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Pods matching a label selector, as plain dicts. Raises KubeError."""
+    try:
+        pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=selector)
+    except ApiException as exc:
+        raise KubeError(f"listing Pods in {namespace}: {exc.reason}", exc.status) from exc
+    return [_dict(p) for p in pods.items]
+
+
+def remove_scheduling_gate(namespace: str, name: str, index: int, gate: str) -> None:
+    """Remove scheduling gate `gate` at `index` of a pod (a JSON patch that first tests the
+    name, so a concurrent change fails instead of removing another gate). A pod already gone
+    or already released is fine. Raises KubeError."""
+    patch = [
+        {"op": "test", "path": f"/spec/schedulingGates/{index}/name", "value": gate},
+        {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
+    ]
+    try:
+        client.CoreV1Api().patch_namespaced_pod(name, namespace, patch)
+    except ApiException as exc:
+        if exc.status not in (404, 422):
+            raise KubeError(f"releasing Pod {namespace}/{name}: {exc.reason}", exc.status) from exc

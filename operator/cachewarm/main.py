@@ -39,6 +39,7 @@ def run(settings: Settings) -> None:
             settings.admission.server = _webhook_server(ours)
 
     ours = settings
+    kube.load_config()  # warmer Jobs, pods and webhook events go through the official client
     handlers.register(registry, settings)
     memo = kopf.Memo(
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
@@ -64,7 +65,6 @@ def _webhook_server(settings: Settings) -> AdmissionServer:
             hosts.append(url_host)
     tls = tls_files(settings.webhook_cert_dir, Path(tempfile.mkdtemp(prefix="cachewarm-tls-")), hosts,
                     dt.datetime.now(dt.timezone.utc))
-    kube.load_config()  # the webhook path posts events with the official client
     if settings.webhook_configuration and tls.ca_pem:
         url = f"{settings.webhook_url.rstrip('/')}/{handlers.WEBHOOK_ID}" if settings.webhook_url else None
         changed = kube.set_webhook_client_config(settings.webhook_configuration, tls.ca_pem, url)

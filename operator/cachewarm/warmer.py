@@ -1,0 +1,298 @@
+"""The warmer: precompile a training program into JAX's persistent cache.
+
+It runs inside the user's training image with that image's own python and jax, so it
+uses nothing but the standard library and jax (plus etils, which any gs:// cache needs
+anyway). An init container copies this one file into the pod; `cachewarm warm` is the
+same code.
+
+    python warm.py targets [--parallel N] MODULE:CALLABLE ...
+    python warm.py command -- python -m train --steps=1
+
+targets: each callable returns or yields `jax.stages.Lowered` objects, or tuples
+(jitted_fn, args[, kwargs]) of abstract arguments (jax.ShapeDtypeStruct); each is compiled
+into the cache. command: the real entrypoint runs with the cache env; a python entrypoint
+runs in this process so JAX's own counters are read.
+
+A JSON summary goes to the termination message ($CACHEWARM_SUMMARY_FILE, default
+/dev/termination-log) so the operator reads it from the pod. Exit status: 0 when every
+target compiled and at least one program was compiled or found in the cache; 1 when a
+target failed; 2 when nothing at all was compiled or found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import json
+import os
+import runpy
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+SUMMARY_LIMIT = 4000  # the kubelet keeps at most 4096 bytes of a termination message
+EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+EVENT_HITS = "/jax/compilation_cache/cache_hits"
+
+
+def log(message: str, **fields: Any) -> None:
+    extra = " ".join(f"{k}={v}" for k, v in fields.items())
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} warmer: {message} {extra}".rstrip(),
+          file=sys.stderr, flush=True)
+
+
+class CacheDir:
+    """Entries in the cache directory (local path or gs://), for counting what was written."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def entries(self) -> dict[str, int]:
+        if not self.url:
+            return {}
+        try:
+            if "://" in self.url:
+                from etils import epath  # noqa: PLC0415 - only gs:// caches need it
+
+                root: Any = epath.Path(self.url)
+            else:
+                import pathlib  # noqa: PLC0415
+
+                root = pathlib.Path(self.url)
+            if not root.exists():
+                return {}
+            sizes = {}
+            for p in root.iterdir():
+                if p.name.endswith("-cache"):
+                    st = p.stat()
+                    sizes[p.name] = int(getattr(st, "length", None) or getattr(st, "st_size", 0) or 0)
+            return sizes
+        except Exception as exc:  # noqa: BLE001 - counting is best effort, never fatal
+            log("Could not list the cache directory", url=self.url, error=repr(exc))
+            return {}
+
+
+class Counters:
+    """JAX's own cache events, counted process-wide."""
+
+    def __init__(self) -> None:
+        self.events: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def install(self) -> None:
+        import jax  # noqa: PLC0415
+
+        def on_event(event: str, **_: str | int) -> None:
+            with self.lock:
+                self.events[event] += 1
+
+        jax.monitoring.register_event_listener(on_event)
+
+    @property
+    def requests(self) -> int:
+        return self.events[EVENT_REQUESTS]
+
+    @property
+    def hits(self) -> int:
+        return self.events[EVENT_HITS]
+
+
+def _items(produced: Any) -> Iterator[Any]:
+    if produced is None:
+        return iter(())
+    if isinstance(produced, (list, tuple)) and produced and callable(getattr(produced[0], "lower", None)):
+        return iter([produced])  # a single (fn, args) tuple
+    if isinstance(produced, Iterable) and not hasattr(produced, "compile"):
+        return iter(produced)
+    return iter([produced])
+
+
+def _compile(item: Any) -> str:
+    """Compile one target item; returns a display name. Raises what the compile raises."""
+    if hasattr(item, "compile") and hasattr(item, "as_text"):  # jax.stages.Lowered
+        lowered = item
+    elif isinstance(item, (list, tuple)) and item and hasattr(item[0], "lower"):
+        fn, args = item[0], tuple(item[1]) if len(item) > 1 else ()
+        kwargs = dict(item[2]) if len(item) > 2 else {}
+        lowered = fn.lower(*args, **kwargs)
+    else:
+        raise TypeError(f"expected jax.stages.Lowered or (jitted_fn, args[, kwargs]), got {type(item).__name__}")
+    name = getattr(item[0], "__name__", None) if isinstance(item, (list, tuple)) else None
+    lowered.compile()
+    return name or "lowered"
+
+
+def load_target(spec: str) -> Any:
+    """Import "module:callable" (the callable may be dotted) and return the callable."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"target {spec!r} is not module:callable")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def run_targets(targets: list[str], parallel: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Compile every item of every target. Returns (per-target results, errors)."""
+    results: list[dict[str, Any]] = []
+    errors: list[str] = []
+    work: list[tuple[str, int, Any]] = []
+    for spec in targets:
+        try:
+            produced = load_target(spec)()
+            items = list(_items(produced))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{spec}: {type(exc).__name__}: {exc}")
+            log("Target failed to load", target=spec, error=repr(exc))
+            traceback.print_exc(file=sys.stderr)
+            continue
+        if not items:
+            errors.append(f"{spec}: produced nothing to compile")
+        work.extend((spec, i, item) for i, item in enumerate(items))
+    log("Compiling", programs=len(work), parallel=parallel)
+
+    def one(entry: tuple[str, int, Any]) -> dict[str, Any]:
+        spec, index, item = entry
+        t0 = time.monotonic()
+        name = _compile(item)
+        seconds = round(time.monotonic() - t0, 3)
+        log("Compiled", target=spec, item=index, program=name, seconds=seconds)
+        return {"target": spec, "item": index, "seconds": seconds}
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
+        futures = {pool.submit(one, entry): entry for entry in work}
+        for future in concurrent.futures.as_completed(futures):
+            spec, index, _ = futures[future]
+            try:
+                results.append(future.result())
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{spec}[{index}]: {type(exc).__name__}: {exc}")
+                log("Compile failed", target=spec, item=index, error=repr(exc))
+    return results, errors
+
+
+def in_process(argv: list[str]) -> bool:
+    """A python entrypoint runs in this process, so JAX's counters see its compiles."""
+    return len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1] != "-c"
+
+
+def run_command(argv: list[str]) -> int:
+    """Run the entrypoint: a python one in this process (JAX counters visible), else a child."""
+    if not argv:
+        raise ValueError("command mode needs the entrypoint after --")
+    if in_process(argv):
+        saved = sys.argv
+        try:
+            if argv[1] == "-m" and len(argv) > 2:
+                sys.argv = [argv[2], *argv[3:]]
+                runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = argv[1:]
+                runpy.run_path(argv[1], run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+            return code if isinstance(code, int) else (0 if code is None else 1)
+        finally:
+            sys.argv = saved
+        return 0
+    return subprocess.call(argv)
+
+
+def write_summary(summary: dict[str, Any]) -> None:
+    text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    if len(text) > SUMMARY_LIMIT:
+        summary = {**summary, "errors": [e[:200] for e in summary.get("errors", [])[:3]], "targets": []}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)[:SUMMARY_LIMIT]
+    path = os.environ.get("CACHEWARM_SUMMARY_FILE", "/dev/termination-log")
+    try:
+        with open(path, "w") as out:
+            out.write(text)
+    except OSError as exc:
+        log("Could not write the summary", path=path, error=repr(exc))
+    print(text, flush=True)
+
+
+def maybe_initialize_distributed() -> None:
+    """Multi-host pools: the Job gives each host the JAX distributed env."""
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address:
+        return
+    import jax  # noqa: PLC0415
+
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cachewarm warm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p_targets = sub.add_parser("targets", help="compile module:callable targets into the cache")
+    p_targets.add_argument("--parallel", type=int, default=1, help="programs compiled at once")
+    p_targets.add_argument("targets", nargs="+", metavar="MODULE:CALLABLE")
+    p_command = sub.add_parser("command", help="run the training entrypoint with the cache env")
+    p_command.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- ENTRYPOINT")
+    args = parser.parse_args(argv)
+
+    cache = CacheDir(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
+    if not cache.url:
+        log("JAX_COMPILATION_CACHE_DIR is not set; nothing would be cached")
+    sys.path.insert(0, os.getcwd())
+    before = cache.entries()
+    counters = Counters()
+    started = time.monotonic()
+    errors: list[str] = []
+    results: list[dict[str, Any]] = []
+    code = 0
+    counted = True  # whether JAX's counters saw the compiles
+    try:
+        counters.install()
+        maybe_initialize_distributed()
+        if args.mode == "targets":
+            results, errors = run_targets(args.targets, args.parallel)
+        else:
+            command = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
+            code = run_command(command)
+            counted = in_process(command)
+            if code != 0:
+                errors.append(f"entrypoint exited with status {code}")
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"{type(exc).__name__}: {exc}")
+        traceback.print_exc(file=sys.stderr)
+    after = cache.entries()
+    written = {k: v for k, v in after.items() if k not in before}
+    found = counters.hits
+    summary = {
+        "mode": args.mode,
+        "cacheDir": cache.url,
+        "programs": counters.requests,
+        "entriesFound": found if counted else len(before),
+        "entriesWritten": len(written),
+        "bytesWritten": sum(written.values()),
+        "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
+        "errors": errors,
+        "targets": results,
+    }
+    nothing = counters.requests == 0 if counted else not after
+    if not errors and nothing:
+        errors.append("nothing was compiled or found in the cache")
+    summary["errors"] = errors
+    write_summary(summary)
+    log("Finished", programs=counters.requests, found=found, written=len(written), errors=len(errors))
+    if any("nothing was compiled" in e for e in errors):
+        return 2
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
