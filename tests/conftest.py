@@ -3,7 +3,10 @@ this file only wires them into pytest scopes."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +15,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from cachewarm.testbed.cluster import Testbed, repo_root
+from cachewarm.testbed.cluster import OperatorHandle, Testbed, repo_root
 from cachewarm.testbed.gcsproxy import ProxyControl
 from cachewarm.testbed.processes import Proc
 
@@ -73,27 +76,44 @@ def installed(crd_installed: Testbed) -> Testbed:
     return crd_installed
 
 
+OPERATOR_ENV = {
+    "CACHEWARM_RESYNC_SECONDS": "3",
+    "CACHEWARM_WARM_POLL_SECONDS": "1",
+    "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
+    "CACHEWARM_GCS_TIMEOUT_SECONDS": "2",
+    "CACHEWARM_GCP_PROJECT": "testbed",
+}
+
+
 @pytest.fixture(scope="session")
-def operator(installed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def operator(installed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorHandle]:
     """`cachewarm run` as its own process, authenticated as the manifests' ServiceAccount
-    (so it has exactly the RBAC manifests/ grants), with a short resync for drift tests."""
+    (so it has exactly the RBAC manifests/ grants), with short timers for the tests."""
     kubeconfig = installed.service_account_kubeconfig(
         "cachewarm-system", "cachewarm-operator", tmp_path_factory.mktemp("operator") / "kubeconfig"
     )
-    proc = installed.start_operator(kubeconfig, {
-        "CACHEWARM_RESYNC_SECONDS": "3",
-        "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
-        "CACHEWARM_GCS_TIMEOUT_SECONDS": "2",
-        "CACHEWARM_GCP_PROJECT": "testbed",
-    })
+    handle = OperatorHandle(installed, kubeconfig, OPERATOR_ENV)
     try:
-        yield proc
+        yield handle
     finally:
-        proc.stop()
-    log = proc.log.read_text(errors="replace")
+        handle.stop()
+    log = "".join(p.read_text(errors="replace") for p in handle.logs if p.exists())
     # A permission the operator lacks shows up as a 403 in its log: manifests/ must grant it.
     denied = re.findall(r"User \"system:serviceaccount:cachewarm-system:[a-z-]+\" cannot [^\n]{0,200}", log)
     assert not denied, denied
+
+
+@pytest.fixture(scope="session")
+def node_agent(controller_manager: Testbed) -> Proc:
+    """The stand-in kubelet, for the warmer image and the demo training image."""
+    return controller_manager.start_node_agent(IMAGES)
+
+
+IMAGES = {
+    "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(REPO / "operator" / "cachewarm" / "warmer.py")}},
+    "demo/train:1": {"root": str(REPO / "demo"), "python": sys.executable},
+    "demo/train:2": {"root": str(REPO / "demo"), "python": sys.executable},
+}
 
 
 @pytest.fixture(scope="session")

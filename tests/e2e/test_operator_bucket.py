@@ -12,9 +12,8 @@ import pytest
 import yaml
 from google.cloud import storage
 
-from cachewarm.testbed.cluster import Testbed, eventually
+from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm.testbed.gcsproxy import ProxyControl
-from cachewarm.testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +61,7 @@ def bucket_writes(proxy: ProxyControl, bucket: str) -> list[dict[str, Any]]:
 
 
 def test_sample_creates_configured_bucket_and_reaches_ready(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path
 ) -> None:
     sample = yaml.safe_load((repo / "manifests" / "samples" / "compilationcache.yaml").read_text())
     installed.apply(sample, namespace)
@@ -102,7 +101,7 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
 
 
 def test_spec_change_is_applied_and_generation_observed(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     name = unique_bucket("spec-change")
     installed.apply(cache("c", name, lifecycle={"deleteAfterDays": 5}), namespace)
@@ -120,7 +119,7 @@ def test_spec_change_is_applied_and_generation_observed(
 
 
 def test_hand_made_drift_is_undone_with_event(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     name = unique_bucket("drift")
     installed.apply(cache("drifty", name, prefix="p", lifecycle={"deleteAfterDays": 3}), namespace)
@@ -143,7 +142,7 @@ def test_hand_made_drift_is_undone_with_event(
 
 
 def test_adopt_missing_bucket_reports_and_writes_nothing(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
 ) -> None:
     name = unique_bucket("absent")
     proxy.clear_log()
@@ -156,7 +155,7 @@ def test_adopt_missing_bucket_reports_and_writes_nothing(
 
 
 def test_adopt_bucket_in_other_region_reports_and_writes_nothing(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
 ) -> None:
     name = unique_bucket("eu")
     gcs.create_bucket(name, location="europe-west4")
@@ -174,7 +173,7 @@ def test_adopt_bucket_in_other_region_reports_and_writes_nothing(
 
 
 def test_adopted_bucket_is_configured_but_its_own_rules_and_access_kept(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     name = unique_bucket("adopted")
     gcs.create_bucket(name, location="US-CENTRAL1")
@@ -200,7 +199,7 @@ def _names(gcs: storage.Client, bucket: str) -> set[str]:
 
 
 def test_retain_keeps_bucket_and_entries(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     name = unique_bucket("retain")
     installed.apply(cache("keep", name, prefix="c"), namespace)
@@ -212,7 +211,7 @@ def test_retain_keeps_bucket_and_entries(
 
 
 def test_delete_removes_entries_and_created_bucket(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     name = unique_bucket("delete")
     installed.apply(cache("gone", name, prefix="c", deletionPolicy="Delete"), namespace)
@@ -224,7 +223,7 @@ def test_delete_removes_entries_and_created_bucket(
 
 
 def test_delete_never_touches_what_cachewarm_did_not_create(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     # A created bucket that also holds someone else's objects: entries go, the rest stays.
     made = unique_bucket("shared")
@@ -247,7 +246,7 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
 
 
 def test_gcs_faults_end_in_ready_without_duplicate_writes(
-    operator: Proc, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
 ) -> None:
     name = unique_bucket("faulty")
     proxy.clear_log()

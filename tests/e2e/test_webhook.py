@@ -23,9 +23,8 @@ from google.cloud import storage
 
 from cachewarm.builders.injection import cache_env
 from cachewarm.model import parse_spec
-from cachewarm.testbed.cluster import Testbed, eventually
+from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm.testbed.podrun import run_container
-from cachewarm.testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
 
@@ -81,12 +80,12 @@ def env_of(stored: dict[str, Any], which: str = "containers") -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in stored["spec"][which][0].get("env", [])}
 
 
-def webhook_calls(operator: Proc, ns: str, name: str) -> int:
+def webhook_calls(operator: OperatorHandle, ns: str, name: str) -> int:
     return operator.log.read_text(errors="replace").count(f"object=Pod/{ns}/{name}")
 
 
 def test_labelled_pod_is_stored_with_cache_env_and_annotation(
-    operator: Proc, controller_manager: Testbed, namespace: str
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     make_cache(controller_manager, namespace, "llama", jax={"minCompileTimeSecs": 2.5, "minEntrySizeBytes": 100})
     bucket = controller_manager.get_json("ccache", "llama", namespace)["spec"]["storage"]["gcs"]["bucket"]
@@ -112,7 +111,7 @@ def test_labelled_pod_is_stored_with_cache_env_and_annotation(
 
 
 def test_unlabelled_pod_is_untouched_and_never_sent(
-    operator: Proc, controller_manager: Testbed, namespace: str
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     make_cache(controller_manager, namespace, "llama")
     stored, warnings = create_pod(controller_manager, namespace, pod("plain", None))
@@ -126,7 +125,7 @@ def test_unlabelled_pod_is_untouched_and_never_sent(
 
 
 def test_user_env_wins_with_warning_and_event(
-    operator: Proc, controller_manager: Testbed, namespace: str
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     make_cache(controller_manager, namespace, "llama")
     own = [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/mnt/local-cache"}]
@@ -143,7 +142,7 @@ def test_user_env_wins_with_warning_and_event(
 
 
 def test_missing_or_foreign_cache_admits_pod_unchanged_with_warning(
-    operator: Proc, controller_manager: Testbed, namespace: str
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     stored, warnings = create_pod(controller_manager, namespace, pod("lost", "no-such-cache"))
     assert "env" not in stored["spec"]["containers"][0]
@@ -161,7 +160,7 @@ def test_missing_or_foreign_cache_admits_pod_unchanged_with_warning(
 
 
 def test_read_only_pods_read_hits_and_never_write(
-    operator: Proc, controller_manager: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     obj = make_cache(controller_manager, namespace, "ro", jax={"minCompileTimeSecs": 0},
                      injection={"mode": "ReadOnly"})
@@ -193,7 +192,7 @@ def test_read_only_pods_read_hits_and_never_write(
 
 
 def test_pods_are_created_while_the_operator_is_stopped(
-    operator: Proc, controller_manager: Testbed, namespace: str
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     make_cache(controller_manager, namespace, "llama")
     os.kill(operator.pid, signal.SIGSTOP)
@@ -208,7 +207,7 @@ def test_pods_are_created_while_the_operator_is_stopped(
 
 
 def test_pods_in_operator_and_system_namespaces_are_never_sent(
-    operator: Proc, controller_manager: Testbed
+    operator: OperatorHandle, controller_manager: Testbed
 ) -> None:
     for ns in ("cachewarm-system", "kube-system"):
         name = f"sys-{uuid.uuid4().hex[:6]}"
@@ -227,7 +226,7 @@ def test_pods_in_operator_and_system_namespaces_are_never_sent(
 # -- straight to the webhook over HTTPS -------------------------------------------------
 
 
-def post_webhook(bed: Testbed, operator: Proc, body: bytes) -> tuple[int, Any]:
+def post_webhook(bed: Testbed, operator: OperatorHandle, body: bytes) -> tuple[int, Any]:
     cfg = bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "")
     assert cfg is not None
     ca = base64.b64decode(cfg["webhooks"][0]["clientConfig"]["caBundle"])
@@ -249,7 +248,7 @@ def review(obj: Any, *, resource: str = "pods", uid: str = "u-1", namespace: str
 
 
 def test_reinvocation_of_an_injected_pod_changes_nothing(
-    operator: Proc, controller_manager: Testbed, namespace: str
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     make_cache(controller_manager, namespace, "llama")
     stored, _ = create_pod(controller_manager, namespace, pod("again", "llama"))
@@ -276,7 +275,7 @@ def test_reinvocation_of_an_injected_pod_changes_nothing(
         {"name": "c", "command": ["x" * (3 * 1024 * 1024)]}]}})).encode(), 413, id="huge"),
 ])
 def test_malformed_reviews_get_well_formed_answers(
-    operator: Proc, installed: Testbed, body: bytes, status: int
+    operator: OperatorHandle, installed: Testbed, body: bytes, status: int
 ) -> None:
     got_status, answer = post_webhook(installed, operator, body)
     assert got_status == status

@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import os
 import secrets
+import signal
 import shutil
 import ssl
 import subprocess
@@ -362,6 +363,23 @@ class Testbed:
         wait_until(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="live (/healthz)")
         return proc
 
+    def start_node_agent(self, images: dict[str, dict[str, Any]], labels: dict[str, str] | None = None) -> Proc:
+        """Start the stand-in kubelet (testbed.nodeagent) for pods whose images are in
+        `images`. Needs kube-controller-manager for Jobs to make pods."""
+        n = sum(1 for name in self.procs if name.startswith("nodeagent"))
+        proc = start(
+            f"nodeagent-{n}",
+            [sys.executable, "-m", "cachewarm.testbed.nodeagent", f"--kubeconfig={self.kubeconfig}",
+             f"--workdir={self.workdir / 'pods'}", f"--image-map={json.dumps(images)}",
+             f"--node-labels={json.dumps(labels or {})}"],
+            self.workdir / "logs" / f"nodeagent-{n}.log",
+            env={**os.environ, **self.env(), "PYTHONUNBUFFERED": "1"},
+        )
+        self.procs[proc.name] = proc
+        wait_until(proc, lambda: self.kubectl_run("get", "node", "testbed-node").returncode == 0,
+                   timeout=30, what="registered (Node testbed-node)")
+        return proc
+
     # -- pieces --------------------------------------------------------------------------
 
     def _track(self, proc: Proc) -> None:
@@ -486,3 +504,36 @@ class Testbed:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         path.chmod(0o600)
+
+
+class OperatorHandle:
+    """The operator process under test; `restart()` kills it (SIGKILL, as a node loss
+    would) and starts a new one with the same identity and settings."""
+
+    def __init__(self, bed: Testbed, kubeconfig: Path, env: dict[str, str]) -> None:
+        self.bed = bed
+        self.kubeconfig = kubeconfig
+        self.env = env
+        self.proc = bed.start_operator(kubeconfig, env)
+        self.logs = [self.proc.log]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> Path:
+        return self.proc.log
+
+    @property
+    def webhook_url(self) -> str:
+        return self.proc.webhook_url
+
+    def restart(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.stop(timeout=5)
+        self.proc = self.bed.start_operator(self.kubeconfig, self.env)
+        self.logs.append(self.proc.log)
+
+    def stop(self) -> None:
+        self.proc.stop()
