@@ -83,17 +83,6 @@ def targets() -> Iterator[Any]:
     yield train_step.lower(params, inputs, inputs)
 
 
-def broken_targets() -> Iterator[Any]:
-    """A target that fails to compile (for tests of the failure path)."""
-    yield train_step.lower(jax.eval_shape(init_params), jax.ShapeDtypeStruct((BATCH, SEQ), jnp.float32),
-                           jax.ShapeDtypeStruct((BATCH, SEQ, 3), jnp.int32))
-
-
-def no_targets() -> list[Any]:
-    """A target that yields nothing (for tests of the nothing-compiled path)."""
-    return []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train the demo model for a few steps.")
     parser.add_argument("--steps", type=int, default=3)

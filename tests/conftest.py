@@ -113,6 +113,7 @@ IMAGES = {
     "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(REPO / "operator" / "cachewarm" / "warmer.py")}},
     "demo/train:1": {"root": str(REPO / "demo"), "python": sys.executable},
     "demo/train:2": {"root": str(REPO / "demo"), "python": sys.executable},
+    "test/targets:1": {"root": str(REPO / "tests" / "data"), "python": sys.executable},
 }
 
 

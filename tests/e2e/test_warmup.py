@@ -104,14 +104,14 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
 
 
 @pytest.mark.parametrize(("target", "error"), [
-    ("train:broken_targets", "TypeError"),
-    ("train:no_targets", "produced nothing to compile"),
+    ("warm_targets:broken_targets", "TypeError"),
+    ("warm_targets:no_targets", "produced nothing to compile"),
 ])
 def test_warmer_that_compiles_nothing_or_fails_leaves_warmed_false(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, target: str, error: str,
 ) -> None:
-    controller_manager.apply(warm_cache("bad", f"bad-{uuid.uuid4().hex[:8]}", {"targets": [target]},
-                                        ), namespace)
+    controller_manager.apply(warm_cache("bad", f"bad-{uuid.uuid4().hex[:8]}",
+                                        {"targets": [target], "image": "test/targets:1"}), namespace)
     obj = wait_warmed(controller_manager, namespace, "bad", status="False")
     warmed = conditions(obj)["Warmed"]
     assert warmed["reason"] == "WarmupFailed"
@@ -160,3 +160,79 @@ def test_operator_killed_mid_warm_leaves_one_job_per_pool(
     names = sorted(j["metadata"]["name"] for j in jobs(controller_manager, namespace, "crash"))
     assert len(names) == 2
     assert sorted(p["job"] for p in obj["status"]["warmup"]["pools"]) == names
+
+
+@pytest.mark.parametrize("pool", [
+    {"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
+    {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}},
+    {"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, "hosts": 2},
+])
+def test_job_specs_are_accepted_by_the_apiserver(installed: Testbed, namespace: str, pool: dict[str, Any]) -> None:
+    from cachewarm.builders import job as jb
+    from cachewarm.model import parse_spec
+
+    spec = parse_spec(warm_cache("llama", "b-123", {"targets": ["train:targets"], "pools": [pool]})["spec"])
+    assert spec.warmup is not None
+    p = spec.warmup.pools[0]
+    digest = jb.spec_hash(spec, p)
+    owner = {"name": "llama", "uid": "6f1c7a2e-0000-4000-8000-000000000000"}
+    objects = [jb.warmer_job(spec, cache_name="llama", namespace=namespace, pool=p, digest=digest, owner=owner,
+                             warmer_image="cachewarm/warmer:0.1.0")]
+    if p.hosts > 1:
+        objects.append(jb.headless_service("llama", namespace, p, jb.job_name("llama", p, digest), owner))
+    for obj in objects:
+        result = installed.kubectl_run("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                       input=yaml.safe_dump(obj))
+        assert result.returncode == 0, result.stderr
+        stored = json.loads(result.stdout)
+        assert stored["kind"] == obj["kind"] and stored["metadata"]["name"] == obj["metadata"]["name"]
+
+
+def wait_ready(bed: Testbed, ns: str, name: str) -> None:
+    eventually(lambda: conditions(bed.get_json("ccache", name, ns)).get("Ready", {}).get("status") == "True",
+               what=f"{ns}/{name} Ready")
+
+
+def gates(bed: Testbed, ns: str, pod: str) -> list[str]:
+    return [g["name"] for g in ((bed.get_json("pod", pod, ns) or {}).get("spec") or {}).get("schedulingGates", [])]
+
+
+def test_wait_for_warm_holds_pods_until_the_cache_is_warm(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    bed.apply(warm_cache("gated", f"gate-{uuid.uuid4().hex[:8]}",
+                         {"targets": ["warm_targets:slow_targets"], "image": "test/targets:1"},
+                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}), namespace)
+    wait_ready(bed, namespace, "gated")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "waiter", "labels": {"cachewarm.dev/cache": "gated"}},
+           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    assert gates(bed, namespace, "waiter") == ["cachewarm.dev/wait-for-warm"]
+    assert conditions(bed.get_json("ccache", "gated", namespace))["Warmed"]["status"] == "False"
+    wait_warmed(bed, namespace, "gated")
+    eventually(lambda: gates(bed, namespace, "waiter") == [], timeout=30, what="gate removed once Warmed")
+    eventually(lambda: any(e["reason"] == "PodReleased" and "the cache is warm" in e["message"]
+                           for e in bed.events_for("gated", namespace)), timeout=20, what="PodReleased event")
+    # A pod created after the cache is warm is not held at all.
+    pod["metadata"]["name"] = "late"
+    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    assert gates(bed, namespace, "late") == []
+
+
+def test_wait_for_warm_gives_up_after_its_timeout(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    bed.apply(warm_cache("slow", f"slow-{uuid.uuid4().hex[:8]}",
+                         {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"},
+                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 4}}), namespace)
+    wait_ready(bed, namespace, "slow")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "patient", "labels": {"cachewarm.dev/cache": "slow"}},
+           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    assert gates(bed, namespace, "patient") == ["cachewarm.dev/wait-for-warm"]
+    eventually(lambda: gates(bed, namespace, "patient") == [], timeout=30, what="gate removed after the timeout")
+    assert conditions(bed.get_json("ccache", "slow", namespace))["Warmed"]["status"] == "False"
+    assert any(e["reason"] == "PodReleased" and "waited 4s" in e["message"] for e in bed.events_for("slow", namespace))
+    bed.kubectl_run("delete", "ccache", "slow", "-n", namespace, "--wait=false")

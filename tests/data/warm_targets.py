@@ -1,0 +1,37 @@
+"""Warmup targets for tests: the image "test/targets:1" on the node agent is this folder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.jit
+def step(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ w).sum()
+
+
+def broken_targets() -> Iterator[Any]:
+    """Fails to lower: the shapes do not fit."""
+    yield step.lower(jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((3, 5), jnp.float32))
+
+
+def no_targets() -> list[Any]:
+    """Yields nothing to compile."""
+    return []
+
+
+def slow_targets() -> Iterator[Any]:
+    """A real target that takes a few seconds to start, so pods can be seen waiting."""
+    time.sleep(6)
+    yield step, (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))
+
+
+def stuck_targets() -> Iterator[Any]:
+    """Never finishes in a test's lifetime (the Job's deadline or the test ends it)."""
+    time.sleep(600)
+    yield from ()

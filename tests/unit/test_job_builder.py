@@ -1,0 +1,145 @@
+"""Warmer Jobs for an H100 pool, a TPU v5p pool and a two-host pool, field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachewarm.builders import job as jb
+from cachewarm.model import CacheSpec, Pool, parse_spec
+
+OWNER = {"name": "llama", "uid": "0000-1111"}
+
+
+def cache(pools: list[dict[str, Any]], **warmup: Any) -> CacheSpec:
+    return parse_spec({
+        "storage": {"gcs": {"bucket": "team-cache", "prefix": "llama", "location": "us-central1"}},
+        "jax": {"minCompileTimeSecs": 2},
+        "warmup": {"image": "us-docker.pkg.dev/team/train:2026-11-20", "targets": ["train.warm:targets"],
+                   "pools": pools, **warmup},
+    })
+
+
+def build(spec: CacheSpec, index: int = 0) -> dict[str, Any]:
+    assert spec.warmup is not None
+    pool = spec.warmup.pools[index]
+    return jb.warmer_job(spec, cache_name="llama", namespace="ml", pool=pool, digest=jb.spec_hash(spec, pool),
+                         owner=OWNER, warmer_image="cachewarm/warmer:0.1.0")
+
+
+def env(job: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_h100_pool() -> None:
+    spec = cache([{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}],
+                 env=[{"name": "XLA_FLAGS", "value": "--xla_gpu_enable_latency_hiding_scheduler=true"}])
+    job = build(spec)
+    meta, jspec = job["metadata"], job["spec"]
+    pod = jspec["template"]["spec"]
+    [container] = pod["containers"]
+    assert meta["name"] == f"llama-h100-{jb.spec_hash(spec, spec.warmup.pools[0])}"  # type: ignore[union-attr]
+    assert meta["namespace"] == "ml"
+    assert meta["labels"] == {"app.kubernetes.io/managed-by": "cachewarm", "cachewarm.dev/warmer-for": "llama",
+                              "cachewarm.dev/pool": "h100", "cachewarm.dev/spec-hash": meta["name"].rsplit("-", 1)[1]}
+    assert "cachewarm.dev/cache" not in jspec["template"]["metadata"]["labels"]  # the webhook must not touch it
+    assert meta["ownerReferences"] == [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
+                                        "name": "llama", "uid": "0000-1111", "controller": True,
+                                        "blockOwnerDeletion": True}]
+    assert (jspec["backoffLimit"], jspec["activeDeadlineSeconds"], jspec["ttlSecondsAfterFinished"]) == (1, 3600, 86400)
+    assert (jspec["completions"], jspec["parallelism"]) == (1, 1)
+    assert "completionMode" not in jspec
+    assert pod["restartPolicy"] == "Never"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["image"] == "us-docker.pkg.dev/team/train:2026-11-20"
+    assert container["command"] == ["python", "/cachewarm/warm.py", "targets", "--parallel=1", "train.warm:targets"]
+    assert env(job) == {
+        "JAX_COMPILATION_CACHE_DIR": "gs://team-cache/llama",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2.0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
+        "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true",
+    }
+    [init] = pod["initContainers"]
+    assert init["image"] == "cachewarm/warmer:0.1.0"
+    assert init["command"] == ["cp", "/opt/cachewarm/warm.py", "/cachewarm/warm.py"]
+    assert pod["volumes"] == [{"name": "cachewarm", "emptyDir": {"sizeLimit": "16Mi"}}]
+    assert container["volumeMounts"] == [{"name": "cachewarm", "mountPath": "/cachewarm", "readOnly": True}]
+
+
+def test_tpu_v5p_pool() -> None:
+    job = build(cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}}]))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "2x2x1"}
+    assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
+
+
+def test_two_host_pool_is_indexed_with_jax_distributed_env() -> None:
+    spec = cache([{"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, "hosts": 2}])
+    job = build(spec)
+    name = job["metadata"]["name"]
+    jspec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (jspec["completions"], jspec["parallelism"], jspec["completionMode"]) == (2, 2, "Indexed")
+    assert pod["subdomain"] == name
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+    e = env(job)
+    assert e["JAX_COORDINATOR_ADDRESS"] == f"{name}-0.{name}:8476"
+    assert e["JAX_NUM_PROCESSES"] == "2"
+    assert e["JAX_PROCESS_ID"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    svc = jb.headless_service("llama", "ml", spec.warmup.pools[0], name, OWNER)  # type: ignore[union-attr]
+    assert svc["spec"] == {"clusterIP": "None", "selector": {"job-name": name},
+                           "ports": [{"name": "coordinator", "port": 8476}]}
+
+
+def test_user_overrides_merge_over_derived_placement() -> None:
+    pools = [{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8},
+              "nodeSelector": {"cloud.google.com/gke-nodepool": "train-a"},
+              "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+              "resources": {"requests": {"memory": "64Gi"}, "limits": {"nvidia.com/gpu": 4}}}]
+    pod = build(cache(pools))["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
+                                   "cloud.google.com/gke-nodepool": "train-a"}
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
+    assert pod["containers"][0]["resources"] == {"requests": {"memory": "64Gi"}, "limits": {"nvidia.com/gpu": 4}}
+
+
+def test_command_mode_runs_the_entrypoint_through_the_warmer() -> None:
+    spec = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
+        "image": "img", "command": ["python", "-m", "train", "--steps=1"], "python": "python3",
+        "pools": [{"name": "cpu"}]}})
+    container = build(spec)["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python3", "/cachewarm/warm.py", "command", "--", "python", "-m", "train", "--steps=1"]
+
+
+@pytest.mark.parametrize(("change", "same"), [
+    ({"image": "us-docker.pkg.dev/team/train:2026-11-21"}, False),
+    ({"targets": ["train.warm:other"]}, False),
+    ({"env": [{"name": "XLA_FLAGS", "value": "--x"}]}, False),
+    ({"backoffLimit": 3, "ttlSecondsAfterFinished": 10}, True),
+])
+def test_hash_changes_only_with_what_changes_the_program(change: dict[str, Any], same: bool) -> None:
+    base = cache([{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}])
+    other = cache([{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}], **change)
+    pool: Pool = base.warmup.pools[0]  # type: ignore[union-attr]
+    assert (jb.spec_hash(base, pool) == jb.spec_hash(other, pool)) is same
+
+
+def test_hash_changes_with_jax_settings_accelerator_and_token() -> None:
+    base = cache([{"name": "g", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}])
+    pool: Pool = base.warmup.pools[0]  # type: ignore[union-attr]
+    digest = jb.spec_hash(base, pool)
+    bigger = cache([{"name": "g", "accelerator": {"type": "nvidia-h100-80gb", "count": 4}}])
+    assert jb.spec_hash(bigger, bigger.warmup.pools[0]) != digest  # type: ignore[union-attr]
+    assert jb.spec_hash(base, pool, token="manual-1") != digest
+
+
+def test_job_name_fits_a_label_value() -> None:
+    spec = cache([{"name": "a" * 20}])
+    name = jb.job_name("c" * 52, spec.warmup.pools[0], "0123456789")  # type: ignore[union-attr]
+    assert len(name) <= 63
