@@ -39,8 +39,8 @@ dev-up: venv bin ## Start the local control plane + GCS emulator in the backgrou
 dev-down: venv ## Stop what dev-up started
 	$(PY) -m cachewarm.testbed down .dev
 
-demo: venv bin ## The main job on a local control plane (arrives with the warmer issue)
-	@echo "make demo is not built yet: it arrives with the warmer Jobs (issue 5)." >&2; exit 1
+demo: venv bin ## The main job: warm a cache on a local control plane, then train warm (demo-report.json)
+	$(PY) demo/run.py
 
 clean: dev-down ## Remove the venv and build caches of this checkout
 	rm -rf $(VENV) .cache
