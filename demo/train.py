@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -19,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-VOCAB, SEQ, BATCH, WIDTH, HEADS, LAYERS = 512, 128, 8, 256, 4, 4
+VOCAB, SEQ, BATCH, HEADS = 512, 128, 8, 4
+# Model size; the benchmark (bench/warm_start.py) sets these to measure bigger steps.
+WIDTH = int(os.environ.get("DEMO_WIDTH", "256"))
+LAYERS = int(os.environ.get("DEMO_LAYERS", "4"))
 
 Params = dict[str, Any]
 
