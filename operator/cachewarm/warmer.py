@@ -16,7 +16,8 @@ runs in this process so JAX's own counters are read.
 A JSON summary goes to the termination message ($CACHEWARM_SUMMARY_FILE, default
 /dev/termination-log) so the operator reads it from the pod. Exit status: 0 when every
 target compiled and at least one program was compiled or found in the cache; 1 when a
-target failed; 2 when nothing at all was compiled or found.
+target failed; 2 when nothing ended up in the cache (nothing compiled, or every program
+below the cache's size/time thresholds, or no cache directory).
 """
 
 from __future__ import annotations
@@ -283,15 +284,23 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "targets": results,
     }
-    nothing = counters.requests == 0 if counted else not after
-    if not errors and nothing:
-        errors.append("nothing was compiled or found in the cache")
+    cached = (found + len(written)) if counted else len(after)
+    failed = bool(errors)
+    if not failed and cached == 0:
+        if counters.requests and cache.url:
+            errors.append(
+                f"{counters.requests} programs compiled but none was written to or found in the cache; "
+                "check JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and ..._MIN_ENTRY_SIZE_BYTES"
+            )
+        else:
+            errors.append("nothing was compiled or found in the cache")
+    summary["notCached"] = max(0, counters.requests - found - len(written)) if counted else 0
     summary["errors"] = errors
     write_summary(summary)
     log("Finished", programs=counters.requests, found=found, written=len(written), errors=len(errors))
-    if any("nothing was compiled" in e for e in errors):
-        return 2
-    return 1 if errors else 0
+    if failed:
+        return 1
+    return 2 if cached == 0 else 0
 
 
 if __name__ == "__main__":
