@@ -95,7 +95,9 @@ def main() -> None:
             from google.auth.credentials import AnonymousCredentials
             from google.cloud import storage
 
-            from cachewarm.testbed.cluster import Testbed
+            from cachewarm.testbed.cluster import Testbed, exit_on_sigterm
+
+            exit_on_sigterm()
 
             bed = Testbed().start()
             base_env = bed.env()

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from kubernetes import client, config
 
-from cachewarm.testbed.cluster import Testbed, eventually, repo_root
+from cachewarm.testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    exit_on_sigterm()
 
     bed = Testbed().start(controller_manager=True)
     operator = None

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually, repo_root
+from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually, exit_on_sigterm, repo_root
 
 REPO = repo_root()
 NS = "demo"
@@ -66,6 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", type=Path, default=REPO / "demo-report.json")
     args = parser.parse_args()
+    exit_on_sigterm()
     t_start = time.monotonic()
     bed = Testbed()
     operator = None

@@ -15,11 +15,16 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, repo_root
+from cachewarm.testbed.cluster import OperatorHandle, Testbed, exit_on_sigterm, repo_root
 from cachewarm.testbed.gcsproxy import ProxyControl
 from cachewarm.testbed.processes import Proc
 
 REPO = repo_root()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A CI timeout sends SIGTERM: run the fixtures' teardown so no testbed process is left.
+    exit_on_sigterm()
 
 
 @pytest.fixture(scope="session")

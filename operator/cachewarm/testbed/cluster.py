@@ -103,6 +103,12 @@ def _http_ok(url: str, *, token: str | None = None, ca: Path | None = None) -> b
         return 200 <= int(resp.status) < 300
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so a script's `finally: bed.stop()` still runs when
+    it is killed politely (Python's default would leave the testbed's processes behind)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def eventually(check: Callable[[], T | None], *, timeout: float = 60.0, what: str = "condition") -> T:
     """Poll `check` until it returns something truthy; return it. Raises AssertionError
     with `what` and the last exception when time runs out."""
