@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from croniter import croniter
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class InvalidSpec(ValueError):
@@ -102,6 +103,13 @@ class Warmup(_Model):
     active_deadline_seconds: int = Field(default=3600, alias="activeDeadlineSeconds", ge=1)
     ttl_seconds_after_finished: int = Field(default=86400, alias="ttlSecondsAfterFinished", ge=0)
     schedule: str | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, value: str | None) -> str | None:
+        if value is not None and not croniter.is_valid(value):
+            raise ValueError(f"{value!r} is not a valid cron schedule (5 fields, e.g. '0 3 * * *')")
+        return value
 
 
 class CacheSpec(_Model):

@@ -43,7 +43,8 @@ def rewarm_token(cache: CacheSpec, annotations: Mapping[str, str], now: dt.datet
     recent cron slot."""
     token = annotations.get(jobs.ANNOTATION_REWARM, "")
     if cache.warmup is not None and cache.warmup.schedule:
-        slot = croniter(cache.warmup.schedule, now).get_prev(dt.datetime)
+        # get_prev is exclusive of `now`; a slot that starts this very second counts.
+        slot = croniter(cache.warmup.schedule, now + dt.timedelta(seconds=1)).get_prev(dt.datetime)
         token += "|" + slot.strftime("%Y-%m-%dT%H:%MZ")
     return token
 

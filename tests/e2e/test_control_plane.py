@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cachewarm.testbed.cluster import Testbed
 from cachewarm.testbed.processes import Proc
@@ -100,3 +101,26 @@ def test_dev_up_is_idempotent_and_dev_down_leaves_nothing(tmp_path: Path) -> Non
     assert not workdir.exists()
     for name, pid in pids.items():
         assert not Proc(name=name, pid=pid, log=Path("/dev/null")).alive(), f"{name} outlived dev-down"
+
+
+def test_cert_manager_overlay_renders_with_ca_injection_and_cert_dir(testbed: Testbed, repo: Path) -> None:
+    out = testbed.kubectl_run("kustomize", str(repo / "manifests" / "cert-manager"))
+    assert out.returncode == 0, out.stderr
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout)}
+    hook = docs[("MutatingWebhookConfiguration", "cachewarm-pod-injector")]
+    assert hook["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "cachewarm-system/cachewarm-webhook"}
+    operator = docs[("Deployment", "cachewarm-operator")]["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in operator["containers"][0]["env"]}
+    assert env["CACHEWARM_WEBHOOK_CERT_DIR"] == "/etc/cachewarm/tls"
+    assert env["CACHEWARM_WEBHOOK_CONFIGURATION"] == ""
+    assert {"name": "tls", "secret": {"secretName": "cachewarm-webhook-tls"}} in operator["volumes"]
+    assert docs[("Certificate", "cachewarm-webhook")]["spec"]["secretName"] == "cachewarm-webhook-tls"
+
+
+def test_default_install_is_accepted_by_the_apiserver(installed: Testbed, repo: Path) -> None:
+    out = installed.kubectl_run("apply", "--dry-run=server", "-k", str(repo / "manifests"))
+    assert out.returncode == 0, out.stderr
+    for kind in ("deployment.apps/cachewarm-operator", "clusterrole.rbac.authorization.k8s.io/cachewarm-operator",
+                 "mutatingwebhookconfiguration.admissionregistration.k8s.io/cachewarm-pod-injector",
+                 "service/cachewarm-webhook"):
+        assert kind in out.stdout

@@ -267,3 +267,18 @@ def test_gcs_faults_end_in_ready_without_duplicate_writes(
     reasons = event_reasons(installed, namespace, "faulty")
     assert "GCSUnavailable" in reasons
     assert gcs.get_bucket(name).soft_delete_policy.retention_duration_seconds == 7 * DAY
+
+
+def test_permission_denied_is_a_condition_then_recovers(
+    operator: OperatorHandle, installed: Testbed, namespace: str, proxy: ProxyControl
+) -> None:
+    name = unique_bucket("denied")
+    proxy.faults([{"method": "GET", "path": f"/b/{name}$", "status": 403, "times": 3}])
+    try:
+        installed.apply(cache("denied", name), namespace)
+        obj = wait_condition(installed, namespace, "denied", "BucketReady", "False", "AccessDenied", timeout=30)
+        assert "permission denied" in condition(obj, "BucketReady")["message"]
+    finally:
+        proxy.clear_faults()
+    wait_condition(installed, namespace, "denied", "Ready", "True", timeout=60)
+    assert "AccessDenied" in event_reasons(installed, namespace, "denied")

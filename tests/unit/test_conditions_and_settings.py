@@ -76,3 +76,10 @@ def test_spec_defaults_match_the_crd() -> None:
 def test_spec_missing_bucket_names_the_field() -> None:
     with pytest.raises(InvalidSpec, match=r"spec\.storage\.gcs\.bucket"):
         parse_spec({"storage": {"gcs": {"location": "US"}}})
+
+
+def test_invalid_cron_schedule_names_the_field() -> None:
+    spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
+            "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}], "schedule": "99 * * * *"}}
+    with pytest.raises(InvalidSpec, match=r"spec\.warmup\.schedule: .*not a valid cron schedule"):
+        parse_spec(spec)
