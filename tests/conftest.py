@@ -47,8 +47,9 @@ def controller_manager(testbed: Testbed) -> Testbed:
 @pytest.fixture(scope="session")
 def crd_installed(testbed: Testbed) -> Testbed:
     """The CompilationCache CRD from crds/, applied and Established."""
-    crd = REPO / "crds" / "cachewarm.dev_compilationcaches.yaml"
-    applied = testbed.kubectl_run("apply", "-f", str(crd))
+    # `kubectl apply -f crds/` as the README says (crds/Kustomization has no .yaml suffix,
+    # so kubectl skips it while kustomize still finds it for manifests/).
+    applied = testbed.kubectl_run("apply", "-f", str(REPO / "crds"))
     assert applied.returncode == 0, applied.stderr
     waited = testbed.kubectl_run(
         "wait", "--for=condition=Established", "--timeout=60s",

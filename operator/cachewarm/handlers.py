@@ -83,6 +83,7 @@ def _write_status(patch: kopf.Patch, status: Mapping[str, Any], generation: int,
 def reconcile(
     *, settings: Settings, memo: Any, body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta,
     status: kopf.Status, patch: kopf.Patch, namespace: str, name: str, retry: int, raise_on_error: bool,
+    claims: kopf.Index[Any, Any] | None = None,
 ) -> None:
     """Shared by create, update, resume and both timers: bucket, then warmers, then pods
     waiting for the cache; status written once at the end."""
@@ -97,6 +98,17 @@ def reconcile(
         raise kopf.PermanentError(str(exc)) from exc
     events: list[Event] = []
     failure: Exception | None = None
+    owner = prefix_owner(claims, cache, str(meta.get("creationTimestamp") or ""), namespace, name)
+    if owner is not None:
+        message = (f"{cache.storage.gcs.url} is already the cache of {owner[0]}/{owner[1]}; "
+                   "give this CompilationCache its own bucket or prefix")
+        seen = Observed(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, "PrefixInUse", message)))
+        previous = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY)
+        if previous is None or previous.get("reason") != "PrefixInUse":
+            events.append(Event("Warning", "PrefixInUse", message))
+        _write_status(patch, status, generation, seen, injection, has_warmup=False)
+        _post(body, events)
+        return
     try:
         seen = Observed(reconcile_bucket(
             memo.gcs, cache.storage.gcs, namespace=namespace, name=name,
@@ -119,6 +131,19 @@ def reconcile(
     _post(body, events)
     if failure is not None and raise_on_error:
         raise kopf.TemporaryError(str(failure), delay=backoff(settings, retry)) from failure
+
+
+def prefix_owner(claims: kopf.Index[Any, Any] | None, cache: CacheSpec, created: str, namespace: str,
+                 name: str) -> tuple[str, str] | None:
+    """The (namespace, name) of an older cache on the same bucket+prefix, if any; the
+    oldest claim wins (ties broken by namespace/name), so exactly one cache manages it."""
+    if claims is None:
+        return None
+    gcs = cache.storage.gcs
+    mine = (created, namespace, name)
+    others = [tuple(v) for v in claims.get((gcs.bucket, gcs.prefix), []) if tuple(v) != mine]
+    older = sorted(o for o in others if o < mine)
+    return (older[0][1], older[0][2]) if older else None
 
 
 def _reconcile_warm(settings: Settings, cache: CacheSpec, seen: Observed, events: list[Event], *,
@@ -162,18 +187,20 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     def on_change(
         body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
-        namespace: str | None, name: str, retry: int, memo: Any, **_: Any,
+        namespace: str | None, name: str, retry: int, memo: Any, **kwargs: Any,
     ) -> None:
         reconcile(settings=settings, memo=memo, body=body, spec=spec, meta=meta, status=status, patch=patch,
-                  namespace=namespace or "", name=name, retry=retry, raise_on_error=True)
+                  namespace=namespace or "", name=name, retry=retry, raise_on_error=True,
+                  claims=kwargs.get("claims"))
 
     def on_timer(
         body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
-        namespace: str | None, name: str, memo: Any, **_: Any,
+        namespace: str | None, name: str, memo: Any, **kwargs: Any,
     ) -> None:
         # Errors are written to status; the next tick retries, so no kopf backoff here.
         reconcile(settings=settings, memo=memo, body=body, spec=spec, meta=meta, status=status, patch=patch,
-                  namespace=namespace or "", name=name, retry=0, raise_on_error=False)
+                  namespace=namespace or "", name=name, retry=0, raise_on_error=False,
+                  claims=kwargs.get("claims"))
 
     def on_poll(
         body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
@@ -184,9 +211,18 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
                      name=name, memo=memo, **kwargs)
 
     def on_delete(
-        body: kopf.Body, spec: kopf.Spec, namespace: str | None, name: str, retry: int, memo: Any, **_: Any,
+        body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, namespace: str | None, name: str, retry: int,
+        memo: Any, **kwargs: Any,
     ) -> None:
         cache = parse_spec(spec)
+        gcs = cache.storage.gcs
+        mine = (str(meta.get("creationTimestamp") or ""), namespace, name)
+        sharing = [tuple(v) for v in kwargs["claims"].get((gcs.bucket, gcs.prefix), []) if tuple(v) != mine]
+        if sharing:
+            _post(body, [Event("Normal", c.Reason.DATA_RETAINED,
+                               f"Kept the data under {gcs.url}: CompilationCache {sharing[0][1]}/{sharing[0][2]} "
+                               "uses the same prefix")])
+            return
         try:
             events = delete_cache_data(memo.gcs, cache.storage.gcs, namespace=namespace or "", name=name)
         except GcsError as exc:
@@ -218,7 +254,14 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     # A finalizer only where deletion has work to do: deletionPolicy Delete.
     kopf.on.delete(*RESOURCE, id="delete-data", field="spec.storage.gcs.deletionPolicy", value="Delete",
                    registry=registry)(on_delete)
+    def claims(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> Any:
+        # Which caches use which bucket+prefix: two caches on one prefix would fight over
+        # its lifecycle rule and, with deletionPolicy Delete, delete each other's entries.
+        gcs = ((spec.get("storage") or {}).get("gcs") or {})
+        return {(gcs.get("bucket"), gcs.get("prefix", "")): (str(meta.get("creationTimestamp") or ""), namespace, name)}
+
     kopf.index(*RESOURCE, id="caches", registry=registry)(caches)
+    kopf.index(*RESOURCE, id="claims", registry=registry)(claims)
     if settings.webhook_enabled:
         kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operation="CREATE",
                        labels={c.CACHE_LABEL: kopf.PRESENT}, registry=registry)(inject)

@@ -282,3 +282,20 @@ def test_permission_denied_is_a_condition_then_recovers(
         proxy.clear_faults()
     wait_condition(installed, namespace, "denied", "Ready", "True", timeout=60)
     assert "AccessDenied" in event_reasons(installed, namespace, "denied")
+
+
+def test_second_cache_on_the_same_prefix_is_refused_and_never_deletes_the_first(
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
+) -> None:
+    name = unique_bucket("shared-prefix")
+    installed.apply(cache("first", name, prefix="p", deletionPolicy="Delete"), namespace)
+    wait_condition(installed, namespace, "first", "Ready", "True")
+    _put(gcs, name, [f"p/{ENTRY}"])
+    installed.apply(cache("second", name, prefix="p", deletionPolicy="Delete",
+                          lifecycle={"deleteAfterDays": 1}), namespace)
+    obj = wait_condition(installed, namespace, "second", "BucketReady", "False", "PrefixInUse")
+    assert f"already the cache of {namespace}/first" in condition(obj, "BucketReady")["message"]
+    rules = [dict(r) for r in gcs.get_bucket(name).lifecycle_rules]
+    assert rules == [{"action": {"type": "Delete"}, "condition": {"age": 30, "matchesPrefix": ["p/"]}}]
+    assert installed.kubectl_run("delete", "ccache", "second", "-n", namespace, "--timeout=60s").returncode == 0
+    assert _names(gcs, name) == {f"p/{ENTRY}"}
