@@ -232,7 +232,29 @@ def test_wait_for_warm_gives_up_after_its_timeout(
            "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
     assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
     assert gates(bed, namespace, "patient") == ["cachewarm.dev/wait-for-warm"]
+    operator.restart()  # the gate is released by whichever operator runs when the time is up
     eventually(lambda: gates(bed, namespace, "patient") == [], timeout=30, what="gate removed after the timeout")
     assert conditions(bed.get_json("ccache", "slow", namespace))["Warmed"]["status"] == "False"
     assert any(e["reason"] == "PodReleased" and "waited 4s" in e["message"] for e in bed.events_for("slow", namespace))
     bed.kubectl_run("delete", "ccache", "slow", "-n", namespace, "--wait=false")
+
+
+def test_a_changed_program_stops_the_running_warmer_before_starting_the_new_one(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    spec = warm_cache("swap", f"swap-{uuid.uuid4().hex[:8]}",
+                      {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"})
+    bed.apply(spec, namespace)
+
+    def running() -> str | None:
+        pools = ((bed.get_json("ccache", "swap", namespace) or {}).get("status", {}).get("warmup") or {}).get("pools")
+        return pools[0]["job"] if pools and pools[0]["state"] == "Running" else None
+    stuck = eventually(running, timeout=60, what="the first warmer running")
+    spec["spec"]["warmup"]["targets"] = ["warm_targets:slow_targets"]
+    bed.apply(spec, namespace)
+    obj = wait_warmed(bed, namespace, "swap")
+    names = [j["metadata"]["name"] for j in jobs(bed, namespace, "swap")]
+    assert stuck not in names
+    assert names == [obj["status"]["warmup"]["pools"][0]["job"]]
+    assert any(e["reason"] == "WarmerStopped" and stuck in e["message"] for e in bed.events_for("swap", namespace))

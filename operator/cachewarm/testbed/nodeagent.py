@@ -54,6 +54,7 @@ class Agent:
         self.pool = ThreadPoolExecutor(slots)
         self.taken: set[str] = set()
         self.children: set[subprocess.Popen[bytes]] = set()
+        self.running: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
 
@@ -90,7 +91,28 @@ class Agent:
                     continue
                 self.taken.add(key)
                 self.pool.submit(self.run_pod, pod)
+            self.reap_deleted()
             self.stopping.wait(0.5)
+
+    def reap_deleted(self) -> None:
+        """Like a kubelet, stop the containers of pods that were deleted (e.g. a stale
+        warmer Job the operator removed)."""
+        with self.lock:
+            running = dict(self.running)
+        for (ns, name), proc in running.items():
+            try:
+                pod = self.api.read_namespaced_pod(name, ns)
+                gone = pod.metadata is not None and pod.metadata.deletion_timestamp is not None
+            except ApiException as exc:
+                gone = exc.status == 404
+            except Exception:  # noqa: BLE001
+                gone = False
+            if gone:
+                print(f"nodeagent: {ns}/{name} was deleted; stopping it", flush=True)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def bind(self, pod: Any) -> None:
         body = client.V1Binding(metadata=client.V1ObjectMeta(name=pod.metadata.name),
@@ -199,8 +221,10 @@ class Agent:
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            key = (pod.metadata.namespace, pod.metadata.name)
             with self.lock:
                 self.children.add(proc)
+                self.running[key] = proc
             deadline = pod.spec.active_deadline_seconds
             try:
                 code = proc.wait(timeout=deadline)
@@ -210,6 +234,7 @@ class Agent:
             finally:
                 with self.lock:
                     self.children.discard(proc)
+                    self.running.pop(key, None)
         message = summary.read_text(errors="replace")[:MESSAGE_LIMIT] if summary.exists() else ""
         if not message and code != 0 and container.termination_message_policy == "FallbackToLogsOnError":
             message = "\n".join(log.read_text(errors="replace").splitlines()[-80:])[-MESSAGE_LIMIT:]
@@ -232,7 +257,7 @@ def main() -> None:
     parser.add_argument("--image-map", default="{}", help="JSON: image -> {root, paths, python}")
     parser.add_argument("--selector", default="", help="label selector of the pods this agent may run")
     parser.add_argument("--node-labels", default="{}", help="JSON labels of the agent's Node")
-    parser.add_argument("--slots", type=int, default=2, help="pods run at once")
+    parser.add_argument("--slots", type=int, default=4, help="pods run at once")
     args = parser.parse_args()
     config.load_kube_config(args.kubeconfig)  # type: ignore[no-untyped-call]
     agent = Agent(args.workdir, json.loads(args.image_map), args.selector, json.loads(args.node_labels), args.slots)
