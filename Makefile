@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: help venv bin test test-unit lint dev-up dev-down demo clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s "$$(printf '\t')"
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
