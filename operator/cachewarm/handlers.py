@@ -353,5 +353,6 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field=c.KOPF_STATUS_DIFFBASE)
     settings.persistence.finalizer = c.FINALIZER
     settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "cachewarm"  # the "From" column of kubectl describe
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
