@@ -1,0 +1,218 @@
+"""One reconcile of a CompilationCache, one deletion, one pod admission: the operator's
+logic, free of kopf. Inputs are plain mappings and lookups into the operator's in-memory
+indexes; outputs are the status to write, the events to post and the error to retry on.
+handlers.py turns these into kopf patches and errors."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachewarm import conditions
+from cachewarm import constants as c
+from cachewarm.builders.injection import INJECTED_ANNOTATION, inject_pod
+from cachewarm.clients import kube
+from cachewarm.clients.gcs import GcsClient, GcsError
+from cachewarm.conditions import Cond
+from cachewarm.injections import RecentInjections
+from cachewarm.model import CacheSpec, InvalidSpec, parse_spec
+from cachewarm.reconcile import BucketOutcome, Event, delete_cache_data, reconcile_bucket
+from cachewarm.warmups import ACTIVE_STATES, WAIT_GATE, WarmupOutcome, reconcile_warmup, release_waiting_pods
+
+Claim = tuple[str, str, str]  # (creationTimestamp, namespace, name) of a cache using a bucket+prefix
+ClaimLookup = Callable[[str, str], Iterable[Claim]]  # (bucket, prefix) -> claims
+CacheLookup = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, name) -> webhook index entry
+
+
+@dataclass
+class Outcome:
+    """What a reconcile wants written and said. `failure` is worth a retry; `invalid`
+    means the spec cannot be acted on until it changes."""
+
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    failure: Exception | None = None
+    invalid: str | None = None
+
+
+@dataclass
+class _Seen:
+    bucket: BucketOutcome
+    warmup: WarmupOutcome | None = None
+    warm_condition: Cond | None = None
+    waiting_pods: int | None = None
+
+
+def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: dict[str, Any],
+            has_warmup: bool, now: dt.datetime) -> dict[str, Any]:
+    bucket = seen.bucket
+    ready = Cond(
+        c.Condition.READY, bucket.condition.status,
+        c.Reason.RECONCILED if bucket.ready else c.Reason.BUCKET_NOT_READY,
+        "The cache is ready for warmers and training pods" if bucket.ready else bucket.condition.message,
+    )
+    updates = [bucket.condition, ready, *([seen.warm_condition] if seen.warm_condition else [])]
+    existing = [cd for cd in status.get("conditions") or [] if has_warmup or cd.get("type") != c.Condition.WARMED]
+    out: dict[str, Any] = {
+        "conditions": conditions.merge(existing, updates, generation=generation, now=now),
+        "observedGeneration": generation,
+    }
+    if bucket.status:
+        out["bucket"] = bucket.status
+    if bucket.cache is not None:
+        out["cache"] = bucket.cache
+    if seen.warmup is not None:
+        out["warmup"] = {"pools": seen.warmup.pools}
+    elif not has_warmup and status.get("warmup") is not None:
+        out["warmup"] = None
+    if seen.waiting_pods is not None:
+        injection = {**injection, "waitingPods": seen.waiting_pods}
+    out["injection"] = injection
+    return out
+
+
+def sharing(claims: ClaimLookup, cache: CacheSpec, mine: Claim) -> list[Claim]:
+    """Other caches on the same bucket and prefix, oldest first."""
+    gcs = cache.storage.gcs
+    return sorted(tuple(v) for v in claims(gcs.bucket, gcs.prefix) if tuple(v) != mine)  # type: ignore[misc]
+
+
+def reconcile_cache(
+    *, gcs: GcsClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
+    meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
+    now: dt.datetime,
+) -> Outcome:
+    """Bucket, then warmers, then pods waiting for the cache; one status at the end."""
+    generation = int(meta.get("generation") or 0)
+    injection = injections.summary(namespace, name, now)
+    try:
+        cache = parse_spec(spec)
+    except InvalidSpec as exc:
+        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, "InvalidSpec", str(exc))))
+        return Outcome(_status(status, generation, seen, injection, False, now), invalid=str(exc))
+    events: list[Event] = []
+    previous = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY)
+    mine: Claim = (str(meta.get("creationTimestamp") or ""), namespace, name)
+    older = [o for o in sharing(claims, cache, mine) if o < mine]
+    if older:
+        message = (f"{cache.storage.gcs.url} is already the cache of {older[0][1]}/{older[0][2]}; "
+                   "give this CompilationCache its own bucket or prefix")
+        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, "PrefixInUse", message)))
+        if previous is None or previous.get("reason") != "PrefixInUse":
+            events.append(Event("Warning", "PrefixInUse", message))
+        return Outcome(_status(status, generation, seen, injection, False, now), events)
+    failure: Exception | None = None
+    try:
+        seen = _Seen(reconcile_bucket(gcs, cache.storage.gcs, namespace=namespace, name=name,
+                                      spec_changed=status.get("observedGeneration") != generation))
+        events += seen.bucket.events
+    except GcsError as exc:
+        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, exc.reason, f"{exc}; retrying")))
+        if previous is None or previous.get("reason") != exc.reason:
+            events.append(Event("Warning", exc.reason, str(exc)))
+        failure = exc
+    try:
+        _warm(cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
+              name=name, now=now)
+    except kube.KubeError as exc:
+        events.append(Event("Warning", "KubernetesError", str(exc)))
+        failure = failure or exc
+    return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now), events, failure)
+
+
+def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
+          meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime) -> None:
+    if cache.warmup is not None:
+        if seen.bucket.ready:
+            seen.warmup = reconcile_warmup(
+                cache, namespace=namespace, name=name, uid=str(meta.get("uid") or ""),
+                annotations=meta.get("annotations") or {},
+                previous=(status.get("warmup") or {}).get("pools") or [],
+                cache_entries=(seen.bucket.cache or {}).get("entries", 0),
+                warmer_image=warmer_image, now=now,
+            )
+            seen.warm_condition = seen.warmup.condition
+            events += seen.warmup.events
+        else:
+            seen.warm_condition = Cond(c.Condition.WARMED, False, c.Reason.BUCKET_NOT_READY,
+                                       "Warmers wait for the bucket to be ready")
+    if cache.injection.wait_for_warm.enabled:
+        warmed = cache.warmup is None or bool(seen.warm_condition and seen.warm_condition.status)
+        seen.waiting_pods, released = release_waiting_pods(cache, namespace=namespace, name=name,
+                                                           warmed=warmed, now=now)
+        events += released
+
+
+def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int) -> bool:
+    """Whether the fast timer has work: warmers running, or pods that may be waiting."""
+    if status.get("observedGeneration") != generation:
+        return True
+    pools = (status.get("warmup") or {}).get("pools")
+    if spec.get("warmup") and (not pools or any(p.get("state") in ACTIVE_STATES for p in pools)):
+        return True
+    wait = ((spec.get("injection") or {}).get("waitForWarm") or {}).get("enabled")
+    warmed = conditions.get(status.get("conditions"), c.Condition.WARMED)
+    return bool(wait) and (warmed is None or warmed.get("status") != "True"
+                           or bool((status.get("injection") or {}).get("waitingPods")))
+
+
+def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any], *, namespace: str, name: str,
+                 claims: ClaimLookup) -> list[Event]:
+    """deletionPolicy Delete, unless another cache uses the same prefix (then its data
+    stays). Raises GcsError; InvalidSpec for a spec that cannot be read."""
+    cache = parse_spec(spec)
+    others = sharing(claims, cache, (str(meta.get("creationTimestamp") or ""), namespace, name))
+    if others:
+        return [Event("Normal", c.Reason.DATA_RETAINED,
+                      f"Kept the data under {cache.storage.gcs.url}: CompilationCache "
+                      f"{others[0][1]}/{others[0][2]} uses the same prefix")]
+    return delete_cache_data(gcs, cache.storage.gcs, namespace=namespace, name=name)
+
+
+@dataclass
+class Admission:
+    """The webhook's answer for one pod: fields to set, warnings, an event to post."""
+
+    spec: dict[str, Any] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    event: tuple[dict[str, Any], Event] | None = None
+    injected: bool = False
+
+
+def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Admission:
+    """Add the named cache's env (and, with waitForWarm, a scheduling gate) to a pod being
+    created, or say in a warning why not. Raises only on a bug; the caller admits anyway."""
+    meta = pod.get("metadata") or {}
+    namespace = str(meta.get("namespace") or "")
+    cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
+    pod_name = meta.get("name") or f"{meta.get('generateName', '')}<generated>"
+    entry = lookup(namespace, cache_name)
+    out = Admission()
+    if entry is None:
+        out.warnings.append(f"cachewarm: no CompilationCache {cache_name!r} in namespace {namespace!r} "
+                            f"(label {c.CACHE_LABEL}); pod admitted without the cache")
+        return out
+    cache = parse_spec(entry["spec"])
+    result = inject_pod(pod, cache_name, entry["generation"], cache)
+    if result.changed:
+        out.spec["containers"] = result.containers
+        if result.init_containers is not None:
+            out.spec["initContainers"] = result.init_containers
+        out.annotations[INJECTED_ANNOTATION] = result.annotation
+        out.injected = True
+    gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
+    if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"]:
+        if not any(g.get("name") == WAIT_GATE for g in gates):
+            out.spec["schedulingGates"] = [*gates, {"name": WAIT_GATE}]
+    for kept in result.kept:
+        out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
+                            f"the value from CompilationCache {cache_name!r} was not applied to it")
+    if result.kept:
+        names = ", ".join(sorted({f"{k.container}/{k.name}" for k in result.kept}))
+        ref = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+               "metadata": {"name": cache_name, "namespace": namespace, "uid": entry["uid"]}}
+        out.event = (ref, Event("Warning", c.Reason.ENV_KEPT, f"Pod {pod_name} kept its own {names}"))
+    return out

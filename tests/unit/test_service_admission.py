@@ -1,0 +1,70 @@
+"""The webhook's decision for a pod, and when the fast timer has work (no kopf, no I/O)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachewarm import service
+
+SPEC: dict[str, Any] = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}}
+WARMUP = {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}
+
+
+def pod(**spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "trainer", "namespace": "ml", "labels": {"cachewarm.dev/cache": "llama"}},
+            "spec": {"containers": [{"name": "train"}], **spec}}
+
+
+def lookup(entry: dict[str, Any] | None) -> service.CacheLookup:
+    return lambda ns, name: entry if (ns, name) == ("ml", "llama") else None
+
+
+def entry(spec: dict[str, Any], warmed: bool = False) -> dict[str, Any]:
+    return {"spec": spec, "generation": 4, "uid": "u-1", "warmed": warmed}
+
+
+def test_missing_cache_admits_unchanged_with_warning() -> None:
+    answer = service.admit_pod(pod(), lookup(None))
+    assert answer.spec == {} and answer.annotations == {} and not answer.injected
+    assert answer.warnings == ["cachewarm: no CompilationCache 'llama' in namespace 'ml' "
+                               "(label cachewarm.dev/cache); pod admitted without the cache"]
+
+
+def test_injection_sets_env_and_annotation_without_gate_by_default() -> None:
+    answer = service.admit_pod(pod(), lookup(entry({**SPEC, "warmup": WARMUP})))
+    assert answer.injected and "schedulingGates" not in answer.spec
+    assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadWrite, gs://b-1/p)"}
+    assert answer.event is None and answer.warnings == []
+
+
+def test_wait_for_warm_gates_only_until_warmed_and_keeps_other_gates() -> None:
+    spec = {**SPEC, "warmup": WARMUP, "injection": {"waitForWarm": {"enabled": True}}}
+    cold = service.admit_pod(pod(schedulingGates=[{"name": "other"}]), lookup(entry(spec)))
+    assert cold.spec["schedulingGates"] == [{"name": "other"}, {"name": "cachewarm.dev/wait-for-warm"}]
+    assert "schedulingGates" not in service.admit_pod(pod(), lookup(entry(spec, warmed=True))).spec
+    no_warmup = {**SPEC, "injection": {"waitForWarm": {"enabled": True}}}
+    assert "schedulingGates" not in service.admit_pod(pod(), lookup(entry(no_warmup))).spec
+
+
+def test_kept_user_env_gives_a_warning_and_an_event_on_the_cache() -> None:
+    p = pod()
+    p["spec"]["containers"][0]["env"] = [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/local"}]
+    answer = service.admit_pod(p, lookup(entry(SPEC)))
+    assert answer.event is not None
+    ref, event = answer.event
+    assert ref["metadata"] == {"name": "llama", "namespace": "ml", "uid": "u-1"}
+    assert (event.type, event.reason) == ("Warning", "UserEnvKept")
+    assert event.message == "Pod trainer kept its own train/JAX_COMPILATION_CACHE_DIR"
+
+
+def test_poll_only_when_something_can_change() -> None:
+    warmup_spec = {**SPEC, "warmup": WARMUP}
+    done = {"observedGeneration": 2, "warmup": {"pools": [{"name": "a", "state": "Succeeded"}]},
+            "conditions": [{"type": "Warmed", "status": "True"}]}
+    assert not service.needs_poll(warmup_spec, done, 2)
+    assert service.needs_poll(warmup_spec, done, 3)  # a generation not yet observed
+    running = {**done, "warmup": {"pools": [{"name": "a", "state": "Running"}]}}
+    assert service.needs_poll(warmup_spec, running, 2)
+    assert not service.needs_poll(SPEC, {"observedGeneration": 2}, 2)
+    waiting = {**SPEC, "injection": {"waitForWarm": {"enabled": True}}}
+    assert service.needs_poll(waiting, {"observedGeneration": 2}, 2)
