@@ -20,6 +20,16 @@ GCS_LABEL_CACHE: Final = "cachewarm-cache"
 GCS_LABEL_NAMESPACE: Final = "cachewarm-namespace"
 
 FINALIZER: Final = f"{GROUP}/data-cleanup"
+# On pods the webhook injected: which cache, generation, mode and URL they got.
+INJECTED_ANNOTATION: Final = f"{GROUP}/injected"
+# Scheduling gate that holds opted-in pods until the cache is Warmed (waitForWarm).
+WAIT_GATE: Final = f"{GROUP}/wait-for-warm"
+# Set or change it on a CompilationCache to re-run its warmers.
+REWARM_ANNOTATION: Final = f"{GROUP}/rewarm"
+# Labels on warmer Jobs and their pods (never CACHE_LABEL: the webhook must not touch them).
+LABEL_WARMER_FOR: Final = f"{GROUP}/warmer-for"
+LABEL_POOL: Final = f"{GROUP}/pool"
+LABEL_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 
 # kopf keeps its progress and diff-base state under status.kopf (declared in the CRD, so
 # structural pruning keeps it); nothing goes into annotations of the user's object.
@@ -39,8 +49,10 @@ class Reason:
     """Machine-readable reasons on conditions and events (CamelCase, Kubernetes style)."""
 
     RECONCILED: Final = "Reconciled"
+    INVALID_SPEC: Final = "InvalidSpec"
+    PREFIX_IN_USE: Final = "PrefixInUse"
+    KUBERNETES_ERROR: Final = "KubernetesError"
     BUCKET_CREATED: Final = "BucketCreated"
-    BUCKET_ADOPTED: Final = "BucketAdopted"
     BUCKET_NOT_FOUND: Final = "BucketNotFound"
     LOCATION_MISMATCH: Final = "LocationMismatch"
     BUCKET_CONFIGURED: Final = "BucketConfigured"
@@ -54,6 +66,15 @@ class Reason:
     BUCKET_DELETED: Final = "BucketDeleted"
     BUCKET_KEPT: Final = "BucketKept"
     ENV_KEPT: Final = "UserEnvKept"
+    WARMER_CREATED: Final = "WarmerCreated"
+    WARMER_STOPPED: Final = "WarmerStopped"
+    WARMER_SUCCEEDED: Final = "WarmerSucceeded"
+    WARMER_FAILED: Final = "WarmerFailed"
+    WARMING: Final = "Warming"
+    WARMUP_FAILED: Final = "WarmupFailed"
+    CACHE_EMPTY: Final = "CacheEmpty"
+    WARMED: Final = "Warmed"
+    POD_RELEASED: Final = "PodReleased"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.

@@ -90,7 +90,7 @@ def reconcile_cache(
     try:
         cache = parse_spec(spec)
     except InvalidSpec as exc:
-        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, "InvalidSpec", str(exc))))
+        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.INVALID_SPEC, str(exc))))
         return Outcome(_status(status, generation, seen, injection, False, now), invalid=str(exc))
     events: list[Event] = []
     previous = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY)
@@ -99,9 +99,9 @@ def reconcile_cache(
     if older:
         message = (f"{cache.storage.gcs.url} is already the cache of {older[0][1]}/{older[0][2]}; "
                    "give this CompilationCache its own bucket or prefix")
-        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, "PrefixInUse", message)))
-        if previous is None or previous.get("reason") != "PrefixInUse":
-            events.append(Event("Warning", "PrefixInUse", message))
+        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE, message)))
+        if previous is None or previous.get("reason") != c.Reason.PREFIX_IN_USE:
+            events.append(Event("Warning", c.Reason.PREFIX_IN_USE, message))
         return Outcome(_status(status, generation, seen, injection, False, now), events)
     failure: Exception | None = None
     try:
@@ -117,7 +117,7 @@ def reconcile_cache(
         _warm(cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
               name=name, now=now)
     except kube.KubeError as exc:
-        events.append(Event("Warning", "KubernetesError", str(exc)))
+        events.append(Event("Warning", c.Reason.KUBERNETES_ERROR, str(exc)))
         failure = failure or exc
     return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now), events, failure)
 

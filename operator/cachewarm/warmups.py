@@ -23,7 +23,7 @@ from cachewarm.conditions import Cond
 from cachewarm.model import CacheSpec, Pool
 from cachewarm.reconcile import Event
 
-WAIT_GATE = f"{c.GROUP}/wait-for-warm"
+WAIT_GATE = c.WAIT_GATE
 ACTIVE_STATES = ("Pending", "Running")
 
 
@@ -128,7 +128,7 @@ def reconcile_warmup(
         if current is None and stale:
             for old in stale:
                 kube.delete_job(namespace, old["metadata"]["name"])
-                events.append(Event("Normal", "WarmerStopped",
+                events.append(Event("Normal", c.Reason.WARMER_STOPPED,
                                     f"Stopped warmer Job {old['metadata']['name']}: the program changed"))
             pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending"})
             continue
@@ -139,7 +139,7 @@ def reconcile_warmup(
             body = jobs.warmer_job(cache, cache_name=name, namespace=namespace, pool=pool, digest=digest,
                                    owner=owner, warmer_image=warmer_image)
             if kube.create(body):
-                events.append(Event("Normal", "WarmerCreated", f"Created warmer Job {job_name} for pool {pool.name}"))
+                events.append(Event("Normal", c.Reason.WARMER_CREATED, f"Created warmer Job {job_name} for pool {pool.name}"))
             pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending"})
             continue
         state = _job_state(current)
@@ -147,11 +147,11 @@ def reconcile_warmup(
         status = pool_status(job_name, pool, digest, current, summaries)
         if state != prev.get("state") or digest != prev.get("specHash"):
             if state == "Succeeded":
-                events.append(Event("Normal", "WarmerSucceeded",
+                events.append(Event("Normal", c.Reason.WARMER_SUCCEEDED,
                                     f"Warmer Job {job_name} finished: {status.get('entriesWritten', 0)} entries written, "
                                     f"{status.get('entriesFound', 0)} already cached"))
             elif state == "Failed":
-                events.append(Event("Warning", "WarmerFailed", f"Warmer Job {job_name} failed: {status['lastError']}"))
+                events.append(Event("Warning", c.Reason.WARMER_FAILED, f"Warmer Job {job_name} failed: {status['lastError']}"))
         pools.append(status)
     return WarmupOutcome(_warmed(pools, cache_entries), pools, events)
 
@@ -160,15 +160,15 @@ def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int) -> Cond:
     failed = [p for p in pools if p.get("state") == "Failed"]
     if failed:
         detail = "; ".join(f"{p['name']}: {p.get('lastError', 'failed')}" for p in failed)
-        return Cond(c.Condition.WARMED, False, "WarmupFailed", f"Warmer failed on {detail}"[:1000])
+        return Cond(c.Condition.WARMED, False, c.Reason.WARMUP_FAILED, f"Warmer failed on {detail}"[:1000])
     waiting = [p for p in pools if p.get("state") != "Succeeded"]
     if waiting:
         detail = ", ".join(f"{p['name']} {p.get('state')}" for p in waiting)
-        return Cond(c.Condition.WARMED, False, "Warming", f"Warming: {detail}")
+        return Cond(c.Condition.WARMED, False, c.Reason.WARMING, f"Warming: {detail}")
     if cache_entries == 0:
-        return Cond(c.Condition.WARMED, False, "CacheEmpty",
+        return Cond(c.Condition.WARMED, False, c.Reason.CACHE_EMPTY,
                     "Every warmer succeeded but the bucket holds no cache entries under the prefix")
-    return Cond(c.Condition.WARMED, True, "Warmed",
+    return Cond(c.Condition.WARMED, True, c.Reason.WARMED,
                 f"Every pool is warm; the cache holds {cache_entries} entries")
 
 
@@ -188,7 +188,7 @@ def release_waiting_pods(cache: CacheSpec, *, namespace: str, name: str, warmed:
         if warmed or timed_out:
             kube.remove_scheduling_gate(namespace, pod["metadata"]["name"], gates.index(WAIT_GATE), WAIT_GATE)
             why = "the cache is warm" if warmed else f"it waited {int(timeout.total_seconds())}s for the cache"
-            events.append(Event("Normal" if warmed else "Warning", "PodReleased",
+            events.append(Event("Normal" if warmed else "Warning", c.Reason.POD_RELEASED,
                                 f"Released pod {pod['metadata']['name']}: {why}"))
         else:
             waiting += 1

@@ -18,7 +18,7 @@ from cachewarm.model import CacheSpec
 # JAX writes an entry only when a compile took at least this long: a reader with this
 # threshold reads hits and never writes (verified with jax 0.10.2, no warnings).
 READ_ONLY_MIN_COMPILE_SECS = "1e9"
-INJECTED_ANNOTATION = f"{c.GROUP}/injected"
+INJECTED_ANNOTATION = c.INJECTED_ANNOTATION
 
 Role = Literal["pod", "warmer"]
 

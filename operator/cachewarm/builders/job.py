@@ -22,10 +22,10 @@ WARMER_FILE = f"{WARMER_DIR}/warm.py"
 # Where warmer_image/Dockerfile puts the file the init container copies.
 WARMER_SOURCE = "/opt/cachewarm/warm.py"
 COORDINATOR_PORT = 8476
-LABEL_WARMER_FOR = f"{c.GROUP}/warmer-for"
-LABEL_POOL = f"{c.GROUP}/pool"
-LABEL_SPEC_HASH = f"{c.GROUP}/spec-hash"
-ANNOTATION_REWARM = f"{c.GROUP}/rewarm"
+LABEL_WARMER_FOR = c.LABEL_WARMER_FOR
+LABEL_POOL = c.LABEL_POOL
+LABEL_SPEC_HASH = c.LABEL_SPEC_HASH
+ANNOTATION_REWARM = c.REWARM_ANNOTATION
 
 
 def spec_hash(cache: CacheSpec, pool: Pool, token: str = "") -> str:

@@ -16,6 +16,7 @@ import requests
 from google.api_core import exceptions as gexc
 from google.cloud import storage
 
+from cachewarm import constants as c
 from cachewarm.builders.bucket import BucketInfo
 
 T = TypeVar("T")
@@ -35,25 +36,25 @@ class GcsError(Exception):
 class GcsUnavailable(GcsError):
     """429, 5xx, a timeout or a broken connection: try again with backoff."""
 
-    reason = "GCSUnavailable"
+    reason = c.Reason.GCS_UNAVAILABLE
 
 
 class GcsForbidden(GcsError):
     """403/401 or missing credentials: the operator's identity lacks a permission."""
 
-    reason = "AccessDenied"
+    reason = c.Reason.ACCESS_DENIED
 
 
 class GcsConflict(GcsError):
     """409: e.g. the bucket name is taken by another project."""
 
-    reason = "BucketNameTaken"
+    reason = c.Reason.NAME_TAKEN
 
 
 class GcsNotFound(GcsError):
     """404 on something that must exist."""
 
-    reason = "BucketNotFound"
+    reason = c.Reason.BUCKET_NOT_FOUND
 
 
 @dataclass(frozen=True)
