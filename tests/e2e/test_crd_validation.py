@@ -107,6 +107,15 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
      "spec.injection.waitForWarm.timeoutSeconds"),
     ("min-entry-negative", with_change("spec.jax", {"minEntrySizeBytes": -1}), "spec.jax.minEntrySizeBytes"),
     ("spec-missing", with_change("spec", DELETE), "spec: Required value"),
+    ("gpu-type", with_change("spec.warmup.pools.0.accelerator.type", "NVIDIA H100"), "spec.warmup.pools[0].accelerator.type"),
+    ("tpu-type-missing", with_change("spec.warmup.pools.0", {"name": "v5p", "tpu": {"topology": "2x2x1"}}),
+     "spec.warmup.pools[0].tpu.type: Required value"),
+    ("resources-type", with_change("spec.warmup.pools.0.resources", {"limits": {"memory": [1]}}),
+     "spec.warmup.pools[0].resources.limits.memory"),
+    ("toleration-effect", with_change("spec.warmup.pools.0.tolerations", [{"key": "k", "effect": "Never"}]),
+     'supported values: "NoSchedule", "PreferNoSchedule", "NoExecute"'),
+    ("wait-enabled-type", with_change("spec.injection", {"waitForWarm": {"enabled": "yes"}}),
+     "spec.injection.waitForWarm.enabled: Invalid value"),
 ]
 
 
