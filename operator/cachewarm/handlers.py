@@ -90,9 +90,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     def caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status,
                uid: str | None, **_: Any) -> Any:
+        # Parsed here, once per change of the cache, not once per admitted pod.
         warmed = conditions.get(status.get("conditions"), c.Condition.WARMED)
-        return {(namespace, name): {"spec": dict(spec), "generation": int(meta.get("generation") or 0), "uid": uid,
-                                    "warmed": bool(warmed and warmed.get("status") == "True")}}
+        return {(namespace, name): service.index_entry(spec, generation=int(meta.get("generation") or 0), uid=uid,
+                                                       warmed=bool(warmed and warmed.get("status") == "True"))}
 
     def claims(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> Any:
         # Which caches use which bucket+prefix: two caches on one prefix would fight over

@@ -13,7 +13,7 @@ from typing import Any
 
 from cachewarm import constants as c
 from cachewarm.builders import bucket as b
-from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsNotFound
+from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden
 from cachewarm.conditions import Cond
 from cachewarm.model import GcsStorage
 
@@ -141,10 +141,7 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
     and it is then empty. Objects that are not JAX cache entries are never touched.
     Raises GcsError (the finalizer stays and the deletion is retried)."""
     events: list[Event] = []
-    try:
-        bucket = gcs.get_bucket(spec.bucket)
-    except GcsNotFound:
-        bucket = None
+    bucket = gcs.get_bucket(spec.bucket)  # None when it is gone
     if bucket is None:
         return [Event("Normal", c.Reason.DATA_DELETED, f"Bucket {spec.bucket} is already gone")]
     deleted = 0

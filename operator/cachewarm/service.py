@@ -171,6 +171,16 @@ def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any
     return delete_cache_data(gcs, cache.storage.gcs, namespace=namespace, name=name)
 
 
+def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool) -> dict[str, Any]:
+    """What the webhook needs of a cache, parsed once: the typed spec (or why it is invalid)."""
+    try:
+        cache: CacheSpec | None = parse_spec(spec)
+        error = ""
+    except InvalidSpec as exc:
+        cache, error = None, str(exc)
+    return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed}
+
+
 @dataclass
 class Admission:
     """The webhook's answer for one pod: fields to set, warnings, an event to post."""
@@ -195,7 +205,11 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Admission:
         out.warnings.append(f"cachewarm: no CompilationCache {cache_name!r} in namespace {namespace!r} "
                             f"(label {c.CACHE_LABEL}); pod admitted without the cache")
         return out
-    cache = parse_spec(entry["spec"])
+    cache: CacheSpec | None = entry["cache"]
+    if cache is None:
+        out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} is invalid ({entry['error']}); "
+                            "pod admitted without the cache")
+        return out
     result = inject_pod(pod, cache_name, entry["generation"], cache)
     if result.changed:
         out.spec["containers"] = result.containers

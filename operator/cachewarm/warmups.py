@@ -143,6 +143,9 @@ def reconcile_warmup(
             pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending"})
             continue
         state = _job_state(current)
+        if state not in ACTIVE_STATES and prev.get("job") == job_name and prev.get("state") == state:
+            pools.append(dict(prev))  # finished and already read: no need to list its pods again
+            continue
         summaries = read_summaries(kube.list_pods(namespace, f"job-name={job_name}")) if state not in ACTIVE_STATES else []
         status = pool_status(job_name, pool, digest, current, summaries)
         if state != prev.get("state") or digest != prev.get("specHash"):

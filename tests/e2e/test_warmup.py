@@ -193,6 +193,18 @@ def wait_ready(bed: Testbed, ns: str, name: str) -> None:
                what=f"{ns}/{name} Ready")
 
 
+def create_gated_setup(bed: Testbed, ns: str, cache: str, target: str, timeout: int, pod: str) -> dict[str, Any]:
+    """A cache with waitForWarm and the given warmup target, Ready, and a labelled pod
+    created right after; returns the pod manifest for reuse."""
+    bed.apply(warm_cache(cache, f"{cache}-{uuid.uuid4().hex[:8]}", {"targets": [target], "image": "test/targets:1"},
+                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": timeout}}), ns)
+    wait_ready(bed, ns, cache)
+    manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": {"cachewarm.dev/cache": cache}},
+                "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    assert bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(manifest)).returncode == 0
+    return manifest
+
+
 def gates(bed: Testbed, ns: str, pod: str) -> list[str]:
     return [g["name"] for g in ((bed.get_json("pod", pod, ns) or {}).get("spec") or {}).get("schedulingGates", [])]
 
@@ -201,13 +213,7 @@ def test_wait_for_warm_holds_pods_until_the_cache_is_warm(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:
     bed = controller_manager
-    bed.apply(warm_cache("gated", f"gate-{uuid.uuid4().hex[:8]}",
-                         {"targets": ["warm_targets:slow_targets"], "image": "test/targets:1"},
-                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}), namespace)
-    wait_ready(bed, namespace, "gated")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "waiter", "labels": {"cachewarm.dev/cache": "gated"}},
-           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
-    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    pod = create_gated_setup(bed, namespace, "gated", "warm_targets:slow_targets", 600, "waiter")
     assert gates(bed, namespace, "waiter") == ["cachewarm.dev/wait-for-warm"]
     assert conditions(bed.get_json("ccache", "gated", namespace))["Warmed"]["status"] == "False"
     wait_warmed(bed, namespace, "gated")
@@ -224,13 +230,7 @@ def test_wait_for_warm_gives_up_after_its_timeout(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:
     bed = controller_manager
-    bed.apply(warm_cache("slow", f"slow-{uuid.uuid4().hex[:8]}",
-                         {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"},
-                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 4}}), namespace)
-    wait_ready(bed, namespace, "slow")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "patient", "labels": {"cachewarm.dev/cache": "slow"}},
-           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
-    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    create_gated_setup(bed, namespace, "slow", "warm_targets:stuck_targets", 4, "patient")
     assert gates(bed, namespace, "patient") == ["cachewarm.dev/wait-for-warm"]
     operator.restart()  # the gate is released by whichever operator runs when the time is up
     eventually(lambda: gates(bed, namespace, "patient") == [], timeout=30, what="gate removed after the timeout")

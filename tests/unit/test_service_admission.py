@@ -20,7 +20,7 @@ def lookup(entry: dict[str, Any] | None) -> service.CacheLookup:
 
 
 def entry(spec: dict[str, Any], warmed: bool = False) -> dict[str, Any]:
-    return {"spec": spec, "generation": 4, "uid": "u-1", "warmed": warmed}
+    return service.index_entry(spec, generation=4, uid="u-1", warmed=warmed)
 
 
 def test_missing_cache_admits_unchanged_with_warning() -> None:
@@ -28,6 +28,12 @@ def test_missing_cache_admits_unchanged_with_warning() -> None:
     assert answer.spec == {} and answer.annotations == {} and not answer.injected
     assert answer.warnings == ["cachewarm: no CompilationCache 'llama' in namespace 'ml' "
                                "(label cachewarm.dev/cache); pod admitted without the cache"]
+
+
+def test_invalid_cache_admits_unchanged_with_the_reason() -> None:
+    answer = service.admit_pod(pod(), lookup(entry({"storage": {"gcs": {"location": "US"}}})))
+    assert answer.spec == {} and not answer.injected
+    assert "CompilationCache 'llama' is invalid (spec.storage.gcs.bucket: Field required)" in answer.warnings[0]
 
 
 def test_injection_sets_env_and_annotation_without_gate_by_default() -> None:

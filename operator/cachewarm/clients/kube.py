@@ -89,13 +89,17 @@ def _dict(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _list(call: Any, what: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+    try:
+        found = call(namespace, label_selector=selector)
+    except ApiException as exc:
+        raise KubeError(f"listing {what} in {namespace}: {exc.reason}", exc.status) from exc
+    return [_dict(item) for item in found.items]
+
+
 def list_jobs(namespace: str, selector: str) -> list[dict[str, Any]]:
     """Jobs matching a label selector, as plain dicts. Raises KubeError."""
-    try:
-        jobs = client.BatchV1Api().list_namespaced_job(namespace, label_selector=selector)
-    except ApiException as exc:
-        raise KubeError(f"listing Jobs in {namespace}: {exc.reason}", exc.status) from exc
-    return [_dict(j) for j in jobs.items]
+    return _list(client.BatchV1Api().list_namespaced_job, "Jobs", namespace, selector)
 
 
 def create(body: dict[str, Any]) -> bool:
@@ -129,11 +133,7 @@ def delete_job(namespace: str, name: str) -> None:
 
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     """Pods matching a label selector, as plain dicts. Raises KubeError."""
-    try:
-        pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=selector)
-    except ApiException as exc:
-        raise KubeError(f"listing Pods in {namespace}: {exc.reason}", exc.status) from exc
-    return [_dict(p) for p in pods.items]
+    return _list(client.CoreV1Api().list_namespaced_pod, "Pods", namespace, selector)
 
 
 def remove_scheduling_gate(namespace: str, name: str, index: int, gate: str) -> None:
