@@ -9,9 +9,7 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 FROM python:3.11-slim
 RUN useradd --uid 65532 --create-home --shell /usr/sbin/nologin cachewarm
 COPY --from=build /wheels /wheels
-# cachewarm.testbed is test tooling (local control plane, node agent): not shipped.
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
-    && rm -rf "$(python -c 'import cachewarm, os; print(os.path.dirname(cachewarm.__file__))')/testbed"
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 USER 65532:65532
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["cachewarm"]

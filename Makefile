@@ -13,10 +13,10 @@ PYTEST_ARGS ?=
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -e testbed
 	touch $@
 
 venv: $(VENV)/.installed ## Create .venv with the project and its test extras
@@ -34,10 +34,10 @@ lint: venv ## Type-check the package (mypy strict)
 	$(PY) -m mypy
 
 dev-up: venv bin ## Start the local control plane + GCS emulator in the background (.dev/env)
-	$(PY) -m cachewarm.testbed up .dev
+	$(PY) -m cachewarm_testbed up .dev
 
 dev-down: venv ## Stop what dev-up started
-	$(PY) -m cachewarm.testbed down .dev
+	$(PY) -m cachewarm_testbed down .dev
 
 demo: venv bin ## The main job: warm a cache on a local control plane, then train warm (demo-report.json)
 	$(PY) demo/run.py

@@ -95,7 +95,7 @@ def main() -> None:
             from google.auth.credentials import AnonymousCredentials
             from google.cloud import storage
 
-            from cachewarm.testbed.cluster import Testbed, exit_on_sigterm
+            from cachewarm_testbed.cluster import Testbed, exit_on_sigterm
 
             exit_on_sigterm()
 

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from kubernetes import client, config
 
-from cachewarm.testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
+from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
 
 
 def percentile(values: list[float], q: float) -> float:

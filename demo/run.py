@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually, exit_on_sigterm, repo_root
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, exit_on_sigterm, repo_root
 
 REPO = repo_root()
 NS = "demo"

@@ -1,4 +1,4 @@
-"""Fixtures shared by every test layer. Process lifecycles live in cachewarm.testbed;
+"""Fixtures shared by every test layer. Process lifecycles live in cachewarm_testbed;
 this file only wires them into pytest scopes."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, exit_on_sigterm, repo_root
-from cachewarm.testbed.gcsproxy import ProxyControl
-from cachewarm.testbed.processes import Proc
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, exit_on_sigterm, repo_root
+from cachewarm_testbed.gcsproxy import ProxyControl
+from cachewarm_testbed.processes import Proc
 
 REPO = repo_root()
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cachewarm.testbed.cluster import Testbed
-from cachewarm.testbed.processes import Proc
+from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,7 @@ def test_controller_manager_runs_jobs_into_pods(controller_manager: Testbed, nam
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachewarm.testbed", *args],
+        [sys.executable, "-m", "cachewarm_testbed", *args],
         cwd=cwd, capture_output=True, text=True, timeout=180, env=os.environ.copy(),
     )
 

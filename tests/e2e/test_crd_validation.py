@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cachewarm.testbed.cluster import Testbed
+from cachewarm_testbed.cluster import Testbed
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from google.cloud import storage
 
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually
-from cachewarm.testbed.gcsproxy import ProxyControl
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
+from cachewarm_testbed.gcsproxy import ProxyControl
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """The heart of cachewarm, end to end: the operator's warmer Job fills the bucket, the
 cache turns Warmed, and an ordinary training pod admitted through the webhook loads every
 warmed program from the cache and compiles none of its own. Pods run on the stand-in
-kubelet (cachewarm.testbed.nodeagent); Jobs, pods and status go through the real
+kubelet (cachewarm_testbed.nodeagent); Jobs, pods and status go through the real
 apiserver and kube-controller-manager."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import yaml
 from google.cloud import storage
 
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually
-from cachewarm.testbed.processes import Proc
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
+from cachewarm_testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
 

@@ -23,8 +23,8 @@ from google.cloud import storage
 
 from cachewarm.builders.injection import cache_env
 from cachewarm.model import parse_spec
-from cachewarm.testbed.cluster import OperatorHandle, Testbed, eventually
-from cachewarm.testbed.podrun import run_container
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
+from cachewarm_testbed.podrun import run_container
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachewarm.testbed.processes import Proc, StartError, start, wait_until
+from cachewarm_testbed.processes import Proc, StartError, start, wait_until
 
 pytestmark = pytest.mark.integration
 

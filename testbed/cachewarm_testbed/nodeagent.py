@@ -13,7 +13,7 @@ pods/status, so the real Job controller sees them finish. It is clearly not a ku
 - the termination message file is given to the container as $CACHEWARM_SUMMARY_FILE
   (a kubelet mounts /dev/termination-log instead).
 
-Run: python -m cachewarm.testbed.nodeagent --kubeconfig K --workdir D --image-map JSON
+Run: python -m cachewarm_testbed.nodeagent --kubeconfig K --workdir D --image-map JSON
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m cachewarm.testbed up|down|status DIR`: the local control plane in the background.
+"""`python -m cachewarm_testbed up|down|status DIR`: the local control plane in the background.
 
 `up` is idempotent: a healthy testbed in DIR is left running; a dead or half one is
 stopped and started anew. It writes DIR/kubeconfig and DIR/env (`export NAME=value`
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from cachewarm.testbed.cluster import Testbed
-from cachewarm.testbed.processes import StartError
+from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.processes import StartError
 
 
 @click.group()

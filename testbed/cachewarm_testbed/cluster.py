@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import yaml
 
 from cachewarm import certs
-from cachewarm.testbed.processes import Proc, StartError, free_port, start, wait_until
+from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
 
 T = TypeVar("T")
 
@@ -375,7 +375,7 @@ class Testbed:
         n = sum(1 for name in self.procs if name.startswith("nodeagent"))
         proc = start(
             f"nodeagent-{n}",
-            [sys.executable, "-m", "cachewarm.testbed.nodeagent", f"--kubeconfig={self.kubeconfig}",
+            [sys.executable, "-m", "cachewarm_testbed.nodeagent", f"--kubeconfig={self.kubeconfig}",
              f"--workdir={self.workdir / 'pods'}", f"--image-map={json.dumps(images)}",
              f"--node-labels={json.dumps(labels or {})}"],
             self.workdir / "logs" / f"nodeagent-{n}.log",
@@ -489,7 +489,7 @@ class Testbed:
         self.state.gcs_port = free_port()
         proxy = start(
             "gcs-proxy",
-            [sys.executable, "-m", "cachewarm.testbed.gcsproxy", f"--port={self.state.gcs_port}",
+            [sys.executable, "-m", "cachewarm_testbed.gcsproxy", f"--port={self.state.gcs_port}",
              f"--upstream={upstream}"],
             self.workdir / "logs" / "gcs-proxy.log",
         )

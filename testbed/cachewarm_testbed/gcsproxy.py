@@ -9,7 +9,7 @@ Faults: `POST /_proxy/faults` with a JSON list of rules makes matching requests 
 an HTTP status (429, 503, ...) or hang for a while, without reaching the emulator. `GET
 /_proxy/log` lists the requests that did reach it, so tests can count writes.
 
-Run: python -m cachewarm.testbed.gcsproxy --port P --upstream http://127.0.0.1:Q
+Run: python -m cachewarm_testbed.gcsproxy --port P --upstream http://127.0.0.1:Q
 """
 
 from __future__ import annotations
