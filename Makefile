@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 
 venv: $(VENV)/.installed ## Create .venv with the project and its test extras
 
-bin: ## Build etcd, kube-apiserver, kube-controller-manager, kubectl from Go modules (cached)
+bin: ## Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl from Go modules (cached)
 	hack/build-binaries.sh $(BIN_DIR)
 
 test: venv bin ## Run the whole suite: unit, integration, e2e

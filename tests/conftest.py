@@ -111,10 +111,14 @@ def operator(installed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="session")
 def node_agent(controller_manager: Testbed) -> Proc:
-    """The stand-in kubelet, for the warmer image and the demo training image."""
+    """kube-scheduler and the stand-in kubelet for simulated GKE nodes (a CPU node, an
+    a3-highgpu-8g H100 node, a v5e 2x4 host, a v5p 2x2x1 host and a two-host v5p 2x2x2
+    slice): the scheduler places pods, the agent runs what is bound to its nodes."""
     return controller_manager.start_node_agent(IMAGES)
 
 
+# Images the node agent knows: a local folder stands for each. Like a Dockerfile's ENV, an
+# image's `env` is all a container gets besides its own spec and the node's GCS endpoint.
 IMAGES = {
     "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(REPO / "operator" / "cachewarm" / "warmer.py")}},
     "demo/train:1": {"root": str(REPO / "demo"), "python": sys.executable},

@@ -4,7 +4,7 @@ module cachewarm.dev/hack/k8s
 
 go 1.26.0
 
-require k8s.io/kubernetes v1.36.3
+require k8s.io/kubernetes v1.36.3 // indirect
 
 require (
 	cel.dev/expr v0.25.1 // indirect
@@ -216,5 +216,6 @@ replace (
 tool (
 	k8s.io/kubernetes/cmd/kube-apiserver
 	k8s.io/kubernetes/cmd/kube-controller-manager
+	k8s.io/kubernetes/cmd/kube-scheduler
 	k8s.io/kubernetes/cmd/kubectl
 )

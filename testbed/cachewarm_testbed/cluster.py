@@ -24,27 +24,30 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import yaml
 
 from cachewarm import certs
+from cachewarm_testbed import nodes
 from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
 
 T = TypeVar("T")
 
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 ADMIN_USER = "cachewarm-testbed-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 # Controllers a test may need: Jobs make Pods, owner references are collected, namespaces
-# really go away, and every namespace gets its `default` ServiceAccount.
+# really go away, every namespace gets its `default` ServiceAccount, and nodes lose the
+# not-ready taint once their (simulated) kubelet reports Ready.
 CONTROLLERS = (
     "job-controller",
     "garbage-collector-controller",
     "namespace-controller",
     "serviceaccount-controller",
     "ttl-after-finished-controller",
+    "node-lifecycle-controller",
 )
 
 
@@ -79,7 +82,7 @@ def bin_dir() -> Path:
 
 
 def find_binaries() -> dict[str, Path]:
-    """Paths of etcd, kube-apiserver, kube-controller-manager and kubectl.
+    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl.
 
     Raises StartError naming the missing ones and the command that builds them.
     """
@@ -369,22 +372,77 @@ class Testbed:
         wait_until(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="live (/healthz)")
         return proc
 
-    def start_node_agent(self, images: dict[str, dict[str, Any]], labels: dict[str, str] | None = None) -> Proc:
-        """Start the stand-in kubelet (testbed.nodeagent) for pods whose images are in
-        `images`. Needs kube-controller-manager for Jobs to make pods."""
+    def start_scheduler(self) -> None:
+        """Add kube-scheduler (same version as the apiserver): pods are placed on nodes by
+        the real scheduler, with node selectors, taints and GPU/TPU capacity."""
+        if "kube-scheduler" in self.procs and self.procs["kube-scheduler"].alive():
+            return
+        bins = find_binaries()
+        port = free_port()
+        proc = start(
+            "kube-scheduler",
+            [
+                str(bins["kube-scheduler"]),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--cert-dir={self.workdir / 'pki' / 'scheduler'}",
+                "--v=1",
+            ],
+            self.workdir / "logs" / "kube-scheduler.log",
+        )
+        self._track(proc)
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE  # its own self-signed serving cert, on loopback
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", timeout=2, context=insecure) as resp:
+                return int(resp.status) == 200
+        wait_until(proc, healthy, timeout=60, what="healthy (/healthz)")
+        self.save()
+
+    def start_node_agent(self, images: dict[str, dict[str, Any]],
+                         node_specs: Sequence[nodes.NodeSpec] = nodes.DEFAULT_NODES) -> Proc:
+        """Start kube-scheduler (if needed) and the stand-in kubelet (cachewarm_testbed.nodeagent)
+        for simulated GKE nodes; return once every node is Ready. Pods on those nodes get the
+        env their spec resolves to, their image's env and the GCS endpoint (the node's
+        stand-in for GKE's metadata server), never this process's environment. Needs
+        kube-controller-manager for Jobs to make pods."""
+        self.start_scheduler()
         n = sum(1 for name in self.procs if name.startswith("nodeagent"))
+        node_env = {
+            "STORAGE_EMULATOR_HOST": self.storage_emulator_host,
+            # gcsfs 2026.x probes bucket types over gRPC first, which stalls ~60 s against
+            # an emulator.
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        }
         proc = start(
             f"nodeagent-{n}",
             [sys.executable, "-m", "cachewarm_testbed.nodeagent", f"--kubeconfig={self.kubeconfig}",
              f"--workdir={self.workdir / 'pods'}", f"--image-map={json.dumps(images)}",
-             f"--node-labels={json.dumps(labels or {})}"],
+             f"--nodes={json.dumps([spec.to_dict() for spec in node_specs])}",
+             f"--node-env={json.dumps(node_env)}"],
             self.workdir / "logs" / f"nodeagent-{n}.log",
             env={**os.environ, **self.env(), "PYTHONUNBUFFERED": "1"},
         )
-        self.procs[proc.name] = proc
-        wait_until(proc, lambda: self.kubectl_run("get", "node", "testbed-node").returncode == 0,
-                   timeout=30, what="registered (Node testbed-node)")
+        self._track(proc)
+        names = [spec.name for spec in node_specs]
+
+        def ready() -> bool:
+            out = self.kubectl_run("get", "nodes", *names, "-o",
+                                   "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Ready')].status}{' '}{end}")
+            return out.returncode == 0 and out.stdout.split() == ["True"] * len(names)
+        wait_until(proc, ready, timeout=30, what=f"registered ({', '.join(names)} Ready)")
+        self.save()
         return proc
+
+    def pod_log(self, namespace: str, name: str, container: str) -> str:
+        """What a container of a pod run by the node agent wrote (kubectl logs, in effect)."""
+        return (self.workdir / "pods" / namespace / name / f"{container}.log").read_text(errors="replace")
 
     # -- pieces --------------------------------------------------------------------------
 

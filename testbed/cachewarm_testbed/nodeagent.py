@@ -1,25 +1,48 @@
-"""Test tooling: a stand-in kubelet that runs pods as local processes.
+"""Test tooling: a stand-in kubelet for simulated GKE nodes, running pods as local processes.
 
-This machine has no container runtime, so nothing would ever run the Pods that Jobs
-create. The agent registers a Node, binds pending pods it is allowed to run (by label
-selector and nodeSelector), runs their init containers and containers one after another
-as local processes with the pod's env, and reports phase and container states through
-pods/status, so the real Job controller sees them finish. It is clearly not a kubelet:
+This machine has no container runtime for these tests, so the agent plays the kubelet of
+every node in `--nodes` (GKE-shaped Node objects from cachewarm_testbed.nodes). It never
+binds a pod: kube-scheduler places pods on those nodes (node selectors, taints, GPU/TPU
+capacity), and the agent runs only what is bound to its nodes. What it does like a kubelet:
 
-- an image is a local directory (`--image-map`): the working directory, path rewrites
-  for files the image would contain, and which python `python` means; pods with an
-  image that is not in the map are never taken;
-- volume mount paths in arguments are rewritten to per-pod directories;
-- the termination message file is given to the container as $CACHEWARM_SUMMARY_FILE
-  (a kubelet mounts /dev/termination-log instead).
+- registers the Nodes and keeps their status Ready, with capacity (nvidia.com/gpu,
+  google.com/tpu) as GKE reports it;
+- runs init containers one after another, then the containers at once; reports phase,
+  conditions, container states, pod and host IPs through pods/status;
+- gives a container exactly the env its spec resolves to (value, fieldRef, configMap and
+  secret refs, envFrom) on top of the image's own env (the image map's `env`, like
+  Dockerfile ENV) and the node's environment (`--node-env`: the GCS endpoint, standing in
+  for the metadata server a GKE node gives pods). The test runner's environment never
+  reaches a container, so a variable the operator forgets fails a test;
+- mounts, in the container's own mount namespace, a per-container file at
+  /dev/termination-log (read back as the termination message with the kubelet's limits and
+  FallbackToLogsOnError) and a per-pod /etc/hosts: the pod's own name, plus the records
+  cluster DNS would serve for headless Services in its namespace
+  (`<hostname>.<service>`, only for pods that are Ready or when the Service has
+  publishNotReadyAddresses);
+- stops the containers of a deleted pod and then removes the pod object, as a kubelet
+  confirms a deletion; a Job deleted with foreground propagation therefore goes away only
+  when its pods have really stopped.
 
-Run: python -m cachewarm_testbed.nodeagent --kubeconfig K --workdir D --image-map JSON
+What it is not (said here so no test leans on it): an image is a local directory
+(`--image-map`: working directory, path rewrites for files the image would contain, which
+python `python` means, and its env); pods of unknown images wait with ErrImageNeverPull;
+volume mount paths in arguments are rewritten to per-pod directories; every pod shares the
+host's network (pod IPs are loopback addresses, so two pods cannot listen on one port);
+JAX runs on the CPU where a GPU or TPU would be; containers are not restarted
+(restartPolicy is treated as Never); no probes run (a pod with a readinessProbe never turns
+Ready); resource limits are not enforced.
+
+Run: python -m cachewarm_testbed.nodeagent --kubeconfig K --workdir D --image-map JSON --nodes JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import shutil
@@ -27,178 +50,383 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-NODE = "testbed-node"
-MESSAGE_LIMIT = 4096
+from cachewarm_testbed.nodes import NodeSpec, node_object, node_status
+
+MESSAGE_LIMIT = 4096  # kubelet: at most 4096 bytes of a container's termination message
+FALLBACK_LINES = 80  # kubelet: FallbackToLogsOnError takes at most 80 lines or 2048 bytes
+FALLBACK_BYTES = 2048
+TERMINATION_LOG = "/dev/termination-log"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+KUBELET_VERSION = "v0.0.0-cachewarm-testbed"
+HEARTBEAT_SECONDS = 10.0
 
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def pod_ip(namespace: str, name: str) -> str:
+    """A loopback address for the pod, stable for its name (127.64.0.0/10, unused elsewhere)."""
+    digest = hashlib.sha256(f"{namespace}/{name}".encode()).digest()
+    return f"127.{64 + digest[0] % 64}.{digest[1]}.{max(1, digest[2] % 255)}"
+
+
+class ContainerConfigError(Exception):
+    """What a kubelet reports as CreateContainerConfigError."""
+
+
 class Agent:
-    def __init__(self, workdir: Path, images: dict[str, dict[str, Any]], selector: str, labels: dict[str, str],
-                 slots: int) -> None:
+    def __init__(self, workdir: Path, images: dict[str, dict[str, Any]], nodes: list[NodeSpec],
+                 node_env: dict[str, str]) -> None:
         self.workdir = workdir
         self.images = images
-        self.selector = selector
-        self.labels = labels
+        self.nodes = {n.name: n for n in nodes}
+        self.node_env = node_env
         self.api = client.CoreV1Api()
-        self.pool = ThreadPoolExecutor(slots)
-        self.taken: set[str] = set()
-        self.children: set[subprocess.Popen[bytes]] = set()
-        self.running: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+        self.taken: set[tuple[str, str]] = set()
+        self.procs: dict[tuple[str, str], list[subprocess.Popen[bytes]]] = {}
+        self.running: dict[tuple[str, str], Any] = {}  # pods whose containers may be alive: their /etc/hosts is kept
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.made_termination_log = False
 
-    def register_node(self) -> None:
-        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {
-            "kubernetes.io/hostname": NODE, "kubernetes.io/os": "linux", **self.labels}}}
-        try:
-            self.api.create_node(node)  # type: ignore[arg-type]
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
+    # -- nodes ---------------------------------------------------------------------------
 
-    def fits(self, pod: Any) -> bool:
-        """Only pods whose every image is mapped to a local directory, whose nodeSelector the
-        node satisfies, and that no scheduling gate holds."""
-        wanted = pod.spec.node_selector or {}
-        images = [c.image for c in [*(pod.spec.init_containers or []), *pod.spec.containers]]
-        return (all(image in self.images for image in images)
-                and all(self.labels.get(k) == v for k, v in wanted.items())
-                and not pod.spec.scheduling_gates)
+    def register_nodes(self) -> None:
+        for spec in self.nodes.values():
+            body = node_object(spec)
+            try:
+                self.api.create_node(body)  # type: ignore[arg-type]
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                self.api.patch_node(spec.name, {"metadata": {"labels": body["metadata"]["labels"]},
+                                                "spec": body["spec"] or {"taints": None}})
+            self.heartbeat(spec)
+
+    def heartbeat(self, spec: NodeSpec) -> None:
+        self.api.patch_node_status(spec.name, {"status": node_status(spec, now=now(), kubelet_version=KUBELET_VERSION)})
+
+    def heartbeats(self) -> None:
+        while not self.stopping.wait(HEARTBEAT_SECONDS):
+            for spec in self.nodes.values():
+                try:
+                    self.heartbeat(spec)
+                except Exception as exc:  # noqa: BLE001 - the next beat retries
+                    print(f"nodeagent: heartbeat of {spec.name} failed: {exc}", flush=True)
+
+    # -- the pod loop --------------------------------------------------------------------
 
     def loop(self) -> None:
         while not self.stopping.is_set():
             try:
-                pods = self.api.list_pod_for_all_namespaces(label_selector=self.selector,
-                                                            field_selector="spec.nodeName=").items
+                pods = [p for p in self.api.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items
+                        if p.spec.node_name in self.nodes]
             except Exception as exc:  # noqa: BLE001 - keep polling through apiserver hiccups
                 print(f"nodeagent: listing pods failed: {exc}", flush=True)
-                pods = []
-            pod: Any
-            for pod in pods:
-                key = f"{pod.metadata.namespace}/{pod.metadata.name}"
-                if key in self.taken or not self.fits(pod) or pod.metadata.deletion_timestamp:
-                    continue
-                self.taken.add(key)
-                self.pool.submit(self.run_pod, pod)
-            self.reap_deleted()
+                self.stopping.wait(1.0)
+                continue
+            present = {(p.metadata.namespace, p.metadata.name): p for p in pods}
+            for key, pod in present.items():
+                if pod.metadata.deletion_timestamp is not None:
+                    self.finalize(key, pod)
+                elif key not in self.taken and pod.status.phase not in ("Succeeded", "Failed"):
+                    self.taken.add(key)
+                    threading.Thread(target=self.run_pod, args=(pod,), daemon=True).start()
+            for key in list(self.procs):
+                if key not in present:
+                    self.kill(key)
+            self.update_dns(pods)
             self.stopping.wait(0.5)
 
-    def reap_deleted(self) -> None:
-        """Like a kubelet, stop the containers of pods that were deleted (e.g. a stale
-        warmer Job the operator removed)."""
+    def kill(self, key: tuple[str, str]) -> None:
+        with self.lock:
+            procs = list(self.procs.get(key, []))
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def finalize(self, key: tuple[str, str], pod: Any) -> None:
+        """A deleted pod: stop its containers, then remove the object (grace period 0), as
+        a kubelet confirms that the pod is gone."""
+        self.kill(key)
+        with self.lock:
+            alive = any(p.poll() is None for p in self.procs.get(key, []))
+        if alive:
+            return
+        with contextlib.suppress(ApiException):
+            self.api.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0,
+                                           body=client.V1DeleteOptions(grace_period_seconds=0,
+                                                                       preconditions=client.V1Preconditions(
+                                                                           uid=pod.metadata.uid)))
+            print(f"nodeagent: {key[0]}/{key[1]} stopped and removed", flush=True)
+
+    # -- cluster DNS stand-in ------------------------------------------------------------
+
+    def update_dns(self, pods: list[Any]) -> None:
+        """Rewrite (in place: the file is bind-mounted) the /etc/hosts of every pod whose
+        containers run, with the headless-Service records of its namespace."""
         with self.lock:
             running = dict(self.running)
-        for (ns, name), proc in running.items():
+        if not running:
+            return
+        namespaces = {ns for ns, _ in running}
+        records: dict[str, list[str]] = {ns: [] for ns in namespaces}
+        for ns in namespaces:
             try:
-                pod = self.api.read_namespaced_pod(name, ns)
-                gone = pod.metadata is not None and pod.metadata.deletion_timestamp is not None
-            except ApiException as exc:
-                gone = exc.status == 404
-            except Exception:  # noqa: BLE001
-                gone = False
-            if gone:
-                print(f"nodeagent: {ns}/{name} was deleted; stopping it", flush=True)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                services = self.api.list_namespaced_service(ns).items
+            except Exception:  # noqa: BLE001 - keep the old records until the next round
+                continue
+            for svc in services:
+                if svc.spec.cluster_ip != "None" or not svc.spec.selector:
+                    continue
+                for pod in pods:
+                    if (pod.metadata.namespace != ns or pod.spec.subdomain != svc.metadata.name
+                            or not pod.spec.hostname or (pod.metadata.namespace, pod.metadata.name) not in running):
+                        continue
+                    labels = pod.metadata.labels or {}
+                    if any(labels.get(k) != v for k, v in svc.spec.selector.items()):
+                        continue
+                    ready = running[(pod.metadata.namespace, pod.metadata.name)].get("ready", False)
+                    if not ready and not svc.spec.publish_not_ready_addresses:
+                        continue
+                    ip = pod_ip(pod.metadata.namespace, pod.metadata.name)
+                    base = f"{pod.spec.hostname}.{svc.metadata.name}"
+                    records[ns].append(f"{ip}\t{base} {base}.{ns} {base}.{ns}.svc {base}.{ns}.svc.cluster.local")
+        for (ns, name), info in running.items():
+            text = info["own"] + "# cluster DNS records (cachewarm testbed)\n" + "".join(
+                f"{r}\n" for r in sorted(records.get(ns, [])))
+            path: Path = info["hosts"]
+            if info.get("text") != text:
+                with open(path, "r+") as out:  # in place: containers see the same inode
+                    out.truncate(0)
+                    out.write(text)
+                info["text"] = text
 
-    def bind(self, pod: Any) -> None:
-        body = client.V1Binding(metadata=client.V1ObjectMeta(name=pod.metadata.name),
-                                target=client.V1ObjectReference(kind="Node", name=NODE))
-        self.api.create_namespaced_binding(pod.metadata.namespace, body, _preload_content=False)
+    # -- running a pod -------------------------------------------------------------------
 
     def status(self, pod: Any, body: dict[str, Any]) -> None:
         self.api.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {"status": body})
 
     def run_pod(self, pod: Any) -> None:
-        name, ns = pod.metadata.name, pod.metadata.namespace
-        root = self.workdir / ns / name
+        key = (pod.metadata.namespace, pod.metadata.name)
+        root = self.workdir / key[0] / key[1]
         shutil.rmtree(root, ignore_errors=True)
         (root / "volumes").mkdir(parents=True)
+        node = self.nodes[pod.spec.node_name]
+        ip = pod_ip(*key)
+        hostname = pod.spec.hostname or pod.metadata.name
+        own = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+        own += (f"{ip}\t{hostname}.{pod.spec.subdomain}.{key[0]}.svc.cluster.local\t{hostname}\n"
+                if pod.spec.subdomain else f"{ip}\t{hostname}\n")
+        hosts = root / "etc-hosts"
+        hosts.write_text(own)
+        started = now()
+        base = {"hostIP": node.address, "podIP": ip, "podIPs": [{"ip": ip}], "startTime": started}
         try:
-            self.bind(pod)
-            started = now()
-            self.status(pod, {"phase": "Pending", "startTime": started, "hostIP": "127.0.0.1",
-                              "podIP": "127.0.0.1", "conditions": [
-                                  {"type": "PodScheduled", "status": "True", "lastTransitionTime": started}]})
-            for init in pod.spec.init_containers or []:
-                code, _, _ = self.run_container(pod, init, root)
-                if code != 0:
-                    self.finish(pod, "Failed", [], f"init container {init.name} exited {code}")
-                    return
-            states = []
-            failed = False
-            self.status(pod, {"phase": "Running", "containerStatuses": [
-                {"name": c.name, "image": c.image, "imageID": "", "ready": True, "restartCount": 0,
-                 "state": {"running": {"startedAt": now()}}} for c in pod.spec.containers]})
-            for container in pod.spec.containers:
-                t0 = now()
-                code, message, _ = self.run_container(pod, container, root)
-                failed |= code != 0
-                states.append({"name": container.name, "image": container.image, "imageID": "", "ready": False,
-                               "restartCount": 0, "state": {"terminated": {
-                                   "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                   "message": message, "startedAt": t0, "finishedAt": now()}}})
-            self.finish(pod, "Failed" if failed else "Succeeded", states, "")
-        except Exception as exc:  # noqa: BLE001 - report, do not die
-            print(f"nodeagent: running {ns}/{name} failed: {exc!r}", flush=True)
+            missing = [c.image for c in [*(pod.spec.init_containers or []), *pod.spec.containers]
+                       if c.image not in self.images]
+            if missing:
+                self.waiting(pod, base, "ErrImageNeverPull",
+                             f'Container image "{missing[0]}" is not present with pull policy of Never')
+                return
             try:
-                self.finish(pod, "Failed", [], f"node agent error: {exc}")
-            except Exception:  # noqa: BLE001
-                pass
+                plans = {c.name: self.plan(pod, c, root, hostname) for c in
+                         [*(pod.spec.init_containers or []), *pod.spec.containers]}
+            except ContainerConfigError as exc:
+                self.waiting(pod, base, "CreateContainerConfigError", str(exc))
+                return
+            with self.lock:
+                self.running[key] = {"hosts": hosts, "own": own, "ready": False}
+            self.status(pod, {**base, "phase": "Pending", "conditions": [
+                {"type": "PodReadyToStartContainers", "status": "True", "lastTransitionTime": started},
+                {"type": "Initialized", "status": "False", "reason": "ContainersNotInitialized",
+                 "lastTransitionTime": started}]})
+            for init in pod.spec.init_containers or []:
+                code, message = self.run_container(key, plans[init.name], init)
+                if code != 0:
+                    self.finish(pod, base, [], f"init container {init.name} exited {code}",
+                                init_state=self.terminated(init, code, message, started))
+                    return
+            ready = not any(c.readiness_probe for c in pod.spec.containers)
+            t0 = now()
+            with self.lock:
+                self.running[key]["ready"] = ready
+            self.status(pod, {**base, "phase": "Running", "conditions": self.conditions(t0, ready),
+                              "containerStatuses": [
+                                  {"name": c.name, "image": c.image, "imageID": "", "ready": ready, "restartCount": 0,
+                                   "started": True, "state": {"running": {"startedAt": t0}}}
+                                  for c in pod.spec.containers]})
+            results: dict[str, tuple[int, str]] = {}
+            threads = [threading.Thread(target=lambda c=c: results.__setitem__(
+                c.name, self.run_container(key, plans[c.name], c))) for c in pod.spec.containers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            states = [self.terminated(c, *results[c.name], t0) for c in pod.spec.containers]
+            failed = any(code != 0 for code, _ in results.values())
+            self.finish(pod, base, states, "", phase="Failed" if failed else "Succeeded")
+        except Exception as exc:  # noqa: BLE001 - report, do not die
+            print(f"nodeagent: running {key[0]}/{key[1]} failed: {exc!r}", flush=True)
+            with contextlib.suppress(Exception):
+                self.finish(pod, base, [], f"node agent error: {exc}")
+        finally:
+            with self.lock:
+                self.running.pop(key, None)
 
-    def finish(self, pod: Any, phase: str, states: list[dict[str, Any]], message: str) -> None:
-        body: dict[str, Any] = {"phase": phase, "containerStatuses": states}
+    @staticmethod
+    def conditions(at: str, ready: bool) -> list[dict[str, Any]]:
+        flag = "True" if ready else "False"
+        return [{"type": t, "status": s, "lastTransitionTime": at} for t, s in (
+            ("PodReadyToStartContainers", "True"), ("Initialized", "True"), ("ContainersReady", flag),
+            ("Ready", flag))]
+
+    @staticmethod
+    def terminated(container: Any, code: int, message: str, started: str) -> dict[str, Any]:
+        term: dict[str, Any] = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                "startedAt": started, "finishedAt": now()}
+        if message:
+            term["message"] = message
+        return {"name": container.name, "image": container.image, "imageID": "", "ready": False,
+                "restartCount": 0, "started": False, "state": {"terminated": term}}
+
+    def waiting(self, pod: Any, base: dict[str, Any], reason: str, message: str) -> None:
+        print(f"nodeagent: {pod.metadata.namespace}/{pod.metadata.name} waits: {reason}: {message}", flush=True)
+        self.status(pod, {**base, "phase": "Pending", "containerStatuses": [
+            {"name": c.name, "image": c.image, "imageID": "", "ready": False, "restartCount": 0,
+             "state": {"waiting": {"reason": reason, "message": message}}} for c in pod.spec.containers]})
+
+    def finish(self, pod: Any, base: dict[str, Any], states: list[dict[str, Any]], message: str,
+               phase: str = "Failed", init_state: dict[str, Any] | None = None) -> None:
+        body: dict[str, Any] = {**base, "phase": phase, "containerStatuses": states,
+                                "conditions": self.conditions(now(), False)}
+        if init_state is not None:
+            body["initContainerStatuses"] = [init_state]
         if message:
             body["message"] = message
         self.status(pod, body)
-        print(f"nodeagent: {pod.metadata.namespace}/{pod.metadata.name} {phase}", flush=True)
+        print(f"nodeagent: {pod.metadata.namespace}/{pod.metadata.name} {phase} on {pod.spec.node_name}", flush=True)
 
-    def env_of(self, pod: Any, container: Any, summary: Path) -> dict[str, str]:
-        env = dict(os.environ)
+    # -- one container -------------------------------------------------------------------
+
+    def plan(self, pod: Any, container: Any, root: Path, hostname: str) -> dict[str, Any]:
+        if (container.termination_message_path or TERMINATION_LOG) != TERMINATION_LOG:
+            raise ContainerConfigError(f"container {container.name}: the node agent supports only "
+                                       f"terminationMessagePath {TERMINATION_LOG}")
+        argv, cwd = self.argv_of(container, root)
+        image = self.images[container.image]
+        # containerd sets PATH and HOME when the image does not; the kubelet sets HOSTNAME.
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **image.get("env", {}), "HOSTNAME": hostname, **self.node_env,
+               **self.env_of(pod, container)}
+        return {"argv": argv, "cwd": cwd, "env": env, "root": root, "policy": container.termination_message_policy}
+
+    def run_container(self, key: tuple[str, str], plan: dict[str, Any], container: Any) -> tuple[int, str]:
+        root: Path = plan["root"]
+        message_file = root / f"{container.name}.termination-log"
+        message_file.write_text("")
+        log = root / f"{container.name}.log"
+        # A private mount namespace: our /etc/hosts and termination-log file, nothing else.
+        wrapper = ["/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                   'mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && shift 3 && exec "$@"',
+                   "sh", str(root / "etc-hosts"), str(message_file), TERMINATION_LOG, *plan["argv"]]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(wrapper, cwd=plan["cwd"], env=plan["env"], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            with self.lock:
+                self.procs.setdefault(key, []).append(proc)
+            code = proc.wait()
+        with self.lock:
+            self.procs[key].remove(proc)
+            if not self.procs[key]:
+                del self.procs[key]
+        message = message_file.read_bytes()[:MESSAGE_LIMIT].decode(errors="replace")
+        if not message and code != 0 and plan["policy"] == "FallbackToLogsOnError":
+            lines = log.read_bytes().decode(errors="replace").splitlines()[-FALLBACK_LINES:]
+            message = "\n".join(lines).encode()[-FALLBACK_BYTES:].decode(errors="replace")
+        return code, message
+
+    def env_of(self, pod: Any, container: Any) -> dict[str, str]:
+        """The container's env as a kubelet resolves it: envFrom first, then env (later
+        entries win). Raises ContainerConfigError for a reference that cannot be resolved."""
+        ns = pod.metadata.namespace
+        env: dict[str, str] = {}
+        for source in container.env_from or []:
+            data = (self.configmap(ns, source.config_map_ref.name, source.config_map_ref.optional)
+                    if source.config_map_ref else self.secret(ns, source.secret_ref.name, source.secret_ref.optional))
+            env.update({f"{source.prefix or ''}{k}": v for k, v in data.items()})
         for var in container.env or []:
-            if var.value is not None:
-                env[var.name] = var.value
-            elif var.value_from is not None and var.value_from.field_ref is not None:
-                env[var.name] = self.field(pod, var.value_from.field_ref.field_path)
+            if var.value_from is None:
+                env[var.name] = var.value or ""
+                continue
+            ref = var.value_from
+            if ref.field_ref is not None:
+                env[var.name] = self.field(pod, ref.field_ref.field_path)
+            elif ref.config_map_key_ref is not None:
+                r = ref.config_map_key_ref
+                data = self.configmap(ns, r.name, r.optional)
+                if r.key not in data and not r.optional:
+                    raise ContainerConfigError(f"couldn't find key {r.key} in ConfigMap {ns}/{r.name}")
+                if r.key in data:
+                    env[var.name] = data[r.key]
+            elif ref.secret_key_ref is not None:
+                r = ref.secret_key_ref
+                data = self.secret(ns, r.name, r.optional)
+                if r.key not in data and not r.optional:
+                    raise ContainerConfigError(f"couldn't find key {r.key} in Secret {ns}/{r.name}")
+                if r.key in data:
+                    env[var.name] = data[r.key]
             else:
-                raise ValueError(f"env {var.name}: only value and fieldRef are supported by the node agent")
-        env["CACHEWARM_SUMMARY_FILE"] = str(summary)
+                raise ContainerConfigError(f"env {var.name}: resourceFieldRef is not supported by the node agent")
         return env
+
+    def configmap(self, ns: str, name: str, optional: bool | None) -> dict[str, str]:
+        try:
+            return dict(self.api.read_namespaced_config_map(name, ns).data or {})
+        except ApiException as exc:
+            if exc.status == 404 and optional:
+                return {}
+            raise ContainerConfigError(f'configmap "{name}" not found') from exc
+
+    def secret(self, ns: str, name: str, optional: bool | None) -> dict[str, str]:
+        try:
+            data = self.api.read_namespaced_secret(name, ns).data or {}
+        except ApiException as exc:
+            if exc.status == 404 and optional:
+                return {}
+            raise ContainerConfigError(f'secret "{name}" not found') from exc
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
 
     @staticmethod
     def field(pod: Any, path: str) -> str:
-        if path == "metadata.name":
-            return str(pod.metadata.name)
-        if path == "metadata.namespace":
-            return str(pod.metadata.namespace)
-        if path.startswith("metadata.annotations['") and path.endswith("']"):
-            return str((pod.metadata.annotations or {}).get(path[len("metadata.annotations['"):-2], ""))
-        if path.startswith("metadata.labels['") and path.endswith("']"):
-            return str((pod.metadata.labels or {}).get(path[len("metadata.labels['"):-2], ""))
-        raise ValueError(f"fieldRef {path} is not supported by the node agent")
+        simple = {"metadata.name": pod.metadata.name, "metadata.namespace": pod.metadata.namespace,
+                  "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name,
+                  "spec.serviceAccountName": pod.spec.service_account_name,
+                  "status.podIP": pod_ip(pod.metadata.namespace, pod.metadata.name)}
+        if path in simple:
+            return str(simple[path] or "")
+        for prefix, values in (("metadata.annotations", pod.metadata.annotations),
+                               ("metadata.labels", pod.metadata.labels)):
+            if path.startswith(f"{prefix}['") and path.endswith("']"):
+                return str((values or {}).get(path[len(prefix) + 2:-2], ""))
+        raise ContainerConfigError(f"fieldRef {path} is not supported by the node agent")
 
     def argv_of(self, container: Any, root: Path) -> tuple[list[str], Path]:
-        image = self.images.get(container.image, {})
+        image = self.images[container.image]
         rewrites: dict[str, str] = dict(image.get("paths", {}))
         for mount in container.volume_mounts or []:
             rewrites[mount.mount_path] = str(root / "volumes" / mount.name)
             (root / "volumes" / mount.name).mkdir(parents=True, exist_ok=True)
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
-            raise ValueError(f"container {container.name} has no command; the node agent cannot run image defaults")
+            raise ContainerConfigError(f"container {container.name} has no command; the node agent cannot run "
+                                       "image defaults")
         out = []
         for arg in argv:
             for path, local in sorted(rewrites.items(), key=lambda kv: -len(kv[0])):
@@ -213,60 +441,47 @@ class Agent:
             cwd = Path(rewrites.get(container.working_dir, str(cwd)))
         return out, cwd
 
-    def run_container(self, pod: Any, container: Any, root: Path) -> tuple[int, str, Path]:
-        summary = root / f"{container.name}.termination-log"
-        log = root / f"{container.name}.log"
-        argv, cwd = self.argv_of(container, root)
-        env = self.env_of(pod, container, summary)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            key = (pod.metadata.namespace, pod.metadata.name)
-            with self.lock:
-                self.children.add(proc)
-                self.running[key] = proc
-            deadline = pod.spec.active_deadline_seconds
-            try:
-                code = proc.wait(timeout=deadline)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                code = proc.wait()
-            finally:
-                with self.lock:
-                    self.children.discard(proc)
-                    self.running.pop(key, None)
-        message = summary.read_text(errors="replace")[:MESSAGE_LIMIT] if summary.exists() else ""
-        if not message and code != 0 and container.termination_message_policy == "FallbackToLogsOnError":
-            message = "\n".join(log.read_text(errors="replace").splitlines()[-80:])[-MESSAGE_LIMIT:]
-        return code, message, log
+    # -- start and stop ------------------------------------------------------------------
+
+    def prepare_host(self) -> None:
+        """The bind-mount target for termination messages; removed again at stop."""
+        if not os.path.exists(TERMINATION_LOG):
+            Path(TERMINATION_LOG).touch()
+            self.made_termination_log = True
 
     def stop(self, *_: Any) -> None:
         self.stopping.set()
-        with self.lock:
-            for proc in list(self.children):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for key in list(self.procs):
+            self.kill(key)
+
+    def cleanup(self) -> None:
+        if self.made_termination_log:
+            with contextlib.suppress(OSError):
+                os.unlink(TERMINATION_LOG)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--image-map", default="{}", help="JSON: image -> {root, paths, python}")
-    parser.add_argument("--selector", default="", help="label selector of the pods this agent may run")
-    parser.add_argument("--node-labels", default="{}", help="JSON labels of the agent's Node")
-    parser.add_argument("--slots", type=int, default=4, help="pods run at once")
+    parser.add_argument("--image-map", default="{}", help="JSON: image -> {root, paths, python, env}")
+    parser.add_argument("--nodes", required=True, help="JSON list of {name, pool, machine, topology, address}")
+    parser.add_argument("--node-env", default="{}", help="JSON env every container on these nodes gets")
     args = parser.parse_args()
     config.load_kube_config(args.kubeconfig)  # type: ignore[no-untyped-call]
-    agent = Agent(args.workdir, json.loads(args.image_map), args.selector, json.loads(args.node_labels), args.slots)
+    nodes = [NodeSpec(**n) for n in json.loads(args.nodes)]
+    agent = Agent(args.workdir, json.loads(args.image_map), nodes, json.loads(args.node_env))
     signal.signal(signal.SIGTERM, agent.stop)
     signal.signal(signal.SIGINT, agent.stop)
-    agent.register_node()
-    print(f"nodeagent: running pods matching {args.selector!r} on node {NODE}", flush=True)
-    agent.loop()
-    agent.pool.shutdown(wait=False, cancel_futures=True)
+    agent.prepare_host()
+    try:
+        agent.register_nodes()
+        threading.Thread(target=agent.heartbeats, daemon=True).start()
+        print(f"nodeagent: running pods bound to {', '.join(agent.nodes)}", flush=True)
+        agent.loop()
+    finally:
+        agent.stop()
+        agent.cleanup()
     sys.exit(0)
 
 
