@@ -30,6 +30,11 @@ REWARM_ANNOTATION: Final = f"{GROUP}/rewarm"
 LABEL_WARMER_FOR: Final = f"{GROUP}/warmer-for"
 LABEL_POOL: Final = f"{GROUP}/pool"
 LABEL_SPEC_HASH: Final = f"{GROUP}/spec-hash"
+# On warmer Jobs: metadata.generation of the CompilationCache whose spec built the Job. A
+# reconcile holding an older spec never deletes, nor adds beside, a Job of a newer one.
+GENERATION_ANNOTATION: Final = f"{GROUP}/generation"
+# Labels the Job controller puts on the pods of a Job (read, never written by us).
+JOB_NAME_LABEL: Final = "job-name"
 
 # kopf keeps its progress and diff-base state under status.kopf (declared in the CRD, so
 # structural pruning keeps it); nothing goes into annotations of the user's object.
@@ -75,6 +80,16 @@ class Reason:
     CACHE_EMPTY: Final = "CacheEmpty"
     WARMED: Final = "Warmed"
     POD_RELEASED: Final = "PodReleased"
+    # A tpu pool whose type and topology the shape table does not know (and no hosts or
+    # chipsPerHost override), or overrides that do not fit the topology.
+    UNKNOWN_TPU_SHAPE: Final = "UnknownTpuShape"
+    INVALID_TPU_SHAPE: Final = "InvalidTpuShape"
+    # A warmer pod the scheduler cannot place (PodScheduled=False, reason Unschedulable).
+    UNSCHEDULABLE: Final = "Unschedulable"
+    # An object the operator built was refused by the client library before it was sent.
+    INVALID_OBJECT: Final = "InvalidObject"
+    # A step failed in a way nothing else names (a bug, or a library raising the unexpected).
+    RECONCILE_ERROR: Final = "ReconcileError"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.
@@ -82,3 +97,8 @@ ENV_CACHE_DIR: Final = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_COMPILE_TIME: Final = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 ENV_MIN_ENTRY_SIZE: Final = "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"
 ENV_ENABLE_XLA_CACHES: Final = "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"
+# Multi-host warmers: where process 0's coordinator listens, how many processes, and this
+# process's index (jax.distributed.initialize arguments; see README "Multi-host warmers").
+ENV_COORDINATOR_ADDRESS: Final = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES: Final = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID: Final = "JAX_PROCESS_ID"

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
+import threading
 from typing import Any
 
 import kopf
@@ -43,16 +44,35 @@ def _claims(index: kopf.Index[Any, Any] | None) -> service.ClaimLookup:
     return lambda bucket, prefix: list(index.get((bucket, prefix), [])) if index is not None else []
 
 
+class CacheLocks:
+    """One lock per CompilationCache. kopf runs an object's timers and change handlers
+    concurrently (sync handlers in threads); two reconciles of one cache at once could
+    each decide the pool has no warmer and start one. Held for a whole reconcile."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def of(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     """Register every handler of the operator into `registry`."""
 
+    def init_memo(memo: Any, **_: Any) -> None:
+        # Before any per-object memo is copied from the global one, so all share it.
+        memo.locks = CacheLocks()
+
     def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
                   namespace: str | None, name: str, memo: Any, kwargs: dict[str, Any]) -> service.Outcome:
-        outcome = service.reconcile_cache(
-            gcs=memo.gcs, warmer_image=settings.warmer_image, injections=memo.injections, spec=spec, meta=meta,
-            status=status, namespace=namespace or "", name=name, claims=_claims(kwargs.get("claims")),
-            now=dt.datetime.now(dt.timezone.utc),
-        )
+        with memo.locks.of(namespace or "", name):
+            outcome = service.reconcile_cache(
+                gcs=memo.gcs, warmer_image=settings.warmer_image, injections=memo.injections, spec=spec, meta=meta,
+                status=status, namespace=namespace or "", name=name, claims=_claims(kwargs.get("claims")),
+                now=dt.datetime.now(dt.timezone.utc),
+            )
         for key, value in outcome.status.items():
             patch.status[key] = value
         _post(body, outcome.events)
@@ -127,6 +147,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
             memo.injections.record(str(meta.get("namespace") or ""), str(meta["labels"][c.CACHE_LABEL]),
                                    dt.datetime.now(dt.timezone.utc))
 
+    kopf.on.startup(registry=registry)(init_memo)
     kopf.on.resume(*RESOURCE, id="reconcile", registry=registry)(on_change)
     kopf.on.create(*RESOURCE, id="reconcile", registry=registry)(on_change)
     kopf.on.update(*RESOURCE, id="reconcile", field="spec", registry=registry)(on_change)

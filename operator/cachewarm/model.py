@@ -83,11 +83,14 @@ class Pool(_Model):
     name: str
     accelerator: Accelerator | None = None
     tpu: Tpu | None = None
-    hosts: int = Field(default=1, ge=1)
-    chips_per_host: int | None = Field(default=None, alias="chipsPerHost")
+    # Unset: derived (TPU pools from the shape table, others 1). Objects stored while the
+    # CRD defaulted hosts to 1 read as an explicit 1.
+    hosts: int | None = Field(default=None, ge=1)
+    chips_per_host: int | None = Field(default=None, alias="chipsPerHost", ge=1)
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # Quantities as the user wrote them (int or string); the Job builder sends strings.
+    resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
 
 
 class Warmup(_Model):

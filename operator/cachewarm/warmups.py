@@ -3,7 +3,9 @@ back from the pod's termination message, and pods waiting for the cache released
 
 Everything is derived from observed Jobs and Pods plus the previous status, so a restart
 of the operator at any point (even mid-warm) finds the same Job by its deterministic name
-and creates nothing twice.
+and creates nothing twice. A pool never has two unfinished warmers: stale ones are deleted
+(foreground) and the new one is created on a later reconcile, once they are gone; a
+reconcile holding an older spec than a Job's generation annotation leaves the pool alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from croniter import croniter
 
 from cachewarm import constants as c
 from cachewarm.builders import job as jobs
+from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.clients import kube
 from cachewarm.conditions import Cond
 from cachewarm.model import CacheSpec, Pool
@@ -83,8 +86,37 @@ def read_summaries(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class PodsView:
+    """What a Job's pods say beyond the Job's status: where they ran, and why one waits."""
+
+    nodes: tuple[str, ...] = ()
+    unschedulable: str = ""  # the scheduler's message, verbatim
+
+
+def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
+    nodes = sorted({str(p["spec"]["nodeName"]) for p in pods if (p.get("spec") or {}).get("nodeName")})
+    unschedulable = ""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                    and cond.get("reason") == "Unschedulable" and not unschedulable):
+                unschedulable = str(cond.get("message") or "no node fits the pod")
+    return PodsView(tuple(nodes), unschedulable)
+
+
+def _process_index(summary: Mapping[str, Any]) -> int:
+    try:
+        return int(summary.get("processIndex", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | None,
-                summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                summaries: Sequence[Mapping[str, Any]], pods: PodsView | None = None) -> dict[str, Any]:
+    """One entry of status.warmup.pools. Only process 0 of a multi-host warmer writes cache
+    entries, so entries and bytes are process 0's (each entry counted once); the compile
+    time is the slowest host's; errors are every host's."""
     state = _job_state(job) if job is not None else "Pending"
     jstatus = (job or {}).get("status") or {}
     out: dict[str, Any] = {"name": pool.name, "job": name, "specHash": digest, "state": state}
@@ -92,10 +124,17 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         out["startTime"] = jstatus["startTime"]
     if jstatus.get("completionTime"):
         out["completionTime"] = jstatus["completionTime"]
+    if pods is not None and pods.nodes:
+        out["nodes"] = list(pods.nodes)
+    if pods is not None and pods.unschedulable and state in ACTIVE_STATES:
+        out["state"] = "Pending"
+        out["reason"] = c.Reason.UNSCHEDULABLE
+        out["message"] = f"Unschedulable: {pods.unschedulable}"[:1000]
     if summaries:
-        out["entriesFound"] = max(int(s.get("entriesFound", 0)) for s in summaries)
-        out["entriesWritten"] = sum(int(s.get("entriesWritten", 0)) for s in summaries)
-        out["bytesWritten"] = sum(int(s.get("bytesWritten", 0)) for s in summaries)
+        writers = [s for s in summaries if _process_index(s) == 0] or list(summaries)
+        out["entriesFound"] = max(int(s.get("entriesFound", 0)) for s in writers)
+        out["entriesWritten"] = max(int(s.get("entriesWritten", 0)) for s in writers)
+        out["bytesWritten"] = max(int(s.get("bytesWritten", 0)) for s in writers)
         out["compileSeconds"] = round(max(float(s.get("compileSeconds", 0)) for s in summaries), 3)
     errors = [e for s in summaries for e in s.get("errors", [])]
     if state == "Failed":
@@ -103,51 +142,158 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
     return out
 
 
+@dataclass(frozen=True)
+class ObservedJob:
+    """A warmer Job of one pool, as far as the stop-before-start decision needs it."""
+
+    name: str
+    state: str
+    deleting: bool
+    generation: int
+
+    @property
+    def unfinished(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+def observe(job: Mapping[str, Any]) -> ObservedJob:
+    meta = job.get("metadata") or {}
+    try:
+        generation = int((meta.get("annotations") or {}).get(jobs.ANNOTATION_GENERATION, 0))
+    except ValueError:
+        generation = 0
+    return ObservedJob(str(meta.get("name")), _job_state(job), bool(meta.get("deletionTimestamp")), generation)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What to do about one pool's Jobs. `superseded`: a Job from a newer generation of
+    the spec exists, so this reconcile holds an older spec and touches nothing."""
+
+    delete: tuple[str, ...] = ()
+    create: bool = False
+    waiting_for: tuple[str, ...] = ()
+    superseded: bool = False
+
+
+def plan_pool(observed: Sequence[ObservedJob], desired: str | None, generation: int) -> PoolPlan:
+    """Never two warmers for one pool: every other unfinished Job of the pool is deleted,
+    and the desired Job (None: the pool has none, e.g. its shape is invalid) is created
+    only once none remains, counting those already being deleted. Nothing is done when a
+    Job from a newer generation exists."""
+    if any(j.generation > generation for j in observed):
+        return PoolPlan(superseded=True)
+    others = [j for j in observed if j.name != desired and j.unfinished]
+    current = next((j for j in observed if j.name == desired), None)
+    waiting = [j.name for j in others]
+    if current is not None and current.deleting:
+        waiting.append(current.name)  # deleted by someone; re-created once it is gone
+    return PoolPlan(
+        delete=tuple(j.name for j in others if not j.deleting),
+        create=desired is not None and current is None and not waiting,
+        waiting_for=tuple(waiting),
+    )
+
+
+def services_to_delete(services: Sequence[str], keep: set[str]) -> list[str]:
+    """Pool Services no warmer needs any more."""
+    return [s for s in services if s not in keep]
+
+
+def _pool_of(obj: Mapping[str, Any]) -> str:
+    return str(((obj.get("metadata") or {}).get("labels") or {}).get(jobs.LABEL_POOL, ""))
+
+
 def reconcile_warmup(
     cache: CacheSpec, *, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
     previous: Sequence[Mapping[str, Any]], cache_entries: int, warmer_image: str, now: dt.datetime,
+    generation: int = 0,
 ) -> WarmupOutcome:
-    """Make sure each pool has run the warmer for the current program. Raises KubeError."""
+    """Make sure each pool has run the warmer for the current program, one Job at a time
+    per pool, and that multi-host pools have their Service while (and only while) a warmer
+    needs it. Raises KubeError."""
     warmup = cache.warmup
     assert warmup is not None
     token = rewarm_token(cache, annotations, now)
     prev_by_pool = {p.get("name"): p for p in previous}
-    observed = kube.list_jobs(namespace, f"{jobs.LABEL_WARMER_FOR}={name}")
+    selector = f"{jobs.LABEL_WARMER_FOR}={name}"
+    observed = kube.list_jobs(namespace, selector)
+    by_pool: dict[str, list[dict[str, Any]]] = {}
+    for j in observed:
+        by_pool.setdefault(_pool_of(j), []).append(j)
     events: list[Event] = []
     pools: list[dict[str, Any]] = []
+    owner = {"name": name, "uid": uid}
+    keep_services: set[str] = set()
+    untouchable: set[str] = set()  # pools superseded by a newer spec
+
+    def stop(job_names: Sequence[str], why: str) -> None:
+        for old in job_names:
+            kube.delete_job(namespace, old)
+            events.append(Event("Normal", c.Reason.WARMER_STOPPED, f"Stopped warmer Job {old}: {why}"))
+
     for pool in warmup.pools:
-        digest = jobs.spec_hash(cache, pool, token)
-        job_name = jobs.job_name(name, pool, digest)
-        mine = [j for j in observed if j["metadata"]["labels"].get(jobs.LABEL_POOL) == pool.name]
-        current = next((j for j in mine if j["metadata"]["name"] == job_name), None)
+        mine = by_pool.get(pool.name, [])
+        seen = [observe(j) for j in mine]
         prev = prev_by_pool.get(pool.name) or {}
-        if current is None and prev.get("specHash") == digest and prev.get("state") in ("Succeeded", "Failed"):
+        try:
+            digest = jobs.spec_hash(cache, pool, token)
+            hosts = jobs.pool_shape(pool).hosts
+        except TpuShapeError as exc:
+            plan = plan_pool(seen, None, generation)
+            if plan.superseded:
+                untouchable.add(pool.name)
+                pools.append(dict(prev) if prev else {"name": pool.name, "state": "Pending"})
+                continue
+            stop(plan.delete, "the pool's TPU shape is invalid")
+            entry = {"name": pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
+                     "lastError": str(exc)}
+            if prev.get("message") != entry["message"]:
+                events.append(Event("Warning", exc.reason, f"Pool {pool.name}: {exc}"))
+            pools.append(entry)
+            continue
+        job_name = jobs.job_name(name, pool, digest)
+        plan = plan_pool(seen, job_name, generation)
+        if plan.superseded:
+            untouchable.add(pool.name)
+            pools.append(dict(prev) if prev else {"name": pool.name, "job": job_name, "state": "Pending"})
+            continue
+        current = next((j for j in mine if j["metadata"]["name"] == job_name), None)
+        if current is None and not plan.waiting_for and prev.get("specHash") == digest \
+                and prev.get("state") in ("Succeeded", "Failed"):
             pools.append(dict(prev))  # finished earlier; its Job may be gone (TTL)
             continue
-        stale = [j for j in mine if j["metadata"]["name"] != job_name and _job_state(j) in ACTIVE_STATES]
-        if current is None and stale:
-            for old in stale:
-                kube.delete_job(namespace, old["metadata"]["name"])
-                events.append(Event("Normal", c.Reason.WARMER_STOPPED,
-                                    f"Stopped warmer Job {old['metadata']['name']}: the program changed"))
-            pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending"})
+        stop(plan.delete, "the program changed")
+        service = jobs.service_name(name, pool.name)
+        if plan.waiting_for:
+            if hosts > 1 or any(o.unfinished for o in seen):
+                keep_services.add(service)  # the stopping warmers may still use it
+            pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending",
+                          "message": f"Waiting for warmer Job {', '.join(plan.waiting_for)} to stop"})
             continue
-        if current is None:
-            owner = {"name": name, "uid": uid}
-            if pool.hosts > 1:
-                kube.create(jobs.headless_service(name, namespace, pool, job_name, owner))
+        if plan.create:
+            if hosts > 1:
+                kube.create(jobs.headless_service(name, namespace, pool, owner))
+                keep_services.add(service)
             body = jobs.warmer_job(cache, cache_name=name, namespace=namespace, pool=pool, digest=digest,
-                                   owner=owner, warmer_image=warmer_image)
-            if kube.create(body):
+                                   owner=owner, warmer_image=warmer_image, generation=generation)
+            if kube.create(body) is not None:
                 events.append(Event("Normal", c.Reason.WARMER_CREATED, f"Created warmer Job {job_name} for pool {pool.name}"))
             pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending"})
             continue
+        assert current is not None
         state = _job_state(current)
+        if state in ACTIVE_STATES and hosts > 1:
+            keep_services.add(service)
         if state not in ACTIVE_STATES and prev.get("job") == job_name and prev.get("state") == state:
             pools.append(dict(prev))  # finished and already read: no need to list its pods again
             continue
-        summaries = read_summaries(kube.list_pods(namespace, f"job-name={job_name}")) if state not in ACTIVE_STATES else []
-        status = pool_status(job_name, pool, digest, current, summaries)
+        pods = kube.list_pods(namespace, f"{c.JOB_NAME_LABEL}={job_name}")
+        summaries = read_summaries(pods) if state not in ACTIVE_STATES else []
+        status = pool_status(job_name, pool, digest, current, summaries, read_pods(pods))
+        if status.get("reason") == c.Reason.UNSCHEDULABLE and status.get("message") != prev.get("message"):
+            events.append(Event("Warning", c.Reason.UNSCHEDULABLE,
+                                f"Warmer Job {job_name} cannot be scheduled: {status['message']}"[:1000]))
         if state != prev.get("state") or digest != prev.get("specHash"):
             if state == "Succeeded":
                 events.append(Event("Normal", c.Reason.WARMER_SUCCEEDED,
@@ -156,18 +302,42 @@ def reconcile_warmup(
             elif state == "Failed":
                 events.append(Event("Warning", c.Reason.WARMER_FAILED, f"Warmer Job {job_name} failed: {status['lastError']}"))
         pools.append(status)
+
+    # Pools that left the spec: their warmers stop, and nothing replaces them.
+    in_spec = {p.name for p in warmup.pools}
+    for pool_name, gone in by_pool.items():
+        if pool_name in in_spec:
+            continue
+        plan = plan_pool([observe(j) for j in gone], None, generation)
+        if plan.superseded:
+            untouchable.add(pool_name)
+            continue
+        stop(plan.delete, f"pool {pool_name} was removed from the spec")
+    services = kube.list_services(namespace, selector)
+    for svc in services:
+        svc_name = str(svc["metadata"]["name"])
+        if _pool_of(svc) in untouchable or svc_name in keep_services:
+            continue
+        kube.delete_service(namespace, svc_name)
     return WarmupOutcome(_warmed(pools, cache_entries), pools, events)
 
 
 def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int) -> Cond:
+    invalid = [p for p in pools if p.get("reason") in (c.Reason.UNKNOWN_TPU_SHAPE, c.Reason.INVALID_TPU_SHAPE)]
+    if invalid:
+        detail = "; ".join(f"{p['name']}: {p.get('message', '')}" for p in invalid)
+        return Cond(c.Condition.WARMED, False, str(invalid[0]["reason"]), f"Cannot warm pool {detail}"[:1000])
     failed = [p for p in pools if p.get("state") == "Failed"]
     if failed:
         detail = "; ".join(f"{p['name']}: {p.get('lastError', 'failed')}" for p in failed)
         return Cond(c.Condition.WARMED, False, c.Reason.WARMUP_FAILED, f"Warmer failed on {detail}"[:1000])
     waiting = [p for p in pools if p.get("state") != "Succeeded"]
     if waiting:
-        detail = ", ".join(f"{p['name']} {p.get('state')}" for p in waiting)
-        return Cond(c.Condition.WARMED, False, c.Reason.WARMING, f"Warming: {detail}")
+        detail = ", ".join(f"{p['name']} {p.get('state')}" + (f" ({p['message']})" if p.get("message") else "")
+                           for p in waiting)
+        reason = c.Reason.UNSCHEDULABLE if any(p.get("reason") == c.Reason.UNSCHEDULABLE for p in waiting) \
+            else c.Reason.WARMING
+        return Cond(c.Condition.WARMED, False, reason, f"Warming: {detail}"[:1000])
     if cache_entries == 0:
         return Cond(c.Condition.WARMED, False, c.Reason.CACHE_EMPTY,
                     "Every warmer succeeded but the bucket holds no cache entries under the prefix")

@@ -116,6 +116,9 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
      'supported values: "NoSchedule", "PreferNoSchedule", "NoExecute"'),
     ("wait-enabled-type", with_change("spec.injection", {"waitForWarm": {"enabled": "yes"}}),
      "spec.injection.waitForWarm.enabled: Invalid value"),
+    ("hosts-too-many", with_change("spec.warmup.pools.0.hosts", 257), "spec.warmup.pools[0].hosts"),
+    ("hosts-string", with_change("spec.warmup.pools.0.hosts", "two"), "spec.warmup.pools[0].hosts"),
+    ("chips-too-many", with_change("spec.warmup.pools.0.chipsPerHost", 17), "spec.warmup.pools[0].chipsPerHost"),
 ]
 
 
@@ -142,6 +145,44 @@ def test_wrong_cache_is_rejected_with_message(
     code, out = create(crd_installed, namespace, copy.deepcopy(obj))
     assert code != 0, f"apiserver accepted an invalid CompilationCache:\n{out}"
     assert message in out
+
+
+def test_hosts_is_not_defaulted(crd_installed: Testbed, namespace: str) -> None:
+    # Unset hosts means "derive from the TPU shape"; a default would make it an override.
+    obj = valid_cache("shape")
+    obj["spec"]["warmup"]["pools"] = [{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}]
+    code, out = create(crd_installed, namespace, obj)
+    assert code == 0, out
+    stored = json.loads(crd_installed.kubectl_run("get", "ccache", "shape", "-n", namespace, "-o", "json").stdout)
+    [pool] = stored["spec"]["warmup"]["pools"]
+    assert "hosts" not in pool and "chipsPerHost" not in pool
+
+
+# Status is written by the operator; the schema still types what it declares.
+WRONG_POOL_STATUS: list[tuple[str, dict[str, Any], str]] = [
+    ("nodes-string", {"name": "a", "nodes": "node-1"}, "status.warmup.pools[0].nodes"),
+    ("nodes-ints", {"name": "a", "nodes": [1]}, "status.warmup.pools[0].nodes[0]"),
+    ("message-object", {"name": "a", "message": {"text": "x"}}, "status.warmup.pools[0].message"),
+    ("reason-list", {"name": "a", "reason": ["Unschedulable"]}, "status.warmup.pools[0].reason"),
+    ("state-unknown", {"name": "a", "state": "Scheduling"}, 'supported values: "Pending", "Running"'),
+]
+
+
+def test_pool_status_fields_are_typed(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, valid_cache("st"))
+    assert code == 0, out
+    good = {"name": "a", "state": "Pending", "reason": "Unschedulable", "nodes": ["node-1"],
+            "message": "Unschedulable: 0/5 nodes are available: 5 Insufficient google.com/tpu."}
+    ok = crd_installed.kubectl_run("patch", "ccache", "st", "-n", namespace, "--subresource=status", "--type=merge",
+                                   "-p", json.dumps({"status": {"warmup": {"pools": [good]}}}))
+    assert ok.returncode == 0, ok.stderr
+    stored = json.loads(crd_installed.kubectl_run("get", "ccache", "st", "-n", namespace, "-o", "json").stdout)
+    assert stored["status"]["warmup"]["pools"] == [good]  # declared, so not pruned
+    for case, pool, message in WRONG_POOL_STATUS:
+        bad = crd_installed.kubectl_run("patch", "ccache", "st", "-n", namespace, "--subresource=status",
+                                        "--type=merge", "-p", json.dumps({"status": {"warmup": {"pools": [pool]}}}))
+        assert bad.returncode != 0, case
+        assert message in bad.stderr, (case, bad.stderr)
 
 
 def test_bucket_cannot_change_after_creation(crd_installed: Testbed, namespace: str) -> None:

@@ -1,4 +1,4 @@
-"""Warmer Jobs for an H100 pool, a TPU v5p pool and a two-host pool, field by field."""
+"""Warmer Jobs and Services for GPU, single-host and multi-host TPU pools, field by field."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 
 from cachewarm.builders import job as jb
+from cachewarm.builders.tpu import TpuShapeError
+from cachewarm.clients import kube
 from cachewarm.model import CacheSpec, Pool, parse_spec
 
 OWNER = {"name": "llama", "uid": "0000-1111"}
@@ -25,7 +27,7 @@ def build(spec: CacheSpec, index: int = 0) -> dict[str, Any]:
     assert spec.warmup is not None
     pool = spec.warmup.pools[index]
     return jb.warmer_job(spec, cache_name="llama", namespace="ml", pool=pool, digest=jb.spec_hash(spec, pool),
-                         owner=OWNER, warmer_image="cachewarm/warmer:0.1.0")
+                         owner=OWNER, warmer_image="cachewarm/warmer:0.1.0", generation=7)
 
 
 def env(job: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +55,8 @@ def test_h100_pool() -> None:
     assert pod["restartPolicy"] == "Never"
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "8"}}  # quantities are strings
+    assert meta["annotations"] == {"cachewarm.dev/generation": "7"}
     assert container["image"] == "us-docker.pkg.dev/team/train:2026-11-20"
     assert container["command"] == ["python", "/cachewarm/warm.py", "targets", "--parallel=1", "train.warm:targets"]
     assert env(job) == {
@@ -76,25 +79,52 @@ def test_tpu_v5p_pool() -> None:
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
                                    "cloud.google.com/gke-tpu-topology": "2x2x1"}
     assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
+    assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": "4"}, "limits": {"google.com/tpu": "4"}}
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (1, 1)
+    assert "subdomain" not in pod and "completionMode" not in job["spec"]
 
 
-def test_two_host_pool_is_indexed_with_jax_distributed_env() -> None:
-    spec = cache([{"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, "hosts": 2}])
+def test_v5p_2x2x2_is_two_hosts_without_saying_hosts() -> None:
+    spec = cache([{"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}])
     job = build(spec)
     name = job["metadata"]["name"]
+    service = jb.service_name("llama", "v5p16")
     jspec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert (jspec["completions"], jspec["parallelism"], jspec["completionMode"]) == (2, 2, "Indexed")
-    assert pod["subdomain"] == name
-    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+    assert pod["subdomain"] == service
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": "4"}
     e = env(job)
-    assert e["JAX_COORDINATOR_ADDRESS"] == f"{name}-0.{name}:8476"
+    assert e["JAX_COORDINATOR_ADDRESS"] == f"{name}-0.{service}:8476"
     assert e["JAX_NUM_PROCESSES"] == "2"
     assert e["JAX_PROCESS_ID"] == {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
-    svc = jb.headless_service("llama", "ml", spec.warmup.pools[0], name, OWNER)  # type: ignore[union-attr]
-    assert svc["spec"] == {"clusterIP": "None", "selector": {"job-name": name},
-                           "ports": [{"name": "coordinator", "port": 8476}]}
+    svc = jb.headless_service("llama", "ml", spec.warmup.pools[0], OWNER)  # type: ignore[union-attr]
+    assert svc["metadata"]["name"] == service
+    assert svc["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "cachewarm",
+                                         "cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": "v5p16"}
+    assert svc["spec"] == {"clusterIP": "None", "publishNotReadyAddresses": True,
+                           "selector": {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": "v5p16"},
+                           "ports": [{"name": "coordinator", "port": 8476, "protocol": "TCP"}]}
+    # The selector matches the pods' labels.
+    assert svc["spec"]["selector"].items() <= jspec["template"]["metadata"]["labels"].items()
+
+
+def test_service_name_is_per_pool_not_per_program_and_a_dns_label() -> None:
+    a = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}])
+    b = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}], image="other:2")
+    assert build(a)["metadata"]["name"] != build(b)["metadata"]["name"]
+    assert build(a)["spec"]["template"]["spec"]["subdomain"] == build(b)["spec"]["template"]["spec"]["subdomain"]
+    assert jb.service_name("a-b", "c") != jb.service_name("a", "b-c")
+    long = jb.service_name("1" + "x.y" * 17, "p" * 20)
+    assert len(long) <= 63 and long[0].isalpha() and "." not in long
+
+
+def test_tpu_shape_unknown_to_the_table_raises_with_the_known_topologies() -> None:
+    spec = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "3x3x3"}}])
+    with pytest.raises(TpuShapeError) as err:
+        build(spec)
+    assert err.value.reason == "UnknownTpuShape"
+    assert "2x2x1, 2x2x2" in str(err.value)
 
 
 def test_user_overrides_merge_over_derived_placement() -> None:
@@ -106,7 +136,13 @@ def test_user_overrides_merge_over_derived_placement() -> None:
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
                                    "cloud.google.com/gke-nodepool": "train-a"}
     assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
-    assert pod["containers"][0]["resources"] == {"requests": {"memory": "64Gi"}, "limits": {"nvidia.com/gpu": 4}}
+    assert pod["containers"][0]["resources"] == {"requests": {"memory": "64Gi"}, "limits": {"nvidia.com/gpu": "4"}}
+
+
+def test_user_quantities_become_strings() -> None:
+    pools = [{"name": "cpu", "resources": {"requests": {"cpu": 8, "memory": "1Gi"}, "limits": {"cpu": 16}}}]
+    container = build(cache(pools))["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "8", "memory": "1Gi"}, "limits": {"cpu": "16"}}
 
 
 def test_command_mode_runs_the_entrypoint_through_the_warmer() -> None:
@@ -139,7 +175,42 @@ def test_hash_changes_with_jax_settings_accelerator_and_token() -> None:
     assert jb.spec_hash(base, pool, token="manual-1") != digest
 
 
-def test_job_name_fits_a_label_value() -> None:
+def test_job_name_leaves_room_for_indexed_pod_hostnames() -> None:
     spec = cache([{"name": "a" * 20}])
     name = jb.job_name("c" * 52, spec.warmup.pools[0], "0123456789")  # type: ignore[union-attr]
-    assert len(name) <= 63
+    assert len(f"{name}-255") <= 63
+
+
+def test_stating_the_derived_shape_does_not_change_the_hash() -> None:
+    derived = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}])
+    stated = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, "hosts": 2,
+                     "chipsPerHost": 4}])
+    assert jb.spec_hash(derived, derived.warmup.pools[0]) == jb.spec_hash(stated, stated.warmup.pools[0])  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("pool", [
+    {"name": "cpu", "resources": {"requests": {"cpu": 2}}},
+    {"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
+    {"name": "v5e", "tpu": {"type": "tpu-v5-lite-podslice", "topology": "4x4"}},
+    {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}},
+], ids=["cpu", "gpu", "tpu-multi-host", "tpu-single-host"])
+def test_builder_objects_are_what_the_typed_client_sends(pool: dict[str, Any]) -> None:
+    # kube.typed builds the client's model and checks it serializes back unchanged: the
+    # same validation create_namespaced_job runs on its arguments (tests/e2e sends them).
+    spec = cache([pool])
+    job = build(spec)
+    assert kube.typed(job) is not None
+    assert kube.typed(jb.headless_service("llama", "ml", spec.warmup.pools[0], OWNER)) is not None  # type: ignore[union-attr]
+
+
+def test_the_typed_client_refuses_integer_quantities_and_unknown_fields() -> None:
+    job = build(cache([{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}]))
+    job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 8
+    with pytest.raises(kube.KubeError) as err:
+        kube.typed(job)
+    assert err.value.reason == "InvalidObject" and "nvidia.com/gpu" in str(err.value)
+    job = build(cache([{"name": "cpu"}]))
+    job["spec"]["template"]["spec"]["hostnam"] = "x"
+    with pytest.raises(kube.KubeError, match="refused the object") as err:
+        kube.typed(job)
+    assert err.value.reason == "InvalidObject" and "spec.template.spec.hostnam" in str(err.value)

@@ -1,4 +1,5 @@
-"""Pure parts of the warmup reconcile: re-warm tokens, Job state, summaries, Warmed."""
+"""Pure parts of the warmup reconcile: re-warm tokens, Job state, summaries, pods,
+the stop-before-start plan, Warmed."""
 
 from __future__ import annotations
 
@@ -6,8 +7,22 @@ import datetime as dt
 import json
 from typing import Any
 
+import pytest
+
 from cachewarm.model import parse_spec
-from cachewarm.warmups import _job_state, _warmed, pool_status, read_summaries, rewarm_token
+from cachewarm.warmups import (
+    ObservedJob,
+    PodsView,
+    PoolPlan,
+    _job_state,
+    _warmed,
+    observe,
+    plan_pool,
+    pool_status,
+    read_pods,
+    read_summaries,
+    rewarm_token,
+)
 
 
 def spec(schedule: str | None = None) -> Any:
@@ -50,14 +65,90 @@ def test_summaries_are_read_from_termination_messages() -> None:
     assert read_summaries([pod("Traceback ... MemoryError")]) == [{"errors": ["Traceback ... MemoryError"]}]
 
 
-def test_two_host_summaries_add_writes_and_take_the_slowest_compile() -> None:
+def test_two_host_summaries_count_each_entry_once_from_process_0() -> None:
     job = {"status": {"conditions": [{"type": "Complete", "status": "True"}], "startTime": "s", "completionTime": "c"}}
-    summaries = [{"entriesFound": 0, "entriesWritten": 3, "bytesWritten": 30, "compileSeconds": 5},
-                 {"entriesFound": 0, "entriesWritten": 0, "bytesWritten": 0, "compileSeconds": 7}]
+    # Process 1 sees process 0's entries appear in the shared cache; only process 0's count.
+    summaries = [{"processIndex": 1, "entriesFound": 0, "entriesWritten": 0, "bytesWritten": 0, "compileSeconds": 7},
+                 {"processIndex": 0, "entriesFound": 0, "entriesWritten": 3, "bytesWritten": 30, "compileSeconds": 5}]
     pool = spec().warmup.pools[0]
-    assert pool_status("j", pool, "h", job, summaries) == {
+    assert pool_status("j", pool, "h", job, summaries, PodsView(("node-a", "node-b"))) == {
         "name": "p", "job": "j", "specHash": "h", "state": "Succeeded", "startTime": "s", "completionTime": "c",
-        "entriesFound": 0, "entriesWritten": 3, "bytesWritten": 30, "compileSeconds": 7.0}
+        "entriesFound": 0, "entriesWritten": 3, "bytesWritten": 30, "compileSeconds": 7.0,
+        "nodes": ["node-a", "node-b"]}
+
+
+def test_summaries_without_process_index_are_process_0() -> None:
+    job = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    status = pool_status("j", spec().warmup.pools[0], "h", job, [{"entriesWritten": 2, "bytesWritten": 9}])
+    assert (status["entriesWritten"], status["bytesWritten"]) == (2, 9)
+
+
+UNSCHEDULABLE = ("0/5 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, "
+                 "4 Insufficient google.com/tpu. preemption: 0/5 nodes are available.")
+
+
+def scheduling_pod(node: str | None, unschedulable: bool) -> dict[str, Any]:
+    conds = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": UNSCHEDULABLE}] \
+        if unschedulable else [{"type": "PodScheduled", "status": "True"}]
+    return {"spec": {"nodeName": node} if node else {}, "status": {"conditions": conds}}
+
+
+def test_unschedulable_pod_makes_the_pool_pending_with_the_schedulers_message() -> None:
+    view = read_pods([scheduling_pod("tpu-0", False), scheduling_pod(None, True)])
+    assert view == PodsView(("tpu-0",), UNSCHEDULABLE)
+    running = {"status": {"active": 2, "startTime": "s"}}
+    status = pool_status("j", spec().warmup.pools[0], "h", running, [], view)
+    assert status["state"] == "Pending"
+    assert status["reason"] == "Unschedulable"
+    assert status["message"] == f"Unschedulable: {UNSCHEDULABLE}"
+    assert status["nodes"] == ["tpu-0"]
+    cond = _warmed([status], 0)
+    assert cond.reason == "Unschedulable" and UNSCHEDULABLE in cond.message
+    # Once the Job finished, a stale scheduling condition no longer says anything.
+    done = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]}}
+    assert "reason" not in pool_status("j", spec().warmup.pools[0], "h", done, [], view)
+
+
+def obs(name: str, state: str = "Running", deleting: bool = False, generation: int = 1) -> ObservedJob:
+    return ObservedJob(name, state, deleting, generation)
+
+
+@pytest.mark.parametrize(("jobs", "generation", "expected"), [
+    pytest.param([], 1, PoolPlan(create=True), id="nothing-yet"),
+    pytest.param([obs("new")], 1, PoolPlan(), id="current-exists"),
+    pytest.param([obs("old", "Succeeded")], 1, PoolPlan(create=True), id="finished-old-does-not-block"),
+    pytest.param([obs("old")], 2, PoolPlan(delete=("old",), waiting_for=("old",)), id="stale-deleted-then-wait"),
+    pytest.param([obs("old", "Pending")], 2, PoolPlan(delete=("old",), waiting_for=("old",)), id="pending-is-unfinished"),
+    pytest.param([obs("old", deleting=True)], 2, PoolPlan(waiting_for=("old",)), id="being-deleted-still-blocks"),
+    pytest.param([obs("old", deleting=True), obs("older", generation=0)], 2,
+                 PoolPlan(delete=("older",), waiting_for=("old", "older")), id="several"),
+    pytest.param([obs("new", deleting=True)], 1, PoolPlan(waiting_for=("new",)), id="current-being-deleted"),
+    pytest.param([obs("other", generation=3)], 2, PoolPlan(superseded=True), id="newer-generation-exists"),
+    pytest.param([obs("other", "Succeeded", generation=3)], 2, PoolPlan(superseded=True), id="newer-finished"),
+    pytest.param([obs("old", generation=2)], 2, PoolPlan(delete=("old",), waiting_for=("old",)),
+                 id="same-generation-rewarm"),
+])
+def test_never_two_warmers_for_one_pool(jobs: list[ObservedJob], generation: int, expected: PoolPlan) -> None:
+    assert plan_pool(jobs, "new", generation) == expected
+
+
+def test_a_pool_without_a_valid_job_only_stops_older_ones() -> None:
+    assert plan_pool([obs("old"), obs("done", "Failed")], None, 2) == PoolPlan(delete=("old",), waiting_for=("old",))
+    assert plan_pool([], None, 2) == PoolPlan()
+
+
+def test_observe_reads_generation_and_deletion() -> None:
+    job = {"metadata": {"name": "j", "annotations": {"cachewarm.dev/generation": "4"},
+                        "deletionTimestamp": "2026-11-22T00:00:00Z"}, "status": {"active": 1}}
+    assert observe(job) == ObservedJob("j", "Running", True, 4)
+    assert observe({"metadata": {"name": "legacy"}, "status": {}}) == ObservedJob("legacy", "Pending", False, 0)
+
+
+def test_invalid_tpu_shape_is_its_own_warmed_reason() -> None:
+    bad = {"name": "v5p", "state": "Failed", "reason": "UnknownTpuShape", "message": "No GKE machine shape ..."}
+    cond = _warmed([{"name": "a", "state": "Succeeded"}, bad], 3)
+    assert (cond.status, cond.reason) == (False, "UnknownTpuShape")
+    assert cond.message == "Cannot warm pool v5p: No GKE machine shape ..."
 
 
 def test_warmed_needs_every_pool_and_entries_on_the_bucket() -> None:

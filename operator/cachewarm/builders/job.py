@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from cachewarm import constants as c
 from cachewarm.builders.injection import cache_env
+from cachewarm.builders.tpu import TpuShape, tpu_shape
 from cachewarm.model import CacheSpec, Pool, Warmup
 
 WARMER_DIR = "/cachewarm"
@@ -26,56 +26,82 @@ LABEL_WARMER_FOR = c.LABEL_WARMER_FOR
 LABEL_POOL = c.LABEL_POOL
 LABEL_SPEC_HASH = c.LABEL_SPEC_HASH
 ANNOTATION_REWARM = c.REWARM_ANNOTATION
+ANNOTATION_GENERATION = c.GENERATION_ANNOTATION
+
+
+def pool_shape(pool: Pool) -> TpuShape:
+    """Hosts (pods of the Job) and TPU chips per host of a pool. TPU pools come from GKE's
+    machine shapes (builders/tpu.py) with the pool's hosts/chipsPerHost as overrides; other
+    pools run on `hosts` hosts (default 1), chips_per_host 0. Raises TpuShapeError."""
+    if pool.tpu is not None:
+        return tpu_shape(pool.tpu.type, pool.tpu.topology, hosts=pool.hosts, chips_per_host=pool.chips_per_host)
+    return TpuShape(hosts=pool.hosts or 1, chips_per_host=0)
 
 
 def spec_hash(cache: CacheSpec, pool: Pool, token: str = "") -> str:
-    """Short hash of what makes this pool's compiled programs what they are."""
+    """Short hash of what makes this pool's compiled programs what they are. Raises
+    TpuShapeError (the shape is part of the program)."""
     assert cache.warmup is not None
+    shape = pool_shape(pool)
     material = {
         "warmup": cache.warmup.model_dump(by_alias=True, exclude={"pools", "schedule", "backoff_limit",
                                                                    "active_deadline_seconds",
                                                                    "ttl_seconds_after_finished"}),
-        "pool": pool.model_dump(by_alias=True, exclude={"name"}),
+        # The resolved shape, not the raw hosts/chipsPerHost: stating what the table derives
+        # does not re-warm.
+        "pool": pool.model_dump(by_alias=True, exclude={"name", "hosts", "chips_per_host"}),
+        "shape": [shape.hosts, shape.chips_per_host],
         "env": cache_env(cache, "warmer"),
         "token": token,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def _dns_part(name: str, limit: int) -> str:
+    return name[:limit].replace(".", "-").rstrip("-")
+
+
 def job_name(cache_name: str, pool: Pool, digest: str) -> str:
-    """<cache>-<pool>-<hash>, at most 63 characters (a label value and a DNS label)."""
-    return f"{cache_name[:31].rstrip('-')}-{pool.name}-{digest}"
+    """<cache>-<pool>-<hash>, at most 59 characters, so that the pod hostnames of an
+    Indexed Job, <job>-<index> (index < 256), are DNS labels too."""
+    return f"{_dns_part(cache_name, 27)}-{pool.name}-{digest}"
 
 
-def _tpu_chips_per_host(pool: Pool) -> int:
-    assert pool.tpu is not None
-    if pool.chips_per_host:
-        return pool.chips_per_host
-    chips = math.prod(int(d) for d in pool.tpu.topology.split("x"))
-    return max(1, chips // pool.hosts)
+def service_name(cache_name: str, pool_name: str) -> str:
+    """The headless Service of a pool's multi-host warmers: one per pool, whatever the
+    program, so its name has no spec hash. cw-<cache>-<pool>-<hash of both>: a DNS-1035
+    label (starts with a letter) of at most 61 characters, distinct per (cache, pool)."""
+    digest = hashlib.sha256(f"{cache_name}/{pool_name}".encode()).hexdigest()[:6]
+    return f"cw-{_dns_part(cache_name, 30)}-{pool_name}-{digest}"
 
 
-def placement(pool: Pool) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, dict[str, Any]]]:
+def quantity(value: int | str) -> str:
+    """A resource quantity as the API's typed clients want it: a string ("8", "64Gi")."""
+    return str(value)
+
+
+def placement(pool: Pool) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, dict[str, str]]]:
     """nodeSelector, tolerations and resources for a pool, from GKE's labels and resource
-    names, with the pool's own overrides on top."""
+    names, with the pool's own overrides on top. Quantities are strings. Raises
+    TpuShapeError."""
     selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
-    resources: dict[str, dict[str, Any]] = {"requests": {}, "limits": {}}
+    resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
     if pool.accelerator is not None:
         selector["cloud.google.com/gke-accelerator"] = pool.accelerator.type
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
-        resources["limits"]["nvidia.com/gpu"] = pool.accelerator.count
+        resources["limits"]["nvidia.com/gpu"] = quantity(pool.accelerator.count)
     elif pool.tpu is not None:
         selector["cloud.google.com/gke-tpu-accelerator"] = pool.tpu.type
         selector["cloud.google.com/gke-tpu-topology"] = pool.tpu.topology
         tolerations.append({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"})
-        chips = _tpu_chips_per_host(pool)
+        chips = quantity(pool_shape(pool).chips_per_host)
         resources["requests"]["google.com/tpu"] = chips
         resources["limits"]["google.com/tpu"] = chips
     selector.update(pool.node_selector)
     tolerations.extend(dict(t) for t in pool.tolerations)
     for kind in ("requests", "limits"):
-        resources[kind].update(pool.resources.get(kind, {}))
+        resources[kind].update({k: quantity(v) for k, v in pool.resources.get(kind, {}).items()})
     return selector, tolerations, {k: v for k, v in resources.items() if v}
 
 
@@ -90,35 +116,45 @@ def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
             "uid": owner["uid"], "controller": True, "blockOwnerDeletion": True}
 
 
-def headless_service(cache_name: str, namespace: str, pool: Pool, name: str,
-                     owner: Mapping[str, Any]) -> dict[str, Any]:
-    """The Service that gives each host of a multi-host warmer a stable DNS name."""
+def pool_labels(cache_name: str, pool_name: str) -> dict[str, str]:
+    """Labels on every warmer Job, pod and Service of a pool (never CACHE_LABEL)."""
+    return {c.MANAGED_BY_LABEL: c.MANAGED_BY, LABEL_WARMER_FOR: cache_name, LABEL_POOL: pool_name}
+
+
+def headless_service(cache_name: str, namespace: str, pool: Pool, owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The Service that gives each host of a pool's multi-host warmer a stable DNS name,
+    <job>-<index>.<service>, before the pods are ready (the coordinator must be reachable
+    while every process is still starting)."""
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "ownerReferences": [owner_reference(owner)],
-                     "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, LABEL_WARMER_FOR: cache_name, LABEL_POOL: pool.name}},
-        "spec": {"clusterIP": "None", "selector": {"job-name": name},
-                 "ports": [{"name": "coordinator", "port": COORDINATOR_PORT}]},
+        "metadata": {"name": service_name(cache_name, pool.name), "namespace": namespace,
+                     "ownerReferences": [owner_reference(owner)], "labels": pool_labels(cache_name, pool.name)},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {LABEL_WARMER_FOR: cache_name, LABEL_POOL: pool.name},
+                 "ports": [{"name": "coordinator", "port": COORDINATOR_PORT, "protocol": "TCP"}]},
     }
 
 
 def warmer_job(
     cache: CacheSpec, *, cache_name: str, namespace: str, pool: Pool, digest: str,
-    owner: Mapping[str, Any], warmer_image: str,
+    owner: Mapping[str, Any], warmer_image: str, generation: int = 0,
 ) -> dict[str, Any]:
-    """The Job that warms `pool`. `owner` is {"name", "uid"} of the CompilationCache."""
+    """The Job that warms `pool`. `owner` is {"name", "uid"} of the CompilationCache,
+    `generation` its metadata.generation. Raises TpuShapeError."""
     warmup = cache.warmup
     assert warmup is not None
     name = job_name(cache_name, pool, digest)
-    labels = {c.MANAGED_BY_LABEL: c.MANAGED_BY, LABEL_WARMER_FOR: cache_name, LABEL_POOL: pool.name,
-              LABEL_SPEC_HASH: digest}
+    labels = {**pool_labels(cache_name, pool.name), LABEL_SPEC_HASH: digest}
+    hosts = pool_shape(pool).hosts
     selector, tolerations, resources = placement(pool)
     env: list[dict[str, Any]] = [*cache_env(cache, "warmer"), *({"name": e.name, "value": e.value} for e in warmup.env)]
-    if pool.hosts > 1:
+    if hosts > 1:
+        # Pod <job>-<index> in the pool's Service; process 0 hosts the coordinator.
         env += [
-            {"name": "JAX_COORDINATOR_ADDRESS", "value": f"{name}-0.{name}:{COORDINATOR_PORT}"},
-            {"name": "JAX_NUM_PROCESSES", "value": str(pool.hosts)},
-            {"name": "JAX_PROCESS_ID", "valueFrom": {"fieldRef": {
+            {"name": c.ENV_COORDINATOR_ADDRESS,
+             "value": f"{name}-0.{service_name(cache_name, pool.name)}:{COORDINATOR_PORT}"},
+            {"name": c.ENV_NUM_PROCESSES, "value": str(hosts)},
+            {"name": c.ENV_PROCESS_ID, "valueFrom": {"fieldRef": {
                 "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         ]
     container: dict[str, Any] = {
@@ -153,16 +189,19 @@ def warmer_job(
         "backoffLimit": warmup.backoff_limit,
         "activeDeadlineSeconds": warmup.active_deadline_seconds,
         "ttlSecondsAfterFinished": warmup.ttl_seconds_after_finished,
-        "completions": pool.hosts,
-        "parallelism": pool.hosts,
+        "completions": hosts,
+        "parallelism": hosts,
         "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
     }
-    if pool.hosts > 1:
+    if hosts > 1:
+        # The Job controller names each pod's host <job>-<index>; with the subdomain it
+        # resolves as <job>-<index>.<service>.
         job_spec["completionMode"] = "Indexed"
-        pod_spec["subdomain"] = name
+        pod_spec["subdomain"] = service_name(cache_name, pool.name)
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "namespace": namespace, "labels": labels,
+                     "annotations": {ANNOTATION_GENERATION: str(generation)},
                      "ownerReferences": [owner_reference(owner)]},
         "spec": job_spec,
     }

@@ -8,18 +8,52 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import pydantic
+import urllib3.exceptions
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from cachewarm import constants as c
+
 
 class KubeError(Exception):
-    """A Kubernetes API call failed; `status` is the HTTP status when there was one."""
+    """A Kubernetes API call failed; `status` is the HTTP status when there was one,
+    `reason` a constants.Reason for conditions and events."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, reason: str = c.Reason.KUBERNETES_ERROR) -> None:
         super().__init__(message)
         self.status = status
+        self.reason = reason
+
+
+@contextmanager
+def _errors(what: str, ok: tuple[int, ...] = ()) -> Iterator[None]:
+    """ApiException (unless its status is in `ok`), connection errors and the client's own
+    argument validation (pydantic) become KubeError."""
+    try:
+        yield
+    except ApiException as exc:
+        if exc.status in ok:
+            return
+        raise KubeError(f"{what}: {exc.status} {exc.reason}: {_api_message(exc)}".rstrip(": "), exc.status) from exc
+    except pydantic.ValidationError as exc:
+        raise KubeError(f"{what}: the Kubernetes client refused the object: {exc}", None,
+                        c.Reason.INVALID_OBJECT) from exc
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise KubeError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _api_message(exc: ApiException) -> str:
+    """The apiserver's Status message, which names the field at fault."""
+    try:
+        return str(json.loads(exc.body or "{}").get("message", ""))
+    except (ValueError, AttributeError):
+        return ""
 
 
 def load_config() -> None:
@@ -90,10 +124,8 @@ def _dict(obj: Any) -> dict[str, Any]:
 
 
 def _list(call: Any, what: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-    try:
+    with _errors(f"listing {what} in {namespace}"):
         found = call(namespace, label_selector=selector)
-    except ApiException as exc:
-        raise KubeError(f"listing {what} in {namespace}: {exc.reason}", exc.status) from exc
     return [_dict(item) for item in found.items]
 
 
@@ -102,33 +134,61 @@ def list_jobs(namespace: str, selector: str) -> list[dict[str, Any]]:
     return _list(client.BatchV1Api().list_namespaced_job, "Jobs", namespace, selector)
 
 
-def create(body: dict[str, Any]) -> bool:
-    """Create a namespaced Job or Service; False when it already exists (same name).
-    Raises KubeError."""
+def list_services(namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Services matching a label selector, as plain dicts. Raises KubeError."""
+    return _list(client.CoreV1Api().list_namespaced_service, "Services", namespace, selector)
+
+
+_TYPED: dict[str, Any] = {"Job": client.V1Job, "Service": client.V1Service}
+
+
+def typed(body: dict[str, Any]) -> Any:
+    """The client's model of a Job or Service built as a dict (quantities as strings, etc.).
+    The client validates every argument; building the model here, and checking that it
+    serializes back to exactly `body`, makes sure nothing we built is refused or silently
+    dropped on the way. Raises KubeError (reason InvalidObject)."""
+    model = _TYPED.get(str(body.get("kind")))
+    if model is None:
+        raise KubeError(f"cannot create {body.get('kind')}", None, c.Reason.INVALID_OBJECT)
+    what = f"building {body['kind']} {body['metadata'].get('namespace')}/{body['metadata'].get('name')}"
+    with _errors(what):
+        obj = model.model_validate(body)
+    if _dict(obj) != body:
+        raise KubeError(f"{what}: the Kubernetes client would not send it as built (unknown or mistyped fields)",
+                        None, c.Reason.INVALID_OBJECT)
+    return obj
+
+
+def create(body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
+    """Create a namespaced Job or Service through the typed client (what it validates is
+    what we send). Returns the object as the apiserver stored it (with `dry_run`, as it
+    would store it: a server-side dry run, every admission and validation step, nothing
+    persisted), or None when one of that name already exists.
+    Raises KubeError (reason InvalidObject when the client refuses the object)."""
     namespace = body["metadata"]["namespace"]
-    try:
+    obj = typed(body)
+    mode = "All" if dry_run else None
+    created: Any = None
+    with _errors(f"creating {body['kind']} {namespace}/{body['metadata']['name']}", ok=(409,)):
         if body["kind"] == "Job":
-            client.BatchV1Api().create_namespaced_job(namespace, body)  # type: ignore[arg-type]  # dicts are accepted
-        elif body["kind"] == "Service":
-            client.CoreV1Api().create_namespaced_service(namespace, body)  # type: ignore[arg-type]
+            created = client.BatchV1Api().create_namespaced_job(namespace, obj, dry_run=mode)
         else:
-            raise ValueError(f"cannot create {body['kind']}")
-    except ApiException as exc:
-        if exc.status == 409:
-            return False
-        raise KubeError(f"creating {body['kind']} {namespace}/{body['metadata']['name']}: {exc.reason}",
-                        exc.status) from exc
-    return True
+            created = client.CoreV1Api().create_namespaced_service(namespace, obj, dry_run=mode)
+    return None if created is None else _dict(created)
 
 
 def delete_job(namespace: str, name: str) -> None:
-    """Delete a Job and, in the background, its pods; a Job already gone is fine.
-    Raises KubeError."""
-    try:
-        client.BatchV1Api().delete_namespaced_job(name, namespace, propagation_policy="Background")
-    except ApiException as exc:
-        if exc.status != 404:
-            raise KubeError(f"deleting Job {namespace}/{name}: {exc.reason}", exc.status) from exc
+    """Delete a Job with foreground propagation: the Job stays (with deletionTimestamp)
+    until its pods are gone, so "no unfinished Job left" means no warmer pod is left
+    either. A Job already gone is fine. Raises KubeError."""
+    with _errors(f"deleting Job {namespace}/{name}", ok=(404,)):
+        client.BatchV1Api().delete_namespaced_job(name, namespace, propagation_policy="Foreground")
+
+
+def delete_service(namespace: str, name: str) -> None:
+    """Delete a Service; one already gone is fine. Raises KubeError."""
+    with _errors(f"deleting Service {namespace}/{name}", ok=(404,)):
+        client.CoreV1Api().delete_namespaced_service(name, namespace)
 
 
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -144,8 +204,5 @@ def remove_scheduling_gate(namespace: str, name: str, index: int, gate: str) -> 
         {"op": "test", "path": f"/spec/schedulingGates/{index}/name", "value": gate},
         {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
     ]
-    try:
+    with _errors(f"releasing Pod {namespace}/{name}", ok=(404, 422)):
         client.CoreV1Api().patch_namespaced_pod(name, namespace, patch)
-    except ApiException as exc:
-        if exc.status not in (404, 422):
-            raise KubeError(f"releasing Pod {namespace}/{name}: {exc.reason}", exc.status) from exc
