@@ -6,6 +6,7 @@ handlers.py turns these into kopf patches and errors."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from cachewarm.warmups import ACTIVE_STATES, WAIT_GATE, WarmupOutcome, reconcile
 Claim = tuple[str, str, str]  # (creationTimestamp, namespace, name) of a cache using a bucket+prefix
 ClaimLookup = Callable[[str, str], Iterable[Claim]]  # (bucket, prefix) -> claims
 CacheLookup = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, name) -> webhook index entry
+log = logging.getLogger("cachewarm.service")
 
 
 @dataclass
@@ -84,9 +86,35 @@ def reconcile_cache(
     meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
     now: dt.datetime,
 ) -> Outcome:
-    """Bucket, then warmers, then pods waiting for the cache; one status at the end."""
+    """Bucket, then warmers, then pods waiting for the cache; one status at the end. Never
+    raises: a failing step becomes a condition with a reason and a message, an Event, and
+    `failure` (worth a retry), while what the other steps saw is still reported."""
     generation = int(meta.get("generation") or 0)
     injection = injections.summary(namespace, name, now)
+    try:
+        return _reconcile(gcs=gcs, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
+                          namespace=namespace, name=name, claims=claims, now=now, generation=generation,
+                          injection=injection)
+    except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
+        log.exception("Reconcile of %s/%s failed", namespace, name)
+        message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
+        cond = Cond(c.Condition.READY, False, c.Reason.RECONCILE_ERROR, message)
+        out = {"conditions": conditions.merge(status.get("conditions"), [cond], generation=generation, now=now),
+               "observedGeneration": generation, "injection": injection}
+        return Outcome(out, [Event("Warning", c.Reason.RECONCILE_ERROR, message)], failure=exc)
+
+
+def _changed(status: Mapping[str, Any], cond: Cond) -> bool:
+    """Whether a condition differs from the one in status (an Event is worth posting)."""
+    old = conditions.get(status.get("conditions"), cond.type)
+    return old is None or old.get("reason") != cond.reason or old.get("message") != cond.message
+
+
+def _reconcile(
+    *, gcs: GcsClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
+    status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup, now: dt.datetime,
+    generation: int, injection: dict[str, Any],
+) -> Outcome:
     try:
         cache = parse_spec(spec)
     except InvalidSpec as exc:
@@ -113,17 +141,35 @@ def reconcile_cache(
         if previous is None or previous.get("reason") != exc.reason:
             events.append(Event("Warning", exc.reason, str(exc)))
         failure = exc
+    except Exception as exc:  # noqa: BLE001 - e.g. the GCS library raising what it does not document
+        log.exception("Bucket reconcile of %s/%s failed", namespace, name)
+        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.RECONCILE_ERROR,
+                                        f"Bucket reconcile failed: {type(exc).__name__}: {exc}; retrying"[:1000])))
+        if _changed(status, seen.bucket.condition):
+            events.append(Event("Warning", c.Reason.RECONCILE_ERROR, seen.bucket.condition.message))
+        failure = exc
     try:
         _warm(cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
-              name=name, now=now)
-    except kube.KubeError as exc:
-        events.append(Event("Warning", c.Reason.KUBERNETES_ERROR, str(exc)))
+              name=name, now=now, generation=generation)
+    except Exception as exc:  # noqa: BLE001 - KubeError, or anything a library raised unexpectedly
+        if isinstance(exc, kube.KubeError):
+            reason, message = exc.reason, f"Warmers could not be reconciled: {exc}; retrying"
+        else:
+            log.exception("Warmup reconcile of %s/%s failed", namespace, name)
+            reason, message = c.Reason.RECONCILE_ERROR, f"Warmers could not be reconciled: {type(exc).__name__}: {exc}; retrying"
+        error = Cond(c.Condition.WARMED, False, reason, message[:1000])
+        if cache.warmup is not None and seen.warmup is None:
+            # What the warmers last reported stays in status.warmup (not rewritten); the
+            # condition says why it is not current.
+            seen.warm_condition = error
+        if _changed(status, error):
+            events.append(Event("Warning", reason, message[:1000]))
         failure = failure or exc
     return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now), events, failure)
 
 
 def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
-          meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime) -> None:
+          meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime, generation: int) -> None:
     if cache.warmup is not None:
         if seen.bucket.ready:
             seen.warmup = reconcile_warmup(
@@ -131,7 +177,7 @@ def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: s
                 annotations=meta.get("annotations") or {},
                 previous=(status.get("warmup") or {}).get("pools") or [],
                 cache_entries=(seen.bucket.cache or {}).get("entries", 0),
-                warmer_image=warmer_image, now=now,
+                warmer_image=warmer_image, now=now, generation=generation,
             )
             seen.warm_condition = seen.warmup.condition
             events += seen.warmup.events

@@ -1,0 +1,154 @@
+"""service.reconcile_cache never leaves a blank status: every failing step becomes a
+condition with a reason and a message and an Event, and what did succeed (the bucket) is
+still reported. GCS is a stand-in object here and the Kubernetes calls are replaced by
+ones that fail the way the client does; the e2e tests cover the real thing."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+import pydantic
+import pytest
+
+from cachewarm import service
+from cachewarm.builders.bucket import BucketInfo
+from cachewarm.clients import kube
+from cachewarm.clients.gcs import GcsUnavailable, ObjectInfo
+from cachewarm.injections import RecentInjections
+
+NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)
+META = {"generation": 3, "uid": "u-1", "creationTimestamp": "2026-11-22T00:00:00Z"}
+
+
+class FakeGcs:
+    """A bucket that exists, is configured as the spec asks, and holds two entries; or,
+    with `fail`, a GCS that raises it on the first call."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+
+    def get_bucket(self, name: str) -> BucketInfo:
+        if self.fail is not None:
+            raise self.fail
+        return BucketInfo(name=name, location="US", storage_class="STANDARD",
+                          lifecycle_rules=[{"action": {"type": "Delete"},
+                                            "condition": {"age": 30, "matchesPrefix": ["p/"]}}],
+                          soft_delete_seconds=7 * 86400)
+
+    def patch_bucket(self, name: str, patch: dict[str, Any]) -> BucketInfo:
+        return self.get_bucket(name)
+
+    def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
+        yield ObjectInfo("p/jit_f-" + "a" * 64 + "-cache", 10)
+        yield ObjectInfo("p/jit_g-" + "b" * 64 + "-cache", 20)
+
+
+def spec(pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
+            "warmup": {"image": "i", "targets": ["m:f"], "pools": pools or [{"name": "a"}]}}
+
+
+def reconcile(gcs: Any, body: dict[str, Any], status: dict[str, Any] | None = None) -> service.Outcome:
+    return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60), spec=body, meta=META,
+                                   status=status or {}, namespace="ml", name="llama",
+                                   claims=lambda bucket, prefix: [], now=NOW)
+
+
+def conds(outcome: service.Outcome) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in outcome.status["conditions"]}
+
+
+def test_gcs_unavailable_is_a_condition_and_an_event() -> None:
+    outcome = reconcile(FakeGcs(GcsUnavailable("reading bucket b-1: GCS answered 503 (busy)", status=503)), spec())
+    c = conds(outcome)
+    assert c["BucketReady"]["status"] == "False" and c["BucketReady"]["reason"] == "GCSUnavailable"
+    assert "503" in c["BucketReady"]["message"]
+    assert c["Ready"]["status"] == "False"
+    assert c["Warmed"]["reason"] == "BucketNotReady"
+    assert outcome.status["observedGeneration"] == 3
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "GCSUnavailable")]
+    assert isinstance(outcome.failure, GcsUnavailable)
+
+
+def test_an_unexpected_exception_from_the_gcs_library_is_reported_too() -> None:
+    outcome = reconcile(FakeGcs(KeyError("softDeletePolicy")), spec())
+    c = conds(outcome)
+    assert c["BucketReady"]["reason"] == "ReconcileError"
+    assert c["BucketReady"]["message"].startswith("Bucket reconcile failed: KeyError: 'softDeletePolicy'")
+    assert any(e.reason == "ReconcileError" for e in outcome.events)
+    assert outcome.failure is not None
+
+
+@pytest.fixture
+def kube_fails(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Exception]]:
+    """kube.list_jobs raises the exception the test puts in the list."""
+    errors: list[Exception] = []
+
+    def list_jobs(namespace: str, selector: str) -> list[dict[str, Any]]:
+        raise errors[0]
+
+    monkeypatch.setattr(kube, "list_jobs", list_jobs)
+    yield errors
+
+
+def test_a_kubernetes_error_is_the_warmed_condition_and_the_bucket_is_still_reported(
+    kube_fails: list[Exception],
+) -> None:
+    kube_fails.append(kube.KubeError("listing Jobs in ml: 403 Forbidden: jobs.batch is forbidden", 403))
+    previous = {"warmup": {"pools": [{"name": "a", "state": "Running"}]}}
+    outcome = reconcile(FakeGcs(), spec(), previous)
+    c = conds(outcome)
+    assert c["BucketReady"]["status"] == "True" and c["Ready"]["status"] == "True"
+    assert outcome.status["bucket"]["url"] == "gs://b-1/p"
+    assert outcome.status["cache"] == {"entries": 2, "bytes": 30}
+    assert c["Warmed"]["status"] == "False" and c["Warmed"]["reason"] == "KubernetesError"
+    assert "jobs.batch is forbidden" in c["Warmed"]["message"]
+    assert "warmup" not in outcome.status  # the last reported pools stay as they are
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "KubernetesError")]
+    # The same error again changes nothing and says nothing new.
+    again = reconcile(FakeGcs(), spec(), {**previous, "conditions": outcome.status["conditions"]})
+    assert again.events == [] and conds(again)["Warmed"] == c["Warmed"]
+
+
+def test_a_client_validation_error_becomes_a_condition(kube_fails: list[Exception]) -> None:
+    class Quantity(pydantic.BaseModel):
+        value: str
+
+    try:
+        Quantity.model_validate({"value": 8})
+    except pydantic.ValidationError as exc:
+        kube_fails.append(exc)
+    outcome = reconcile(FakeGcs(), spec())
+    warmed = conds(outcome)["Warmed"]
+    assert warmed["reason"] == "ReconcileError"
+    assert "ValidationError" in warmed["message"] and "valid string" in warmed["message"]
+    assert outcome.status["bucket"]["url"] == "gs://b-1/p"
+
+
+def test_unknown_tpu_shape_is_a_clear_condition_not_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    created: list[dict[str, Any]] = []
+    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: created.append(body))
+    outcome = reconcile(FakeGcs(), spec([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x3"}}]))
+    warmed = conds(outcome)["Warmed"]
+    assert (warmed["status"], warmed["reason"]) == ("False", "UnknownTpuShape")
+    assert "known topologies of tpu-v5p-slice: 2x2x1, 2x2x2" in warmed["message"]
+    [pool] = outcome.status["warmup"]["pools"]
+    assert pool["state"] == "Failed" and pool["reason"] == "UnknownTpuShape"
+    assert created == []
+    assert [e.reason for e in outcome.events] == ["UnknownTpuShape"]
+
+
+def test_a_bug_anywhere_still_writes_a_condition(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError("'NoneType' object has no attribute 'get'")
+
+    monkeypatch.setattr(service, "sharing", broken)
+    outcome = reconcile(FakeGcs(), spec())
+    ready = conds(outcome)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ReconcileError")
+    assert "AttributeError" in ready["message"]
+    assert outcome.status["observedGeneration"] == 3 and outcome.failure is not None
