@@ -18,6 +18,12 @@ A JSON summary goes to the termination message ($CACHEWARM_SUMMARY_FILE, default
 target compiled and at least one program was compiled or found in the cache; 1 when a
 target failed; 2 when nothing ended up in the cache (nothing compiled, or every program
 below the cache's size/time thresholds, or no cache directory).
+
+Multi-host pools (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID in the env):
+targets mode joins the JAX distributed runtime once; command mode leaves that to the
+entrypoint. Only process 0 writes entries, so only its summary counts written entries
+(`processIndex` says which process reported); another process exits 0 when it compiled
+what it was given without error, 2 when it compiled nothing.
 """
 
 from __future__ import annotations
@@ -220,18 +226,54 @@ def write_summary(summary: dict[str, Any]) -> None:
     print(text, flush=True)
 
 
-def maybe_initialize_distributed() -> None:
-    """Multi-host pools: the Job gives each host the JAX distributed env."""
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not address:
-        return
+def process_index() -> int:
+    """This host's index in a multi-host warmer (JAX_PROCESS_ID, which the Job sets from
+    the pod's completion index); 0 on a single host."""
+    try:
+        return int(os.environ.get("JAX_PROCESS_ID") or 0)
+    except ValueError:
+        return 0
+
+
+def multi_host() -> bool:
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) and int(os.environ.get("JAX_NUM_PROCESSES") or 1) > 1
+
+
+def initialize_distributed() -> bool:
+    """targets mode on a multi-host pool: join the JAX distributed runtime, once. (jax's
+    initialize() reads only the coordinator address from the env; the process count and
+    id are passed here.) Returns whether it initialized. Raises what jax raises."""
+    if not multi_host():
+        return False
     import jax  # noqa: PLC0415
 
     jax.distributed.initialize(
-        coordinator_address=address,
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
         num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]),
     )
+    log("Joined the JAX distributed runtime", process=os.environ["JAX_PROCESS_ID"],
+        processes=os.environ["JAX_NUM_PROCESSES"])
+    return True
+
+
+def distributed_by_entrypoint() -> bool:
+    """Whether an in-process entrypoint joined the JAX distributed runtime (then the
+    warmer leaves it together with the other processes before exiting)."""
+    jax = sys.modules.get("jax")
+    is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)
+    return bool(is_initialized()) if callable(is_initialized) else False
+
+
+def shutdown_distributed() -> None:
+    """Leave the runtime together (a barrier), so process 0, which hosts the coordinator,
+    does not exit while the others still need it."""
+    import jax  # noqa: PLC0415
+
+    try:
+        jax.distributed.shutdown()  # type: ignore[no-untyped-call]
+    except Exception as exc:  # noqa: BLE001 - the work is done; say so and exit normally
+        log("Could not shut down the JAX distributed runtime cleanly", error=repr(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,10 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     code = 0
     counted = True  # whether JAX's counters saw the compiles
+    index = process_index()
+    distributed = False
     try:
         counters.install()
-        maybe_initialize_distributed()
         if args.mode == "targets":
+            # command mode: the entrypoint initializes the distributed runtime itself (as it
+            # does in training); calling it here too would fail its second initialize().
+            distributed = initialize_distributed()
             results, errors = run_targets(args.targets, args.parallel)
         else:
             command = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
@@ -270,11 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         errors.append(f"{type(exc).__name__}: {exc}")
         traceback.print_exc(file=sys.stderr)
+    if distributed or distributed_by_entrypoint():
+        shutdown_distributed()
     after = cache.entries()
-    written = {k: v for k, v in after.items() if k not in before}
+    # Only process 0 writes cache entries; what another process sees appear in a shared
+    # cache directory is process 0's work, so it is not counted twice.
+    written = {k: v for k, v in after.items() if k not in before} if index == 0 else {}
     found = counters.hits
     summary = {
         "mode": args.mode,
+        "processIndex": index,
         "cacheDir": cache.url,
         "programs": counters.requests,
         "entriesFound": found if counted else len(before),
@@ -285,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets": results,
     }
     cached = (found + len(written)) if counted else len(after)
+    if index != 0:
+        # Processes other than 0 never write: they succeed when they compiled everything
+        # they were given without error (their part of the collective program).
+        cached = max(cached, counters.requests if counted else 1)
     failed = bool(errors)
     if not failed and cached == 0:
         if counters.requests and cache.url:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,93 @@ def test_command_mode_runs_a_python_entrypoint_in_process(tmp_path: Path) -> Non
     code, summary, _ = warm(tmp_path, "command", "--", "python", str(script), "3", cache=tmp_path / "c")
     assert code == 1
     assert summary["errors"] == ["entrypoint exited with status 3"]
+
+
+MULTI_HOST_TARGETS = '''
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def targets():
+    # One program over both processes' devices: only possible in one distributed runtime.
+    assert jax.process_count() == 2, jax.process_count()
+    mesh = Mesh(jax.devices(), ("x",))
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum())
+    yield f, (jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("x"))),
+              jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P())))
+'''
+
+# What a training entrypoint does on a multi-host pool: it initializes the runtime itself
+# (jax reads JAX_COORDINATOR_ADDRESS from the env; the count and id are passed).
+MULTI_HOST_ENTRYPOINT = '''
+import os
+import socket
+import jax
+import jax.numpy as jnp
+
+jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                           process_id=int(os.environ["JAX_PROCESS_ID"]))
+assert jax.process_count() == 2, jax.process_count()
+print(jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(8)).sum())
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def warm_two_hosts(tmp_path: Path, *args: str) -> list[tuple[int, dict[str, Any], str]]:
+    """The warmer file as the two pods of an Indexed Job run it: same cache directory,
+    JAX_COORDINATOR_ADDRESS of process 0, JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=0/1."""
+    lone = tmp_path / "warm.py"
+    lone.write_text(WARMER.read_text())
+    address = f"127.0.0.1:{free_port()}"
+    procs = []
+    for index in (0, 1):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
+               "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(index),
+               "CACHEWARM_SUMMARY_FILE": str(tmp_path / f"termination-log-{index}")}
+        procs.append(subprocess.Popen([sys.executable, str(lone), *args], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for index, proc in enumerate(procs):
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        summary_file = tmp_path / f"termination-log-{index}"
+        out.append((proc.returncode, json.loads(summary_file.read_text()) if summary_file.exists() else {}, stderr))
+    return out
+
+
+def test_two_processes_form_one_runtime_and_count_each_entry_once(tmp_path: Path) -> None:
+    (tmp_path / "mh_targets.py").write_text(MULTI_HOST_TARGETS)
+    results = warm_two_hosts(tmp_path, "targets", "mh_targets:targets")
+    for code, summary, log in results:
+        assert code == 0, log
+        assert summary["errors"] == [] and summary["programs"] >= 1
+    (_, first, log0), (_, second, _) = results
+    assert "Joined the JAX distributed runtime process=0 processes=2" in log0
+    assert (first["processIndex"], second["processIndex"]) == (0, 1)
+    entries = sorted((tmp_path / "cache").glob("*-cache"))
+    # Process 0 wrote them, and only its summary counts them.
+    assert first["entriesWritten"] == len(entries) >= 1
+    assert first["bytesWritten"] == sum(p.stat().st_size for p in entries)
+    assert second["entriesWritten"] == 0 and second["bytesWritten"] == 0
+
+
+def test_command_mode_leaves_distributed_init_to_the_entrypoint(tmp_path: Path) -> None:
+    (tmp_path / "train_mh.py").write_text(MULTI_HOST_ENTRYPOINT)
+    results = warm_two_hosts(tmp_path, "command", "--", "python", "train_mh.py")
+    for code, summary, log in results:
+        # A second initialize() (the warmer's, then the entrypoint's) would fail here.
+        assert code == 0, log
+        assert summary["errors"] == [] and summary["mode"] == "command"
+    (_, first, _), (_, second, log1) = results
+    assert "Joined the JAX distributed runtime" not in log1
+    assert (first["processIndex"], second["processIndex"]) == (0, 1)
+    assert first["entriesWritten"] >= 1 and second["entriesWritten"] == 0
