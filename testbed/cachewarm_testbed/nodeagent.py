@@ -14,7 +14,8 @@ capacity), and the agent runs only what is bound to its nodes. What it does like
   Dockerfile ENV) and the node's environment (`--node-env`: the GCS endpoint, standing in
   for the metadata server a GKE node gives pods). The test runner's environment never
   reaches a container, so a variable the operator forgets fails a test;
-- mounts, in the container's own mount namespace, a per-container file at
+- sets the pod's hostname (own UTS namespace) and mounts, in the container's own mount
+  namespace, a per-container file at
   /dev/termination-log (read back as the termination message with the kubelet's limits and
   FallbackToLogsOnError) and a per-pod /etc/hosts: the pod's own name, plus the records
   cluster DNS would serve for headless Services in its namespace
@@ -332,10 +333,13 @@ class Agent:
         message_file = root / f"{container.name}.termination-log"
         message_file.write_text("")
         log = root / f"{container.name}.log"
-        # A private mount namespace: our /etc/hosts and termination-log file, nothing else.
-        wrapper = ["/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-                   'mount --bind "$1" /etc/hosts && mount --bind "$2" "$3" && shift 3 && exec "$@"',
-                   "sh", str(root / "etc-hosts"), str(message_file), TERMINATION_LOG, *plan["argv"]]
+        # Private mount and UTS namespaces: the pod's hostname, our /etc/hosts and the
+        # termination-log file, nothing else of the host changes.
+        wrapper = ["/usr/bin/unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c",
+                   'echo "$4" > /proc/sys/kernel/hostname && mount --bind "$1" /etc/hosts '
+                   '&& mount --bind "$2" "$3" && shift 4 && exec "$@"',
+                   "sh", str(root / "etc-hosts"), str(message_file), TERMINATION_LOG, plan["env"]["HOSTNAME"],
+                   *plan["argv"]]
         with open(log, "ab") as out:
             proc = subprocess.Popen(wrapper, cwd=plan["cwd"], env=plan["env"], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)

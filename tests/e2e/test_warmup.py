@@ -1,8 +1,9 @@
 """The heart of cachewarm, end to end: the operator's warmer Job fills the bucket, the
 cache turns Warmed, and an ordinary training pod admitted through the webhook loads every
-warmed program from the cache and compiles none of its own. Pods run on the stand-in
-kubelet (cachewarm_testbed.nodeagent); Jobs, pods and status go through the real
-apiserver and kube-controller-manager."""
+warmed program from the cache and compiles none of its own. kube-scheduler places the pods
+on the testbed's simulated GKE nodes and the stand-in kubelet (cachewarm_testbed.nodeagent)
+runs them; Jobs, pods and status go through the real apiserver and kube-controller-manager.
+GPU and TPU pools: test_accelerator_pools.py."""
 
 from __future__ import annotations
 
@@ -160,32 +161,6 @@ def test_operator_killed_mid_warm_leaves_one_job_per_pool(
     names = sorted(j["metadata"]["name"] for j in jobs(controller_manager, namespace, "crash"))
     assert len(names) == 2
     assert sorted(p["job"] for p in obj["status"]["warmup"]["pools"]) == names
-
-
-@pytest.mark.parametrize("pool", [
-    {"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
-    {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}},
-    {"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, "hosts": 2},
-])
-def test_job_specs_are_accepted_by_the_apiserver(installed: Testbed, namespace: str, pool: dict[str, Any]) -> None:
-    from cachewarm.builders import job as jb
-    from cachewarm.model import parse_spec
-
-    spec = parse_spec(warm_cache("llama", "b-123", {"targets": ["train:targets"], "pools": [pool]})["spec"])
-    assert spec.warmup is not None
-    p = spec.warmup.pools[0]
-    digest = jb.spec_hash(spec, p)
-    owner = {"name": "llama", "uid": "6f1c7a2e-0000-4000-8000-000000000000"}
-    objects = [jb.warmer_job(spec, cache_name="llama", namespace=namespace, pool=p, digest=digest, owner=owner,
-                             warmer_image="cachewarm/warmer:0.1.0")]
-    if p.hosts > 1:
-        objects.append(jb.headless_service("llama", namespace, p, jb.job_name("llama", p, digest), owner))
-    for obj in objects:
-        result = installed.kubectl_run("create", "--dry-run=server", "-o", "json", "-f", "-",
-                                       input=yaml.safe_dump(obj))
-        assert result.returncode == 0, result.stderr
-        stored = json.loads(result.stdout)
-        assert stored["kind"] == obj["kind"] and stored["metadata"]["name"] == obj["metadata"]["name"]
 
 
 def wait_ready(bed: Testbed, ns: str, name: str) -> None:
