@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             errors.append("nothing was compiled or found in the cache")
-    summary["notCached"] = max(0, counters.requests - found - len(written)) if counted else 0
+    summary["notCached"] = max(0, counters.requests - found - len(written)) if counted and index == 0 else 0
     summary["errors"] = errors
     write_summary(summary)
     log("Finished", programs=counters.requests, found=found, written=len(written), errors=len(errors))
