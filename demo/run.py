@@ -1,8 +1,9 @@
 """`make demo`: cachewarm's main job on a local control plane, start to finish.
 
 1. Starts etcd, kube-apiserver, kube-controller-manager and the GCS emulator on loopback,
-   installs manifests/, runs the operator as its ServiceAccount, and starts the node
-   agent (the stand-in kubelet that runs pods as local processes).
+   installs manifests/, runs the operator as its ServiceAccount, and starts kube-scheduler
+   with the node agent (simulated GKE nodes whose stand-in kubelet runs pods as local
+   processes).
 2. Trains once without the cache (an unlabelled pod): the cold time to the first step.
 3. Applies demo/compilationcache.yaml; the operator creates the bucket and a warmer Job,
    which compiles demo/train.py's step into the bucket; the cache turns Warmed.
@@ -54,12 +55,12 @@ def train_pod(bed: Testbed, name: str, cache: str | None) -> dict[str, Any]:
                                 if (((bed.get_json("pod", name, NS) or {}).get("status") or {}).get("phase")
                                     in ("Succeeded", "Failed")) else None),
                        timeout=300, what=f"pod {name} to finish")
-    log = (bed.workdir / "pods" / NS / name / "train.log").read_text()
+    log = bed.pod_log(NS, name, "train")
     if phase != "Succeeded":
         raise SystemExit(f"pod {name} failed:\n{log[-3000:]}")
     stored = bed.get_json("pod", name, NS) or {}
     env = {e["name"]: e.get("value") for e in stored["spec"]["containers"][0].get("env", [])}
-    return {**json.loads(log.strip().splitlines()[-1]), "env": env}
+    return {**json.loads(log.strip().splitlines()[-1]), "env": env, "node": stored["spec"].get("nodeName", "")}
 
 
 def main() -> None:
@@ -103,18 +104,20 @@ def main() -> None:
         obj = eventually(warmed, timeout=300, what="the cache to be Warmed")
         status = obj["status"]
         [pool] = status["warmup"]["pools"]
-        say(f"  Warmed: Job {pool['job']} wrote {pool['entriesWritten']} entries "
+        warmer_nodes = ", ".join(pool.get("nodes") or []) or "?"
+        say(f"  Warmed: Job {pool['job']} on {warmer_nodes} wrote {pool['entriesWritten']} entries "
             f"({pool['bytesWritten']} bytes) in {pool['compileSeconds']} s")
 
         say("training in a pod labelled cachewarm.dev/cache=llama-demo (warm)")
         warm = train_pod(bed, "train-warm", "llama-demo")
-        say(f"  first step {warm['first_step_seconds']} s, cache hits: {warm['cache_hits']}, "
+        say(f"  on {warm['node']}: first step {warm['first_step_seconds']} s, cache hits: {warm['cache_hits']}, "
             f"programs compiled: {warm['compiled']}")
 
         report = {
             "bucket": status["bucket"],
             "cache": status["cache"],
             "warmup": pool,
+            "nodes": {"warmer": pool.get("nodes") or [], "coldTraining": cold["node"], "warmTraining": warm["node"]},
             "injectedEnv": {k: v for k, v in warm["env"].items() if k.startswith("JAX_")},
             "cold": {"firstStepSeconds": cold["first_step_seconds"], "compiled": cold["compiled"]},
             "warm": {"firstStepSeconds": warm["first_step_seconds"], "cacheHits": warm["cache_hits"],
@@ -127,7 +130,8 @@ def main() -> None:
 cachewarm demo report
   bucket        {b['url']}  location {b['location']}  class {b['storageClass']}
                 lifecycle delete after {b['deleteAfterDays']} d, soft delete {b['softDeleteDays']} d
-  warmer Job    {pool['job']}: {pool['state']}, {pool['entriesWritten']} entries written, {pool['entriesFound']} found
+  warmer Job    {pool['job']}: {pool['state']} on {warmer_nodes}, {pool['entriesWritten']} entries written, {pool['entriesFound']} found
+  training pod  cold on {cold['node']}, warm on {warm['node']} (placed by kube-scheduler)
   cache         {status['cache']['entries']} entries, {status['cache']['bytes']} bytes
   injected env  {', '.join(f'{k}={v}' for k, v in report['injectedEnv'].items())}
   first step    cold {cold['first_step_seconds']} s (compiled {cold['compiled']})

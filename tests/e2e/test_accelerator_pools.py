@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 import uuid
-from collections import Counter
 from typing import Any
 
 import pytest
 import yaml
 from google.cloud import storage
+from kubernetes import client, watch
+from kubernetes import config as k8s_config
 
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import Proc
@@ -230,6 +233,52 @@ def test_pool_without_a_matching_node_reports_the_schedulers_reason(
     assert warmed["status"] == "False" and "Unschedulable" in warmed["message"]
 
 
+class JobWatch:
+    """Every change of a cache's warmer Jobs, in the apiserver's order (a watch, not
+    samples, so no overlap between two Jobs can slip between two looks). `peak[pool]` is
+    the most Jobs of that pool that were unfinished at the same time, counting Jobs being
+    deleted until they are gone."""
+
+    def __init__(self, bed: Testbed, namespace: str, cache_name: str) -> None:
+        self.api = client.BatchV1Api(k8s_config.new_client_from_config(config_file=str(bed.kubeconfig)))
+        self.namespace = namespace
+        self.selector = f"cachewarm.dev/warmer-for={cache_name}"
+        self.alive: dict[str, set[str]] = {}
+        self.peak: dict[str, int] = {}
+        self.events = 0
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.watch = watch.Watch()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        try:
+            self.follow()
+        except BaseException as exc:  # noqa: BLE001 - a watch that died must fail the test, not undercount
+            if not self.stopped:
+                self.error = exc
+
+    def follow(self) -> None:
+        for event in self.watch.stream(self.api.list_namespaced_job, self.namespace, label_selector=self.selector,
+                                       timeout_seconds=900):
+            job = event["object"]
+            pool = job.metadata.labels["cachewarm.dev/pool"]
+            done = any(c.status == "True" and c.type in ("Complete", "Failed") for c in job.status.conditions or [])
+            names = self.alive.setdefault(pool, set())
+            if event["type"] == "DELETED" or done:
+                names.discard(job.metadata.name)
+            else:
+                names.add(job.metadata.name)
+            self.peak[pool] = max(self.peak.get(pool, 0), len(names))
+            self.events += 1
+
+    def stop(self) -> None:
+        assert self.error is None, f"the Job watch failed: {self.error!r}"
+        self.stopped = True
+        self.watch.stop()
+
+
 def test_operator_kills_while_the_spec_changes_leave_one_warmer_per_pool(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:
@@ -241,33 +290,24 @@ def test_operator_kills_while_the_spec_changes_leave_one_warmer_per_pool(
     spec = cache("churn", f"churn-{uuid.uuid4().hex[:8]}", {
         "image": "test/targets:1", "targets": ["warm_targets:stuck_targets"],
         "pools": [{"name": "a"}, {"name": "b"}], "env": [{"name": "ROUND", "value": "0"}]})
+    seen = JobWatch(bed, namespace, "churn")
     bed.apply(spec, namespace)
-    peak: dict[str, int] = {}
-
-    def sample() -> None:
-        unfinished = Counter(
-            job["metadata"]["labels"]["cachewarm.dev/pool"] for job in jobs(bed, namespace, "churn")
-            if not any(c.get("status") == "True" and c.get("type") in ("Complete", "Failed")
-                       for c in (job.get("status") or {}).get("conditions") or []))
-        for pool, n in unfinished.items():
-            peak[pool] = max(peak.get(pool, 0), n)
-
+    eventually(lambda: len(seen.alive.get("a", ())) == len(seen.alive.get("b", ())) == 1, timeout=60,
+               what="the first warmers")
     for round_ in range(1, 21):
         spec["spec"]["warmup"]["env"] = [{"name": "ROUND", "value": str(round_)}]
         bed.apply(spec, namespace)
-        for _ in range(rng.randint(0, 3)):
-            sample()
+        time.sleep(rng.uniform(0, 2.5))
         operator.restart()
-        sample()
-    assert peak and max(peak.values()) == 1, peak
 
     def settled() -> list[dict[str, Any]] | None:
-        sample()
         current = jobs(bed, namespace, "churn")
         return current if len(current) == 2 and all(j["metadata"].get("deletionTimestamp") is None
                                                      for j in current) else None
     final = eventually(settled, timeout=120, what="one Job per pool")
-    assert max(peak.values()) == 1, peak
+    seen.stop()
+    assert seen.peak == {"a": 1, "b": 1}, (seen.peak, seen.events)
+    assert seen.events > 40  # every round replaced both warmers: creations, deletions, changes
     assert sorted(j["metadata"]["labels"]["cachewarm.dev/pool"] for j in final) == ["a", "b"]
     for job in final:
         env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
