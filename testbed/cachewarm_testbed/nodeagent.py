@@ -127,8 +127,8 @@ class Agent:
     def loop(self) -> None:
         while not self.stopping.is_set():
             try:
-                pods = [p for p in self.api.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items
-                        if p.spec.node_name in self.nodes]
+                listed: list[Any] = self.api.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items
+                pods = [p for p in listed if p.spec.node_name in self.nodes]
             except Exception as exc:  # noqa: BLE001 - keep polling through apiserver hiccups
                 print(f"nodeagent: listing pods failed: {exc}", flush=True)
                 self.stopping.wait(1.0)
@@ -181,7 +181,7 @@ class Agent:
         records: dict[str, list[str]] = {ns: [] for ns in namespaces}
         for ns in namespaces:
             try:
-                services = self.api.list_namespaced_service(ns).items
+                services: list[Any] = self.api.list_namespaced_service(ns).items
             except Exception:  # noqa: BLE001 - keep the old records until the next round
                 continue
             for svc in services:
