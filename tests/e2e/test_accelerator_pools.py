@@ -315,3 +315,29 @@ def test_operator_kills_while_the_spec_changes_leave_one_warmer_per_pool(
     obj = bed.get_json("ccache", "churn", namespace) or {}
     assert sorted(p["job"] for p in obj["status"]["warmup"]["pools"]) == sorted(j["metadata"]["name"] for j in final)
     bed.kubectl_run("delete", "ccache", "churn", "-n", namespace, "--wait=false")
+
+
+def test_unknown_tpu_shape_is_a_condition_and_the_bucket_is_still_reported(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """A TPU type/topology pair GKE has no machine shape for: no Job (it could only ever be
+    Pending), a Warmed condition naming the problem and the shapes that exist, an Event, and
+    the bucket part of the reconcile still in status: never a blank row."""
+    bed = controller_manager
+    bucket = f"odd-{uuid.uuid4().hex[:8]}"
+    pool = {"name": "odd", "tpu": {"type": "tpu-v5p-slice", "topology": "3x3x3"}}
+    bed.apply(cache("odd", bucket, {"image": "demo/train:1", "targets": ["train:targets"], "pools": [pool]}),
+              namespace)
+
+    def reported() -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", "odd", namespace) or {}
+        return obj if conditions(obj).get("Warmed", {}).get("reason") == "UnknownTpuShape" else None
+    obj = eventually(reported, timeout=30, what="Warmed=False UnknownTpuShape")
+    warmed = conditions(obj)["Warmed"]
+    assert warmed["status"] == "False" and "3x3x3" in warmed["message"] and "2x2x2" in warmed["message"]
+    assert conditions(obj)["BucketReady"]["status"] == "True"
+    assert obj["status"]["bucket"]["url"] == f"gs://{bucket}/jax"
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    assert jobs(bed, namespace, "odd") == []
+    eventually(lambda: any(e["reason"] == "UnknownTpuShape" for e in bed.events_for("odd", namespace)),
+               timeout=20, what="an UnknownTpuShape event")
