@@ -170,10 +170,12 @@ class GcsClient:
         (re-read and re-merge), GcsError otherwise.
         """
         name = current.name
-        # Built from what was read, so a new labels map removes the labels it leaves out
-        # (the library sends them as null, which GCS PATCH semantics need).
-        bucket = storage.Bucket.from_api_repr({"name": name, "labels": dict(current.labels)}, self.client)
+        bucket = self.client.bucket(name)
         if "labels" in patch:
+            # GCS merges a PATCH's labels into the bucket's; a label is removed by sending it
+            # as null. The library sends null for the labels a new map leaves out of the one
+            # it knew, so it is first told the labels as read.
+            bucket.labels = dict(current.labels)
             bucket.labels = patch["labels"]
         if "lifecycle" in patch:
             bucket.lifecycle_rules = patch["lifecycle"]["rule"]
