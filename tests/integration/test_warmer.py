@@ -4,7 +4,6 @@ with the cache env, reporting a JSON summary in the termination-message file."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import subprocess
 import sys
@@ -19,27 +18,20 @@ from cachewarm.builders import bucket as b
 from cachewarm.model import GcsStorage
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.warmrun import run_warmer
 
 pytestmark = pytest.mark.integration
 
-WARMER = Path(__file__).resolve().parents[2] / "operator" / "cachewarm" / "warmer.py"
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def warm(tmp_path: Path, *args: str, cache: Path | str | None = None, min_compile: str = "0",
          extra_env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
-    summary = tmp_path / "termination-log"
-    env = {**os.environ, "CACHEWARM_SUMMARY_FILE": str(summary),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": min_compile,
+    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": min_compile,
            "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none", **(extra_env or {})}
     if cache is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-    # Run as a lone file, the way the init container ships it.
-    lone = tmp_path / "warm.py"
-    lone.write_text(WARMER.read_text())
-    out = subprocess.run([sys.executable, str(lone), *args], cwd=DATA, env=env, capture_output=True,
-                         text=True, timeout=300)
-    return out.returncode, json.loads(summary.read_text()), out.stderr
+    return run_warmer(tmp_path, args, env=env, cwd=DATA)
 
 
 def test_targets_are_compiled_into_the_cache_then_found(tmp_path: Path) -> None:
