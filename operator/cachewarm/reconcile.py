@@ -69,8 +69,7 @@ def reconcile_bucket(
     """
     namespace, name = mine.key
     claims = _claims_with(claims, mine)
-    overlapped = b.sharing(claims, mine)
-    refused_by = next((o for o in overlapped if o < mine), None)
+    refused_by = b.refused_by(claims, mine)
     if refused_by is not None:
         bucket = gcs.get_bucket(spec.bucket)
         other = f"gs://{spec.bucket}/{refused_by.prefix}" if refused_by.prefix else f"gs://{spec.bucket}"

@@ -135,8 +135,16 @@ def test_overlap_is_by_object_prefix(a: str, b_: str, overlap: bool) -> None:
 def test_newer_overlapping_caches_are_inactive_and_share_nothing() -> None:
     old, nested, sibling = claim("a1", "team"), claim("b2", "team/x"), claim("c3", "teamx")
     assert b.active([nested, sibling, old]) == [old, sibling]
-    assert b.sharing([old, nested, sibling], nested) == [old]
     assert plan(old, nested, sibling).rules == [ours(30, "team/", "teamx/")]
+    assert b.refused_by([old, nested, sibling], nested) == old
+    assert b.refused_by([old, nested, sibling], sibling) is None
+
+
+def test_a_refused_cache_blocks_nobody() -> None:
+    first, root, later = claim("a1", "team"), claim("b2", ""), claim("c3", "other")
+    assert b.active([first, root, later]) == [first, later]
+    assert b.refused_by([first, root, later], root) == first
+    assert b.refused_by([first, root, later], later) is None
 
 
 def test_caches_with_the_same_age_share_one_rule() -> None:

@@ -106,16 +106,19 @@ def overlaps(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def sharing(claims: Iterable[Claim], mine: Claim) -> list[Claim]:
-    """The other caches whose prefix overlaps mine, oldest first."""
-    return sorted(o for o in claims if o.key != mine.key and overlaps(o.object_prefix, mine.object_prefix))
-
-
 def active(claims: Iterable[Claim]) -> list[Claim]:
-    """Caches that manage their prefix: those that overlap no older cache. Oldest first."""
-    ordered = sorted({cl.key: cl for cl in claims}.values())
-    return [cl for i, cl in enumerate(ordered)
-            if not any(overlaps(o.object_prefix, cl.object_prefix) for o in ordered[:i])]
+    """Caches that manage their prefix: those that overlap no older cache that manages its
+    own (a refused cache blocks nobody). Oldest first."""
+    out: list[Claim] = []
+    for cl in sorted({cl.key: cl for cl in claims}.values()):
+        if not any(overlaps(o.object_prefix, cl.object_prefix) for o in out):
+            out.append(cl)
+    return out
+
+
+def refused_by(claims: Iterable[Claim], mine: Claim) -> Claim | None:
+    """The older managing cache whose prefix overlaps mine (then mine manages nothing)."""
+    return next((o for o in active(claims) if o < mine and overlaps(o.object_prefix, mine.object_prefix)), None)
 
 
 def settings_owner(claims: Iterable[Claim], bucket: BucketInfo) -> Claim | None:
