@@ -138,3 +138,26 @@ def test_entries_without_custom_time_are_stamped_with_their_creation(storage_onl
     obj = ev.ObjectState(entry.name, entry.time_created, entry.custom_time)
     assert not ev.deletes(rules, obj, entry.time_created + dt.timedelta(days=9))
     assert ev.deletes(rules, obj, entry.time_created + dt.timedelta(days=10))
+
+
+def test_rule_limit_is_a_condition_not_a_patch_loop(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only)
+    bucket = storage_only.get_bucket(name)
+    theirs = [{"action": {"type": "Delete"}, "condition": {"age": 100 + i, "matchesPrefix": [f"logs{i}/"]}}
+              for i in range(b.MAX_LIFECYCLE_RULES - 1)]
+    bucket.lifecycle_rules = theirs
+    bucket.patch()
+    client = GcsClient(client=storage_only, timeout=5)
+    older = spec(name, prefix="a", lifecycle={"deleteAfterDays": 10})
+    newer = spec(name, prefix="b", lifecycle={"deleteAfterDays": 20})
+    claims = [claim(older, "a", "2026-01-01T00:00:00Z"), claim(newer, "b", "2026-01-02T00:00:00Z")]
+    first = reconcile_bucket(client, older, mine=claims[0], claims=claims, spec_changed=True)
+    assert [cd.reason for cd in first.settings][0] == "Reconciled"
+    full = storage_only.get_bucket(name)
+    assert len(list(full.lifecycle_rules)) == b.MAX_LIFECYCLE_RULES
+    second = reconcile_bucket(client, newer, mine=claims[1], claims=claims, spec_changed=True)
+    lifecycle = second.settings[0]
+    assert (lifecycle.status, lifecycle.reason) == (False, "RuleLimitReached")
+    assert "99 lifecycle rules of others and 1 of cachewarm's" in lifecycle.message
+    assert second.ready and second.events == []
+    assert storage_only.get_bucket(name).metageneration == full.metageneration
