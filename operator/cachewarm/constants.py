@@ -61,6 +61,7 @@ class Reason:
     PREFIX_IN_USE: Final = "PrefixInUse"
     BUCKET_ROOT_NOT_ALLOWED: Final = "BucketRootNotAllowed"
     RULE_LIMIT_REACHED: Final = "RuleLimitReached"
+    RULES_UNREADABLE: Final = "LifecycleRulesUnreadable"
     SET_BY_OWNER: Final = "SetByOwner"
     SOFT_DELETE_CONFLICT: Final = "SoftDeleteConflict"
     BUCKET_BUSY: Final = "BucketChangedConcurrently"

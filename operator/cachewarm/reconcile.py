@@ -156,6 +156,11 @@ def reconcile_bucket(
 
 
 def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan) -> Cond:
+    if bucket.unreadable_rules:
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULES_UNREADABLE,
+                    f"Bucket {spec.bucket} has {bucket.unreadable_rules} lifecycle rules of an action type this "
+                    "operator's GCS library does not know; writing the lifecycle would drop them, so cachewarm "
+                    "leaves it alone. Upgrade cachewarm")
     if mine.key in plan.root_not_allowed:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
                     f"This cache is at the root of bucket {spec.bucket}, where GCS lifecycle conditions cannot tell "

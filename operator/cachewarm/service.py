@@ -84,7 +84,8 @@ def claim_of(spec: Mapping[str, Any], meta: Mapping[str, Any], namespace: str, n
                     name=name)
 
 
-_ANNOUNCED = (c.Reason.SOFT_DELETE_CONFLICT, c.Reason.RULE_LIMIT_REACHED, c.Reason.BUCKET_ROOT_NOT_ALLOWED)
+_ANNOUNCED = (c.Reason.SOFT_DELETE_CONFLICT, c.Reason.RULE_LIMIT_REACHED, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
+              c.Reason.RULES_UNREADABLE)
 
 
 def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list[Event]:

@@ -161,3 +161,16 @@ def test_rule_limit_is_a_condition_not_a_patch_loop(storage_only: storage.Client
     assert "99 lifecycle rules of others and 1 of cachewarm's" in lifecycle.message
     assert second.ready and second.events == []
     assert storage_only.get_bucket(name).metageneration == full.metageneration
+
+
+def test_a_rule_the_library_cannot_read_is_never_dropped(storage_only: storage.Client, storage_bed: Testbed) -> None:
+    name = new_bucket(storage_only)
+    future = {"action": {"type": "SomeFutureAction"}, "condition": {"age": 1, "matchesPrefix": ["tmp/"]}}
+    requests.patch(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}",
+                   json={"lifecycle": {"rule": [THEIRS, future]}}, timeout=10).raise_for_status()
+    gcs_spec = spec(name, prefix="jax")
+    out = reconcile_bucket(GcsClient(client=storage_only, timeout=5), gcs_spec, mine=claim(gcs_spec), claims=[],
+                           spec_changed=True)
+    assert (out.settings[0].status, out.settings[0].reason) == (False, "LifecycleRulesUnreadable")
+    raw = requests.get(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}", timeout=10).json()
+    assert raw["lifecycle"]["rule"] == [THEIRS, future]

@@ -214,6 +214,11 @@ def test_an_edited_rule_of_ours_is_no_longer_ours() -> None:
     assert b.observed_delete_after_days(bucket, claim("a1", "llama")) is None
 
 
+def test_a_bucket_with_rules_the_library_cannot_read_is_never_rewritten() -> None:
+    bucket = info(lifecycle_rules=[THEIRS], unreadable_rules=1)
+    assert b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10))) == {}
+
+
 def test_no_cache_left_removes_our_rules_and_labels_only() -> None:
     mine = ours(10, "llama/")
     bucket = info(lifecycle_rules=[THEIRS, mine], labels={"team": "x", **labelled(mine)})

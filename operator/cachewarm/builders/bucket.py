@@ -52,6 +52,9 @@ class BucketInfo:
     uniform_access: bool = False
     public_access_prevention: str = ""
     metageneration: int = 0
+    # Rules the client library could not read (an action type it does not know): while
+    # there are any, cachewarm never writes the lifecycle, which would drop them.
+    unreadable_rules: int = 0
 
 
 def owner_labels(namespace: str, name: str) -> dict[str, str]:
@@ -225,7 +228,10 @@ def rule_budget(bucket: BucketInfo) -> int:
 
 def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan) -> dict[str, Any]:
     """Others' rules untouched and in place, ours after them as the plan says, and the
-    labels that record ours. Empty when the bucket already is so."""
+    labels that record ours. Empty when the bucket already is so, or when some rule on it
+    could not be read (writing the lifecycle back would drop it)."""
+    if bucket.unreadable_rules:
+        return {}
     foreign, _ = split_rules(bucket)
     wanted = [*foreign, *plan.rules]
     labels = {k: v for k, v in bucket.labels.items() if not k.startswith(c.GCS_LABEL_RULE_PREFIX)}
