@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     before = cache.entries()
     counters = Counters()
     used = UsedKeys()
+    used.install()
     started = time.monotonic()
     errors: list[str] = []
     results: list[dict[str, Any]] = []
@@ -322,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     counted = True  # whether JAX's counters saw the compiles
     try:
         counters.install()
-        used.install()
         maybe_initialize_distributed()
         if args.mode == "targets":
             results, errors = run_targets(args.targets, args.parallel)
@@ -336,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"{type(exc).__name__}: {exc}")
         traceback.print_exc(file=sys.stderr)
     after = cache.entries()
-    refreshed = refresh_last_use(cache.url, used.keys)
     written = {k: v for k, v in after.items() if k not in before}
     found = counters.hits
     summary = {
@@ -346,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "entriesFound": found if counted else len(before),
         "entriesWritten": len(written),
         "bytesWritten": sum(written.values()),
-        "entriesRefreshed": refreshed,
+        "entriesRefreshed": refresh_last_use(cache.url, used.keys),
         "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
         "errors": errors,
         "targets": results,
