@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "entriesFound": found if counted else len(before),
         "entriesWritten": len(written),
         "bytesWritten": sum(written.values()),
-        "entriesRefreshed": refresh_last_use(cache.url, used.keys),
+        "entriesRefreshed": refresh_last_use(cache.url, used.keys | {n.removesuffix("-cache") for n in written}),
         "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
         "errors": errors,
         "targets": results,
