@@ -126,6 +126,7 @@ def reconcile_bucket(
                                created_by_us=b.created_by(bucket, namespace, name))
         if not patch:
             break
+        drift = b.changed_outside(bucket, patch)
         try:
             bucket = gcs.patch_bucket(bucket, patch)
         except GcsPreconditionFailed:
@@ -133,7 +134,7 @@ def reconcile_bucket(
         if spec_changed or events:
             events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
                                 f"Configured bucket {spec.bucket}: {_changed_fields(patch)}"))
-        elif not b.changed_outside(bucket, patch):
+        elif not drift:
             events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
                                 f"Updated cachewarm's lifecycle rules on bucket {spec.bucket} for the caches on it"))
         else:

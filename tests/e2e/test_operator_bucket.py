@@ -153,6 +153,17 @@ def test_hand_made_drift_is_undone_with_event(
     eventually(lambda: "DriftCorrected" in event_reasons(installed, namespace, "drifty"),
                timeout=15, what="DriftCorrected event")
 
+    # Only cachewarm's rule removed (its label left behind): drift as well, not a new cache.
+    def drift_events() -> int:
+        return sum(e["count"] if e.get("count") else 1 for e in installed.events_for("drifty", namespace)
+                   if e["reason"] == "DriftCorrected")
+    before = drift_events()
+    bucket = gcs.get_bucket(name)
+    bucket.lifecycle_rules = [foreign]
+    bucket.patch()
+    eventually(restored, timeout=30, what="our rule restored again")
+    eventually(lambda: drift_events() > before, timeout=15, what="a second DriftCorrected event")
+
 
 def test_adopt_missing_bucket_reports_and_writes_nothing(
     operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl

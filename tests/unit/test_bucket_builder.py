@@ -229,6 +229,16 @@ def test_a_bucket_with_rules_the_library_cannot_read_is_never_rewritten() -> Non
     assert b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10))) == {}
 
 
+def test_drift_is_a_change_to_what_cachewarm_recorded_not_a_new_cache_on_the_bucket() -> None:
+    mine = ours(10, "a/")
+    at_rest = info(lifecycle_rules=[THEIRS, mine], labels=labelled(mine))
+    new_cache = plan(claim("a1", "a", 10), claim("b2", "b", 10))
+    assert not b.changed_outside(at_rest, b.lifecycle_patch(at_rest, new_cache))
+    removed = info(lifecycle_rules=[THEIRS], labels=labelled(mine))  # someone deleted our rule
+    assert b.changed_outside(removed, b.lifecycle_patch(removed, plan(claim("a1", "a", 10))))
+    assert b.changed_outside(at_rest, {"softDeletePolicy": {"retentionDurationSeconds": 0}})
+
+
 def test_no_cache_left_removes_our_rules_and_labels_only() -> None:
     mine = ours(10, "llama/")
     bucket = info(lifecycle_rules=[THEIRS, mine], labels={"team": "x", **labelled(mine)})
