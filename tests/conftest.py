@@ -132,10 +132,27 @@ def proxy(testbed: Testbed) -> ProxyControl:
     return ProxyControl(testbed.storage_emulator_host)
 
 
+def storage_client(endpoint: str) -> storage.Client:
+    """A google-cloud-storage client on the emulator (through the proxy), for test setup."""
+    return storage.Client(project="testbed", credentials=AnonymousCredentials(),
+                          client_options={"api_endpoint": endpoint})
+
+
 @pytest.fixture(scope="session")
 def gcs(testbed: Testbed) -> storage.Client:
-    """A google-cloud-storage client on the emulator (through the proxy), for test setup."""
-    return storage.Client(
-        project="testbed", credentials=AnonymousCredentials(),
-        client_options={"api_endpoint": testbed.storage_emulator_host},
-    )
+    return storage_client(testbed.storage_emulator_host)
+
+
+@pytest.fixture(scope="session")
+def storage_bed() -> Iterator[Testbed]:
+    """The GCS emulator behind its fidelity proxy, alone (no control plane)."""
+    bed = Testbed().start_gcs()
+    try:
+        yield bed
+    finally:
+        bed.stop()
+
+
+@pytest.fixture(scope="session")
+def storage_only(storage_bed: Testbed) -> storage.Client:
+    return storage_client(storage_bed.storage_emulator_host)

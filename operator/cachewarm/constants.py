@@ -18,6 +18,10 @@ MANAGED_BY: Final = "cachewarm"
 GCS_LABEL_MANAGED_BY: Final = "managed-by"
 GCS_LABEL_CACHE: Final = "cachewarm-cache"
 GCS_LABEL_NAMESPACE: Final = "cachewarm-namespace"
+# One label per lifecycle rule cachewarm wrote on a bucket: this prefix plus a hash of the
+# rule's canonical JSON. GCS rules carry no labels of their own; a rule is cachewarm's only
+# when its exact bytes are recorded here, never because of its shape.
+GCS_LABEL_RULE_PREFIX: Final = "cachewarm-rule-"
 
 FINALIZER: Final = f"{GROUP}/data-cleanup"
 # On pods the webhook injected: which cache, generation, mode and URL they got.
@@ -48,6 +52,10 @@ class Condition:
     READY: Final = "Ready"
     BUCKET_READY: Final = "BucketReady"
     WARMED: Final = "Warmed"
+    # Whether this cache's lifecycle rule (eviction by last use) is on the bucket.
+    LIFECYCLE_READY: Final = "LifecycleReady"
+    # Whether the bucket-wide soft delete policy is what this cache asks for.
+    SOFT_DELETE_APPLIED: Final = "SoftDeleteApplied"
 
 
 class Reason:
@@ -56,6 +64,12 @@ class Reason:
     RECONCILED: Final = "Reconciled"
     INVALID_SPEC: Final = "InvalidSpec"
     PREFIX_IN_USE: Final = "PrefixInUse"
+    BUCKET_ROOT_NOT_ALLOWED: Final = "BucketRootNotAllowed"
+    RULE_LIMIT_REACHED: Final = "RuleLimitReached"
+    RULES_UNREADABLE: Final = "LifecycleRulesUnreadable"
+    SET_BY_OWNER: Final = "SetByOwner"
+    SOFT_DELETE_CONFLICT: Final = "SoftDeleteConflict"
+    BUCKET_BUSY: Final = "BucketChangedConcurrently"
     KUBERNETES_ERROR: Final = "KubernetesError"
     BUCKET_CREATED: Final = "BucketCreated"
     BUCKET_NOT_FOUND: Final = "BucketNotFound"

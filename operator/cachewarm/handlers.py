@@ -41,7 +41,7 @@ def _post(body: kopf.Body, events: list[Event]) -> None:
 
 
 def _claims(index: kopf.Index[Any, Any] | None) -> service.ClaimLookup:
-    return lambda bucket, prefix: list(index.get((bucket, prefix), [])) if index is not None else []
+    return lambda bucket: list(index.get(bucket, [])) if index is not None else []
 
 
 class CacheLocks:
@@ -116,10 +116,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
                                                        warmed=bool(warmed and warmed.get("status") == "True"))}
 
     def claims(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> Any:
-        # Which caches use which bucket+prefix: two caches on one prefix would fight over
-        # its lifecycle rule and, with deletionPolicy Delete, delete each other's entries.
-        gcs = (spec.get("storage") or {}).get("gcs") or {}
-        return {(gcs.get("bucket"), gcs.get("prefix", "")): (str(meta.get("creationTimestamp") or ""), namespace, name)}
+        # Which caches use which bucket: they share its lifecycle rules and soft delete, and
+        # a cache whose prefix overlaps an older one's must not manage it.
+        claim = service.claim_of(spec, meta, namespace or "", name)
+        return {} if claim is None else {(spec.get("storage") or {}).get("gcs", {}).get("bucket"): claim}
 
     async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: Any, dryrun: bool,
                      **kwargs: Any) -> None:

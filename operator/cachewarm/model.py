@@ -21,6 +21,9 @@ class _Model(BaseModel):
 
 class Lifecycle(_Model):
     delete_after_days: int = Field(default=30, alias="deleteAfterDays", ge=1)
+    # At the bucket root GCS cannot tell a JAX entry from any other object whose name
+    # ends in -cache/-atime, so a root rule needs the bucket owner's explicit yes.
+    allow_bucket_root: bool = Field(default=False, alias="allowBucketRoot")
 
 
 class GcsStorage(_Model):

@@ -1,21 +1,28 @@
-"""Reconcile a CompilationCache's bucket: create or adopt, check the region, keep the
-lifecycle rule and soft delete as the spec says, and clean up on deletion.
+"""Reconcile a CompilationCache's bucket: create or adopt, check the region, keep
+cachewarm's lifecycle rules and (for the cache that owns bucket-wide settings) soft delete
+as the specs of the caches on the bucket say, and clean up on deletion.
 
-Every step reads GCS first and writes only the difference, so a reconcile interrupted at
-any point (or repeated) converges without duplicate writes. Returns what happened; the
-handler turns that into status, conditions and events.
+Every step reads GCS first and writes only the difference, under the bucket's
+metageneration: a concurrent edit by someone else makes the write fail (412), and the
+bucket is read and merged again. So a reconcile interrupted at any point (or repeated)
+converges without duplicate writes and without losing anyone's edit. Returns what
+happened; the handler turns that into status, conditions and events.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm import constants as c
 from cachewarm.builders import bucket as b
-from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden
+from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsPreconditionFailed
 from cachewarm.conditions import Cond
 from cachewarm.model import GcsStorage
+
+MERGE_ATTEMPTS = 5  # re-read and re-merge this often when the bucket changes under us
+STAMP_LIMIT = 1000  # entries given a customTime per reconcile (the rest on the next one)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,8 @@ class BucketOutcome:
     status: dict[str, Any] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     cache: dict[str, int] | None = None
+    # LifecycleReady and SoftDeleteApplied, when the bucket could be read.
+    settings: list[Cond] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -43,96 +52,185 @@ def _changed_fields(patch: dict[str, Any]) -> str:
     return ", ".join(sorted(patch))
 
 
+def _claims_with(claims: Sequence[b.Claim], mine: b.Claim) -> list[b.Claim]:
+    """The index's claims on the bucket with this cache's current spec in place of its entry."""
+    return [*(cl for cl in claims if cl.key != mine.key), mine]
+
+
 def reconcile_bucket(
-    gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str, spec_changed: bool
+    gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool
 ) -> BucketOutcome:
     """Bring the bucket to the spec. Raises GcsError for failures worth retrying.
 
-    `spec_changed` says whether this run follows a spec change (writes are then
-    "configuration") or not (writes then undo drift made outside cachewarm).
+    `claims` are every cache the operator knows on this bucket; they decide which caches
+    manage their prefix (none overlapping an older one), cachewarm's rules on the bucket
+    and who owns soft delete. `spec_changed` says whether this run follows a spec change
+    (writes are then "configuration") or not (writes then undo drift made outside cachewarm).
     """
-    events: list[Event] = []
-    bucket = gcs.get_bucket(spec.bucket)
-    if bucket is None:
-        if not spec.create:
-            return BucketOutcome(Cond(
-                c.Condition.BUCKET_READY, False, c.Reason.BUCKET_NOT_FOUND,
-                f"Bucket {spec.bucket} does not exist and spec.storage.gcs.create is false; "
-                "create it or set create: true",
-            ))
-        try:
-            bucket = gcs.create_bucket(
-                spec.bucket, location=spec.location, storage_class=spec.storage_class,
-                labels=b.owner_labels(namespace, name),
-            )
-        except GcsConflict:
-            # Either a concurrent reconcile of ours created it a moment ago (then we can
-            # read it and carry on), or another project owns the name (then reading it
-            # is forbidden).
-            try:
-                bucket = gcs.get_bucket(spec.bucket)
-            except GcsForbidden:
-                bucket = None
-            if bucket is None:
-                return BucketOutcome(Cond(
-                    c.Condition.BUCKET_READY, False, c.Reason.NAME_TAKEN,
-                    f"Bucket name {spec.bucket} is taken by another project; choose another name",
-                ))
-        else:
-            events.append(Event("Normal", c.Reason.BUCKET_CREATED,
-                                f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class})"))
-
-    if not b.location_matches(bucket, spec):
+    namespace, name = mine.key
+    claims = _claims_with(claims, mine)
+    refused_by = b.refused_by(claims, mine)
+    if refused_by is not None:
+        bucket = gcs.get_bucket(spec.bucket)
+        other = f"gs://{spec.bucket}/{refused_by.prefix}" if refused_by.prefix else f"gs://{spec.bucket}"
         return BucketOutcome(
-            Cond(c.Condition.BUCKET_READY, False, c.Reason.LOCATION_MISMATCH,
-                 f"Bucket {spec.bucket} is in {bucket.location}, but spec asks for {spec.location}; "
-                 "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
-            status=_status(bucket, spec, namespace, name),
-            events=events,
+            Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE,
+                 f"{spec.url} overlaps {other}, already the cache of {refused_by.ref}; give this "
+                 "CompilationCache its own bucket or a prefix that neither contains nor is contained in another's"),
+            settings=[_soft_delete_condition(bucket, spec, mine, claims)] if bucket is not None else [],
         )
+    events: list[Event] = []
+    for _ in range(MERGE_ATTEMPTS):
+        bucket = gcs.get_bucket(spec.bucket)
+        if bucket is None:
+            if not spec.create:
+                return BucketOutcome(Cond(
+                    c.Condition.BUCKET_READY, False, c.Reason.BUCKET_NOT_FOUND,
+                    f"Bucket {spec.bucket} does not exist and spec.storage.gcs.create is false; "
+                    "create it or set create: true",
+                ))
+            try:
+                bucket = gcs.create_bucket(
+                    spec.bucket, location=spec.location, storage_class=spec.storage_class,
+                    labels=b.owner_labels(namespace, name),
+                )
+            except GcsConflict:
+                # Either a concurrent reconcile of ours created it a moment ago (then we can
+                # read it and carry on), or another project owns the name (then reading it
+                # is forbidden).
+                try:
+                    bucket = gcs.get_bucket(spec.bucket)
+                except GcsForbidden:
+                    bucket = None
+                if bucket is None:
+                    return BucketOutcome(Cond(
+                        c.Condition.BUCKET_READY, False, c.Reason.NAME_TAKEN,
+                        f"Bucket name {spec.bucket} is taken by another project; choose another name",
+                    ))
+            else:
+                events.append(Event("Normal", c.Reason.BUCKET_CREATED,
+                                    f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class})"))
 
-    mine = b.created_by(bucket, namespace, name)
-    patch = b.bucket_patch(bucket, spec, created_by_us=mine)
-    if patch:
-        bucket = gcs.patch_bucket(spec.bucket, patch)
+        if not b.location_matches(bucket, spec):
+            return BucketOutcome(
+                Cond(c.Condition.BUCKET_READY, False, c.Reason.LOCATION_MISMATCH,
+                     f"Bucket {spec.bucket} is in {bucket.location}, but spec asks for {spec.location}; "
+                     "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
+                status=_status(bucket, spec, mine),
+                events=events,
+            )
+
+        plan = b.plan_lifecycle(claims, b.rule_budget(bucket))
+        owner = b.settings_owner(claims, bucket)
+        patch = b.bucket_patch(bucket, spec, plan=plan, owns_settings=owner == mine,
+                               created_by_us=b.created_by(bucket, namespace, name))
+        if not patch:
+            break
+        drift = b.changed_outside(bucket, patch)
+        try:
+            bucket = gcs.patch_bucket(bucket, patch)
+        except GcsPreconditionFailed:
+            continue  # someone changed the bucket since we read it: read and merge again
         if spec_changed or events:
             events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
                                 f"Configured bucket {spec.bucket}: {_changed_fields(patch)}"))
+        elif not drift:
+            events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
+                                f"Updated cachewarm's lifecycle rules on bucket {spec.bucket} for the caches on it"))
         else:
             events.append(Event("Warning", c.Reason.DRIFT_CORRECTED,
                                 f"Restored {_changed_fields(patch)} on bucket {spec.bucket}, changed outside cachewarm"))
+        break
+    else:
+        raise GcsPreconditionFailed(f"Bucket {spec.bucket} changed {MERGE_ATTEMPTS} times while cachewarm merged "
+                                    "its settings; retrying", status=412)
 
-    how = "created by cachewarm" if mine else "adopted"
+    how = "created by cachewarm" if b.created_by(bucket, namespace, name) else "adopted"
     return BucketOutcome(
         Cond(c.Condition.BUCKET_READY, True, c.Reason.RECONCILED,
-             f"Bucket {spec.bucket} ({how}) is in {bucket.location} with lifecycle "
-             f"{spec.lifecycle.delete_after_days}d and soft delete {spec.soft_delete_days}d"),
-        status=_status(bucket, spec, namespace, name),
+             f"Bucket {spec.bucket} ({how}) is in {bucket.location}"),
+        status=_status(bucket, spec, mine),
         events=events,
         cache=cache_inventory(gcs, spec),
+        settings=[_lifecycle_condition(bucket, spec, mine, plan), _soft_delete_condition(bucket, spec, mine, claims)],
     )
 
 
-def _status(bucket: b.BucketInfo, spec: GcsStorage, namespace: str, name: str) -> dict[str, Any]:
+def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan) -> Cond:
+    if bucket.unreadable_rules:
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULES_UNREADABLE,
+                    f"Bucket {spec.bucket} has {bucket.unreadable_rules} lifecycle rules of an action type this "
+                    "operator's GCS library does not know; writing the lifecycle would drop them, so cachewarm "
+                    "leaves it alone. Upgrade cachewarm")
+    if mine.key in plan.root_not_allowed:
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
+                    f"This cache is at the root of bucket {spec.bucket}, where GCS lifecycle conditions cannot tell "
+                    "JAX's entries from any other object whose name ends in -cache or -atime, in any folder; "
+                    "cachewarm wrote no lifecycle rule and nothing expires. Give the cache a prefix, or set "
+                    "lifecycle.allowBucketRoot: true if no other object in the bucket ends in -cache or -atime")
+    if mine.key in plan.over_limit:
+        foreign, ours = b.split_rules(bucket)
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULE_LIMIT_REACHED,
+                    f"Bucket {spec.bucket} holds {len(foreign)} lifecycle rules of others and {len(ours)} of "
+                    f"cachewarm's (one per distinct deleteAfterDays); GCS allows {b.MAX_LIFECYCLE_RULES} rules and "
+                    f"{b.MAX_BUCKET_LABELS} labels per bucket, so no rule for {mine.delete_after_days} days fits. "
+                    "Nothing expires; use the deleteAfterDays of another cache on the bucket (they share a rule) "
+                    "or another bucket")
+    days = b.observed_delete_after_days(bucket, mine)
+    if days is None:
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_BUSY,
+                    f"cachewarm's lifecycle rule for {spec.url} is not on the bucket yet; retrying")
+    return Cond(c.Condition.LIFECYCLE_READY, True, c.Reason.RECONCILED,
+                f"JAX entries under {spec.url} are deleted {days} days after their customTime, which warmers "
+                "move forward on every entry they write or find; other objects never match cachewarm's rules")
+
+
+def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, claims: Sequence[b.Claim]) -> Cond:
+    owner = b.settings_owner(claims, bucket)
+    if owner is None:  # not reached: this cache is on the bucket
+        return Cond(c.Condition.SOFT_DELETE_APPLIED, None, c.Reason.RECONCILED, "No cache owns the bucket")
+    why = ("it created the bucket" if b.created_by(bucket, owner.namespace, owner.name)
+           else "it is the oldest cache on the bucket")
+    if owner == mine:
+        return Cond(c.Condition.SOFT_DELETE_APPLIED, True, c.Reason.RECONCILED,
+                    f"This cache owns the bucket-wide settings of {spec.bucket} ({why}): soft delete "
+                    f"{spec.soft_delete_days}d")
+    if owner.soft_delete_days == mine.soft_delete_days:
+        return Cond(c.Condition.SOFT_DELETE_APPLIED, True, c.Reason.SET_BY_OWNER,
+                    f"Soft delete of {spec.bucket} is owned by CompilationCache {owner.ref} ({why}) and is "
+                    f"{owner.soft_delete_days}d, as this cache asks")
+    return Cond(c.Condition.SOFT_DELETE_APPLIED, False, c.Reason.SOFT_DELETE_CONFLICT,
+                f"Soft delete is bucket-wide: {spec.bucket} keeps {owner.soft_delete_days}d as CompilationCache "
+                f"{owner.ref} asks ({why}); this cache asks for {mine.soft_delete_days}d and does not change it")
+
+
+def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim) -> dict[str, Any]:
     soft = bucket.soft_delete_seconds
     return {
         "url": spec.url,
         "location": bucket.location,
         "storageClass": bucket.storage_class,
-        "createdByCachewarm": b.created_by(bucket, namespace, name),
-        "deleteAfterDays": b.observed_delete_after_days(bucket, spec),
+        "createdByCachewarm": b.created_by(bucket, mine.namespace, mine.name),
+        "deleteAfterDays": b.observed_delete_after_days(bucket, mine),
         "softDeleteDays": soft // b.DAY if soft is not None else None,
     }
 
 
 def cache_inventory(gcs: GcsClient, spec: GcsStorage) -> dict[str, int]:
-    """Entries and bytes of this cache, counted on the bucket itself."""
+    """Entries and bytes of this cache, counted on the bucket itself. Entries without a
+    customTime (written by a training pod, or before cachewarm managed the bucket) get
+    their creation time as customTime, so the last-use rule expires them too."""
     entries = 0
     size = 0
+    stamped = 0
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
-        if b.is_cache_entry(obj.name, spec) and obj.name.endswith("-cache"):
+        if not b.is_cache_entry(obj.name, spec):
+            continue
+        if obj.name.endswith("-cache"):
             entries += 1
             size += obj.size
+        if obj.custom_time is None and obj.created is not None and stamped < STAMP_LIMIT:
+            stamped += gcs.set_custom_time(spec.bucket, obj, obj.created)
     return {"entries": entries, "bytes": size}
 
 
@@ -148,7 +246,7 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
     kept = 0
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
         if b.is_cache_entry(obj.name, spec):
-            gcs.delete_object(spec.bucket, obj.name)
+            gcs.delete_object(spec.bucket, obj)
             deleted += 1
         else:
             kept += 1

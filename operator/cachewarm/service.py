@@ -13,6 +13,7 @@ from typing import Any
 
 from cachewarm import conditions
 from cachewarm import constants as c
+from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import INJECTED_ANNOTATION, inject_pod
 from cachewarm.clients import kube
 from cachewarm.clients.gcs import GcsClient, GcsError
@@ -22,8 +23,7 @@ from cachewarm.model import CacheSpec, InvalidSpec, parse_spec
 from cachewarm.reconcile import BucketOutcome, Event, delete_cache_data, reconcile_bucket
 from cachewarm.warmups import ACTIVE_STATES, WAIT_GATE, WarmupOutcome, reconcile_warmup, release_waiting_pods
 
-Claim = tuple[str, str, str]  # (creationTimestamp, namespace, name) of a cache using a bucket+prefix
-ClaimLookup = Callable[[str, str], Iterable[Claim]]  # (bucket, prefix) -> claims
+ClaimLookup = Callable[[str], Iterable[Claim]]  # bucket -> the caches on it
 CacheLookup = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, name) -> webhook index entry
 log = logging.getLogger("cachewarm.service")
 
@@ -55,7 +55,7 @@ def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: 
         c.Reason.RECONCILED if bucket.ready else c.Reason.BUCKET_NOT_READY,
         "The cache is ready for warmers and training pods" if bucket.ready else bucket.condition.message,
     )
-    updates = [bucket.condition, ready, *([seen.warm_condition] if seen.warm_condition else [])]
+    updates = [bucket.condition, ready, *bucket.settings, *([seen.warm_condition] if seen.warm_condition else [])]
     existing = [cd for cd in status.get("conditions") or [] if has_warmup or cd.get("type") != c.Condition.WARMED]
     out: dict[str, Any] = {
         "conditions": conditions.merge(existing, updates, generation=generation, now=now),
@@ -75,10 +75,32 @@ def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: 
     return out
 
 
-def sharing(claims: ClaimLookup, cache: CacheSpec, mine: Claim) -> list[Claim]:
-    """Other caches on the same bucket and prefix, oldest first."""
-    gcs = cache.storage.gcs
-    return sorted(tuple(v) for v in claims(gcs.bucket, gcs.prefix) if tuple(v) != mine)  # type: ignore[misc]
+def claim_of(spec: Mapping[str, Any], meta: Mapping[str, Any], namespace: str, name: str) -> Claim | None:
+    """A cache's claim on its bucket, for the operator's per-bucket index (None when the
+    spec cannot be read: such a cache manages nothing)."""
+    try:
+        cache = parse_spec(spec)
+    except InvalidSpec:
+        return None
+    return Claim.of(cache.storage.gcs, created=str(meta.get("creationTimestamp") or ""), namespace=namespace,
+                    name=name)
+
+
+_ANNOUNCED = (c.Reason.SOFT_DELETE_CONFLICT, c.Reason.RULE_LIMIT_REACHED, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
+              c.Reason.RULES_UNREADABLE)
+
+
+def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list[Event]:
+    """A Warning event when a condition enters a problem it was not in before; never a
+    repeat of the same one (no event flood on every resync)."""
+    out: list[Event] = []
+    for cond in [bucket.condition, *bucket.settings]:
+        previous = conditions.get(status.get("conditions"), cond.type)
+        if previous is not None and previous.get("reason") == cond.reason:
+            continue
+        if (cond.type == c.Condition.BUCKET_READY and cond.status is False) or cond.reason in _ANNOUNCED:
+            out.append(Event("Warning", cond.reason, cond.message))
+    return out
 
 
 def reconcile_cache(
@@ -122,20 +144,14 @@ def _reconcile(
         return Outcome(_status(status, generation, seen, injection, False, now), invalid=str(exc))
     events: list[Event] = []
     previous = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY)
-    mine: Claim = (str(meta.get("creationTimestamp") or ""), namespace, name)
-    older = [o for o in sharing(claims, cache, mine) if o < mine]
-    if older:
-        message = (f"{cache.storage.gcs.url} is already the cache of {older[0][1]}/{older[0][2]}; "
-                   "give this CompilationCache its own bucket or prefix")
-        seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE, message)))
-        if previous is None or previous.get("reason") != c.Reason.PREFIX_IN_USE:
-            events.append(Event("Warning", c.Reason.PREFIX_IN_USE, message))
-        return Outcome(_status(status, generation, seen, injection, False, now), events)
+    gcs_spec = cache.storage.gcs
+    mine = Claim.of(gcs_spec, created=str(meta.get("creationTimestamp") or ""), namespace=namespace, name=name)
     failure: Exception | None = None
     try:
-        seen = _Seen(reconcile_bucket(gcs, cache.storage.gcs, namespace=namespace, name=name,
+        seen = _Seen(reconcile_bucket(gcs, gcs_spec, mine=mine, claims=list(claims(gcs_spec.bucket)),
                                       spec_changed=status.get("observedGeneration") != generation))
         events += seen.bucket.events
+        events += _transition_events(status, seen.bucket)
     except GcsError as exc:
         seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, exc.reason, f"{exc}; retrying")))
         if previous is None or previous.get("reason") != exc.reason:
@@ -209,12 +225,13 @@ def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any
     """deletionPolicy Delete, unless another cache uses the same prefix (then its data
     stays). Raises GcsError; InvalidSpec for a spec that cannot be read."""
     cache = parse_spec(spec)
-    others = sharing(claims, cache, (str(meta.get("creationTimestamp") or ""), namespace, name))
+    gcs_spec = cache.storage.gcs
+    others = sorted(o for o in claims(gcs_spec.bucket)
+                    if o.key != (namespace, name) and o.prefix == gcs_spec.prefix)
     if others:
         return [Event("Normal", c.Reason.DATA_RETAINED,
-                      f"Kept the data under {cache.storage.gcs.url}: CompilationCache "
-                      f"{others[0][1]}/{others[0][2]} uses the same prefix")]
-    return delete_cache_data(gcs, cache.storage.gcs, namespace=namespace, name=name)
+                      f"Kept the data under {gcs_spec.url}: CompilationCache {others[0].ref} uses the same prefix")]
+    return delete_cache_data(gcs, gcs_spec, namespace=namespace, name=name)
 
 
 def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import argparse
 import concurrent.futures
 import importlib
 import json
+import logging
 import os
 import runpy
 import subprocess
@@ -108,6 +109,68 @@ class Counters:
     @property
     def hits(self) -> int:
         return self.events[EVENT_HITS]
+
+
+class UsedKeys(logging.Filter):
+    """The cache keys this process looked up (hits and misses), read from jax's own log
+    records ("Persistent compilation cache hit for %r with key %r" and the MISS one, on
+    logger jax._src.compiler at DEBUG). jax's monitoring events carry no key. Records below
+    the level the logger had before still go nowhere, so the warmer's log stays as it was."""
+
+    LOGGER = "jax._src.compiler"
+    PREFIXES = ("Persistent compilation cache hit for", "PERSISTENT COMPILATION CACHE MISS for")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[str] = set()
+        self.quiet_below = logging.WARNING
+
+    def install(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        self.quiet_below = logger.getEffectiveLevel()
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith(self.PREFIXES) and len(args) >= 2:
+            self.keys.add(str(args[1]))
+        return record.levelno >= self.quiet_below
+
+
+def refresh_last_use(url: str, keys: Iterable[str]) -> int:
+    """Move the customTime of the entries this run found or wrote to now. cachewarm's
+    lifecycle rule deletes an entry deleteAfterDays after its customTime, so an entry every
+    warm finds stays, and one no warm uses any more expires. gs:// caches only; best effort
+    (GCS refuses to move a customTime back, e.g. when another host just set a later one).
+    Returns how many -cache entries were refreshed."""
+    keys = sorted(keys)
+    if not url.startswith("gs://") or not keys:
+        return 0
+    try:
+        import gcsfs  # noqa: PLC0415 - only gs:// caches need it, and they have it
+
+        fs = gcsfs.GCSFileSystem()
+    except Exception as exc:  # noqa: BLE001
+        log("Could not refresh customTime of entries", error=repr(exc))
+        return 0
+    t = time.time()
+    now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+    base = url[len("gs://"):].rstrip("/")
+    refreshed = 0
+    for key in keys:
+        for suffix in ("-cache", "-atime"):
+            try:
+                fs.setxattrs(f"{base}/{key}{suffix}", fixed_key_metadata={"custom_time": now})
+            except FileNotFoundError:
+                continue  # a miss below the write thresholds, or no -atime (jax's LRU off)
+            except Exception as exc:  # noqa: BLE001
+                log("Could not refresh customTime", entry=f"{key}{suffix}", error=repr(exc))
+                continue
+            if suffix == "-cache":
+                refreshed += 1
+    log("Refreshed customTime of entries found or written", entries=refreshed)
+    return refreshed
 
 
 def _items(produced: Any) -> Iterator[Any]:
@@ -293,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.getcwd())
     before = cache.entries()
     counters = Counters()
+    used = UsedKeys()
+    used.install()
     started = time.monotonic()
     errors: list[str] = []
     results: list[dict[str, Any]] = []
@@ -331,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "entriesFound": found if counted else len(before),
         "entriesWritten": len(written),
         "bytesWritten": sum(written.values()),
+        "entriesRefreshed": refresh_last_use(cache.url, used.keys | {n.removesuffix("-cache") for n in written}),
         "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
         "errors": errors,
         "targets": results,

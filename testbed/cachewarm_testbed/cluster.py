@@ -207,7 +207,7 @@ class Testbed:
             self._start_etcd(bins["etcd"])
             self._start_apiserver(bins["kube-apiserver"])
             self._write_kubeconfig(self.kubeconfig, token=self.state.admin_token, user=ADMIN_USER)
-            self._start_gcs_emulator()
+            self.start_gcs()
             if controller_manager:
                 self.start_controller_manager()
         except BaseException:
@@ -530,6 +530,12 @@ class Testbed:
             timeout=90,
             what="ready (/readyz)",
         )
+
+    def start_gcs(self) -> Testbed:
+        """Start the GCS emulator and its proxy only (tests of GCS behaviour need no
+        control plane). Raises StartError."""
+        self._start_gcs_emulator()
+        return self
 
     def _start_gcs_emulator(self) -> None:
         self.state.gcs_emulator_port = free_port()

@@ -1,9 +1,20 @@
 """A small HTTP proxy in front of the GCS emulator, for tests: fidelity and faults.
 
-Fidelity: gcp-storage-emulator ignores the body of a bucket insert (location, storage
-class, labels, access settings) though it stores the same fields on PATCH; real GCS keeps
-them at insert. The proxy follows a successful insert with a PATCH of those fields, so
-what a test reads back is what GCS would have stored.
+Fidelity: the proxy makes the emulator answer what real GCS answers where cachewarm
+depends on it:
+- gcp-storage-emulator ignores the body of a bucket insert (location, storage class,
+  labels, access settings) though it stores the same fields on PATCH; real GCS keeps them
+  at insert, and reports locations upper-case ("US-CENTRAL1"). The proxy follows a
+  successful insert with a PATCH of those fields, the location upper-cased.
+- The emulator ignores ifGenerationMatch / ifMetagenerationMatch (and their NotMatch
+  forms) on metadata PATCH and DELETE of buckets and objects; GCS answers 412 when they do
+  not hold. The proxy checks them against the current resource and answers 412 itself.
+  Metadata writes through the proxy are serialized, so check and write are atomic.
+- A bucket PATCH's labels replace the whole map on the emulator; GCS merges them (a null
+  value removes a label). The proxy sends the merged map.
+- customTime: the emulator silently keeps the old value when a PATCH moves it backwards;
+  GCS refuses that request (400: customTime can only move forward). The proxy answers 400.
+  The emulator stores and returns customTime otherwise, as GCS does.
 
 Faults: `POST /_proxy/faults` with a JSON list of rules makes matching requests fail with
 an HTTP status (429, 503, ...) or hang for a while, without reaching the emulator. `GET
@@ -16,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import re
 from dataclasses import dataclass
@@ -26,6 +38,9 @@ from aiohttp import web
 
 HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 INSERT_FIELDS = ("location", "storageClass", "labels", "iamConfiguration", "lifecycle", "softDeletePolicy")
+PRECONDITIONS = ("ifGenerationMatch", "ifMetagenerationMatch", "ifGenerationNotMatch", "ifMetagenerationNotMatch")
+METADATA_PATH = re.compile(r"^/storage/v1/b/[^/]+(/o/.+)?/?$")
+BUCKET_PATH = re.compile(r"^/storage/v1/b/[^/]+/?$")
 
 
 @dataclass
@@ -46,6 +61,7 @@ class Proxy:
         self.rules: list[Rule] = []
         self.log: list[dict[str, Any]] = []
         self.session: aiohttp.ClientSession | None = None
+        self.metadata_writes = asyncio.Lock()
 
     async def set_faults(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -84,6 +100,29 @@ class Proxy:
             )
         assert self.session is not None
         data = await request.read()
+        if request.method not in ("PATCH", "PUT", "DELETE") or not METADATA_PATH.match(request.path):
+            return await self._send(request, data)
+        async with self.metadata_writes:
+            current = await self._current(request)
+            refused = _refusal(request, data, current)
+            if refused is not None:
+                self.log.append({"method": request.method, "path": request.path, "status": refused.status})
+                return refused
+            if current is not None and BUCKET_PATH.match(request.path) and request.method == "PATCH":
+                data = _merge_labels(data, current)
+            return await self._send(request, data)
+
+    async def _current(self, request: web.Request) -> dict[str, Any] | None:
+        """The bucket or object as the emulator has it now (None when absent)."""
+        assert self.session is not None
+        async with self.session.get(self.upstream + request.rel_url.raw_path) as resp:
+            if resp.status != 200:
+                return None
+            current: dict[str, Any] = await resp.json(content_type=None)
+            return current
+
+    async def _send(self, request: web.Request, data: bytes) -> web.StreamResponse:
+        assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length", "accept-encoding")}
         async with self.session.request(
             request.method, self.upstream + request.path_qs, data=data, headers=headers
@@ -101,12 +140,55 @@ class Proxy:
 
     async def _complete_insert(self, body: dict[str, Any], payload: bytes, status: int) -> tuple[bytes, int]:
         fields = {k: body[k] for k in INSERT_FIELDS if k in body}
+        if "location" in fields:
+            fields["location"] = str(fields["location"]).upper()  # GCS reports "US-CENTRAL1"
         if not fields:
             return payload, status
         assert self.session is not None
         name = json.loads(payload)["name"]
         async with self.session.patch(f"{self.upstream}/storage/v1/b/{name}", json=fields) as resp:
             return await resp.read(), resp.status
+
+
+def _error(status: int, message: str) -> web.Response:
+    reason = {412: "conditionNotMet", 400: "invalid"}.get(status, "error")
+    return web.json_response({"error": {"code": status, "message": message,
+                                        "errors": [{"domain": "global", "reason": reason, "message": message}]}},
+                             status=status)
+
+
+def _refusal(request: web.Request, data: bytes, current: dict[str, Any] | None) -> web.Response | None:
+    """The 412 (or 400) GCS would answer instead of applying this write, if any."""
+    if current is None:
+        return None  # the emulator answers 404 itself
+    for param in PRECONDITIONS:
+        if param not in request.query:
+            continue
+        have = str(current.get("metageneration" if "Metageneration" in param else "generation", ""))
+        wanted = request.query[param]
+        if (have == wanted) == param.endswith("NotMatch"):
+            return _error(412, f"At least one of the pre-conditions you specified did not hold ({param}={wanted}, "
+                               f"current {have})")
+    body = json.loads(data or b"{}") if request.method in ("PATCH", "PUT") else {}
+    new_time = body.get("customTime") if isinstance(body, dict) else None
+    old_time = current.get("customTime")
+    if new_time and old_time and _rfc3339(str(new_time)) < _rfc3339(str(old_time)):
+        return _error(400, "customTime can only move forward")
+    return None
+
+
+def _rfc3339(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _merge_labels(data: bytes, current: dict[str, Any]) -> bytes:
+    """GCS PATCH semantics for labels: merged into the current ones, null removes one."""
+    body = json.loads(data or b"{}")
+    if not isinstance(body, dict) or "labels" not in body:
+        return data
+    merged = {**(current.get("labels") or {}), **(body["labels"] or {})}
+    body["labels"] = {k: v for k, v in merged.items() if v is not None}
+    return json.dumps(body).encode()
 
 
 def make_app(upstream: str) -> web.Application:

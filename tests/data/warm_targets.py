@@ -35,3 +35,8 @@ def stuck_targets() -> Iterator[Any]:
     """Never finishes in a test's lifetime (the Job's deadline or the test ends it)."""
     time.sleep(600)
     yield from ()
+
+
+def quick_targets() -> Iterator[Any]:
+    """The same program as slow_targets, without the wait."""
+    yield step, (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))

@@ -67,6 +67,8 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
     ("soft-delete-91", with_change("spec.storage.gcs.softDeleteDays", 91), "softDeleteDays must be 0 (off) or between 7 and 90"),
     ("soft-delete-string", with_change("spec.storage.gcs.softDeleteDays", "seven"), "spec.storage.gcs.softDeleteDays: Invalid value"),
     ("lifecycle-zero", with_change("spec.storage.gcs.lifecycle", {"deleteAfterDays": 0}), "should be greater than or equal to 1"),
+    ("allow-bucket-root-string", with_change("spec.storage.gcs.lifecycle", {"allowBucketRoot": "yes"}),
+     "spec.storage.gcs.lifecycle.allowBucketRoot: Invalid value"),
     ("storage-class", with_change("spec.storage.gcs.storageClass", "FAST"), 'supported values: "STANDARD"'),
     ("deletion-policy", with_change("spec.storage.gcs.deletionPolicy", "Purge"), 'supported values: "Retain", "Delete"'),
     ("create-string", with_change("spec.storage.gcs.create", "yes"), "spec.storage.gcs.create: Invalid value"),
@@ -135,7 +137,7 @@ def test_valid_cache_is_stored_with_defaults(crd_installed: Testbed, namespace: 
     assert gcs["softDeleteDays"] == 7
     assert gcs["storageClass"] == "STANDARD"
     assert gcs["deletionPolicy"] == "Retain"
-    assert gcs["lifecycle"] == {"deleteAfterDays": 30}
+    assert gcs["lifecycle"] == {"deleteAfterDays": 30, "allowBucketRoot": False}
 
 
 @pytest.mark.parametrize(("obj", "message"), [pytest.param(o, m, id=i) for i, o, m in WRONG])

@@ -3,6 +3,7 @@ GCS emulator: create, adopt, region check, drift, deletion policies and GCS faul
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 from pathlib import Path
@@ -12,13 +13,24 @@ import pytest
 import yaml
 from google.cloud import storage
 
+from cachewarm.builders import bucket as b
+from cachewarm.builders.injection import cache_env
+from cachewarm.clients.gcs import GcsClient
+from cachewarm.model import parse_spec
+from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.gcsproxy import ProxyControl
+from cachewarm_testbed.warmrun import run_warmer
 
 pytestmark = pytest.mark.e2e
 
 DAY = 86400
 ENTRY = "jit_train_step-" + "ab" * 32 + "-cache"
+
+
+def ours(days: int, *prefixes: str) -> dict[str, Any]:
+    """A rule cachewarm writes: JAX entries under the prefixes, by days since customTime."""
+    return b.last_use_rule(days, list(prefixes) or [""])
 
 
 def unique_bucket(stem: str) -> str:
@@ -68,23 +80,24 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
     obj = wait_condition(installed, namespace, "llama-8b", "Ready", "True")
 
     bucket = gcs.get_bucket("team-jax-cache")
-    assert bucket.location.lower() == "us-central1"
+    assert bucket.location == "US-CENTRAL1"  # as GCS reports it
     assert bucket.storage_class == "STANDARD"
     assert bucket.iam_configuration.uniform_bucket_level_access_enabled
     assert bucket.iam_configuration.public_access_prevention == "enforced"
     assert bucket.soft_delete_policy.retention_duration_seconds == 7 * DAY
-    assert [dict(r) for r in bucket.lifecycle_rules] == [
-        {"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama-8b/"]}}
-    ]
+    assert [dict(r) for r in bucket.lifecycle_rules] == [ours(10, "llama-8b/")]
     assert bucket.labels["managed-by"] == "cachewarm"
+    assert bucket.labels[b.rule_label(ours(10, "llama-8b/"))] == "1"
 
     status = obj["status"]
     assert status["observedGeneration"] == obj["metadata"]["generation"]
     assert status["bucket"] == {
-        "url": "gs://team-jax-cache/llama-8b", "location": "us-central1", "storageClass": "STANDARD",
+        "url": "gs://team-jax-cache/llama-8b", "location": "US-CENTRAL1", "storageClass": "STANDARD",
         "createdByCachewarm": True, "deleteAfterDays": 10, "softDeleteDays": 7,
     }
     assert condition(obj, "BucketReady")["reason"] == "Reconciled"
+    assert condition(obj, "LifecycleReady")["reason"] == "Reconciled"
+    assert condition(obj, "SoftDeleteApplied")["reason"] == "Reconciled"
     # kopf's state lives in status, not in annotations; Retain needs no finalizer.
     assert not any(k.startswith("kopf.zalando.org") for k in obj["metadata"].get("annotations", {}))
     assert "progress" in status["kopf"] or "last-handled-configuration" in status["kopf"]
@@ -104,9 +117,9 @@ def test_spec_change_is_applied_and_generation_observed(
     operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     name = unique_bucket("spec-change")
-    installed.apply(cache("c", name, lifecycle={"deleteAfterDays": 5}), namespace)
+    installed.apply(cache("c", name, prefix="c", lifecycle={"deleteAfterDays": 5}), namespace)
     wait_condition(installed, namespace, "c", "Ready", "True")
-    installed.apply(cache("c", name, lifecycle={"deleteAfterDays": 20}, softDeleteDays=0), namespace)
+    installed.apply(cache("c", name, prefix="c", lifecycle={"deleteAfterDays": 20}, softDeleteDays=0), namespace)
 
     def updated() -> dict[str, Any] | None:
         obj = installed.get_json("ccache", "c", namespace)
@@ -116,6 +129,7 @@ def test_spec_change_is_applied_and_generation_observed(
     obj = eventually(updated, what="generation 2 reconciled")
     assert obj["status"]["bucket"]["softDeleteDays"] == 0
     assert gcs.get_bucket(name).soft_delete_policy.retention_duration_seconds == 0
+    assert [dict(r) for r in gcs.get_bucket(name).lifecycle_rules] == [ours(20, "c/")]
 
 
 def test_hand_made_drift_is_undone_with_event(
@@ -132,13 +146,23 @@ def test_hand_made_drift_is_undone_with_event(
     bucket.patch()
 
     def restored() -> bool:
-        b = gcs.get_bucket(name)
-        rules = [dict(r) for r in b.lifecycle_rules]
-        ours = {"action": {"type": "Delete"}, "condition": {"age": 3, "matchesPrefix": ["p/"]}}
-        return rules == [foreign, ours] and b.soft_delete_policy.retention_duration_seconds == 7 * DAY
+        got = gcs.get_bucket(name)
+        rules = [dict(r) for r in got.lifecycle_rules]
+        return rules == [foreign, ours(3, "p/")] and got.soft_delete_policy.retention_duration_seconds == 7 * DAY
     eventually(restored, timeout=30, what="lifecycle and soft delete restored, foreign rule kept")
     eventually(lambda: "DriftCorrected" in event_reasons(installed, namespace, "drifty"),
                timeout=15, what="DriftCorrected event")
+
+    # Only cachewarm's rule removed (its label left behind): drift as well, not a new cache.
+    def drift_events() -> int:
+        return sum(e["count"] if e.get("count") else 1 for e in installed.events_for("drifty", namespace)
+                   if e["reason"] == "DriftCorrected")
+    before = drift_events()
+    bucket = gcs.get_bucket(name)
+    bucket.lifecycle_rules = [foreign]
+    bucket.patch()
+    eventually(restored, timeout=30, what="our rule restored again")
+    eventually(lambda: drift_events() > before, timeout=15, what="a second DriftCorrected event")
 
 
 def test_adopt_missing_bucket_reports_and_writes_nothing(
@@ -165,10 +189,9 @@ def test_adopt_bucket_in_other_region_reports_and_writes_nothing(
     installed.apply(cache("far", name, create=False), namespace)
     obj = wait_condition(installed, namespace, "far", "BucketReady", "False", "LocationMismatch")
     message = condition(obj, "BucketReady")["message"]
-    assert "europe-west4" in message and "us-central1" in message
+    assert "EUROPE-WEST4" in message and "us-central1" in message
     assert bucket_writes(proxy, name) == []
-    b = gcs.get_bucket(name)
-    assert list(b.lifecycle_rules) == []
+    assert list(gcs.get_bucket(name).lifecycle_rules) == []
     assert gcs.bucket(name).blob("theirs/data.bin").download_as_bytes() == b"keep me"
 
 
@@ -177,15 +200,15 @@ def test_adopted_bucket_is_configured_but_its_own_rules_and_access_kept(
 ) -> None:
     name = unique_bucket("adopted")
     gcs.create_bucket(name, location="US-CENTRAL1")
-    b = gcs.get_bucket(name)
+    bucket = gcs.get_bucket(name)
     theirs = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
-    b.lifecycle_rules = [theirs]
-    b.patch()
+    bucket.lifecycle_rules = [theirs]
+    bucket.patch()
     installed.apply(cache("adopted", name, create=False, prefix="jax"), namespace)
     obj = wait_condition(installed, namespace, "adopted", "Ready", "True")
     assert obj["status"]["bucket"]["createdByCachewarm"] is False
     rules = [dict(r) for r in gcs.get_bucket(name).lifecycle_rules]
-    assert rules == [theirs, {"action": {"type": "Delete"}, "condition": {"age": 30, "matchesPrefix": ["jax/"]}}]
+    assert rules == [theirs, ours(30, "jax/")]
     assert not gcs.get_bucket(name).iam_configuration.uniform_bucket_level_access_enabled
 
 
@@ -296,6 +319,125 @@ def test_second_cache_on_the_same_prefix_is_refused_and_never_deletes_the_first(
     obj = wait_condition(installed, namespace, "second", "BucketReady", "False", "PrefixInUse")
     assert f"already the cache of {namespace}/first" in condition(obj, "BucketReady")["message"]
     rules = [dict(r) for r in gcs.get_bucket(name).lifecycle_rules]
-    assert rules == [{"action": {"type": "Delete"}, "condition": {"age": 30, "matchesPrefix": ["p/"]}}]
+    assert rules == [ours(30, "p/")]
     assert installed.kubectl_run("delete", "ccache", "second", "-n", namespace, "--timeout=60s").returncode == 0
     assert _names(gcs, name) == {f"p/{ENTRY}"}
+
+
+# --- data safety: what cachewarm's rules can match, on adopted buckets and shared ones -----
+
+JAX_SHAPED_ELSEWHERE = "other-team/jit_x-" + "cd" * 32 + "-cache"
+FOREIGN_OBJECTS = ["datasets/train.parquet", "checkpoints/step-100/model.safetensors",
+                   "checkpoints/step-100/meta.json", "README.md"]
+CLASS_RULE = {"action": {"type": "SetStorageClass", "storageClass": "NEARLINE"},
+              "condition": {"age": 30, "matchesPrefix": ["checkpoints/"]}}
+LOGS_RULE = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
+
+
+def _adopted_bucket_with_foreign_data(gcs: storage.Client, stem: str, lookalike: dict[str, Any],
+                                      objects: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    name = unique_bucket(stem)
+    gcs.create_bucket(name, location="us-central1")
+    _put(gcs, name, objects)
+    bucket = gcs.get_bucket(name)
+    # The team's rules, one shaped exactly like cachewarm's (but never recorded as ours).
+    bucket.lifecycle_rules = [LOGS_RULE, CLASS_RULE, lookalike]
+    bucket.patch()
+    return name, [dict(r) for r in gcs.get_bucket(name).lifecycle_rules]
+
+
+def _warm_into(tmp_path: Path, installed: Testbed, obj: dict[str, Any], repo: Path) -> dict[str, Any]:
+    """Run the real warmer locally with the cache's own env (as its Job would get it)."""
+    env = {e["name"]: e["value"] for e in cache_env(parse_spec(obj["spec"]), "warmer")}
+    env.update({k: v for k, v in installed.env().items() if k != "KUBECONFIG"})
+    code, summary, log = run_warmer(tmp_path, ["targets", "warm_targets:quick_targets"], env=env,
+                                    cwd=repo / "tests" / "data")
+    assert code == 0, log
+    return summary
+
+
+@pytest.mark.parametrize("prefix", ["", "jax"])
+def test_adopted_bucket_rules_match_only_jax_entries_and_foreign_rules_stay(
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path,
+    tmp_path: Path, prefix: str,
+) -> None:
+    object_prefix = f"{prefix}/" if prefix else ""
+    objects = FOREIGN_OBJECTS + ([JAX_SHAPED_ELSEWHERE, "datasets/features-cache"] if prefix else [])
+    name, foreign_rules = _adopted_bucket_with_foreign_data(
+        gcs, "adopt-root" if not prefix else "adopt-prefix", ours(5, object_prefix) if prefix else ours(5), objects)
+    spec = cache("team", name, create=False, prefix=prefix, lifecycle={"deleteAfterDays": 5})
+    spec["spec"]["jax"] = {"minCompileTimeSecs": 0}
+    installed.apply(spec, namespace)
+    if not prefix:
+        # At the root, GCS cannot tell JAX's entries from the team's: no rule without a yes.
+        obj = wait_condition(installed, namespace, "team", "LifecycleReady", "False", "BucketRootNotAllowed")
+        assert condition(obj, "Ready")["status"] == "True"
+        assert [dict(r) for r in gcs.get_bucket(name).lifecycle_rules] == foreign_rules
+        spec["spec"]["storage"]["gcs"]["lifecycle"]["allowBucketRoot"] = True
+        installed.apply(spec, namespace)
+    obj = wait_condition(installed, namespace, "team", "LifecycleReady", "True", "Reconciled")
+    summary = _warm_into(tmp_path, installed, obj, repo)
+    assert summary["entriesWritten"] >= 1 and summary["entriesRefreshed"] == summary["entriesWritten"]
+
+    seen = GcsClient(client=gcs, timeout=10).get_bucket(name)
+    assert seen is not None
+    theirs, mine = b.split_rules(seen)
+    assert [dict(r) for r in theirs] == foreign_rules  # byte for byte, in order, the lookalike too
+    assert [dict(r) for r in seen.lifecycle_rules][:len(foreign_rules)] == foreign_rules
+    assert mine == [ours(5, object_prefix) if prefix else ours(5)]
+    for foreign in objects:
+        assert ev.rules_matching_name(mine, foreign) == [], foreign
+    entries = [blob for blob in gcs.list_blobs(name, prefix=object_prefix or None)
+               if b.ENTRY_NAME.match(blob.name[len(object_prefix):])]
+    assert len(entries) == summary["entriesWritten"]
+    for blob in entries:
+        assert len(ev.rules_matching_name(mine, blob.name)) == 1
+        state = ev.ObjectState(blob.name, blob.time_created, blob.custom_time)
+        assert blob.custom_time is not None
+        assert not ev.deletes(mine, state, blob.custom_time + dt.timedelta(days=4))
+        assert ev.deletes(mine, state, blob.custom_time + dt.timedelta(days=5))
+    assert _names(gcs, name) >= set(objects)
+
+
+def test_caches_sharing_a_bucket_report_conflicts_and_leave_it_alone(
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    name = unique_bucket("shared-bucket")
+    installed.apply(cache("first", name, prefix="team", softDeleteDays=7), namespace)
+    wait_condition(installed, namespace, "first", "Ready", "True")
+    installed.apply(cache("nested", name, prefix="team/llama", softDeleteDays=30), namespace)
+    installed.apply(cache("root", name, softDeleteDays=7), namespace)
+    installed.apply(cache("sibling", name, prefix="other", softDeleteDays=14), namespace)
+
+    nested = wait_condition(installed, namespace, "nested", "BucketReady", "False", "PrefixInUse")
+    assert f"overlaps gs://{name}/team, already the cache of {namespace}/first" in \
+        condition(nested, "BucketReady")["message"]
+    nested = wait_condition(installed, namespace, "nested", "SoftDeleteApplied", "False", "SoftDeleteConflict")
+    assert f"keeps 7d as CompilationCache {namespace}/first asks (it created the bucket)" in \
+        condition(nested, "SoftDeleteApplied")["message"]
+    wait_condition(installed, namespace, "root", "BucketReady", "False", "PrefixInUse")
+    root = wait_condition(installed, namespace, "root", "SoftDeleteApplied", "True", "SetByOwner")
+    assert f"gs://{name} overlaps gs://{name}/team" in condition(root, "BucketReady")["message"]
+    sibling = wait_condition(installed, namespace, "sibling", "Ready", "True")
+    sibling = wait_condition(installed, namespace, "sibling", "SoftDeleteApplied", "False", "SoftDeleteConflict")
+    assert "this cache asks for 14d and does not change it" in condition(sibling, "SoftDeleteApplied")["message"]
+    assert condition(sibling, "LifecycleReady")["status"] == "True"
+
+    def settled() -> storage.Bucket | None:
+        got = gcs.get_bucket(name)
+        return got if [dict(r) for r in got.lifecycle_rules] == [ours(30, "other/", "team/")] else None
+    bucket = eventually(settled, what="one shared rule for team/ and other/")
+    assert bucket.soft_delete_policy.retention_duration_seconds == 7 * DAY
+    metageneration = bucket.metageneration
+
+    # Every cache resyncs (each reads the bucket) a few times: nothing is written again.
+    proxy.clear_log()
+    eventually(lambda: len([r for r in proxy.log() if r["method"] == "GET" and r["path"].rstrip("/")
+                            == f"/storage/v1/b/{name}"]) >= 12, timeout=60, what="three resyncs of every cache")
+    assert bucket_writes(proxy, name) == []
+    assert gcs.get_bucket(name).metageneration == metageneration
+    for cache_name in ("first", "nested", "root", "sibling"):
+        reasons = event_reasons(installed, namespace, cache_name)
+        assert "DriftCorrected" not in reasons, (cache_name, reasons)
+        assert all(reasons.count(r) <= 1 for r in ("PrefixInUse", "SoftDeleteConflict")), (cache_name, reasons)
+    assert event_reasons(installed, namespace, "nested").count("SoftDeleteConflict") == 1

@@ -1,16 +1,24 @@
-"""The bucket builder: which lifecycle rule is ours, how it merges with others, and the
-smallest patch that brings a bucket to the spec."""
+"""The bucket builder: cachewarm's lifecycle rules (what they can match, how caches share
+them, which rules are ours), bucket-wide settings ownership, and the smallest patch."""
 
 from __future__ import annotations
 
+import datetime as dt
+import string
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cachewarm import constants as c
 from cachewarm.builders import bucket as b
 from cachewarm.model import GcsStorage
+from cachewarm_testbed import lifecycle_eval as ev
 
 DAY = 86400
+HASH = "0f" * 32
+NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
 
 
 def spec(**kw: Any) -> GcsStorage:
@@ -24,58 +32,244 @@ def info(**kw: Any) -> b.BucketInfo:
     return b.BucketInfo(**base)
 
 
-OURS_P = {"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama/"]}}
+def claim(name: str, prefix: str = "", days: int = 30, created: str | None = None, soft: int = 7,
+          root: bool = False) -> b.Claim:
+    return b.Claim(created or f"2026-01-01T00:00:{name[-1] if name[-1].isdigit() else '0'}0Z", "ns", name,
+                   prefix, days, soft, root)
+
+
+def plan(*claims: b.Claim, budget: int = 100) -> b.LifecyclePlan:
+    return b.plan_lifecycle(claims, budget)
+
+
+def ours(days: int, *prefixes: str) -> dict[str, Any]:
+    cond: dict[str, Any] = {"daysSinceCustomTime": days}
+    if prefixes:
+        cond["matchesPrefix"] = sorted(prefixes)
+    cond["matchesSuffix"] = ["-cache", "-atime"]
+    return {"action": {"type": "Delete"}, "condition": cond}
+
+
 THEIRS = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
 CLASS_RULE = {"action": {"type": "SetStorageClass", "storageClass": "NEARLINE"}, "condition": {"age": 30}}
+# A team's own rule shaped exactly like cachewarm's, never recorded in the labels.
+LOOKALIKE = ours(10, "llama/")
 
 
-@pytest.mark.parametrize(("gcs", "expected"), [
-    (spec(prefix="llama", lifecycle={"deleteAfterDays": 10}), OURS_P),
-    (spec(lifecycle={"deleteAfterDays": 4}), {"action": {"type": "Delete"}, "condition": {"age": 4}}),
-    (spec(prefix="a/b"), {"action": {"type": "Delete"}, "condition": {"age": 30, "matchesPrefix": ["a/b/"]}}),
+def labelled(*rules: dict[str, Any]) -> dict[str, str]:
+    return {b.rule_label(r): "1" for r in rules}
+
+
+# --- rules match only JAX entries -------------------------------------------------------
+
+def test_rule_scopes_by_prefix_and_jax_suffixes_and_counts_from_custom_time() -> None:
+    assert plan(claim("a1", "llama", 10)).rules == [ours(10, "llama/")]
+    assert plan(claim("a1", "a/b")).rules == [ours(30, "a/b/")]
+    assert plan(claim("a1", "", 4, root=True)).rules == [ours(4)]
+
+
+def test_bucket_root_needs_explicit_permission() -> None:
+    refused = plan(claim("a1", ""))
+    assert refused.rules == [] and refused.root_not_allowed == {("ns", "a1")}
+
+
+PREFIXES = st.lists(st.text(alphabet="abc-._", min_size=1, max_size=4), min_size=0, max_size=3).map("/".join)
+NAMES = st.text(alphabet=string.ascii_lowercase[:4] + string.digits[:3] + "-/._" + "cahtime", max_size=40)
+
+
+def jax_entry(prefix: str, module: str, suffix: str) -> str:
+    return f"{prefix}/{module}-{HASH}{suffix}" if prefix else f"{module}-{HASH}{suffix}"
+
+
+def names_near(*prefixes: str) -> st.SearchStrategy[str]:
+    """Object names, many of them built to sit at the edge of the rules: under one of the
+    prefixes or not, ending in -cache/-atime or almost."""
+    heads = st.sampled_from([*prefixes, "", "/", "x/"])
+    tails = st.sampled_from(["", "-cache", "-atime", "cache", "-cache/", "-cache.tmp", "-ATIME", f"-{HASH}-cache"])
+    return st.one_of(NAMES, st.tuples(heads, NAMES, tails).map("".join))
+
+
+@settings(max_examples=500, deadline=None)
+@given(prefix=PREFIXES, data=st.data(), module=st.text(alphabet="abc_", min_size=1, max_size=8),
+       suffix=st.sampled_from(["-cache", "-atime"]))
+def test_property_rules_match_only_entry_shaped_names_under_a_cache_prefix(prefix: str, data: st.DataObject,
+                                                                            module: str, suffix: str) -> None:
+    """For any prefix (the root included) and any object name: a rule cachewarm wrote can
+    act on the name only if the name lies under the prefix of a cache on the bucket and
+    ends in -cache or -atime; every JAX entry of the cache matches exactly one rule.
+
+    What GCS cannot express (its name conditions are plain prefix/suffix tests) and this
+    test therefore does not claim: that such a name is a JAX entry (no '/' after the
+    prefix, 64 hex digits). That is why a rule at the bucket root needs allowBucketRoot
+    (README, "Bucket")."""
+    caches = [claim("a1", prefix, 5, root=True), claim("z9", "zz-other", 5), claim("y8", "yy-other", 9)]
+    p = plan(*caches)
+    under = [cl.object_prefix for cl in b.active(caches)]
+    name = data.draw(names_near(*under, f"{prefix}x"))
+    for rule in ev.rules_matching_name(p.rules, name):
+        assert name.endswith(("-cache", "-atime")) and name.startswith(tuple(under)), (rule, name)
+    matched = ev.rules_matching_name(p.rules, jax_entry(prefix, module, suffix))
+    assert matched == [p.rule_of[("ns", "a1")]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_property_names_outside_every_prefix_never_match(data: st.DataObject) -> None:
+    rules = plan(claim("a1", "jax", 5), claim("b2", "team/cache", 5), claim("c3", "x", 7)).rules
+    name = data.draw(names_near("jax/", "team/cache/", "x/", "jax", "team/", "jaxx/"))
+    inside = name.startswith(("jax/", "team/cache/", "x/")) and name.endswith(("-cache", "-atime"))
+    assert bool(ev.rules_matching_name(rules, name)) is inside
+
+
+def test_entries_expire_by_last_use_not_by_creation() -> None:
+    rules = plan(claim("a1", "p", 10)).rules
+    created = NOW - dt.timedelta(days=400)
+    hot = ev.ObjectState(jax_entry("p", "jit_step", "-cache"), created, custom_time=NOW - dt.timedelta(days=2))
+    cold = ev.ObjectState(jax_entry("p", "jit_old", "-cache"), created, custom_time=NOW - dt.timedelta(days=11))
+    unstamped = ev.ObjectState(jax_entry("p", "jit_new", "-cache"), created)
+    assert not ev.deletes(rules, hot, NOW)
+    assert ev.deletes(rules, cold, NOW)
+    assert not ev.deletes(rules, unstamped, NOW)  # until the operator stamps it (reconcile)
+    assert not ev.deletes(rules, ev.ObjectState("p/notes.txt", created), NOW)
+
+
+# --- caches sharing a bucket ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("a", "b_", "overlap"), [
+    ("", "x/", True), ("a/", "a/b/", True), ("a/", "a/", True), ("a/", "ab/", False), ("a/b/", "a/c/", False),
 ])
-def test_lifecycle_rule_is_scoped_to_prefix_with_trailing_slash(gcs: GcsStorage, expected: dict[str, Any]) -> None:
-    assert b.lifecycle_rule(gcs) == expected
+def test_overlap_is_by_object_prefix(a: str, b_: str, overlap: bool) -> None:
+    assert b.overlaps(a, b_) is overlap and b.overlaps(b_, a) is overlap
 
 
-@pytest.mark.parametrize(("existing", "expected"), [
-    ([], [OURS_P]),
-    ([THEIRS], [THEIRS, OURS_P]),
-    ([OURS_P | {"condition": {"age": 3, "matchesPrefix": ["llama/"]}}, THEIRS], [THEIRS, OURS_P]),
-    ([CLASS_RULE, OURS_P, THEIRS], [CLASS_RULE, THEIRS, OURS_P]),
-    # A Delete rule on another prefix, or with more conditions, is not ours.
-    ([{"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama-old/"]}}],
-     [{"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama-old/"]}}, OURS_P]),
-    ([{"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama/"], "isLive": False}}],
-     [{"action": {"type": "Delete"}, "condition": {"age": 10, "matchesPrefix": ["llama/"], "isLive": False}}, OURS_P]),
-])
-def test_merge_keeps_rules_it_does_not_own(existing: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
-    gcs = spec(prefix="llama", lifecycle={"deleteAfterDays": 10})
-    assert b.merged_lifecycle(existing, gcs) == expected
+def test_newer_overlapping_caches_are_inactive_and_share_nothing() -> None:
+    old, nested, sibling = claim("a1", "team"), claim("b2", "team/x"), claim("c3", "teamx")
+    assert b.active([nested, sibling, old]) == [old, sibling]
+    assert plan(old, nested, sibling).rules == [ours(30, "team/", "teamx/")]
+    assert b.refused_by([old, nested, sibling], nested) == old
+    assert b.refused_by([old, nested, sibling], sibling) is None
 
 
-def test_bucket_at_spec_needs_no_patch() -> None:
-    gcs = spec(prefix="llama", lifecycle={"deleteAfterDays": 10})
-    assert b.bucket_patch(info(lifecycle_rules=[THEIRS, OURS_P]), gcs, created_by_us=True) == {}
+def test_a_refused_cache_blocks_nobody() -> None:
+    first, root, later = claim("a1", "team"), claim("b2", ""), claim("c3", "other")
+    assert b.active([first, root, later]) == [first, later]
+    assert b.refused_by([first, root, later], root) == first
+    assert b.refused_by([first, root, later], later) is None
+
+
+def test_caches_with_the_same_age_share_one_rule() -> None:
+    p = plan(claim("a1", "a", 10), claim("b2", "b", 10), claim("c3", "c", 3))
+    assert p.rules == [ours(3, "c/"), ours(10, "a/", "b/")]
+    assert p.rule_of[("ns", "b2")] == ours(10, "a/", "b/")
+
+
+def test_rule_limit_leaves_out_the_newest_groups() -> None:
+    p = plan(claim("a1", "a", 1), claim("b2", "b", 2), claim("c3", "c", 3), claim("d4", "d", 1), budget=2)
+    assert p.rules == [ours(1, "a/", "d/"), ours(2, "b/")]
+    assert p.over_limit == {("ns", "c3")}
+
+
+def test_budget_counts_foreign_rules_and_labels() -> None:
+    bucket = info(lifecycle_rules=[THEIRS] * 3, labels={"team": "x", **labelled(ours(5, "p/"))})
+    assert b.rule_budget(bucket) == min(100 - 3, 64 - 1)
+    many = info(labels={f"l{i}": "v" for i in range(60)})
+    assert b.rule_budget(many) == 4
+
+
+def test_settings_owner_is_the_creator_else_the_oldest() -> None:
+    old, new = claim("a1", "a"), claim("b2", "b")
+    assert b.settings_owner([old, new], info()) == old
+    assert b.settings_owner([old, new], info(labels=b.owner_labels("ns", "b2"))) == new
+
+
+# --- ownership: recorded, never guessed ------------------------------------------------------
+
+def test_lookalike_rule_is_kept_and_ours_is_added_and_recorded() -> None:
+    p = plan(claim("a1", "llama", 10))
+    bucket = info(lifecycle_rules=[LOOKALIKE, THEIRS])
+    patch = b.lifecycle_patch(bucket, p)
+    assert patch["lifecycle"]["rule"] == [LOOKALIKE, THEIRS, ours(10, "llama/")]
+    assert patch["labels"] == labelled(ours(10, "llama/"))
+    after = info(lifecycle_rules=patch["lifecycle"]["rule"], labels=patch["labels"])
+    assert b.lifecycle_patch(after, p) == {}
+    assert b.split_rules(after) == ([LOOKALIKE, THEIRS], [ours(10, "llama/")])
+
+
+def test_our_recorded_rules_are_replaced_in_place_of_the_block_and_others_keep_their_order() -> None:
+    old = ours(3, "llama/")
+    bucket = info(lifecycle_rules=[CLASS_RULE, old, THEIRS], labels={"team": "x", **labelled(old)})
+    patch = b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10)))
+    assert patch["lifecycle"]["rule"] == [CLASS_RULE, THEIRS, ours(10, "llama/")]
+    assert patch["labels"] == {"team": "x", **labelled(ours(10, "llama/"))}
+
+
+def test_foreign_rules_are_kept_as_gcs_returned_them() -> None:
+    odd = {"action": {"type": "Delete"}, "condition": {"age": "10", "matchesPrefix": ["llama/"], "isLive": False}}
+    patch = b.lifecycle_patch(info(lifecycle_rules=[odd]), plan(claim("a1", "llama", 10)))
+    assert patch["lifecycle"]["rule"][0] == odd
 
 
 def test_string_ages_from_gcs_compare_equal() -> None:
-    gcs = spec(prefix="llama", lifecycle={"deleteAfterDays": 10})
-    as_returned = {"action": {"type": "Delete"}, "condition": {"age": "10", "matchesPrefix": ["llama/"]}}
-    assert b.bucket_patch(info(lifecycle_rules=[as_returned]), gcs, created_by_us=False) == {}
+    as_returned = {"action": {"type": "Delete"}, "condition": {
+        "daysSinceCustomTime": "10", "matchesPrefix": ["llama/"], "matchesSuffix": ["-cache", "-atime"]}}
+    bucket = info(lifecycle_rules=[as_returned], labels=labelled(ours(10, "llama/")))
+    assert b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10))) == {}
+    assert b.observed_delete_after_days(bucket, claim("a1", "llama", 10)) == 10
 
 
-def test_patch_names_only_what_differs() -> None:
-    gcs = spec(prefix="llama", lifecycle={"deleteAfterDays": 10}, softDeleteDays=0)
-    patch = b.bucket_patch(info(lifecycle_rules=[OURS_P]), gcs, created_by_us=True)
-    assert patch == {"softDeletePolicy": {"retentionDurationSeconds": 0}}
+def test_an_edited_rule_of_ours_is_no_longer_ours() -> None:
+    edited = ours(99, "llama/")  # someone changed our 10 to 99; its label no longer fits
+    bucket = info(lifecycle_rules=[edited], labels=labelled(ours(10, "llama/")))
+    assert b.split_rules(bucket) == ([edited], [])
+    assert b.observed_delete_after_days(bucket, claim("a1", "llama")) is None
+
+
+def test_a_bucket_with_rules_the_library_cannot_read_is_never_rewritten() -> None:
+    bucket = info(lifecycle_rules=[THEIRS], unreadable_rules=1)
+    assert b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10))) == {}
+
+
+def test_drift_is_a_change_to_what_cachewarm_recorded_not_a_new_cache_on_the_bucket() -> None:
+    mine = ours(10, "a/")
+    at_rest = info(lifecycle_rules=[THEIRS, mine], labels=labelled(mine))
+    new_cache = plan(claim("a1", "a", 10), claim("b2", "b", 10))
+    assert not b.changed_outside(at_rest, b.lifecycle_patch(at_rest, new_cache))
+    removed = info(lifecycle_rules=[THEIRS], labels=labelled(mine))  # someone deleted our rule
+    assert b.changed_outside(removed, b.lifecycle_patch(removed, plan(claim("a1", "a", 10))))
+    assert b.changed_outside(at_rest, {"softDeletePolicy": {"retentionDurationSeconds": 0}})
+
+
+def test_no_cache_left_removes_our_rules_and_labels_only() -> None:
+    mine = ours(10, "llama/")
+    bucket = info(lifecycle_rules=[THEIRS, mine], labels={"team": "x", **labelled(mine)})
+    assert b.lifecycle_patch(bucket, plan()) == {"lifecycle": {"rule": [THEIRS]}, "labels": {"team": "x"}}
+
+
+# --- the whole patch ---------------------------------------------------------------------------
+
+def test_bucket_at_spec_needs_no_patch() -> None:
+    rule = ours(10, "llama/")
+    bucket = info(lifecycle_rules=[THEIRS, rule], labels=labelled(rule))
+    assert b.bucket_patch(bucket, spec(prefix="llama"), plan=plan(claim("a1", "llama", 10)),
+                          owns_settings=True, created_by_us=True) == {}
+
+
+def test_only_the_settings_owner_writes_soft_delete() -> None:
+    rule = ours(10, "llama/")
+    bucket = info(lifecycle_rules=[rule], labels=labelled(rule))
+    gcs = spec(prefix="llama", softDeleteDays=0)
+    p = plan(claim("a1", "llama", 10))
+    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=True, created_by_us=False) == {
+        "softDeletePolicy": {"retentionDurationSeconds": 0}}
+    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=False, created_by_us=False) == {}
 
 
 def test_access_and_class_are_managed_only_on_buckets_cachewarm_created() -> None:
-    gcs = spec(prefix="llama", lifecycle={"deleteAfterDays": 10}, storageClass="NEARLINE")
-    loose = info(lifecycle_rules=[OURS_P], uniform_access=False, public_access_prevention="inherited")
-    assert b.bucket_patch(loose, gcs, created_by_us=False) == {}
-    assert b.bucket_patch(loose, gcs, created_by_us=True) == {
+    gcs = spec(prefix="llama", storageClass="NEARLINE")
+    loose = info(uniform_access=False, public_access_prevention="inherited")
+    kw: dict[str, Any] = dict(plan=plan(), owns_settings=False)
+    assert b.bucket_patch(loose, gcs, created_by_us=False, **kw) == {}
+    assert b.bucket_patch(loose, gcs, created_by_us=True, **kw) == {
         "iamConfiguration": {"uniformBucketLevelAccess": {"enabled": True}, "publicAccessPrevention": "enforced"},
         "storageClass": "NEARLINE",
     }
@@ -93,12 +287,18 @@ def test_created_by_needs_every_owner_label() -> None:
     assert not b.created_by(info(labels={"managed-by": "cachewarm"}), "team-a", "llama")
 
 
+def test_rule_labels_are_valid_gcs_label_keys() -> None:
+    label = b.rule_label(ours(10, "a/"))
+    assert label.startswith(c.GCS_LABEL_RULE_PREFIX) and len(label) <= 63
+    assert set(label) <= set(string.ascii_lowercase + string.digits + "-_")
+
+
 @pytest.mark.parametrize(("name", "entry"), [
-    ("llama/jit_step-" + "0f" * 32 + "-cache", True),
-    ("llama/jit_step-" + "0f" * 32 + "-atime", True),
+    ("llama/jit_step-" + HASH + "-cache", True),
+    ("llama/jit_step-" + HASH + "-atime", True),
     ("llama/notes.txt", False),
-    ("llama/sub/jit_step-" + "0f" * 32 + "-cache", False),
-    ("llama-old/jit_step-" + "0f" * 32 + "-cache", False),
+    ("llama/sub/jit_step-" + HASH + "-cache", False),
+    ("llama-old/jit_step-" + HASH + "-cache", False),
     ("llama/jit_step-" + "0F" * 32 + "-cache", False),
     ("llama/jit_step-" + "0f" * 31 + "-cache", False),
 ])

@@ -1,13 +1,27 @@
 """What a cache's bucket should look like, and the smallest patch that gets it there.
 
-The operator owns exactly one lifecycle rule per cache: Delete at an age, scoped to the
-cache's prefix. Every other rule on the bucket belongs to someone else and is kept as is.
+Lifecycle: cachewarm's Delete rules match only names that end in `-cache` or `-atime`
+(the two endings of JAX's entries) under the prefixes of the caches on the bucket, and
+expire an entry `deleteAfterDays` after its customTime (set by the warmer that last wrote
+or found it). Caches with the same deleteAfterDays share one rule, so many caches on one
+bucket stay under GCS's rule limit.
+
+Ownership: a rule is cachewarm's only when the bucket carries the label
+`cachewarm-rule-<hash of the rule's canonical JSON>`, written in the same PATCH as the rule.
+Every other rule, even one shaped like ours, belongs to someone else and is kept as GCS
+returned it, in its place.
+
+Bucket-wide settings (soft delete) have one owner among the caches on a bucket: the cache
+that created the bucket, else the oldest. The others never write them.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +32,11 @@ DAY = 86_400
 # JAX names entries <module>-<sha256 hex>-cache (and -atime when its LRU is on);
 # nothing else under a prefix is ours to delete.
 ENTRY_NAME = re.compile(r"^[^/]+-[0-9a-f]{64}-(cache|atime)$")
+ENTRY_SUFFIXES = ("-cache", "-atime")
+# GCS limits (https://cloud.google.com/storage/docs/lifecycle, .../docs/tags-and-labels).
+MAX_LIFECYCLE_RULES = 100
+MAX_BUCKET_LABELS = 64
+_INT_CONDITIONS = ("age", "daysSinceCustomTime", "daysSinceNoncurrentTime", "numNewerVersions")
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,10 @@ class BucketInfo:
     soft_delete_seconds: int | None = None
     uniform_access: bool = False
     public_access_prevention: str = ""
+    metageneration: int = 0
+    # Rules the client library could not read (an action type it does not know): while
+    # there are any, cachewarm never writes the lifecycle, which would drop them.
+    unreadable_rules: int = 0
 
 
 def owner_labels(namespace: str, name: str) -> dict[str, str]:
@@ -48,41 +71,199 @@ def created_by(bucket: BucketInfo, namespace: str, name: str) -> bool:
     return all(bucket.labels.get(k) == v for k, v in owner_labels(namespace, name).items())
 
 
-def lifecycle_rule(gcs: GcsStorage) -> dict[str, Any]:
-    """The one rule this cache owns: delete entries older than deleteAfterDays."""
-    condition: dict[str, Any] = {"age": gcs.lifecycle.delete_after_days}
-    if gcs.object_prefix:
-        condition["matchesPrefix"] = [gcs.object_prefix]
+# --- caches sharing a bucket ------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Claim:
+    """One cache's use of a bucket, as the operator's index sees it. Ordered by age."""
+
+    created: str  # creationTimestamp (RFC 3339, so text order is time order)
+    namespace: str
+    name: str
+    prefix: str = field(default="", compare=False)
+    delete_after_days: int = field(default=30, compare=False)
+    soft_delete_days: int = field(default=7, compare=False)
+    allow_bucket_root: bool = field(default=False, compare=False)
+
+    @classmethod
+    def of(cls, gcs: GcsStorage, *, created: str, namespace: str, name: str) -> Claim:
+        return cls(created, namespace, name, gcs.prefix, gcs.lifecycle.delete_after_days,
+                   gcs.soft_delete_days, gcs.lifecycle.allow_bucket_root)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def object_prefix(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether two caches' object prefixes ("" for the root, else "p/") share any name."""
+    return a.startswith(b) or b.startswith(a)
+
+
+def active(claims: Iterable[Claim]) -> list[Claim]:
+    """Caches that manage their prefix: those that overlap no older cache that manages its
+    own (a refused cache blocks nobody). Oldest first."""
+    out: list[Claim] = []
+    for cl in sorted({cl.key: cl for cl in claims}.values()):
+        if not any(overlaps(o.object_prefix, cl.object_prefix) for o in out):
+            out.append(cl)
+    return out
+
+
+def refused_by(claims: Iterable[Claim], mine: Claim) -> Claim | None:
+    """The older managing cache whose prefix overlaps mine (then mine manages nothing)."""
+    return next((o for o in active(claims) if o < mine and overlaps(o.object_prefix, mine.object_prefix)), None)
+
+
+def settings_owner(claims: Iterable[Claim], bucket: BucketInfo) -> Claim | None:
+    """The cache that owns bucket-wide settings: the one that created the bucket, else the
+    oldest active one."""
+    act = active(claims)
+    for cl in act:
+        if created_by(bucket, cl.namespace, cl.name):
+            return cl
+    return act[0] if act else None
+
+
+# --- lifecycle rules ----------------------------------------------------------------------
+
+
+def last_use_rule(days: int, object_prefixes: Sequence[str]) -> dict[str, Any]:
+    """Delete JAX entries under these prefixes `days` after their customTime.
+
+    matchesPrefix and matchesSuffix in one rule must both hold (GCS: all conditions of a
+    rule), so the rule matches `<one of the prefixes>...(-cache|-atime)` and nothing else.
+    A rule for the bucket root has no matchesPrefix (it then matches those endings anywhere).
+    """
+    condition: dict[str, Any] = {"daysSinceCustomTime": days}
+    prefixes = sorted(set(object_prefixes))
+    if prefixes != [""]:
+        if "" in prefixes:
+            raise ValueError("the bucket root cannot share a rule with a prefix")
+        condition["matchesPrefix"] = prefixes
+    condition["matchesSuffix"] = list(ENTRY_SUFFIXES)
     return {"action": {"type": "Delete"}, "condition": condition}
 
 
-def _is_owned(rule: Mapping[str, Any], gcs: GcsStorage) -> bool:
-    action = rule.get("action") or {}
-    cond = rule.get("condition") or {}
-    if action.get("type") != "Delete" or set(cond) - {"age", "matchesPrefix"} or "age" not in cond:
-        return False
-    prefixes = list(cond.get("matchesPrefix") or [])
-    return prefixes == ([gcs.object_prefix] if gcs.object_prefix else [])
+@dataclass(frozen=True)
+class LifecyclePlan:
+    """cachewarm's rules for one bucket, computed the same way by every cache on it."""
+
+    rules: list[dict[str, Any]]
+    rule_of: dict[tuple[str, str], dict[str, Any]]  # cache key -> the rule covering its entries
+    root_not_allowed: frozenset[tuple[str, str]] = frozenset()
+    over_limit: frozenset[tuple[str, str]] = frozenset()
 
 
-def _normal(rule: Mapping[str, Any]) -> dict[str, Any]:
-    cond = dict(rule.get("condition") or {})
-    if "age" in cond:
-        cond["age"] = int(cond["age"])
-    return {"action": dict(rule.get("action") or {}), "condition": cond}
+def plan_lifecycle(claims: Iterable[Claim], budget: int) -> LifecyclePlan:
+    """One rule per distinct deleteAfterDays among the active caches, at most `budget`
+    rules; the groups whose oldest cache is newest are left out first."""
+    groups: dict[int, list[Claim]] = {}
+    root_not_allowed: set[tuple[str, str]] = set()
+    for cl in active(claims):
+        if cl.object_prefix == "" and not cl.allow_bucket_root:
+            root_not_allowed.add(cl.key)
+            continue
+        groups.setdefault(cl.delete_after_days, []).append(cl)
+    by_age = sorted(groups, key=lambda d: min(groups[d]))
+    kept = set(by_age[:max(budget, 0)])
+    rules: list[dict[str, Any]] = []
+    rule_of: dict[tuple[str, str], dict[str, Any]] = {}
+    for days in sorted(kept):
+        rule = last_use_rule(days, [cl.object_prefix for cl in groups[days]])
+        rules.append(rule)
+        rule_of.update({cl.key: rule for cl in groups[days]})
+    over = {cl.key for d in groups if d not in kept for cl in groups[d]}
+    return LifecyclePlan(rules, rule_of, frozenset(root_not_allowed), frozenset(over))
 
 
-def merged_lifecycle(existing: Sequence[Mapping[str, Any]], gcs: GcsStorage) -> list[dict[str, Any]]:
-    """Existing rules with ours set to the spec: others kept in order, ours last and once."""
-    others = [_normal(r) for r in existing if not _is_owned(r, gcs)]
-    return [*others, lifecycle_rule(gcs)]
+def canonical(rule: Mapping[str, Any]) -> dict[str, Any]:
+    """A rule as plain JSON data with integer conditions as ints (GCS may return "10")."""
+    out: dict[str, Any] = copy.deepcopy(dict(rule))
+    cond = out.get("condition")
+    if isinstance(cond, dict):
+        for key in _INT_CONDITIONS:
+            if key in cond:
+                cond[key] = int(cond[key])
+    return out
 
 
-def observed_delete_after_days(bucket: BucketInfo, gcs: GcsStorage) -> int | None:
-    """Age of this cache's own lifecycle rule on the bucket, or None if it has none."""
-    for rule in bucket.lifecycle_rules:
-        if _is_owned(rule, gcs):
-            return int(rule["condition"]["age"])
+def rule_label(rule: Mapping[str, Any]) -> str:
+    """The bucket label that records a rule as cachewarm's."""
+    text = json.dumps(canonical(rule), sort_keys=True, separators=(",", ":"))
+    return c.GCS_LABEL_RULE_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def split_rules(bucket: BucketInfo) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(someone else's rules in order, cachewarm's rules). A rule is ours when its label
+    is recorded; of identical copies we own one (the last: ours are appended)."""
+    recorded = {k for k in bucket.labels if k.startswith(c.GCS_LABEL_RULE_PREFIX)}
+    claimed: set[str] = set()
+    ours: set[int] = set()
+    for i in reversed(range(len(bucket.lifecycle_rules))):
+        label = rule_label(bucket.lifecycle_rules[i])
+        if label in recorded and label not in claimed:
+            claimed.add(label)
+            ours.add(i)
+    rules = bucket.lifecycle_rules
+    return ([r for i, r in enumerate(rules) if i not in ours], [r for i, r in enumerate(rules) if i in ours])
+
+
+def rule_budget(bucket: BucketInfo) -> int:
+    """How many rules cachewarm may own: GCS's rule limit less the rules of others, and
+    its label limit less the labels of others (each owned rule takes one label)."""
+    foreign, _ = split_rules(bucket)
+    other_labels = [k for k in bucket.labels if not k.startswith(c.GCS_LABEL_RULE_PREFIX)]
+    return min(MAX_LIFECYCLE_RULES - len(foreign), MAX_BUCKET_LABELS - len(other_labels))
+
+
+def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan) -> dict[str, Any]:
+    """Others' rules untouched and in place, ours after them as the plan says, and the
+    labels that record ours. Empty when the bucket already is so, or when some rule on it
+    could not be read (writing the lifecycle back would drop it)."""
+    if bucket.unreadable_rules:
+        return {}
+    foreign, _ = split_rules(bucket)
+    wanted = [*foreign, *plan.rules]
+    labels = {k: v for k, v in bucket.labels.items() if not k.startswith(c.GCS_LABEL_RULE_PREFIX)}
+    labels.update({rule_label(r): "1" for r in plan.rules})
+    patch: dict[str, Any] = {}
+    if [canonical(r) for r in bucket.lifecycle_rules] != [canonical(r) for r in wanted]:
+        patch["lifecycle"] = {"rule": [copy.deepcopy(dict(r)) for r in wanted]}
+    if dict(bucket.labels) != labels:
+        patch["labels"] = labels
+    return patch
+
+
+def changed_outside(bucket: BucketInfo, patch: Mapping[str, Any]) -> bool:
+    """Whether a patch undoes changes made outside cachewarm (drift), rather than only
+    following the caches on the bucket: a rule cachewarm recorded is gone or edited, or a
+    setting other than lifecycle rules and their labels differs."""
+    if set(patch) - {"lifecycle", "labels"}:
+        return True
+    recorded = {k for k in bucket.labels if k.startswith(c.GCS_LABEL_RULE_PREFIX)}
+    _, ours = split_rules(bucket)
+    return recorded != {rule_label(r) for r in ours}
+
+
+def observed_delete_after_days(bucket: BucketInfo, mine: Claim) -> int | None:
+    """deleteAfterDays of the cachewarm rule on the bucket that covers this cache's
+    entries, or None if none does."""
+    _, ours = split_rules(bucket)
+    for rule in ours:
+        cond = rule.get("condition") or {}
+        prefixes = list(cond.get("matchesPrefix") or [""])
+        if mine.object_prefix in prefixes and "daysSinceCustomTime" in cond:
+            return int(cond["daysSinceCustomTime"])
     return None
 
 
@@ -90,18 +271,17 @@ def location_matches(bucket: BucketInfo, gcs: GcsStorage) -> bool:
     return bucket.location.casefold() == gcs.location.casefold()
 
 
-def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, created_by_us: bool) -> dict[str, Any]:
+def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, plan: LifecyclePlan, owns_settings: bool,
+                 created_by_us: bool) -> dict[str, Any]:
     """The fields to PATCH so the bucket matches the spec; empty when it already does.
 
-    Lifecycle and soft delete are managed on every bucket; access settings, storage class
-    and labels only on buckets cachewarm created (an adopted bucket's are its owner's).
+    Lifecycle (cachewarm's own rules and their labels) on every bucket; soft delete only by
+    the cache that owns bucket-wide settings; access settings and storage class only on
+    buckets this cache created (an adopted bucket's are its owner's).
     """
-    patch: dict[str, Any] = {}
-    wanted_rules = merged_lifecycle(bucket.lifecycle_rules, gcs)
-    if [_normal(r) for r in bucket.lifecycle_rules] != wanted_rules:
-        patch["lifecycle"] = {"rule": wanted_rules}
+    patch = lifecycle_patch(bucket, plan)
     wanted_soft = gcs.soft_delete_days * DAY
-    if bucket.soft_delete_seconds != wanted_soft:
+    if owns_settings and bucket.soft_delete_seconds != wanted_soft:
         patch["softDeletePolicy"] = {"retentionDurationSeconds": wanted_soft}
     if created_by_us:
         if not bucket.uniform_access or bucket.public_access_prevention != "enforced":

@@ -1,12 +1,17 @@
 """All of cachewarm's calls to Google Cloud Storage, through google-cloud-storage.
 
-Library exceptions become `GcsError` subclasses here and nowhere else. The library's own
-retries are off (retry=None): the reconcile loop retries with backoff and re-reads state
-first, so a lost response never turns into a duplicate write.
+Library exceptions become `GcsError` subclasses here and nowhere else. Retries: reads use
+the library's standard retry (DEFAULT_RETRY, bounded in time); every write is either
+conditional (bucket PATCH on its metageneration, object PATCH and DELETE on the object's
+generation and metageneration), so a retry after a lost response fails its precondition
+instead of writing twice, or it is a bucket insert, which the reconcile retries itself
+after re-reading (a repeated insert answers 409, handled by the caller).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -14,7 +19,9 @@ from typing import Any, TypeVar
 import google.auth.exceptions
 import requests
 from google.api_core import exceptions as gexc
+from google.api_core.retry import Retry
 from google.cloud import storage
+from google.cloud.storage.retry import DEFAULT_RETRY
 
 from cachewarm import constants as c
 from cachewarm.builders.bucket import BucketInfo
@@ -57,10 +64,20 @@ class GcsNotFound(GcsError):
     reason = c.Reason.BUCKET_NOT_FOUND
 
 
+class GcsPreconditionFailed(GcsError):
+    """412: the bucket or object changed since it was read; re-read and try again."""
+
+    reason = c.Reason.BUCKET_BUSY
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     name: str
     size: int
+    created: dt.datetime | None = None
+    custom_time: dt.datetime | None = None
+    generation: int | None = None
+    metageneration: int | None = None
 
 
 def _translate(call: Callable[[], T], what: str) -> T:
@@ -70,6 +87,8 @@ def _translate(call: Callable[[], T], what: str) -> T:
         raise GcsNotFound(f"{what}: not found", status=404) from exc
     except (gexc.Forbidden, gexc.Unauthorized) as exc:
         raise GcsForbidden(f"{what}: permission denied ({exc.message})", status=exc.code) from exc
+    except gexc.PreconditionFailed as exc:
+        raise GcsPreconditionFailed(f"{what}: changed concurrently ({exc.message})", status=412) from exc
     except gexc.Conflict as exc:
         raise GcsConflict(f"{what}: conflict ({exc.message})", status=409) from exc
     except (gexc.TooManyRequests, gexc.ServerError) as exc:
@@ -85,15 +104,22 @@ def _translate(call: Callable[[], T], what: str) -> T:
 def _info(bucket: storage.Bucket) -> BucketInfo:
     iam = bucket.iam_configuration
     soft = bucket.soft_delete_policy.retention_duration_seconds
+    # The library yields a rule of an action type it does not know as a warning, not a
+    # rule: such a bucket's rules cannot be written back whole, so they are counted.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rules = [dict(rule) for rule in bucket.lifecycle_rules]
     return BucketInfo(
         name=bucket.name,
         location=bucket.location or "",
         storage_class=bucket.storage_class or "",
         labels=dict(bucket.labels or {}),
-        lifecycle_rules=[dict(rule) for rule in bucket.lifecycle_rules],
+        lifecycle_rules=rules,
+        unreadable_rules=sum("Unknown lifecycle rule type" in str(w.message) for w in caught),
         soft_delete_seconds=int(soft) if soft is not None else None,
         uniform_access=bool(iam.uniform_bucket_level_access_enabled),
         public_access_prevention=str(iam.public_access_prevention or ""),
+        metageneration=int(bucket.metageneration or 0),
     )
 
 
@@ -104,6 +130,9 @@ class GcsClient:
         self._project = project or None
         self._timeout = timeout
         self._client = client
+        # The library's standard retry (429, 5xx, broken connections) with backoff, for
+        # idempotent or conditional calls only; bounded so a reconcile never hangs on it.
+        self._retry: Retry = DEFAULT_RETRY.with_timeout(max(4 * timeout, 10.0))
 
     @property
     def client(self) -> storage.Client:
@@ -115,7 +144,7 @@ class GcsClient:
     def get_bucket(self, name: str) -> BucketInfo | None:
         """The bucket, or None when it does not exist. Raises GcsError."""
         bucket = _translate(
-            lambda: self.client.lookup_bucket(name, timeout=self._timeout, retry=None),
+            lambda: self.client.lookup_bucket(name, timeout=self._timeout, retry=self._retry),
             f"reading bucket {name}",
         )
         return _info(bucket) if bucket is not None else None
@@ -140,9 +169,21 @@ class GcsClient:
         )
         return _info(created)
 
-    def patch_bucket(self, name: str, patch: dict[str, Any]) -> BucketInfo:
-        """Apply a patch made by builders.bucket.bucket_patch. Raises GcsError."""
+    def patch_bucket(self, current: BucketInfo, patch: dict[str, Any]) -> BucketInfo:
+        """Apply a patch made by builders.bucket.bucket_patch to the bucket as `current`
+        describes it, only if its metageneration is still `current.metageneration`.
+
+        Raises GcsPreconditionFailed when someone changed the bucket since it was read
+        (re-read and re-merge), GcsError otherwise.
+        """
+        name = current.name
         bucket = self.client.bucket(name)
+        if "labels" in patch:
+            # GCS merges a PATCH's labels into the bucket's; a label is removed by sending it
+            # as null. The library sends null for the labels a new map leaves out of the one
+            # it knew, so it is first told the labels as read.
+            bucket.labels = dict(current.labels)
+            bucket.labels = patch["labels"]
         if "lifecycle" in patch:
             bucket.lifecycle_rules = patch["lifecycle"]["rule"]
         if "softDeletePolicy" in patch:
@@ -153,24 +194,50 @@ class GcsClient:
             bucket.iam_configuration.public_access_prevention = iam["publicAccessPrevention"]
         if "storageClass" in patch:
             bucket.storage_class = patch["storageClass"]
-        _translate(lambda: bucket.patch(timeout=self._timeout, retry=None), f"updating bucket {name}")
+        _translate(
+            lambda: bucket.patch(if_metageneration_match=current.metageneration, timeout=self._timeout,
+                                 retry=self._retry),
+            f"updating bucket {name}",
+        )
         return _info(bucket)
 
     def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
         """Objects whose names start with `prefix`. Raises GcsError."""
         blobs = _translate(
-            lambda: list(self.client.list_blobs(bucket, prefix=prefix or None, timeout=self._timeout, retry=None)),
+            lambda: list(self.client.list_blobs(bucket, prefix=prefix or None, timeout=self._timeout,
+                                                retry=self._retry)),
             f"listing gs://{bucket}/{prefix}",
         )
         for blob in blobs:
-            yield ObjectInfo(name=blob.name, size=int(blob.size or 0))
+            yield ObjectInfo(name=blob.name, size=int(blob.size or 0), created=blob.time_created,
+                             custom_time=blob.custom_time, generation=blob.generation,
+                             metageneration=blob.metageneration)
 
-    def delete_object(self, bucket: str, name: str) -> None:
-        """Delete one object; an object already gone counts as deleted. Raises GcsError."""
+    def set_custom_time(self, bucket: str, obj: ObjectInfo, when: dt.datetime) -> bool:
+        """Set an object's customTime (GCS only moves it forward), if the object is still the
+        generation and metageneration that was listed. Returns False when it was not (it
+        changed meanwhile: a warmer stamped it, or it was replaced or deleted). Raises GcsError."""
+        blob = self.client.bucket(bucket).blob(obj.name)
+        blob.custom_time = when
         try:
             _translate(
-                lambda: self.client.bucket(bucket).blob(name).delete(timeout=self._timeout, retry=None),
-                f"deleting gs://{bucket}/{name}",
+                lambda: blob.patch(if_generation_match=obj.generation, if_metageneration_match=obj.metageneration,
+                                   timeout=self._timeout, retry=self._retry),
+                f"setting customTime of gs://{bucket}/{obj.name}",
+            )
+        except (GcsPreconditionFailed, GcsNotFound):
+            return False
+        return True
+
+    def delete_object(self, bucket: str, obj: ObjectInfo) -> None:
+        """Delete the listed generation of one object; an object already gone counts as
+        deleted. Raises GcsPreconditionFailed when it was replaced since it was listed
+        (list again), GcsError otherwise."""
+        blob = self.client.bucket(bucket).blob(obj.name)
+        try:
+            _translate(
+                lambda: blob.delete(if_generation_match=obj.generation, timeout=self._timeout, retry=self._retry),
+                f"deleting gs://{bucket}/{obj.name}",
             )
         except GcsNotFound:
             pass
@@ -178,6 +245,7 @@ class GcsClient:
     def delete_bucket(self, name: str) -> None:
         """Delete an empty bucket; a bucket already gone counts as deleted. Raises GcsError."""
         try:
-            _translate(lambda: self.client.bucket(name).delete(timeout=self._timeout, retry=None), f"deleting bucket {name}")
+            _translate(lambda: self.client.bucket(name).delete(timeout=self._timeout, retry=self._retry),
+                       f"deleting bucket {name}")
         except GcsNotFound:
             pass

@@ -1,0 +1,176 @@
+"""cachewarm's GCS client and bucket reconcile against the emulator behind its fidelity
+proxy: what GCS answers (upper-case locations, 412 on a stale metageneration, merged
+labels, customTime only forward) and what cachewarm does with it (re-read and re-merge on
+412, entries stamped with a customTime)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import pytest
+import requests
+from google.api_core import exceptions as gexc
+from google.cloud import storage
+
+from cachewarm.builders import bucket as b
+from cachewarm.clients.gcs import GcsClient, GcsPreconditionFailed
+from cachewarm.model import GcsStorage
+from cachewarm.reconcile import reconcile_bucket
+from cachewarm_testbed import lifecycle_eval as ev
+from cachewarm_testbed.cluster import Testbed
+
+pytestmark = pytest.mark.integration
+
+ENTRY = "jit_step-" + "ab" * 32 + "-cache"
+THEIRS = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
+
+
+def new_bucket(gcs: storage.Client, **labels: str) -> str:
+    name = f"it-{uuid.uuid4().hex[:10]}"
+    bucket = gcs.bucket(name)
+    bucket.labels = labels
+    gcs.create_bucket(bucket, location="us-central1")
+    return name
+
+
+def spec(bucket: str, **kw: Any) -> GcsStorage:
+    return GcsStorage.model_validate({"bucket": bucket, "location": "us-central1", "create": False, **kw})
+
+
+def claim(gcs_spec: GcsStorage, name: str = "c", created: str = "2026-01-01T00:00:00Z") -> b.Claim:
+    return b.Claim.of(gcs_spec, created=created, namespace="ns", name=name)
+
+
+def test_locations_read_back_upper_case_as_gcs_reports_them(storage_only: storage.Client) -> None:
+    assert storage_only.get_bucket(new_bucket(storage_only)).location == "US-CENTRAL1"
+
+
+def test_stale_metageneration_is_refused_with_412(storage_only: storage.Client) -> None:
+    client = GcsClient(client=storage_only, timeout=5)
+    name = new_bucket(storage_only)
+    seen = client.get_bucket(name)
+    assert seen is not None
+    other = storage_only.get_bucket(name)
+    other.lifecycle_rules = [THEIRS]
+    other.patch()  # someone else's edit after we read
+    with pytest.raises(GcsPreconditionFailed):
+        client.patch_bucket(seen, {"softDeletePolicy": {"retentionDurationSeconds": 0}})
+    assert [dict(r) for r in storage_only.get_bucket(name).lifecycle_rules] == [THEIRS]
+
+
+def test_labels_are_merged_and_removed_as_gcs_patch_does(storage_only: storage.Client, storage_bed: Testbed) -> None:
+    name = new_bucket(storage_only, team="a", old="x")
+    # A PATCH naming one label, as other tools send it: GCS keeps the others.
+    requests.patch(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}", json={"labels": {"added": "y"}},
+                   timeout=10).raise_for_status()
+    assert storage_only.get_bucket(name).labels == {"team": "a", "old": "x", "added": "y"}
+    client = GcsClient(client=storage_only, timeout=5)
+    seen = client.get_bucket(name)
+    assert seen is not None
+    client.patch_bucket(seen, {"labels": {"team": "a", "added": "y"}})
+    assert storage_only.get_bucket(name).labels == {"team": "a", "added": "y"}
+
+
+def test_custom_time_only_moves_forward(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only)
+    blob = storage_only.bucket(name).blob(ENTRY)
+    blob.upload_from_string(b"x")
+    later = dt.datetime(2030, 1, 2, tzinfo=dt.timezone.utc)
+    blob.custom_time = later
+    blob.patch()
+    blob.custom_time = later - dt.timedelta(days=1)
+    with pytest.raises(gexc.BadRequest):
+        blob.patch()
+    assert storage_only.bucket(name).get_blob(ENTRY).custom_time == later
+
+
+class EditedAfterFirstRead(GcsClient):
+    """The real client; after its first read of the bucket, someone else adds a rule (a
+    real write to the emulator), so cachewarm's PATCH meets a changed metageneration."""
+
+    def __init__(self, raw: storage.Client) -> None:
+        super().__init__(client=raw, timeout=5)
+        self.raw = raw
+        self.reads = 0
+
+    def get_bucket(self, name: str) -> b.BucketInfo | None:
+        seen = super().get_bucket(name)
+        self.reads += 1
+        if self.reads == 1:
+            other = self.raw.get_bucket(name)
+            other.lifecycle_rules = [*other.lifecycle_rules, THEIRS]
+            other.patch()
+        return seen
+
+
+def test_concurrent_edit_is_re_read_and_merged_not_lost(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only)
+    gcs_spec = spec(name, prefix="jax", lifecycle={"deleteAfterDays": 10})
+    client = EditedAfterFirstRead(storage_only)
+    out = reconcile_bucket(client, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=True)
+    assert out.ready and client.reads == 2
+    final = storage_only.get_bucket(name)
+    rule = b.last_use_rule(10, ["jax/"])
+    assert [dict(r) for r in final.lifecycle_rules] == [THEIRS, rule]
+    assert final.labels[b.rule_label(rule)] == "1"
+    # Reconciled again, nothing changes: the metageneration stays.
+    again = reconcile_bucket(GcsClient(client=storage_only, timeout=5), gcs_spec, mine=claim(gcs_spec), claims=[],
+                             spec_changed=False)
+    assert again.events == []
+    assert storage_only.get_bucket(name).metageneration == final.metageneration
+
+
+def test_entries_without_custom_time_are_stamped_with_their_creation(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only)
+    bucket = storage_only.bucket(name)
+    for obj in (f"jax/{ENTRY}", "jax/notes-cache.txt", f"jax/sub/{ENTRY}"):
+        bucket.blob(obj).upload_from_string(b"x")
+    gcs_spec = spec(name, prefix="jax", lifecycle={"deleteAfterDays": 10})
+    out = reconcile_bucket(GcsClient(client=storage_only, timeout=5), gcs_spec, mine=claim(gcs_spec), claims=[],
+                           spec_changed=True)
+    assert out.cache == {"entries": 1, "bytes": 1}
+    entry = bucket.get_blob(f"jax/{ENTRY}")
+    assert entry.custom_time == entry.time_created
+    assert bucket.get_blob(f"jax/sub/{ENTRY}").custom_time is None  # not this cache's entry
+    rules = [dict(r) for r in storage_only.get_bucket(name).lifecycle_rules]
+    obj = ev.ObjectState(entry.name, entry.time_created, entry.custom_time)
+    assert not ev.deletes(rules, obj, entry.time_created + dt.timedelta(days=9))
+    assert ev.deletes(rules, obj, entry.time_created + dt.timedelta(days=10))
+
+
+def test_rule_limit_is_a_condition_not_a_patch_loop(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only)
+    bucket = storage_only.get_bucket(name)
+    theirs = [{"action": {"type": "Delete"}, "condition": {"age": 100 + i, "matchesPrefix": [f"logs{i}/"]}}
+              for i in range(b.MAX_LIFECYCLE_RULES - 1)]
+    bucket.lifecycle_rules = theirs
+    bucket.patch()
+    client = GcsClient(client=storage_only, timeout=5)
+    older = spec(name, prefix="a", lifecycle={"deleteAfterDays": 10})
+    newer = spec(name, prefix="b", lifecycle={"deleteAfterDays": 20})
+    claims = [claim(older, "a", "2026-01-01T00:00:00Z"), claim(newer, "b", "2026-01-02T00:00:00Z")]
+    first = reconcile_bucket(client, older, mine=claims[0], claims=claims, spec_changed=True)
+    assert [cd.reason for cd in first.settings][0] == "Reconciled"
+    full = storage_only.get_bucket(name)
+    assert len(list(full.lifecycle_rules)) == b.MAX_LIFECYCLE_RULES
+    second = reconcile_bucket(client, newer, mine=claims[1], claims=claims, spec_changed=True)
+    lifecycle = second.settings[0]
+    assert (lifecycle.status, lifecycle.reason) == (False, "RuleLimitReached")
+    assert "99 lifecycle rules of others and 1 of cachewarm's" in lifecycle.message
+    assert second.ready and second.events == []
+    assert storage_only.get_bucket(name).metageneration == full.metageneration
+
+
+def test_a_rule_the_library_cannot_read_is_never_dropped(storage_only: storage.Client, storage_bed: Testbed) -> None:
+    name = new_bucket(storage_only)
+    future = {"action": {"type": "SomeFutureAction"}, "condition": {"age": 1, "matchesPrefix": ["tmp/"]}}
+    requests.patch(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}",
+                   json={"lifecycle": {"rule": [THEIRS, future]}}, timeout=10).raise_for_status()
+    gcs_spec = spec(name, prefix="jax")
+    out = reconcile_bucket(GcsClient(client=storage_only, timeout=5), gcs_spec, mine=claim(gcs_spec), claims=[],
+                           spec_changed=True)
+    assert (out.settings[0].status, out.settings[0].reason) == (False, "LifecycleRulesUnreadable")
+    raw = requests.get(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}", timeout=10).json()
+    assert raw["lifecycle"]["rule"] == [THEIRS, future]
