@@ -112,8 +112,8 @@ def operator(installed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="session")
 def node_agent(controller_manager: Testbed) -> Proc:
     """kube-scheduler and the stand-in kubelet for simulated GKE nodes (a CPU node, an
-    a3-highgpu-8g H100 node, a v5e 2x4 host, a v5p 2x2x1 host and a two-host v5p 2x2x2
-    slice): the scheduler places pods, the agent runs what is bound to its nodes."""
+    a3-highgpu-8g H100 node, a v5e 2x4 host, a v5p 2x2x1 host and two node pools of a
+    two-host v5p 2x2x2 slice each): the scheduler places pods, the agent runs what is bound to its nodes."""
     return controller_manager.start_node_agent(IMAGES)
 
 

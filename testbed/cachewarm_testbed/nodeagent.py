@@ -21,16 +21,20 @@ capacity), and the agent runs only what is bound to its nodes. What it does like
   cluster DNS would serve for headless Services in its namespace
   (`<hostname>.<service>`, only for pods that are Ready or when the Service has
   publishNotReadyAddresses);
-- stops the containers of a deleted pod and then removes the pod object, as a kubelet
-  confirms a deletion; a Job deleted with foreground propagation therefore goes away only
-  when its pods have really stopped.
+- ends the containers of a deleted pod as a kubelet does (SIGTERM, SIGKILL after the
+  pod's deletion grace period) and then removes the pod object, as a kubelet confirms a
+  deletion; a Job deleted with foreground propagation therefore goes away only when its
+  pods have really stopped.
 
 What it is not (said here so no test leans on it): an image is a local directory
 (`--image-map`: working directory, path rewrites for files the image would contain, which
 python `python` means, and its env); pods of unknown images wait with ErrImageNeverPull;
 volume mount paths in arguments are rewritten to per-pod directories; every pod shares the
-host's network (pod IPs are loopback addresses, so two pods cannot listen on one port);
-JAX runs on the CPU where a GPU or TPU would be; containers are not restarted
+host's network (pod IPs are loopback addresses, so two pods cannot listen on one port, and a
+server listening on all addresses, like JAX's coordinator, answers on every pod IP: the
+testbed proves that a pod's name resolves, not which pod answers);
+JAX runs on the CPU where a GPU or TPU would be; pods get no KUBERNETES_SERVICE_* env and no
+ServiceAccount token (nothing in a pod can reach the apiserver); containers are not restarted
 (restartPolicy is treated as Never); no probes run (a pod with a readinessProbe never turns
 Ready); resource limits are not enforced.
 
@@ -51,6 +55,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +97,7 @@ class Agent:
         self.api = client.CoreV1Api()
         self.taken: set[tuple[str, str]] = set()
         self.procs: dict[tuple[str, str], list[subprocess.Popen[bytes]]] = {}
+        self.terminating: dict[tuple[str, str], float] = {}  # deleted pods -> when SIGTERM turns to SIGKILL
         self.running: dict[tuple[str, str], Any] = {}  # pods whose containers may be alive: their /etc/hosts is kept
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -154,11 +160,17 @@ class Agent:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     def finalize(self, key: tuple[str, str], pod: Any) -> None:
-        """A deleted pod: stop its containers, then remove the object (grace period 0), as
-        a kubelet confirms that the pod is gone."""
-        self.kill(key)
+        """A deleted pod, as a kubelet ends it: SIGTERM to its containers, SIGKILL once its
+        deletion grace period has passed, then the object is removed (grace period 0)
+        when no process of it is left."""
+        grace = pod.metadata.deletion_grace_period_seconds
+        deadline = self.terminating.setdefault(key, time.monotonic() + (30 if grace is None else grace))
         with self.lock:
-            alive = any(p.poll() is None for p in self.procs.get(key, []))
+            procs = list(self.procs.get(key, []))
+        alive = [p for p in procs if p.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL if time.monotonic() >= deadline else signal.SIGTERM)
         if alive:
             return
         with contextlib.suppress(ApiException):
@@ -167,6 +179,7 @@ class Agent:
                                                                        preconditions=client.V1Preconditions(
                                                                            uid=pod.metadata.uid)))
             print(f"nodeagent: {key[0]}/{key[1]} stopped and removed", flush=True)
+        self.terminating.pop(key, None)
 
     # -- cluster DNS stand-in ------------------------------------------------------------
 

@@ -78,7 +78,8 @@ class NodeSpec:
 
 
 # The default testbed cluster: a CPU pool, an H100 pool, a single-host v5e pool, a
-# single-host v5p pool and a two-host v5p slice. Addresses are loopback /32s that only this
+# single-host v5p pool and two node pools of one two-host v5p slice each (so a multi-host
+# Job that does not keep its pods on one slice can be split across them, as on GKE). Addresses are loopback /32s that only this
 # testbed uses (the node agent serves nothing on them; they name the node in pod status).
 DEFAULT_NODES: tuple[NodeSpec, ...] = (
     NodeSpec("gke-cpu-0", "cpu", "n2-standard-8", address="127.0.10.1"),
@@ -87,6 +88,8 @@ DEFAULT_NODES: tuple[NodeSpec, ...] = (
     NodeSpec("gke-v5p-0", "v5p", "ct5p-hightpu-4t", topology="2x2x1", address="127.0.10.4"),
     NodeSpec("gke-v5p16-0", "v5p16", "ct5p-hightpu-4t", topology="2x2x2", address="127.0.10.5"),
     NodeSpec("gke-v5p16-1", "v5p16", "ct5p-hightpu-4t", topology="2x2x2", address="127.0.10.6"),
+    NodeSpec("gke-v5p16b-0", "v5p16b", "ct5p-hightpu-4t", topology="2x2x2", address="127.0.10.7"),
+    NodeSpec("gke-v5p16b-1", "v5p16b", "ct5p-hightpu-4t", topology="2x2x2", address="127.0.10.8"),
 )
 
 
