@@ -214,3 +214,28 @@ def test_the_typed_client_refuses_integer_quantities_and_unknown_fields() -> Non
     with pytest.raises(kube.KubeError, match="refused the object") as err:
         kube.typed(job)
     assert err.value.reason == "InvalidObject" and "spec.template.spec.hostnam" in str(err.value)
+
+
+def test_a_multi_host_job_fails_on_the_first_pod_failure() -> None:
+    # A retried host cannot rejoin a JAX runtime the others have left.
+    multi = build(cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}], backoffLimit=3))
+    gpus = build(cache([{"name": "h100x2", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}, "hosts": 2}],
+                       backoffLimit=3))
+    single = build(cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}}], backoffLimit=3))
+    assert (multi["spec"]["backoffLimit"], gpus["spec"]["backoffLimit"]) == (0, 0)
+    assert single["spec"]["backoffLimit"] == 3
+
+
+def test_the_pods_of_a_multi_host_job_share_one_node_pool() -> None:
+    job = build(cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}]))
+    pod = job["spec"]["template"]["spec"]
+    [term] = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "cloud.google.com/gke-nodepool"
+    selector = term["labelSelector"]["matchLabels"]
+    # The Job's own pods, and only them: the first pod matches itself (so it may land
+    # anywhere) and the spec hash tells this Job's pods from another program's.
+    assert selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert selector["cachewarm.dev/spec-hash"] == job["metadata"]["labels"]["cachewarm.dev/spec-hash"]
+    assert selector["cachewarm.dev/pool"] == "v5p" and selector["cachewarm.dev/warmer-for"] == "llama"
+    assert "affinity" not in build(cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}}]))[
+        "spec"]["template"]["spec"]

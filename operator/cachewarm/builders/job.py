@@ -22,6 +22,7 @@ WARMER_FILE = f"{WARMER_DIR}/warm.py"
 # Where warmer_image/Dockerfile puts the file the init container copies.
 WARMER_SOURCE = "/opt/cachewarm/warm.py"
 COORDINATOR_PORT = 8476
+GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 LABEL_WARMER_FOR = c.LABEL_WARMER_FOR
 LABEL_POOL = c.LABEL_POOL
 LABEL_SPEC_HASH = c.LABEL_SPEC_HASH
@@ -105,6 +106,17 @@ def placement(pool: Pool) -> tuple[dict[str, str], list[dict[str, Any]], dict[st
     return selector, tolerations, {k: v for k, v in resources.items() if v}
 
 
+def same_node_pool(labels: Mapping[str, str]) -> dict[str, Any]:
+    """Pod affinity that puts every pod of one multi-host Job on one GKE node pool (a TPU
+    slice is one node pool, and its hosts share the interconnect the program compiles
+    for), whichever pool the first pod lands on: the first pod schedules freely, as
+    Kubernetes lets a pod match its own affinity when no pod matches yet. `labels` are
+    the Job's pod labels; warmer-for, pool and spec-hash name one Job per namespace."""
+    selector = {k: labels[k] for k in (LABEL_WARMER_FOR, LABEL_POOL, LABEL_SPEC_HASH)}
+    return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": selector}, "topologyKey": GKE_NODE_POOL_LABEL}]}}
+
+
 def _warmer_args(warmup: Warmup) -> list[str]:
     if warmup.targets:
         return [warmup.python, WARMER_FILE, "targets", f"--parallel={warmup.parallelism}", *warmup.targets]
@@ -186,7 +198,13 @@ def warmer_job(
     if tolerations:
         pod_spec["tolerations"] = tolerations
     job_spec: dict[str, Any] = {
-        "backoffLimit": warmup.backoff_limit,
+        # A multi-host warmer is one JAX distributed runtime: when one process fails, the
+        # others leave it, so a retried pod of the same index would only wait out the
+        # coordinator's timeout and fail again. The first pod failure fails the whole Job
+        # (the Job controller then stops the other pods); the next warm is a new Job.
+        # backoffLimit 0 rather than a podFailurePolicy: it counts every failure,
+        # evictions and preemptions included, which break the runtime just the same.
+        "backoffLimit": warmup.backoff_limit if hosts == 1 else 0,
         "activeDeadlineSeconds": warmup.active_deadline_seconds,
         "ttlSecondsAfterFinished": warmup.ttl_seconds_after_finished,
         "completions": hosts,
@@ -198,6 +216,7 @@ def warmer_job(
         # resolves as <job>-<index>.<service>.
         job_spec["completionMode"] = "Indexed"
         pod_spec["subdomain"] = service_name(cache_name, pool.name)
+        pod_spec["affinity"] = same_node_pool(labels)
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "namespace": namespace, "labels": labels,
