@@ -87,7 +87,8 @@ class Pool(_Model):
     accelerator: Accelerator | None = None
     tpu: Tpu | None = None
     # Unset: derived (TPU pools from the shape table, others 1). Objects stored while the
-    # CRD defaulted hosts to 1 read as an explicit 1.
+    # CRD defaulted hosts to 1 read as an explicit 1; builders/job.pool_shape reads that 1
+    # as unset on a TPU slice the table knows to have more hosts.
     hosts: int | None = Field(default=None, ge=1)
     chips_per_host: int | None = Field(default=None, alias="chipsPerHost", ge=1)
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")

@@ -239,3 +239,37 @@ def test_the_pods_of_a_multi_host_job_share_one_node_pool() -> None:
     assert selector["cachewarm.dev/pool"] == "v5p" and selector["cachewarm.dev/warmer-for"] == "llama"
     assert "affinity" not in build(cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}}]))[
         "spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(("pool", "hosts", "per_host"), [
+    # Stored while the CRD defaulted hosts to 1: the table's 2 hosts, not InvalidTpuShape.
+    ({"hosts": 1}, 2, 4),
+    # Where the table says 1 host, or does not know the slice, hosts: 1 is what it says.
+    ({"tpu": {"type": "tpu-v6e-slice", "topology": "2x4"}, "hosts": 1}, 1, 8),
+    ({"tpu": {"type": "tpu-v9-slice", "topology": "2x2x2"}, "hosts": 1}, 1, 8),
+], ids=["legacy-default-on-multi-host", "single-host-slice", "unknown-slice"])
+def test_a_stored_hosts_1_reads_as_derived_on_a_multi_host_slice(pool: dict[str, Any], hosts: int,
+                                                                  per_host: int) -> None:
+    p = Pool.model_validate({"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, **pool})
+    shape = jb.pool_shape(p)
+    assert (shape.hosts, shape.chips_per_host) == (hosts, per_host)
+
+
+def test_a_legacy_hosts_1_does_not_change_the_hash() -> None:
+    derived = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}])
+    legacy = cache([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, "hosts": 1}])
+    assert jb.spec_hash(derived, derived.warmup.pools[0]) == jb.spec_hash(legacy, legacy.warmup.pools[0])  # type: ignore[union-attr]
+    assert build(legacy)["spec"]["completions"] == 2
+
+
+@pytest.mark.parametrize("override", [
+    {"hosts": 1, "chipsPerHost": 4},  # stated together: a real contradiction
+    {"hosts": 1, "chipsPerHost": 8},
+    {"hosts": 3},
+    {"hosts": 2, "chipsPerHost": 2},
+])
+def test_other_contradictions_stay_invalid(override: dict[str, int]) -> None:
+    p = Pool.model_validate({"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, **override})
+    with pytest.raises(TpuShapeError) as err:
+        jb.pool_shape(p)
+    assert err.value.reason == "InvalidTpuShape"

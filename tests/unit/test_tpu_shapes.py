@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachewarm.builders.tpu import TPU_SHAPES, TpuShape, TpuShapeError, chips, tpu_shape
+from cachewarm.builders.tpu import TPU_SHAPES, TpuShape, TpuShapeError, chips, table_hosts, tpu_shape
 
 # (type, topology, hosts, chips per host, GKE machine type)
 KNOWN = [
@@ -89,3 +89,9 @@ def test_inconsistent_overrides_are_invalid(tpu_type: str, topology: str, args: 
         tpu_shape(tpu_type, topology, **args)
     assert err.value.reason == "InvalidTpuShape"
     assert message in str(err.value)
+
+
+def test_table_hosts() -> None:
+    # What builders/job.pool_shape asks before reading a stored hosts: 1 as unset.
+    assert (table_hosts("tpu-v5p-slice", "2x2x2"), table_hosts("tpu-v6e-slice", "2x4")) == (2, 1)
+    assert table_hosts("tpu-v9-slice", "2x2x2") is None

@@ -14,7 +14,7 @@ from typing import Any
 
 from cachewarm import constants as c
 from cachewarm.builders.injection import cache_env
-from cachewarm.builders.tpu import TpuShape, tpu_shape
+from cachewarm.builders.tpu import TpuShape, table_hosts, tpu_shape
 from cachewarm.model import CacheSpec, Pool, Warmup
 
 WARMER_DIR = "/cachewarm"
@@ -33,9 +33,16 @@ ANNOTATION_GENERATION = c.GENERATION_ANNOTATION
 def pool_shape(pool: Pool) -> TpuShape:
     """Hosts (pods of the Job) and TPU chips per host of a pool. TPU pools come from GKE's
     machine shapes (builders/tpu.py) with the pool's hosts/chipsPerHost as overrides; other
-    pools run on `hosts` hosts (default 1), chips_per_host 0. Raises TpuShapeError."""
+    pools run on `hosts` hosts (default 1), chips_per_host 0. Raises TpuShapeError.
+
+    A TPU pool's `hosts: 1` without chipsPerHost, where the table says the slice has more
+    hosts, reads as unset: objects stored while the CRD defaulted hosts to 1 carry it
+    without the user having written it, and a single host could never run such a slice."""
     if pool.tpu is not None:
-        return tpu_shape(pool.tpu.type, pool.tpu.topology, hosts=pool.hosts, chips_per_host=pool.chips_per_host)
+        hosts = pool.hosts
+        if hosts == 1 and pool.chips_per_host is None and (table_hosts(pool.tpu.type, pool.tpu.topology) or 1) > 1:
+            hosts = None
+        return tpu_shape(pool.tpu.type, pool.tpu.topology, hosts=hosts, chips_per_host=pool.chips_per_host)
     return TpuShape(hosts=pool.hosts or 1, chips_per_host=0)
 
 

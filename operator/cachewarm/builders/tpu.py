@@ -78,6 +78,12 @@ def known_types() -> list[str]:
     return sorted({ty for ty, _ in TPU_SHAPES})
 
 
+def table_hosts(tpu_type: str, topology: str) -> int | None:
+    """Hosts of a slice as the table knows it; None when the table does not know it."""
+    known = TPU_SHAPES.get((tpu_type, topology))
+    return None if known is None else chips(topology) // known[1]
+
+
 def _host_sizes(tpu_type: str) -> set[int]:
     return {n for (ty, _), (_, n) in TPU_SHAPES.items() if ty == tpu_type}
 
