@@ -53,11 +53,15 @@ def rewarm_token(cache: CacheSpec, annotations: Mapping[str, str], now: dt.datet
 
 
 def _job_state(job: Mapping[str, Any]) -> str:
+    """Succeeded or Failed only once the Job controller says the Job's pods are gone
+    (Complete, Failed). SuccessCriteriaMet and FailureTarget (Kubernetes 1.31+) come
+    while pods still terminate: a Job with only those is Running, so its pool gets no new
+    warmer and keeps its Service until the old pods have stopped."""
     status = job.get("status") or {}
     for cond in status.get("conditions") or []:
-        if cond.get("status") == "True" and cond.get("type") in ("Complete", "SuccessCriteriaMet"):
+        if cond.get("status") == "True" and cond.get("type") == "Complete":
             return "Succeeded"
-        if cond.get("status") == "True" and cond.get("type") in ("Failed", "FailureTarget"):
+        if cond.get("status") == "True" and cond.get("type") == "Failed":
             return "Failed"
     return "Running" if status.get("active") or status.get("startTime") else "Pending"
 

@@ -157,3 +157,17 @@ def test_warmed_needs_every_pool_and_entries_on_the_bucket() -> None:
     assert _warmed([ok, {"name": "b", "state": "Failed", "lastError": "boom"}], 5).message == "Warmer failed on b: boom"
     assert _warmed([ok], 0).reason == "CacheEmpty"
     assert _warmed([ok], 3).status is True
+
+
+@pytest.mark.parametrize("interim", ["FailureTarget", "SuccessCriteriaMet"])
+def test_a_job_is_unfinished_until_complete_or_failed(interim: str) -> None:
+    # Kubernetes 1.31+ sets these while the Job's pods still terminate.
+    job = {"metadata": {"name": "old", "annotations": {"cachewarm.dev/generation": "1"}},
+           "status": {"startTime": "s", "conditions": [{"type": interim, "status": "True"}]}}
+    assert _job_state(job) == "Running"
+    assert observe(job).unfinished
+    assert plan_pool([observe(job)], "new", 2) == PoolPlan(delete=("old",), waiting_for=("old",))
+    done = "Failed" if interim == "FailureTarget" else "Complete"
+    job["status"]["conditions"].append({"type": done, "status": "True"})  # type: ignore[attr-defined]
+    assert _job_state(job) == ("Failed" if done == "Failed" else "Succeeded")
+    assert plan_pool([observe(job)], "new", 2) == PoolPlan(create=True)
