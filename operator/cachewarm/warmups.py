@@ -154,19 +154,28 @@ class ObservedJob:
     state: str
     deleting: bool
     generation: int
+    # Controlled by another object: a deleted cache of the same name whose Jobs the
+    # garbage collector has yet to remove. Never ours to delete or to be superseded by.
+    foreign: bool = False
 
     @property
     def unfinished(self) -> bool:
         return self.state in ACTIVE_STATES
 
 
-def observe(job: Mapping[str, Any]) -> ObservedJob:
+def observe(job: Mapping[str, Any], uid: str) -> ObservedJob:
+    """The Job as plan_pool sees it; `uid` is the cache's. A Job is the cache's when its
+    controller is the cache, or when it has no controller (orphaned by a delete with
+    cascade=orphan: adopted, so that it is stopped like any stale warmer)."""
     meta = job.get("metadata") or {}
     try:
         generation = int((meta.get("annotations") or {}).get(jobs.ANNOTATION_GENERATION, 0))
     except ValueError:
         generation = 0
-    return ObservedJob(str(meta.get("name")), _job_state(job), bool(meta.get("deletionTimestamp")), generation)
+    controllers = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
+    foreign = any(r.get("uid") != uid for r in controllers)
+    return ObservedJob(str(meta.get("name")), _job_state(job), bool(meta.get("deletionTimestamp")), generation,
+                       foreign)
 
 
 @dataclass(frozen=True)
@@ -184,14 +193,16 @@ def plan_pool(observed: Sequence[ObservedJob], desired: str | None, generation: 
     """Never two warmers for one pool: every other unfinished Job of the pool is deleted,
     and the desired Job (None: the pool has none, e.g. its shape is invalid) is created
     only once none remains, counting those already being deleted. Nothing is done when a
-    Job from a newer generation exists."""
-    if any(j.generation > generation for j in observed):
+    Job from a newer generation exists. Foreign Jobs (another owner's) are left to their
+    owner's garbage collection; only one holding the desired name delays the create."""
+    ours = [j for j in observed if not j.foreign]
+    if any(j.generation > generation for j in ours):
         return PoolPlan(superseded=True)
-    others = [j for j in observed if j.name != desired and j.unfinished]
+    others = [j for j in ours if j.name != desired and j.unfinished]
     current = next((j for j in observed if j.name == desired), None)
     waiting = [j.name for j in others]
-    if current is not None and current.deleting:
-        waiting.append(current.name)  # deleted by someone; re-created once it is gone
+    if current is not None and (current.deleting or current.foreign):
+        waiting.append(current.name)  # deleted by someone (or not ours); re-created once it is gone
     return PoolPlan(
         delete=tuple(j.name for j in others if not j.deleting),
         create=desired is not None and current is None and not waiting,
@@ -238,7 +249,7 @@ def reconcile_warmup(
 
     for pool in warmup.pools:
         mine = by_pool.get(pool.name, [])
-        seen = [observe(j) for j in mine]
+        seen = [observe(j, uid) for j in mine]
         prev = prev_by_pool.get(pool.name) or {}
         try:
             digest = jobs.spec_hash(cache, pool, token)
@@ -312,7 +323,7 @@ def reconcile_warmup(
     for pool_name, gone in by_pool.items():
         if pool_name in in_spec:
             continue
-        plan = plan_pool([observe(j) for j in gone], None, generation)
+        plan = plan_pool([observe(j, uid) for j in gone], None, generation)
         if plan.superseded:
             untouchable.add(pool_name)
             continue

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from cachewarm.clients import kube
 from cachewarm.model import parse_spec
 from cachewarm.warmups import (
     ObservedJob,
+    WarmupOutcome,
     PodsView,
     PoolPlan,
     _job_state,
@@ -21,6 +23,7 @@ from cachewarm.warmups import (
     pool_status,
     read_pods,
     read_summaries,
+    reconcile_warmup,
     rewarm_token,
 )
 
@@ -109,8 +112,9 @@ def test_unschedulable_pod_makes_the_pool_pending_with_the_schedulers_message() 
     assert "reason" not in pool_status("j", spec().warmup.pools[0], "h", done, [], view)
 
 
-def obs(name: str, state: str = "Running", deleting: bool = False, generation: int = 1) -> ObservedJob:
-    return ObservedJob(name, state, deleting, generation)
+def obs(name: str, state: str = "Running", deleting: bool = False, generation: int = 1,
+        foreign: bool = False) -> ObservedJob:
+    return ObservedJob(name, state, deleting, generation, foreign)
 
 
 @pytest.mark.parametrize(("jobs", "generation", "expected"), [
@@ -127,6 +131,11 @@ def obs(name: str, state: str = "Running", deleting: bool = False, generation: i
     pytest.param([obs("other", "Succeeded", generation=3)], 2, PoolPlan(superseded=True), id="newer-finished"),
     pytest.param([obs("old", generation=2)], 2, PoolPlan(delete=("old",), waiting_for=("old",)),
                  id="same-generation-rewarm"),
+    # Left by a deleted cache of the same name until the garbage collector removes them.
+    pytest.param([obs("other", generation=3, foreign=True)], 2, PoolPlan(create=True), id="foreign-newer-generation"),
+    pytest.param([obs("old", foreign=True)], 2, PoolPlan(create=True), id="foreign-running-is-not-deleted"),
+    pytest.param([obs("new", generation=5, foreign=True)], 2, PoolPlan(waiting_for=("new",)),
+                 id="foreign-holds-the-name"),
 ])
 def test_never_two_warmers_for_one_pool(jobs: list[ObservedJob], generation: int, expected: PoolPlan) -> None:
     assert plan_pool(jobs, "new", generation) == expected
@@ -140,8 +149,8 @@ def test_a_pool_without_a_valid_job_only_stops_older_ones() -> None:
 def test_observe_reads_generation_and_deletion() -> None:
     job = {"metadata": {"name": "j", "annotations": {"cachewarm.dev/generation": "4"},
                         "deletionTimestamp": "2026-11-22T00:00:00Z"}, "status": {"active": 1}}
-    assert observe(job) == ObservedJob("j", "Running", True, 4)
-    assert observe({"metadata": {"name": "legacy"}, "status": {}}) == ObservedJob("legacy", "Pending", False, 0)
+    assert observe(job, "u-1") == ObservedJob("j", "Running", True, 4)
+    assert observe({"metadata": {"name": "legacy"}, "status": {}}, "u-1") == ObservedJob("legacy", "Pending", False, 0)
 
 
 def test_invalid_tpu_shape_is_its_own_warmed_reason() -> None:
@@ -162,12 +171,72 @@ def test_warmed_needs_every_pool_and_entries_on_the_bucket() -> None:
 @pytest.mark.parametrize("interim", ["FailureTarget", "SuccessCriteriaMet"])
 def test_a_job_is_unfinished_until_complete_or_failed(interim: str) -> None:
     # Kubernetes 1.31+ sets these while the Job's pods still terminate.
-    job = {"metadata": {"name": "old", "annotations": {"cachewarm.dev/generation": "1"}},
-           "status": {"startTime": "s", "conditions": [{"type": interim, "status": "True"}]}}
+    conditions = [{"type": interim, "status": "True"}]
+    job: dict[str, Any] = {"metadata": {"name": "old", "annotations": {"cachewarm.dev/generation": "1"}},
+                           "status": {"startTime": "s", "conditions": conditions}}
     assert _job_state(job) == "Running"
-    assert observe(job).unfinished
-    assert plan_pool([observe(job)], "new", 2) == PoolPlan(delete=("old",), waiting_for=("old",))
+    assert observe(job, "u-1").unfinished
+    assert plan_pool([observe(job, "u-1")], "new", 2) == PoolPlan(delete=("old",), waiting_for=("old",))
     done = "Failed" if interim == "FailureTarget" else "Complete"
-    job["status"]["conditions"].append({"type": done, "status": "True"})  # type: ignore[attr-defined]
+    conditions.append({"type": done, "status": "True"})
     assert _job_state(job) == ("Failed" if done == "Failed" else "Succeeded")
-    assert plan_pool([observe(job)], "new", 2) == PoolPlan(create=True)
+    assert plan_pool([observe(job, "u-1")], "new", 2) == PoolPlan(create=True)
+
+
+def job_owned_by(*refs: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": "j", "annotations": {"cachewarm.dev/generation": "9"},
+                         "ownerReferences": list(refs)}, "status": {"active": 1}}
+
+
+def test_a_job_is_this_caches_by_controller_uid_or_when_orphaned() -> None:
+    mine = {"kind": "CompilationCache", "name": "llama", "uid": "u-1", "controller": True}
+    gone = {**mine, "uid": "u-0"}  # a deleted cache of the same name
+    assert not observe(job_owned_by(mine), "u-1").foreign
+    assert observe(job_owned_by(gone), "u-1").foreign
+    assert not observe(job_owned_by(), "u-1").foreign  # orphaned: adopted
+    assert not observe(job_owned_by({**gone, "controller": False}), "u-1").foreign  # not its controller
+    # The deleted cache's newer Job neither supersedes this cache nor is deleted by it;
+    # an orphan is stopped like any stale warmer.
+    assert plan_pool([observe(job_owned_by(gone), "u-1")], "new", 2) == PoolPlan(create=True)
+    assert plan_pool([observe({**job_owned_by(), "metadata": {"name": "j"}}, "u-1")], "new", 2) == \
+        PoolPlan(delete=("j",), waiting_for=("j",))
+
+
+class FakeCluster:
+    """kube.* for reconcile_warmup: Jobs and Services as listed, and what it did."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, jobs: list[dict[str, Any]],
+                 services: tuple[str, ...] = ()) -> None:
+        self.jobs = jobs
+        self.created: list[dict[str, Any]] = []
+        self.deleted: list[tuple[str, str]] = []
+        self.services = [{"metadata": {"name": s, "labels": {"cachewarm.dev/pool": "p"}}} for s in services]
+        monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: self.jobs)
+        monkeypatch.setattr(kube, "list_services", lambda namespace, selector: self.services)
+        monkeypatch.setattr(kube, "list_pods", lambda namespace, selector: [])
+        monkeypatch.setattr(kube, "create", self.create)
+        monkeypatch.setattr(kube, "delete_job", lambda namespace, name: self.deleted.append(("Job", name)))
+        monkeypatch.setattr(kube, "delete_service", lambda namespace, name: self.deleted.append(("Service", name)))
+
+
+    def create(self, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        self.created.append(body)
+        return body
+
+
+def warm(cache: Any, generation: int = 2) -> WarmupOutcome:
+    return reconcile_warmup(cache, namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+                            cache_entries=0, warmer_image="w", now=at(1), generation=generation)
+
+
+def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
+    left = {"metadata": {"name": "llama-p-0123456789", "labels": {"cachewarm.dev/pool": "p"},
+                         "annotations": {"cachewarm.dev/generation": "7"},
+                         "ownerReferences": [{"kind": "CompilationCache", "name": "llama", "uid": "u-0",
+                                              "controller": True}]},
+            "status": {"active": 1, "startTime": "s"}}
+    cluster = FakeCluster(monkeypatch, [left])
+    outcome = warm(spec())
+    assert cluster.deleted == []
+    assert [o["kind"] for o in cluster.created] == ["Job"]
+    assert outcome.pools[0]["state"] == "Pending"
