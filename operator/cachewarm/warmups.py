@@ -261,6 +261,8 @@ def reconcile_warmup(
                 pools.append(dict(prev) if prev else {"name": pool.name, "state": "Pending"})
                 continue
             stop(plan.delete, "the pool's TPU shape is invalid")
+            if plan.waiting_for:
+                keep_services.add(jobs.service_name(name, pool.name))  # the stopping warmers may still use it
             entry = {"name": pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
                      "lastError": str(exc)}
             if prev.get("message") != entry["message"]:

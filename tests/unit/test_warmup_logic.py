@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from cachewarm.builders.job import service_name
 from cachewarm.clients import kube
 from cachewarm.model import parse_spec
 from cachewarm.warmups import (
@@ -240,3 +241,24 @@ def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted(monkeypatch: pyt
     assert cluster.deleted == []
     assert [o["kind"] for o in cluster.created] == ["Job"]
     assert outcome.pools[0]["state"] == "Pending"
+
+
+def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    old: dict[str, Any] = {
+        "metadata": {"name": "llama-p-0123456789", "labels": {"cachewarm.dev/pool": "p"},
+                     "annotations": {"cachewarm.dev/generation": "1"},
+                     "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
+        "status": {"active": 2, "startTime": "s"}}
+    service = service_name("llama", "p")
+    invalid = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
+        "image": "i", "targets": ["m:f"], "pools": [{"name": "p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"},
+                                                     "hosts": 3}]}})
+    cluster = FakeCluster(monkeypatch, [old], (service,))
+    assert warm(invalid).pools[0]["reason"] == "InvalidTpuShape"
+    assert cluster.deleted == [("Job", "llama-p-0123456789")]  # the Service stays: its pods may still run
+    old["metadata"]["deletionTimestamp"] = "t"
+    warm(invalid)
+    assert ("Service", service) not in cluster.deleted
+    cluster.jobs = []  # gone: now the Service goes too
+    warm(invalid)
+    assert cluster.deleted[-1] == ("Service", service)
