@@ -123,7 +123,9 @@ def reconcile_cache(
         cond = Cond(c.Condition.READY, False, c.Reason.RECONCILE_ERROR, message)
         out = {"conditions": conditions.merge(status.get("conditions"), [cond], generation=generation, now=now),
                "observedGeneration": generation, "injection": injection}
-        return Outcome(out, [Event("Warning", c.Reason.RECONCILE_ERROR, message)], failure=exc)
+        # The same error on every resync is said once, as the steps' own errors are.
+        events = [Event("Warning", c.Reason.RECONCILE_ERROR, message)] if _changed(status, cond) else []
+        return Outcome(out, events, failure=exc)
 
 
 def _changed(status: Mapping[str, Any], cond: Cond) -> bool:

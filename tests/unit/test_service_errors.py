@@ -164,3 +164,8 @@ def test_a_bug_anywhere_still_writes_a_condition(monkeypatch: pytest.MonkeyPatch
     assert (ready["status"], ready["reason"]) == ("False", "ReconcileError")
     assert "AttributeError" in ready["message"]
     assert outcome.status["observedGeneration"] == 3 and outcome.failure is not None
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "ReconcileError")]
+    # The same failure on the next reconcile is still in status, but no new Event.
+    again = reconcile(FakeGcs(), spec(), {"conditions": outcome.status["conditions"]})
+    assert conds(again)["Ready"]["message"] == ready["message"] and again.failure is not None
+    assert again.events == []
