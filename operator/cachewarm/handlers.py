@@ -5,6 +5,7 @@ kopf's retry errors. The indexes here keep the webhook free of API calls."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import datetime as dt
 import logging
@@ -44,6 +45,40 @@ def _claims(index: kopf.Index[Any, Any] | None) -> service.ClaimLookup:
     return lambda bucket: list(index.get(bucket, [])) if index is not None else []
 
 
+def snapshot(body: kopf.Body) -> kopf.Body:
+    """A private copy of the body kopf handed a handler. kopf gives sync handlers (run in
+    threads) a live body, which the event loop moves to each newer version of the object
+    while the handler runs; read from it, metadata.generation and spec could come from
+    different versions and defeat the generation guard. Copied once, at handler entry: the
+    loop swaps in each version whole (it never edits one in place), so the deep copy holds
+    exactly one."""
+    return copy.deepcopy(body)
+
+
+def reconcile(body: kopf.Body, patch: kopf.Patch, *, namespace: str, name: str, memo: Any,
+              claims: kopf.Index[Any, Any] | None, warmer_image: str,
+              only_if_needed: bool = False) -> service.Outcome | None:
+    """One reconcile of the cache, spec, meta and status all read from one snapshot of
+    `body`; with `only_if_needed`, none (None) unless service.needs_poll says there is work.
+    Raises kopf.PermanentError for a spec that cannot be acted on."""
+    frozen = snapshot(body)
+    spec, meta, status = frozen.spec, frozen.meta, frozen.status
+    if only_if_needed and not service.needs_poll(spec, status, int(meta.get("generation") or 0)):
+        return None
+    with memo.locks.of(namespace, name):
+        outcome = service.reconcile_cache(
+            gcs=memo.gcs, warmer_image=warmer_image, injections=memo.injections, spec=spec, meta=meta,
+            status=status, namespace=namespace, name=name, claims=_claims(claims),
+            now=dt.datetime.now(dt.timezone.utc),
+        )
+    for key, value in outcome.status.items():
+        patch.status[key] = value
+    _post(frozen, outcome.events)
+    if outcome.invalid is not None:
+        raise kopf.PermanentError(outcome.invalid)
+    return outcome
+
+
 class CacheLocks:
     """One lock per CompilationCache. kopf runs an object's timers and change handlers
     concurrently (sync handlers in threads); two reconciles of one cache at once could
@@ -65,41 +100,28 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         # Before any per-object memo is copied from the global one, so all share it.
         memo.locks = CacheLocks()
 
-    def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
-                  namespace: str | None, name: str, memo: Any, kwargs: dict[str, Any]) -> service.Outcome:
-        with memo.locks.of(namespace or "", name):
-            outcome = service.reconcile_cache(
-                gcs=memo.gcs, warmer_image=settings.warmer_image, injections=memo.injections, spec=spec, meta=meta,
-                status=status, namespace=namespace or "", name=name, claims=_claims(kwargs.get("claims")),
-                now=dt.datetime.now(dt.timezone.utc),
-            )
-        for key, value in outcome.status.items():
-            patch.status[key] = value
-        _post(body, outcome.events)
-        if outcome.invalid is not None:
-            raise kopf.PermanentError(outcome.invalid)
-        return outcome
-
-    def on_change(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
-                  namespace: str | None, name: str, retry: int, memo: Any, **kwargs: Any) -> None:
-        outcome = reconcile(body, spec, meta, status, patch, namespace, name, memo, kwargs)
-        if outcome.failure is not None:
+    def on_change(body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, retry: int, memo: Any,
+                  **kwargs: Any) -> None:
+        outcome = reconcile(body, patch, namespace=namespace or "", name=name, memo=memo,
+                            claims=kwargs.get("claims"), warmer_image=settings.warmer_image)
+        if outcome is not None and outcome.failure is not None:
             raise kopf.TemporaryError(str(outcome.failure), delay=backoff(settings, retry)) from outcome.failure
 
-    def on_timer(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
-                 namespace: str | None, name: str, memo: Any, **kwargs: Any) -> None:
+    def on_timer(body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, memo: Any,
+                 **kwargs: Any) -> None:
         # Errors are already in status; the next tick retries, so no kopf backoff here.
-        reconcile(body, spec, meta, status, patch, namespace, name, memo, kwargs)
+        reconcile(body, patch, namespace=namespace or "", name=name, memo=memo, claims=kwargs.get("claims"),
+                  warmer_image=settings.warmer_image)
 
-    def on_poll(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
-                namespace: str | None, name: str, memo: Any, **kwargs: Any) -> None:
-        if service.needs_poll(spec, status, int(meta.get("generation") or 0)):
-            reconcile(body, spec, meta, status, patch, namespace, name, memo, kwargs)
+    def on_poll(body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, memo: Any,
+                **kwargs: Any) -> None:
+        reconcile(body, patch, namespace=namespace or "", name=name, memo=memo, claims=kwargs.get("claims"),
+                  warmer_image=settings.warmer_image, only_if_needed=True)
 
-    def on_delete(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, namespace: str | None, name: str,
-                  retry: int, memo: Any, **kwargs: Any) -> None:
+    def on_delete(body: kopf.Body, namespace: str | None, name: str, retry: int, memo: Any, **kwargs: Any) -> None:
+        body = snapshot(body)
         try:
-            events = service.delete_cache(memo.gcs, spec, meta, namespace=namespace or "", name=name,
+            events = service.delete_cache(memo.gcs, body.spec, body.meta, namespace=namespace or "", name=name,
                                           claims=_claims(kwargs.get("claims")))
         except InvalidSpec as exc:
             raise kopf.PermanentError(str(exc)) from exc
