@@ -175,10 +175,19 @@ def test_hash_changes_with_jax_settings_accelerator_and_token() -> None:
     assert jb.spec_hash(base, pool, token="manual-1") != digest
 
 
-def test_job_name_leaves_room_for_indexed_pod_hostnames() -> None:
-    spec = cache([{"name": "a" * 20}])
-    name = jb.job_name("c" * 52, spec.warmup.pools[0], "0123456789")  # type: ignore[union-attr]
-    assert len(f"{name}-255") <= 63
+@pytest.mark.parametrize(("pool", "hosts"), [
+    ({}, 1),
+    ({"hosts": 256}, 256),  # the CRD's maximum
+    ({"tpu": {"type": "tpu-v4-podslice", "topology": "16x16x16"}}, 1024),
+    ({"tpu": {"type": "tpu-v5p-slice", "topology": "16x16x24"}}, 1536),  # the table's largest
+])
+def test_job_name_leaves_room_for_indexed_pod_hostnames(pool: dict[str, Any], hosts: int) -> None:
+    p = Pool.model_validate({"name": "a" * 20, **pool})
+    assert jb.pool_shape(p).hosts == hosts
+    name = jb.job_name("c" * 52, p, "0123456789")
+    assert len(f"{name}-{hosts - 1}") <= 63
+    # Up to 1000 hosts the name is what it always was (no re-warm on upgrade).
+    assert name.startswith("c" * 27 + "-") if hosts <= 1000 else name.startswith("c" * 26 + "-")
 
 
 def test_stating_the_derived_shape_does_not_change_the_hash() -> None:

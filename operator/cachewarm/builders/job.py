@@ -70,9 +70,12 @@ def _dns_part(name: str, limit: int) -> str:
 
 
 def job_name(cache_name: str, pool: Pool, digest: str) -> str:
-    """<cache>-<pool>-<hash>, at most 59 characters, so that the pod hostnames of an
-    Indexed Job, <job>-<index> (index < 256), are DNS labels too."""
-    return f"{_dns_part(cache_name, 27)}-{pool.name}-{digest}"
+    """<cache>-<pool>-<hash>, so that the pod hostnames of an Indexed Job, <job>-<index>,
+    are DNS labels too (the apiserver refuses the Job otherwise): at most 59 characters
+    for up to 1000 hosts (index of 3 digits), one fewer per further digit of the pool's
+    largest index (tpu-v5p-slice 16x16x24 has 1536 hosts). Raises TpuShapeError."""
+    extra_digits = max(0, len(str(pool_shape(pool).hosts - 1)) - 3)
+    return f"{_dns_part(cache_name, 27 - extra_digits)}-{pool.name}-{digest}"
 
 
 def service_name(cache_name: str, pool_name: str) -> str:
