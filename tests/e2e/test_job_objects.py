@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client, config
 
 from cachewarm.builders import job as jb
+from cachewarm.builders.tpu import TPU_SHAPES, tpu_shape
 from cachewarm.clients import kube
 from cachewarm.model import parse_spec
 from cachewarm_testbed.cluster import Testbed
@@ -101,8 +102,6 @@ def test_builder_objects_pass_the_client_and_the_apiserver(
         assert svc["spec"]["selector"] == {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": pool["name"]}
         assert env["JAX_COORDINATOR_ADDRESS"]["value"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}:8476"
         assert env["JAX_NUM_PROCESSES"]["value"] == str(hosts)
-        # The longest pod hostname, <job>-<index>, must be a DNS label.
-        assert len(f"{job['metadata']['name']}-{hosts - 1}") <= 63
     else:
         assert "completionMode" not in job["spec"] or job["spec"]["completionMode"] == "NonIndexed"
         assert "JAX_COORDINATOR_ADDRESS" not in env
@@ -110,6 +109,34 @@ def test_builder_objects_pass_the_client_and_the_apiserver(
         assert pod["nodeSelector"][key] == value
     for toleration in pool.get("tolerations") or []:
         assert toleration in pod["tolerations"]
+
+
+def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: None, namespace: str) -> None:
+    # The CRD's longest cache (52) and pool (20) names, and the most hosts a pool can have:
+    # the table's largest slice, or the CRD's maximum for an explicit hosts.
+    cache_name, pool_name = "c" * 52, "p" * 20
+    (tpu_type, topology), hosts = max(((key, tpu_shape(*key).hosts) for key in TPU_SHAPES), key=lambda kv: kv[1])
+    assert hosts >= 256
+    spec = parse_spec({
+        "storage": {"gcs": {"bucket": "objects-check", "location": "us-central1"}},
+        "warmup": {"image": "train:1", "targets": ["train.warm:targets"],
+                   "pools": [{"name": pool_name, "tpu": {"type": tpu_type, "topology": topology}}]},
+    })
+    assert spec.warmup is not None
+    pool = spec.warmup.pools[0]
+    assert jb.pool_shape(pool).hosts == hosts
+    for obj in [jb.headless_service(cache_name, namespace, pool, OWNER),
+                jb.warmer_job(spec, cache_name=cache_name, namespace=namespace, pool=pool,
+                              digest=jb.spec_hash(spec, pool), owner=OWNER, warmer_image="w:1")]:
+        answer = kube.create(obj, dry_run=True)
+        assert answer is not None
+        if answer["kind"] == "Job":
+            job = answer["metadata"]["name"]
+            assert answer["spec"]["completions"] == hosts
+            # The longest pod hostname, <job>-<index>, must be a DNS label.
+            assert len(f"{job}-{hosts - 1}") <= 63, job
+        else:
+            assert len(answer["metadata"]["name"]) <= 63
 
 
 def test_an_object_the_client_would_refuse_is_a_kube_error(admin_client: None, namespace: str) -> None:
