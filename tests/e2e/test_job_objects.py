@@ -102,6 +102,10 @@ def test_builder_objects_pass_the_client_and_the_apiserver(
         assert svc["spec"]["selector"] == {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": pool["name"]}
         assert env["JAX_COORDINATOR_ADDRESS"]["value"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}:8476"
         assert env["JAX_NUM_PROCESSES"]["value"] == str(hosts)
+        assert job["spec"]["backoffLimit"] == 0  # one runtime: the first pod failure fails the Job
+        [term] = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "cloud.google.com/gke-nodepool"
+        assert term["labelSelector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     else:
         assert "completionMode" not in job["spec"] or job["spec"]["completionMode"] == "NonIndexed"
         assert "JAX_COORDINATOR_ADDRESS" not in env
