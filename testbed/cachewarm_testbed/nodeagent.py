@@ -14,9 +14,9 @@ capacity), and the agent runs only what is bound to its nodes. What it does like
   Dockerfile ENV) and the node's environment (`--node-env`: the GCS endpoint, standing in
   for the metadata server a GKE node gives pods). The test runner's environment never
   reaches a container, so a variable the operator forgets fails a test;
-- sets the pod's hostname (own UTS namespace) and mounts, in the container's own mount
-  namespace, a per-container file at
-  /dev/termination-log (read back as the termination message with the kubelet's limits and
+- sets the pod's hostname (own UTS namespace) and gives the container, in its own mount
+  namespace, a /dev of its own (a tmpfs with the usual device nodes, as runc makes one)
+  holding a per-container /dev/termination-log (read back as the termination message with the kubelet's limits and
   FallbackToLogsOnError) and a per-pod /etc/hosts: the pod's own name, plus the records
   cluster DNS would serve for headless Services in its namespace
   (`<hostname>.<service>`, only for pods that are Ready or when the Service has
@@ -68,6 +68,7 @@ MESSAGE_LIMIT = 4096  # kubelet: at most 4096 bytes of a container's termination
 FALLBACK_LINES = 80  # kubelet: FallbackToLogsOnError takes at most 80 lines or 2048 bytes
 FALLBACK_BYTES = 2048
 TERMINATION_LOG = "/dev/termination-log"
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # what runc puts in a container's /dev
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KUBELET_VERSION = "v0.0.0-cachewarm-testbed"
 HEARTBEAT_SECONDS = 10.0
@@ -101,7 +102,6 @@ class Agent:
         self.running: dict[tuple[str, str], Any] = {}  # pods whose containers may be alive: their /etc/hosts is kept
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.made_termination_log = False
 
     # -- nodes ---------------------------------------------------------------------------
 
@@ -346,13 +346,25 @@ class Agent:
         message_file = root / f"{container.name}.termination-log"
         message_file.write_text("")
         log = root / f"{container.name}.log"
-        # Private mount and UTS namespaces: the pod's hostname, our /etc/hosts and the
-        # termination-log file, nothing else of the host changes.
-        wrapper = ["/usr/bin/unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c",
-                   'echo "$4" > /proc/sys/kernel/hostname && mount --bind "$1" /etc/hosts '
-                   '&& mount --bind "$2" "$3" && shift 4 && exec "$@"',
-                   "sh", str(root / "etc-hosts"), str(message_file), TERMINATION_LOG, plan["env"]["HOSTNAME"],
-                   *plan["argv"]]
+        # Private mount and UTS namespaces, set up as a container runtime would: the pod's
+        # hostname, our /etc/hosts, and a /dev of the container's own (a tmpfs with the usual
+        # device nodes bind-mounted from the host's, and the termination-log file). Nothing
+        # on the host changes, so several testbeds can run side by side.
+        devices = " ".join(DEVICES)
+        setup = (
+            'echo "$4" > /proc/sys/kernel/hostname && mount --bind "$1" /etc/hosts '
+            '&& mount -t tmpfs -o mode=755,size=64k cachewarm-dev "$5" '
+            f'&& for d in {devices}; do touch "$5/$d" && mount --bind "/dev/$d" "$5/$d" || exit 1; done '
+            '&& mkdir "$5/pts" "$5/shm" && mount --rbind /dev/pts "$5/pts" && mount -t tmpfs -o mode=1777 shm "$5/shm" '
+            '&& ln -s /proc/self/fd "$5/fd" && ln -s fd/0 "$5/stdin" && ln -s fd/1 "$5/stdout" '
+            '&& ln -s fd/2 "$5/stderr" && touch "$5/$3" && mount --bind "$2" "$5/$3" '
+            '&& mount --move "$5" /dev && shift 5 && exec "$@"'
+        )
+        staging = root / f"{container.name}.dev"
+        staging.mkdir(exist_ok=True)
+        wrapper = ["/usr/bin/unshare", "--mount", "--uts", "--propagation", "private", "--", "/bin/sh", "-c", setup,
+                   "sh", str(root / "etc-hosts"), str(message_file), Path(TERMINATION_LOG).name,
+                   plan["env"]["HOSTNAME"], str(staging), *plan["argv"]]
         with open(log, "ab") as out:
             proc = subprocess.Popen(wrapper, cwd=plan["cwd"], env=plan["env"], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -460,21 +472,10 @@ class Agent:
 
     # -- start and stop ------------------------------------------------------------------
 
-    def prepare_host(self) -> None:
-        """The bind-mount target for termination messages; removed again at stop."""
-        if not os.path.exists(TERMINATION_LOG):
-            Path(TERMINATION_LOG).touch()
-            self.made_termination_log = True
-
     def stop(self, *_: Any) -> None:
         self.stopping.set()
         for key in list(self.procs):
             self.kill(key)
-
-    def cleanup(self) -> None:
-        if self.made_termination_log:
-            with contextlib.suppress(OSError):
-                os.unlink(TERMINATION_LOG)
 
 
 def main() -> None:
@@ -490,7 +491,6 @@ def main() -> None:
     agent = Agent(args.workdir, json.loads(args.image_map), nodes, json.loads(args.node_env))
     signal.signal(signal.SIGTERM, agent.stop)
     signal.signal(signal.SIGINT, agent.stop)
-    agent.prepare_host()
     try:
         agent.register_nodes()
         threading.Thread(target=agent.heartbeats, daemon=True).start()
@@ -498,7 +498,6 @@ def main() -> None:
         agent.loop()
     finally:
         agent.stop()
-        agent.cleanup()
     sys.exit(0)
 
 
