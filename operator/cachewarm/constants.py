@@ -69,6 +69,8 @@ class Reason:
     RULES_UNREADABLE: Final = "LifecycleRulesUnreadable"
     SET_BY_OWNER: Final = "SetByOwner"
     SOFT_DELETE_CONFLICT: Final = "SoftDeleteConflict"
+    # Soft delete of a bucket no cache of this operator created: its owner's, never written.
+    NOT_MANAGED: Final = "NotManaged"
     BUCKET_BUSY: Final = "BucketChangedConcurrently"
     KUBERNETES_ERROR: Final = "KubernetesError"
     BUCKET_CREATED: Final = "BucketCreated"

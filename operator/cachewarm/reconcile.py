@@ -1,5 +1,5 @@
 """Reconcile a CompilationCache's bucket: create or adopt, check the region, keep
-cachewarm's lifecycle rules and (for the cache that owns bucket-wide settings) soft delete
+cachewarm's lifecycle rules and (for the cache that created the bucket) soft delete
 as the specs of the caches on the bucket say, and clean up on deletion.
 
 Every step reads GCS first and writes only the difference, under the bucket's
@@ -185,23 +185,36 @@ def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, 
                 "move forward on every entry they write or find; other objects never match cachewarm's rules")
 
 
+def _days(seconds: int | None) -> str:
+    if seconds is None:
+        return "not reported"
+    return f"{seconds // b.DAY}d" if seconds else "off"
+
+
 def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, claims: Sequence[b.Claim]) -> Cond:
     owner = b.settings_owner(claims, bucket)
-    if owner is None:  # not reached: this cache is on the bucket
-        return Cond(c.Condition.SOFT_DELETE_APPLIED, None, c.Reason.RECONCILED, "No cache owns the bucket")
-    why = ("it created the bucket" if b.created_by(bucket, owner.namespace, owner.name)
-           else "it is the oldest cache on the bucket")
+    if owner is None:
+        # Adopted (or its creating cache is gone): the policy protects whatever else is in
+        # the bucket and is its owner's; cachewarm reports it and writes nothing.
+        whose = ("was created by a CompilationCache that is no longer on it"
+                 if bucket.labels.get(c.GCS_LABEL_MANAGED_BY) == c.MANAGED_BY else "was not created by cachewarm")
+        return Cond(c.Condition.SOFT_DELETE_APPLIED, bucket.soft_delete_seconds == mine.soft_delete_days * b.DAY,
+                    c.Reason.NOT_MANAGED,
+                    f"Bucket {spec.bucket} {whose}; its soft delete policy belongs to its owner "
+                    f"({_days(bucket.soft_delete_seconds)}) and cachewarm never changes it; this cache asks "
+                    f"for {mine.soft_delete_days}d")
     if owner == mine:
         return Cond(c.Condition.SOFT_DELETE_APPLIED, True, c.Reason.RECONCILED,
-                    f"This cache owns the bucket-wide settings of {spec.bucket} ({why}): soft delete "
+                    f"This cache created bucket {spec.bucket} and owns its bucket-wide settings: soft delete "
                     f"{spec.soft_delete_days}d")
     if owner.soft_delete_days == mine.soft_delete_days:
         return Cond(c.Condition.SOFT_DELETE_APPLIED, True, c.Reason.SET_BY_OWNER,
-                    f"Soft delete of {spec.bucket} is owned by CompilationCache {owner.ref} ({why}) and is "
-                    f"{owner.soft_delete_days}d, as this cache asks")
+                    f"Soft delete of {spec.bucket} is owned by CompilationCache {owner.ref}, which created the "
+                    f"bucket, and is {owner.soft_delete_days}d, as this cache asks")
     return Cond(c.Condition.SOFT_DELETE_APPLIED, False, c.Reason.SOFT_DELETE_CONFLICT,
                 f"Soft delete is bucket-wide: {spec.bucket} keeps {owner.soft_delete_days}d as CompilationCache "
-                f"{owner.ref} asks ({why}); this cache asks for {mine.soft_delete_days}d and does not change it")
+                f"{owner.ref} asks (it created the bucket); this cache asks for {mine.soft_delete_days}d and "
+                "does not change it")
 
 
 def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim) -> dict[str, Any]:

@@ -174,3 +174,35 @@ def test_a_rule_the_library_cannot_read_is_never_dropped(storage_only: storage.C
     assert (out.settings[0].status, out.settings[0].reason) == (False, "LifecycleRulesUnreadable")
     raw = requests.get(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}", timeout=10).json()
     assert raw["lifecycle"]["rule"] == [THEIRS, future]
+
+
+class RecordingClient(GcsClient):
+    """The real client, keeping every patch it sends."""
+
+    def __init__(self, raw: storage.Client) -> None:
+        super().__init__(client=raw, timeout=5)
+        self.patches: list[dict[str, Any]] = []
+
+    def patch_bucket(self, current: b.BucketInfo, patch: dict[str, Any]) -> b.BucketInfo:
+        self.patches.append(patch)
+        return super().patch_bucket(current, patch)
+
+
+@pytest.mark.parametrize("asked", [7, 0])
+def test_an_adopted_buckets_soft_delete_is_its_owners(storage_only: storage.Client, asked: int) -> None:
+    """A team's bucket keeps the 30-day recovery it chose, whatever the cache asks."""
+    name = new_bucket(storage_only, team="ml")
+    bucket = storage_only.get_bucket(name)
+    bucket.soft_delete_policy.retention_duration_seconds = 30 * b.DAY
+    bucket.patch()
+    gcs_spec = spec(name, prefix="jax", softDeleteDays=asked)
+    client = RecordingClient(storage_only)
+    for spec_changed in (True, False):
+        out = reconcile_bucket(client, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=spec_changed)
+        assert out.ready
+    assert client.patches and not any("softDeletePolicy" in p for p in client.patches)
+    assert storage_only.get_bucket(name).soft_delete_policy.retention_duration_seconds == 30 * b.DAY
+    soft = out.settings[1]
+    assert (soft.type, soft.status, soft.reason) == ("SoftDeleteApplied", False, "NotManaged")
+    assert "not created by cachewarm" in soft.message and "(30d)" in soft.message
+    assert out.status["softDeleteDays"] == 30

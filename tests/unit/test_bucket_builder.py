@@ -176,10 +176,12 @@ def test_budget_counts_foreign_rules_and_labels() -> None:
     assert b.rule_budget(many) == 4
 
 
-def test_settings_owner_is_the_creator_else_the_oldest() -> None:
+def test_settings_owner_is_the_creator_and_nobody_on_an_adopted_bucket() -> None:
     old, new = claim("a1", "a"), claim("b2", "b")
-    assert b.settings_owner([old, new], info()) == old
     assert b.settings_owner([old, new], info(labels=b.owner_labels("ns", "b2"))) == new
+    # Adopted: the oldest cache is no owner of the team's soft delete.
+    assert b.settings_owner([old, new], info()) is None
+    assert b.settings_owner([old], info(labels=b.owner_labels("ns", "gone"))) is None
 
 
 # --- ownership: recorded, never guessed ------------------------------------------------------
@@ -259,9 +261,11 @@ def test_only_the_settings_owner_writes_soft_delete() -> None:
     bucket = info(lifecycle_rules=[rule], labels=labelled(rule))
     gcs = spec(prefix="llama", softDeleteDays=0)
     p = plan(claim("a1", "llama", 10))
-    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=True, created_by_us=False) == {
+    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=True, created_by_us=True) == {
         "softDeletePolicy": {"retentionDurationSeconds": 0}}
-    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=False, created_by_us=False) == {}
+    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=False, created_by_us=True) == {}
+    # An adopted bucket's soft delete is never written, whoever claims it.
+    assert b.bucket_patch(bucket, gcs, plan=p, owns_settings=True, created_by_us=False) == {}
 
 
 def test_access_and_class_are_managed_only_on_buckets_cachewarm_created() -> None:

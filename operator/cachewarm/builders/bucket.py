@@ -12,7 +12,8 @@ Every other rule, even one shaped like ours, belongs to someone else and is kept
 returned it, in its place.
 
 Bucket-wide settings (soft delete) have one owner among the caches on a bucket: the cache
-that created the bucket, else the oldest. The others never write them.
+that created the bucket. On a bucket cachewarm did not create (adopted), they belong to the
+bucket's owner and no cache ever writes them.
 """
 
 from __future__ import annotations
@@ -125,13 +126,13 @@ def refused_by(claims: Iterable[Claim], mine: Claim) -> Claim | None:
 
 
 def settings_owner(claims: Iterable[Claim], bucket: BucketInfo) -> Claim | None:
-    """The cache that owns bucket-wide settings: the one that created the bucket, else the
-    oldest active one."""
-    act = active(claims)
-    for cl in act:
+    """The cache that owns bucket-wide settings: the active one that created the bucket.
+    None on an adopted bucket (its settings are its owner's, never cachewarm's) and when
+    the creating cache is gone."""
+    for cl in active(claims):
         if created_by(bucket, cl.namespace, cl.name):
             return cl
-    return act[0] if act else None
+    return None
 
 
 # --- lifecycle rules ----------------------------------------------------------------------
@@ -275,13 +276,14 @@ def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, plan: LifecyclePlan, ow
                  created_by_us: bool) -> dict[str, Any]:
     """The fields to PATCH so the bucket matches the spec; empty when it already does.
 
-    Lifecycle (cachewarm's own rules and their labels) on every bucket; soft delete only by
-    the cache that owns bucket-wide settings; access settings and storage class only on
-    buckets this cache created (an adopted bucket's are its owner's).
+    Lifecycle (cachewarm's own rules and their labels) on every bucket; soft delete,
+    access settings and storage class only on buckets this cache created (an adopted
+    bucket's are its owner's: its soft delete protects the owner's data too), soft delete
+    only by the cache that owns bucket-wide settings.
     """
     patch = lifecycle_patch(bucket, plan)
     wanted_soft = gcs.soft_delete_days * DAY
-    if owns_settings and bucket.soft_delete_seconds != wanted_soft:
+    if owns_settings and created_by_us and bucket.soft_delete_seconds != wanted_soft:
         patch["softDeletePolicy"] = {"retentionDurationSeconds": wanted_soft}
     if created_by_us:
         if not bucket.uniform_access or bucket.public_access_prevention != "enforced":
