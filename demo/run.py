@@ -129,7 +129,7 @@ def main() -> None:
         print(f"""
 cachewarm demo report
   bucket        {b['url']}  location {b['location']}  class {b['storageClass']}
-                lifecycle delete after {b['deleteAfterDays']} d, soft delete {b['softDeleteDays']} d
+                entries deleted {b['deleteAfterDays']} d after a warmer last used them (customTime), soft delete {b['softDeleteDays']} d
   warmer Job    {pool['job']}: {pool['state']} on {warmer_nodes}, {pool['entriesWritten']} entries written, {pool['entriesFound']} found
   training pod  cold on {cold['node']}, warm on {warm['node']} (placed by kube-scheduler)
   cache         {status['cache']['entries']} entries, {status['cache']['bytes']} bytes
