@@ -22,6 +22,13 @@ GCS_LABEL_NAMESPACE: Final = "cachewarm-namespace"
 # rule's canonical JSON. GCS rules carry no labels of their own; a rule is cachewarm's only
 # when its exact bytes are recorded here, never because of its shape.
 GCS_LABEL_RULE_PREFIX: Final = "cachewarm-rule-"
+# Which operator instance (setting CACHEWARM_INSTANCE) created a bucket or recorded a rule:
+# the creation labels carry it under this key, a rule label carries it as its value. Each
+# operator sees only its own cluster's caches, so another instance's rules are foreign.
+GCS_LABEL_INSTANCE: Final = "cachewarm-instance"
+DEFAULT_INSTANCE: Final = "default"
+# The value of rule labels written before instances existed: the default instance's.
+LEGACY_RULE_RECORD: Final = "1"
 
 FINALIZER: Final = f"{GROUP}/data-cleanup"
 # On pods the webhook injected: which cache, generation, mode and URL they got.
@@ -69,6 +76,8 @@ class Reason:
     RULES_UNREADABLE: Final = "LifecycleRulesUnreadable"
     SET_BY_OWNER: Final = "SetByOwner"
     SOFT_DELETE_CONFLICT: Final = "SoftDeleteConflict"
+    # The bucket also carries lifecycle rules another cachewarm operator instance recorded.
+    SHARED_WITH_OTHER_OPERATOR: Final = "SharedWithOtherOperator"
     # Soft delete of a bucket no cache of this operator created: its owner's, never written.
     NOT_MANAGED: Final = "NotManaged"
     BUCKET_BUSY: Final = "BucketChangedConcurrently"

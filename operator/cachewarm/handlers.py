@@ -56,7 +56,7 @@ def snapshot(body: kopf.Body) -> kopf.Body:
 
 
 def reconcile(body: kopf.Body, patch: kopf.Patch, *, namespace: str, name: str, memo: Any,
-              claims: kopf.Index[Any, Any] | None, warmer_image: str,
+              claims: kopf.Index[Any, Any] | None, warmer_image: str, instance: str = c.DEFAULT_INSTANCE,
               only_if_needed: bool = False) -> service.Outcome | None:
     """One reconcile of the cache, spec, meta and status all read from one snapshot of
     `body`; with `only_if_needed`, none (None) unless service.needs_poll says there is work.
@@ -69,7 +69,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, *, namespace: str, name: str, 
         outcome = service.reconcile_cache(
             gcs=memo.gcs, warmer_image=warmer_image, injections=memo.injections, spec=spec, meta=meta,
             status=status, namespace=namespace, name=name, claims=_claims(claims),
-            now=dt.datetime.now(dt.timezone.utc),
+            now=dt.datetime.now(dt.timezone.utc), instance=instance,
         )
     for key, value in outcome.status.items():
         patch.status[key] = value
@@ -103,7 +103,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def on_change(body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, retry: int, memo: Any,
                   **kwargs: Any) -> None:
         outcome = reconcile(body, patch, namespace=namespace or "", name=name, memo=memo,
-                            claims=kwargs.get("claims"), warmer_image=settings.warmer_image)
+                            claims=kwargs.get("claims"), warmer_image=settings.warmer_image, instance=settings.instance)
         if outcome is not None and outcome.failure is not None:
             raise kopf.TemporaryError(str(outcome.failure), delay=backoff(settings, retry)) from outcome.failure
 
@@ -111,18 +111,18 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
                  **kwargs: Any) -> None:
         # Errors are already in status; the next tick retries, so no kopf backoff here.
         reconcile(body, patch, namespace=namespace or "", name=name, memo=memo, claims=kwargs.get("claims"),
-                  warmer_image=settings.warmer_image)
+                  warmer_image=settings.warmer_image, instance=settings.instance)
 
     def on_poll(body: kopf.Body, patch: kopf.Patch, namespace: str | None, name: str, memo: Any,
                 **kwargs: Any) -> None:
         reconcile(body, patch, namespace=namespace or "", name=name, memo=memo, claims=kwargs.get("claims"),
-                  warmer_image=settings.warmer_image, only_if_needed=True)
+                  warmer_image=settings.warmer_image, instance=settings.instance, only_if_needed=True)
 
     def on_delete(body: kopf.Body, namespace: str | None, name: str, retry: int, memo: Any, **kwargs: Any) -> None:
         body = snapshot(body)
         try:
             events = service.delete_cache(memo.gcs, body.spec, body.meta, namespace=namespace or "", name=name,
-                                          claims=_claims(kwargs.get("claims")))
+                                          claims=_claims(kwargs.get("claims")), instance=settings.instance)
         except InvalidSpec as exc:
             raise kopf.PermanentError(str(exc)) from exc
         except GcsError as exc:

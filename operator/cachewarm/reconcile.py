@@ -58,7 +58,8 @@ def _claims_with(claims: Sequence[b.Claim], mine: b.Claim) -> list[b.Claim]:
 
 
 def reconcile_bucket(
-    gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool
+    gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool,
+    instance: str = c.DEFAULT_INSTANCE,
 ) -> BucketOutcome:
     """Bring the bucket to the spec. Raises GcsError for failures worth retrying.
 
@@ -66,6 +67,7 @@ def reconcile_bucket(
     manage their prefix (none overlapping an older one), cachewarm's rules on the bucket
     and who owns soft delete. `spec_changed` says whether this run follows a spec change
     (writes are then "configuration") or not (writes then undo drift made outside cachewarm).
+    `instance` names this operator on the bucket (rules other instances recorded are foreign).
     """
     namespace, name = mine.key
     claims = _claims_with(claims, mine)
@@ -77,7 +79,7 @@ def reconcile_bucket(
             Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE,
                  f"{spec.url} overlaps {other}, already the cache of {refused_by.ref}; give this "
                  "CompilationCache its own bucket or a prefix that neither contains nor is contained in another's"),
-            settings=[_soft_delete_condition(bucket, spec, mine, claims)] if bucket is not None else [],
+            settings=[_soft_delete_condition(bucket, spec, mine, claims, instance)] if bucket is not None else [],
         )
     events: list[Event] = []
     for _ in range(MERGE_ATTEMPTS):
@@ -92,7 +94,7 @@ def reconcile_bucket(
             try:
                 bucket = gcs.create_bucket(
                     spec.bucket, location=spec.location, storage_class=spec.storage_class,
-                    labels=b.owner_labels(namespace, name),
+                    labels=b.owner_labels(namespace, name, instance),
                 )
             except GcsConflict:
                 # Either a concurrent reconcile of ours created it a moment ago (then we can
@@ -116,17 +118,17 @@ def reconcile_bucket(
                 Cond(c.Condition.BUCKET_READY, False, c.Reason.LOCATION_MISMATCH,
                      f"Bucket {spec.bucket} is in {bucket.location}, but spec asks for {spec.location}; "
                      "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
-                status=_status(bucket, spec, mine),
+                status=_status(bucket, spec, mine, instance),
                 events=events,
             )
 
-        plan = b.plan_lifecycle(claims, b.rule_budget(bucket))
-        owner = b.settings_owner(claims, bucket)
+        plan = b.plan_lifecycle(claims, b.rule_budget(bucket, instance))
+        owner = b.settings_owner(claims, bucket, instance)
         patch = b.bucket_patch(bucket, spec, plan=plan, owns_settings=owner == mine,
-                               created_by_us=b.created_by(bucket, namespace, name))
+                               created_by_us=b.created_by(bucket, namespace, name, instance), instance=instance)
         if not patch:
             break
-        drift = b.changed_outside(bucket, patch)
+        drift = b.changed_outside(bucket, patch, instance)
         try:
             bucket = gcs.patch_bucket(bucket, patch)
         except GcsPreconditionFailed:
@@ -145,18 +147,20 @@ def reconcile_bucket(
         raise GcsPreconditionFailed(f"Bucket {spec.bucket} changed {MERGE_ATTEMPTS} times while cachewarm merged "
                                     "its settings; retrying", status=412)
 
-    how = "created by cachewarm" if b.created_by(bucket, namespace, name) else "adopted"
+    how = "created by cachewarm" if b.created_by(bucket, namespace, name, instance) else "adopted"
     return BucketOutcome(
         Cond(c.Condition.BUCKET_READY, True, c.Reason.RECONCILED,
              f"Bucket {spec.bucket} ({how}) is in {bucket.location}"),
-        status=_status(bucket, spec, mine),
+        status=_status(bucket, spec, mine, instance),
         events=events,
         cache=cache_inventory(gcs, spec),
-        settings=[_lifecycle_condition(bucket, spec, mine, plan), _soft_delete_condition(bucket, spec, mine, claims)],
+        settings=[_lifecycle_condition(bucket, spec, mine, plan, instance),
+                  _soft_delete_condition(bucket, spec, mine, claims, instance)],
     )
 
 
-def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan) -> Cond:
+def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan,
+                         instance: str) -> Cond:
     if bucket.unreadable_rules:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULES_UNREADABLE,
                     f"Bucket {spec.bucket} has {bucket.unreadable_rules} lifecycle rules of an action type this "
@@ -169,20 +173,27 @@ def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, 
                     "cachewarm wrote no lifecycle rule and nothing expires. Give the cache a prefix, or set "
                     "lifecycle.allowBucketRoot: true if no other object in the bucket ends in -cache or -atime")
     if mine.key in plan.over_limit:
-        foreign, ours = b.split_rules(bucket)
+        foreign, ours = b.split_rules(bucket, instance)
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULE_LIMIT_REACHED,
                     f"Bucket {spec.bucket} holds {len(foreign)} lifecycle rules of others and {len(ours)} of "
                     f"cachewarm's (one per distinct deleteAfterDays); GCS allows {b.MAX_LIFECYCLE_RULES} rules and "
                     f"{b.MAX_BUCKET_LABELS} labels per bucket, so no rule for {mine.delete_after_days} days fits. "
                     "Nothing expires; use the deleteAfterDays of another cache on the bucket (they share a rule) "
                     "or another bucket")
-    days = b.observed_delete_after_days(bucket, mine)
+    days = b.observed_delete_after_days(bucket, mine, instance)
     if days is None:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_BUSY,
                     f"cachewarm's lifecycle rule for {spec.url} is not on the bucket yet; retrying")
-    return Cond(c.Condition.LIFECYCLE_READY, True, c.Reason.RECONCILED,
-                f"JAX entries under {spec.url} are deleted {days} days after their customTime, which warmers "
-                "move forward on every entry they write or find; other objects never match cachewarm's rules")
+    message = (f"JAX entries under {spec.url} are deleted {days} days after their customTime, which warmers "
+               "move forward on every entry they write or find; other objects never match cachewarm's rules")
+    others = b.other_instances(bucket, instance)
+    if others:
+        return Cond(c.Condition.LIFECYCLE_READY, True, c.Reason.SHARED_WITH_OTHER_OPERATOR,
+                    f"{message}. Bucket {spec.bucket} is also used by cachewarm operator instance(s) "
+                    f"{', '.join(others)} (this one is {instance}): each keeps only the rules it recorded and "
+                    "leaves the others' as they are, but cannot see the other's caches, so prefixes are not "
+                    "checked for overlap across operators and the bucket's rule limit is shared")
+    return Cond(c.Condition.LIFECYCLE_READY, True, c.Reason.RECONCILED, message)
 
 
 def _days(seconds: int | None) -> str:
@@ -191,8 +202,9 @@ def _days(seconds: int | None) -> str:
     return f"{seconds // b.DAY}d" if seconds else "off"
 
 
-def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, claims: Sequence[b.Claim]) -> Cond:
-    owner = b.settings_owner(claims, bucket)
+def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, claims: Sequence[b.Claim],
+                          instance: str) -> Cond:
+    owner = b.settings_owner(claims, bucket, instance)
     if owner is None:
         # Adopted (or its creating cache is gone): the policy protects whatever else is in
         # the bucket and is its owner's; cachewarm reports it and writes nothing.
@@ -217,14 +229,14 @@ def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim
                 "does not change it")
 
 
-def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim) -> dict[str, Any]:
+def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, instance: str) -> dict[str, Any]:
     soft = bucket.soft_delete_seconds
     return {
         "url": spec.url,
         "location": bucket.location,
         "storageClass": bucket.storage_class,
-        "createdByCachewarm": b.created_by(bucket, mine.namespace, mine.name),
-        "deleteAfterDays": b.observed_delete_after_days(bucket, mine),
+        "createdByCachewarm": b.created_by(bucket, mine.namespace, mine.name, instance),
+        "deleteAfterDays": b.observed_delete_after_days(bucket, mine, instance),
         "softDeleteDays": soft // b.DAY if soft is not None else None,
     }
 
@@ -247,14 +259,21 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage) -> dict[str, int]:
     return {"entries": entries, "bytes": size}
 
 
-def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str) -> list[Event]:
-    """deletionPolicy Delete: remove this cache's entries, and the bucket if cachewarm made it
-    and it is then empty. Objects that are not JAX cache entries are never touched.
-    Raises GcsError (the finalizer stays and the deletion is retried)."""
+def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str,
+                      instance: str = c.DEFAULT_INSTANCE) -> list[Event]:
+    """deletionPolicy Delete: remove this cache's entries, and the bucket if this operator's
+    cache made it and it is then empty. Objects that are not JAX cache entries are never
+    touched; nor are the entries of a prefix another operator instance's rule names (a cache
+    of that operator uses it). Raises GcsError (the finalizer stays and the deletion is retried)."""
     events: list[Event] = []
     bucket = gcs.get_bucket(spec.bucket)  # None when it is gone
     if bucket is None:
         return [Event("Normal", c.Reason.DATA_DELETED, f"Bucket {spec.bucket} is already gone")]
+    other = b.covered_by_other_instance(bucket, spec.object_prefix, instance)
+    if other is not None:
+        return [Event("Normal", c.Reason.DATA_RETAINED,
+                      f"Kept the data under {spec.url}: a lifecycle rule of cachewarm operator instance {other} "
+                      "names the same prefix, so a cache of that operator uses it")]
     deleted = 0
     kept = 0
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
@@ -265,7 +284,7 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
             kept += 1
     events.append(Event("Normal", c.Reason.DATA_DELETED,
                         f"Deleted {deleted} cache objects under {spec.url}"))
-    if not b.created_by(bucket, namespace, name):
+    if not b.created_by(bucket, namespace, name, instance):
         events.append(Event("Normal", c.Reason.BUCKET_KEPT,
                             f"Kept bucket {spec.bucket}: cachewarm did not create it"))
         return events

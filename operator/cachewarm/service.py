@@ -87,7 +87,7 @@ def claim_of(spec: Mapping[str, Any], meta: Mapping[str, Any], namespace: str, n
 
 
 _ANNOUNCED = (c.Reason.SOFT_DELETE_CONFLICT, c.Reason.RULE_LIMIT_REACHED, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
-              c.Reason.RULES_UNREADABLE)
+              c.Reason.RULES_UNREADABLE, c.Reason.SHARED_WITH_OTHER_OPERATOR)
 
 
 def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list[Event]:
@@ -106,7 +106,7 @@ def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list
 def reconcile_cache(
     *, gcs: GcsClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
     meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
-    now: dt.datetime,
+    now: dt.datetime, instance: str = c.DEFAULT_INSTANCE,
 ) -> Outcome:
     """Bucket, then warmers, then pods waiting for the cache; one status at the end. Never
     raises: a failing step becomes a condition with a reason and a message, an Event, and
@@ -116,7 +116,7 @@ def reconcile_cache(
     try:
         return _reconcile(gcs=gcs, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
                           namespace=namespace, name=name, claims=claims, now=now, generation=generation,
-                          injection=injection)
+                          injection=injection, instance=instance)
     except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
         log.exception("Reconcile of %s/%s failed", namespace, name)
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
@@ -137,7 +137,7 @@ def _changed(status: Mapping[str, Any], cond: Cond) -> bool:
 def _reconcile(
     *, gcs: GcsClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
     status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup, now: dt.datetime,
-    generation: int, injection: dict[str, Any],
+    generation: int, injection: dict[str, Any], instance: str,
 ) -> Outcome:
     try:
         cache = parse_spec(spec)
@@ -151,7 +151,8 @@ def _reconcile(
     failure: Exception | None = None
     try:
         seen = _Seen(reconcile_bucket(gcs, gcs_spec, mine=mine, claims=list(claims(gcs_spec.bucket)),
-                                      spec_changed=status.get("observedGeneration") != generation))
+                                      spec_changed=status.get("observedGeneration") != generation,
+                                      instance=instance))
         events += seen.bucket.events
         events += _transition_events(status, seen.bucket)
     except GcsError as exc:
@@ -223,7 +224,7 @@ def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: i
 
 
 def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any], *, namespace: str, name: str,
-                 claims: ClaimLookup) -> list[Event]:
+                 claims: ClaimLookup, instance: str = c.DEFAULT_INSTANCE) -> list[Event]:
     """deletionPolicy Delete, unless another cache uses the same prefix (then its data
     stays). Raises GcsError; InvalidSpec for a spec that cannot be read."""
     cache = parse_spec(spec)
@@ -233,7 +234,7 @@ def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any
     if others:
         return [Event("Normal", c.Reason.DATA_RETAINED,
                       f"Kept the data under {gcs_spec.url}: CompilationCache {others[0].ref} uses the same prefix")]
-    return delete_cache_data(gcs, gcs_spec, namespace=namespace, name=name)
+    return delete_cache_data(gcs, gcs_spec, namespace=namespace, name=name, instance=instance)
 
 
 def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool) -> dict[str, Any]:

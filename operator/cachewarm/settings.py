@@ -29,6 +29,12 @@ class Settings(BaseSettings):
         default="",
         description="GCP project that owns buckets cachewarm creates; empty uses the credentials' default.",
     )
+    instance: str = Field(
+        default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$",
+        description="This operator's name on GCS buckets (lowercase letter first, then letters, digits, - or _; "
+                    "at most 63): operators of different clusters sharing a bucket need different names, or "
+                    "each takes the other's lifecycle rules for its own.",
+    )
     resync_seconds: float = Field(
         default=300.0, gt=0, description="How often each cache is re-checked for drift on its bucket."
     )

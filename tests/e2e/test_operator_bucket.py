@@ -87,7 +87,7 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
     assert bucket.soft_delete_policy.retention_duration_seconds == 7 * DAY
     assert [dict(r) for r in bucket.lifecycle_rules] == [ours(10, "llama-8b/")]
     assert bucket.labels["managed-by"] == "cachewarm"
-    assert bucket.labels[b.rule_label(ours(10, "llama-8b/"))] == "1"
+    assert bucket.labels[b.rule_label(ours(10, "llama-8b/"))] == "default"
 
     status = obj["status"]
     assert status["observedGeneration"] == obj["metadata"]["generation"]

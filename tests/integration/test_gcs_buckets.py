@@ -17,7 +17,7 @@ from google.cloud import storage
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import GcsClient, GcsPreconditionFailed
 from cachewarm.model import GcsStorage
-from cachewarm.reconcile import reconcile_bucket
+from cachewarm.reconcile import delete_cache_data, reconcile_bucket
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import Testbed
 
@@ -114,7 +114,7 @@ def test_concurrent_edit_is_re_read_and_merged_not_lost(storage_only: storage.Cl
     final = storage_only.get_bucket(name)
     rule = b.last_use_rule(10, ["jax/"])
     assert [dict(r) for r in final.lifecycle_rules] == [THEIRS, rule]
-    assert final.labels[b.rule_label(rule)] == "1"
+    assert final.labels[b.rule_label(rule)] == "default"
     # Reconciled again, nothing changes: the metageneration stays.
     again = reconcile_bucket(GcsClient(client=storage_only, timeout=5), gcs_spec, mine=claim(gcs_spec), claims=[],
                              spec_changed=False)
@@ -206,3 +206,27 @@ def test_an_adopted_buckets_soft_delete_is_its_owners(storage_only: storage.Clie
     assert (soft.type, soft.status, soft.reason) == ("SoftDeleteApplied", False, "NotManaged")
     assert "not created by cachewarm" in soft.message and "(30d)" in soft.message
     assert out.status["softDeleteDays"] == 30
+
+
+def test_two_operator_instances_on_one_bucket_leave_each_others_rules_alone(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only, team="ml")
+    a_spec = spec(name, prefix="a", lifecycle={"deleteAfterDays": 10})
+    b_spec = spec(name, prefix="b", lifecycle={"deleteAfterDays": 20})
+    client = RecordingClient(storage_only)
+    for _ in range(2):  # each operator sees only its own cache
+        out_a = reconcile_bucket(client, a_spec, mine=claim(a_spec, "a"), claims=[], spec_changed=False,
+                                 instance="ops-a")
+        out_b = reconcile_bucket(client, b_spec, mine=claim(b_spec, "b"), claims=[], spec_changed=False,
+                                 instance="ops-b")
+    assert len(client.patches) == 2  # one each, then a fixed point
+    assert out_a.events == [] == out_b.events
+    bucket = storage_only.get_bucket(name)
+    assert [dict(r) for r in bucket.lifecycle_rules] == [b.last_use_rule(10, ["a/"]), b.last_use_rule(20, ["b/"])]
+    lifecycle = out_a.settings[0]
+    assert (lifecycle.status, lifecycle.reason) == (True, "SharedWithOtherOperator")
+    assert "instance(s) ops-b (this one is ops-a)" in lifecycle.message
+    # A deletion in operator a never deletes what a cache of operator b (same prefix) uses.
+    storage_only.bucket(name).blob(f"b/{ENTRY}").upload_from_string(b"x")
+    events = delete_cache_data(client, b_spec, namespace="ns", name="b-in-a", instance="ops-a")
+    assert [e.reason for e in events] == ["DataRetained"]
+    assert storage_only.bucket(name).get_blob(f"b/{ENTRY}") is not None

@@ -3,6 +3,7 @@ them, which rules are ours), bucket-wide settings ownership, and the smallest pa
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import string
 from typing import Any
@@ -57,7 +58,7 @@ LOOKALIKE = ours(10, "llama/")
 
 
 def labelled(*rules: dict[str, Any]) -> dict[str, str]:
-    return {b.rule_label(r): "1" for r in rules}
+    return {b.rule_label(r): "default" for r in rules}
 
 
 # --- rules match only JAX entries -------------------------------------------------------
@@ -308,3 +309,80 @@ def test_rule_labels_are_valid_gcs_label_keys() -> None:
 ])
 def test_only_jax_entries_under_the_prefix_count_as_cache_entries(name: str, entry: bool) -> None:
     assert b.is_cache_entry(name, spec(prefix="llama")) is entry
+
+
+# --- two operator instances on one bucket ----------------------------------------------------
+
+def apply(bucket: b.BucketInfo, patch: dict[str, Any]) -> b.BucketInfo:
+    """The bucket after a patch, as GCS would hold it."""
+    kw: dict[str, Any] = {}
+    if "lifecycle" in patch:
+        kw["lifecycle_rules"] = patch["lifecycle"]["rule"]
+    if "labels" in patch:
+        kw["labels"] = patch["labels"]
+    return dataclasses.replace(bucket, **kw)
+
+
+def test_two_instances_keep_each_others_rules_and_reach_a_fixed_point() -> None:
+    """Each operator sees only its own cluster's caches: neither takes the other's rule for
+    its own, rewrites it, or drops its record."""
+    a_plan = plan(claim("a1", "team-a", 10))
+    b_plan = plan(claim("b1", "team-b", 20))
+    bucket = info(labels={"team": "ml"})
+    for _ in range(3):
+        for instance, p in (("ops-a", a_plan), ("ops-b", b_plan)):
+            bucket = apply(bucket, b.lifecycle_patch(bucket, p, instance))
+    assert [dict(r) for r in bucket.lifecycle_rules] == [ours(10, "team-a/"), ours(20, "team-b/")]
+    assert bucket.labels == {"team": "ml", b.rule_label(ours(10, "team-a/")): "ops-a",
+                             b.rule_label(ours(20, "team-b/")): "ops-b"}
+    assert b.lifecycle_patch(bucket, a_plan, "ops-a") == {} == b.lifecycle_patch(bucket, b_plan, "ops-b")
+    assert b.split_rules(bucket, "ops-a") == ([ours(20, "team-b/")], [ours(10, "team-a/")])
+    assert not b.changed_outside(bucket, {"labels": {}}, "ops-a")
+    assert b.observed_delete_after_days(bucket, claim("a1", "team-a"), "ops-a") == 10
+    assert b.observed_delete_after_days(bucket, claim("a1", "team-b"), "ops-a") is None
+    assert b.other_instances(bucket, "ops-a") == ["ops-b"]
+    assert b.other_instances(bucket, "ops-b") == ["ops-a"]
+    # One operator's caches all gone: it removes its own rule and record only.
+    emptied = apply(bucket, b.lifecycle_patch(bucket, plan(), "ops-a"))
+    assert [dict(r) for r in emptied.lifecycle_rules] == [ours(20, "team-b/")]
+    assert emptied.labels == {"team": "ml", b.rule_label(ours(20, "team-b/")): "ops-b"}
+
+
+def test_another_instances_records_do_not_count_against_its_budget_as_ours() -> None:
+    theirs = ours(20, "team-b/")
+    bucket = info(lifecycle_rules=[theirs], labels={b.rule_label(theirs): "ops-b"})
+    assert b.rule_budget(bucket, "ops-a") == min(100 - 1, 64 - 1)
+    assert b.rule_budget(bucket, "ops-b") == min(100, 64)
+
+
+def test_records_written_before_instances_are_the_default_instances() -> None:
+    rule = ours(10, "llama/")
+    bucket = info(lifecycle_rules=[rule], labels={b.rule_label(rule): "1"})
+    assert b.split_rules(bucket) == ([], [rule])
+    assert b.split_rules(bucket, "ops-a") == ([rule], [])
+    assert b.other_instances(bucket, "ops-a") == ["default"]
+    old = info(labels={k: v for k, v in b.owner_labels("ns", "c").items() if k != c.GCS_LABEL_INSTANCE})
+    assert b.created_by(old, "ns", "c")
+    assert not b.created_by(old, "ns", "c", "ops-a")
+
+
+def test_a_bucket_another_instance_created_is_not_ours() -> None:
+    bucket = info(labels=b.owner_labels("ns", "c", "ops-b"))
+    assert b.created_by(bucket, "ns", "c", "ops-b")
+    assert not b.created_by(bucket, "ns", "c", "ops-a")
+    assert b.settings_owner([claim("c")], bucket, "ops-a") is None
+    assert b.other_instances(bucket, "ops-a") == ["ops-b"]
+
+
+def test_data_under_another_instances_prefix_is_theirs_too() -> None:
+    theirs = ours(20, "shared/", "x/")
+    bucket = info(lifecycle_rules=[theirs, THEIRS], labels={b.rule_label(theirs): "ops-b"})
+    assert b.covered_by_other_instance(bucket, "shared/", "ops-a") == "ops-b"
+    assert b.covered_by_other_instance(bucket, "shared/", "ops-b") is None
+    assert b.covered_by_other_instance(bucket, "logs/", "ops-a") is None  # an unrecorded rule says nothing
+
+
+def test_instance_labels_are_valid_gcs_labels() -> None:
+    for key, value in b.owner_labels("ns", "c", "eu-west_2").items():
+        assert key[0] in string.ascii_lowercase and len(key) <= 63 and len(value) <= 63
+        assert set(key + value) <= set(string.ascii_lowercase + string.digits + "-_")

@@ -43,6 +43,9 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings.from_env()
     assert settings.namespaces == ["team-a", "team-b"]
     assert settings.resync_seconds == 60.0
+    assert settings.instance == "default"
+    monkeypatch.setenv("CACHEWARM_INSTANCE", "eu-west_2")
+    assert Settings.from_env().instance == "eu-west_2"
 
 
 @pytest.mark.parametrize(("var", "value"), [
@@ -51,6 +54,10 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ("CACHEWARM_RESYNC_SECONDS", "0"),
     ("CACHEWARM_RESYNC_SECONDS", "soon"),
     ("CACHEWARM_GCS_TIMEOUT_SECONDS", "-1"),
+    ("CACHEWARM_INSTANCE", "Prod"),  # GCS label values are lowercase
+    ("CACHEWARM_INSTANCE", "1"),  # the record of rules written before instances
+    ("CACHEWARM_INSTANCE", "a" * 64),
+    ("CACHEWARM_INSTANCE", "eu.west"),
 ])
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)

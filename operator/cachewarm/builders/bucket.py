@@ -6,10 +6,11 @@ expire an entry `deleteAfterDays` after its customTime (set by the warmer that l
 or found it). Caches with the same deleteAfterDays share one rule, so many caches on one
 bucket stay under GCS's rule limit.
 
-Ownership: a rule is cachewarm's only when the bucket carries the label
-`cachewarm-rule-<hash of the rule's canonical JSON>`, written in the same PATCH as the rule.
-Every other rule, even one shaped like ours, belongs to someone else and is kept as GCS
-returned it, in its place.
+Ownership: a rule is this operator's only when the bucket carries the label
+`cachewarm-rule-<hash of the rule's canonical JSON>` with this operator's instance name as
+its value, written in the same PATCH as the rule. Every other rule, even one shaped like
+ours and one another cachewarm instance recorded, belongs to someone else and is kept as
+GCS returned it, in its place.
 
 Bucket-wide settings (soft delete) have one owner among the caches on a bucket: the cache
 that created the bucket. On a bucket cachewarm did not create (adopted), they belong to the
@@ -58,18 +59,22 @@ class BucketInfo:
     unreadable_rules: int = 0
 
 
-def owner_labels(namespace: str, name: str) -> dict[str, str]:
-    """Labels on a bucket cachewarm created, naming the cache that created it."""
+def owner_labels(namespace: str, name: str, instance: str = c.DEFAULT_INSTANCE) -> dict[str, str]:
+    """Labels on a bucket cachewarm created, naming the cache (and operator) that created it."""
     return {
         c.GCS_LABEL_MANAGED_BY: c.MANAGED_BY,
         c.GCS_LABEL_NAMESPACE: namespace[:63],
         c.GCS_LABEL_CACHE: name[:63],
+        c.GCS_LABEL_INSTANCE: instance,
     }
 
 
-def created_by(bucket: BucketInfo, namespace: str, name: str) -> bool:
-    """True when the bucket carries the labels of this cache's creation."""
-    return all(bucket.labels.get(k) == v for k, v in owner_labels(namespace, name).items())
+def created_by(bucket: BucketInfo, namespace: str, name: str, instance: str = c.DEFAULT_INSTANCE) -> bool:
+    """True when the bucket carries the labels of this cache's creation by this operator
+    (a bucket created before instances existed has no instance label: the default's)."""
+    labels = {**bucket.labels}
+    labels.setdefault(c.GCS_LABEL_INSTANCE, c.DEFAULT_INSTANCE)
+    return all(labels.get(k) == v for k, v in owner_labels(namespace, name, instance).items())
 
 
 # --- caches sharing a bucket ------------------------------------------------------------
@@ -125,12 +130,12 @@ def refused_by(claims: Iterable[Claim], mine: Claim) -> Claim | None:
     return next((o for o in active(claims) if o < mine and overlaps(o.object_prefix, mine.object_prefix)), None)
 
 
-def settings_owner(claims: Iterable[Claim], bucket: BucketInfo) -> Claim | None:
+def settings_owner(claims: Iterable[Claim], bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE) -> Claim | None:
     """The cache that owns bucket-wide settings: the active one that created the bucket.
     None on an adopted bucket (its settings are its owner's, never cachewarm's) and when
     the creating cache is gone."""
     for cl in active(claims):
-        if created_by(bucket, cl.namespace, cl.name):
+        if created_by(bucket, cl.namespace, cl.name, instance):
             return cl
     return None
 
@@ -204,39 +209,68 @@ def rule_label(rule: Mapping[str, Any]) -> str:
     return c.GCS_LABEL_RULE_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def split_rules(bucket: BucketInfo) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
-    """(someone else's rules in order, cachewarm's rules). A rule is ours when its label
-    is recorded; of identical copies we own one (the last: ours are appended)."""
-    recorded = {k for k in bucket.labels if k.startswith(c.GCS_LABEL_RULE_PREFIX)}
+def recorded_by(value: str) -> str:
+    """The instance that recorded a rule label with this value."""
+    return c.DEFAULT_INSTANCE if value == c.LEGACY_RULE_RECORD else value
+
+
+def recorded(bucket: BucketInfo, instance: str) -> set[str]:
+    """The rule labels this operator instance recorded on the bucket."""
+    return {k for k, v in bucket.labels.items() if k.startswith(c.GCS_LABEL_RULE_PREFIX) and recorded_by(v) == instance}
+
+
+def other_instances(bucket: BucketInfo, instance: str) -> list[str]:
+    """Other cachewarm operator instances that recorded rules on, or created, the bucket."""
+    names = {recorded_by(v) for k, v in bucket.labels.items() if k.startswith(c.GCS_LABEL_RULE_PREFIX)}
+    if bucket.labels.get(c.GCS_LABEL_MANAGED_BY) == c.MANAGED_BY:
+        names.add(bucket.labels.get(c.GCS_LABEL_INSTANCE, c.DEFAULT_INSTANCE))
+    return sorted(names - {instance})
+
+
+def split_rules(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE
+                ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(someone else's rules in order, this operator's rules). A rule is ours when its
+    label is recorded with our instance; of identical copies we own one (the last: ours
+    are appended)."""
+    recorded_here = recorded(bucket, instance)
     claimed: set[str] = set()
     ours: set[int] = set()
     for i in reversed(range(len(bucket.lifecycle_rules))):
         label = rule_label(bucket.lifecycle_rules[i])
-        if label in recorded and label not in claimed:
+        if label in recorded_here and label not in claimed:
             claimed.add(label)
             ours.add(i)
     rules = bucket.lifecycle_rules
     return ([r for i, r in enumerate(rules) if i not in ours], [r for i, r in enumerate(rules) if i in ours])
 
 
-def rule_budget(bucket: BucketInfo) -> int:
-    """How many rules cachewarm may own: GCS's rule limit less the rules of others, and
+def rule_budget(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE) -> int:
+    """How many rules this operator may own: GCS's rule limit less the rules of others, and
     its label limit less the labels of others (each owned rule takes one label)."""
-    foreign, _ = split_rules(bucket)
-    other_labels = [k for k in bucket.labels if not k.startswith(c.GCS_LABEL_RULE_PREFIX)]
+    foreign, _ = split_rules(bucket, instance)
+    mine = recorded(bucket, instance)
+    other_labels = [k for k in bucket.labels if k not in mine]
     return min(MAX_LIFECYCLE_RULES - len(foreign), MAX_BUCKET_LABELS - len(other_labels))
 
 
-def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan) -> dict[str, Any]:
-    """Others' rules untouched and in place, ours after them as the plan says, and the
-    labels that record ours. Empty when the bucket already is so, or when some rule on it
-    could not be read (writing the lifecycle back would drop it)."""
+def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan, instance: str = c.DEFAULT_INSTANCE) -> dict[str, Any]:
+    """Others' rules (other operator instances' included) untouched and in place, ours
+    after them as the plan says, and the labels that record ours (others' labels kept).
+    Empty when the bucket already is so, or when some rule on it could not be read
+    (writing the lifecycle back would drop it)."""
     if bucket.unreadable_rules:
         return {}
-    foreign, _ = split_rules(bucket)
+    foreign, ours = split_rules(bucket, instance)
     wanted = [*foreign, *plan.rules]
-    labels = {k: v for k, v in bucket.labels.items() if not k.startswith(c.GCS_LABEL_RULE_PREFIX)}
-    labels.update({rule_label(r): "1" for r in plan.rules})
+    if [canonical(r) for r in ours] == [canonical(r) for r in plan.rules]:
+        # Ours are as planned wherever they stand (another operator instance appends its
+        # own after them): moving them would only make the two reorder the list in turn.
+        wanted = [copy.deepcopy(dict(r)) for r in bucket.lifecycle_rules]
+    mine = recorded(bucket, instance)
+    labels = {k: v for k, v in bucket.labels.items() if k not in mine}
+    # A record written before instances existed ("1", the default's) is kept as it is.
+    labels.update({rule_label(r): bucket.labels[rule_label(r)] if rule_label(r) in mine else instance
+                   for r in plan.rules})
     patch: dict[str, Any] = {}
     if [canonical(r) for r in bucket.lifecycle_rules] != [canonical(r) for r in wanted]:
         patch["lifecycle"] = {"rule": [copy.deepcopy(dict(r)) for r in wanted]}
@@ -245,21 +279,20 @@ def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan) -> dict[str, Any]:
     return patch
 
 
-def changed_outside(bucket: BucketInfo, patch: Mapping[str, Any]) -> bool:
+def changed_outside(bucket: BucketInfo, patch: Mapping[str, Any], instance: str = c.DEFAULT_INSTANCE) -> bool:
     """Whether a patch undoes changes made outside cachewarm (drift), rather than only
     following the caches on the bucket: a rule cachewarm recorded is gone or edited, or a
     setting other than lifecycle rules and their labels differs."""
     if set(patch) - {"lifecycle", "labels"}:
         return True
-    recorded = {k for k in bucket.labels if k.startswith(c.GCS_LABEL_RULE_PREFIX)}
-    _, ours = split_rules(bucket)
-    return recorded != {rule_label(r) for r in ours}
+    _, ours = split_rules(bucket, instance)
+    return recorded(bucket, instance) != {rule_label(r) for r in ours}
 
 
-def observed_delete_after_days(bucket: BucketInfo, mine: Claim) -> int | None:
-    """deleteAfterDays of the cachewarm rule on the bucket that covers this cache's
+def observed_delete_after_days(bucket: BucketInfo, mine: Claim, instance: str = c.DEFAULT_INSTANCE) -> int | None:
+    """deleteAfterDays of this operator's rule on the bucket that covers this cache's
     entries, or None if none does."""
-    _, ours = split_rules(bucket)
+    _, ours = split_rules(bucket, instance)
     for rule in ours:
         cond = rule.get("condition") or {}
         prefixes = list(cond.get("matchesPrefix") or [""])
@@ -268,12 +301,23 @@ def observed_delete_after_days(bucket: BucketInfo, mine: Claim) -> int | None:
     return None
 
 
+def covered_by_other_instance(bucket: BucketInfo, object_prefix: str, instance: str) -> str | None:
+    """Another operator instance whose recorded rule names this prefix (it has a cache
+    there, which this operator cannot see), or None."""
+    for rule in bucket.lifecycle_rules:
+        owner = recorded_by(bucket.labels.get(rule_label(rule), instance))
+        prefixes = list((rule.get("condition") or {}).get("matchesPrefix") or [""])
+        if owner != instance and object_prefix in prefixes:
+            return owner
+    return None
+
+
 def location_matches(bucket: BucketInfo, gcs: GcsStorage) -> bool:
     return bucket.location.casefold() == gcs.location.casefold()
 
 
 def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, plan: LifecyclePlan, owns_settings: bool,
-                 created_by_us: bool) -> dict[str, Any]:
+                 created_by_us: bool, instance: str = c.DEFAULT_INSTANCE) -> dict[str, Any]:
     """The fields to PATCH so the bucket matches the spec; empty when it already does.
 
     Lifecycle (cachewarm's own rules and their labels) on every bucket; soft delete,
@@ -281,7 +325,7 @@ def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, plan: LifecyclePlan, ow
     bucket's are its owner's: its soft delete protects the owner's data too), soft delete
     only by the cache that owns bucket-wide settings.
     """
-    patch = lifecycle_patch(bucket, plan)
+    patch = lifecycle_patch(bucket, plan, instance)
     wanted_soft = gcs.soft_delete_days * DAY
     if owns_settings and created_by_us and bucket.soft_delete_seconds != wanted_soft:
         patch["softDeletePolicy"] = {"retentionDurationSeconds": wanted_soft}
