@@ -100,6 +100,9 @@ class Reason:
     WARMER_STOPPED: Final = "WarmerStopped"
     WARMER_SUCCEEDED: Final = "WarmerSucceeded"
     WARMER_FAILED: Final = "WarmerFailed"
+    # A warmer could not move its entries' customTime forward (e.g. no storage.objects.update);
+    # the warm itself stands, but entries in use may expire.
+    LAST_USE_NOT_REFRESHED: Final = "LastUseNotRefreshed"
     WARMING: Final = "Warming"
     WARMUP_FAILED: Final = "WarmupFailed"
     CACHE_EMPTY: Final = "CacheEmpty"

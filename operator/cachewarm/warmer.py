@@ -138,39 +138,71 @@ class UsedKeys(logging.Filter):
         return record.levelno >= self.quiet_below
 
 
-def refresh_last_use(url: str, keys: Iterable[str]) -> int:
+REFRESH_THREADS = 8  # customTime PATCHes in flight at once
+
+
+def refresh_last_use(url: str, keys: Iterable[str]) -> dict[str, Any]:
     """Move the customTime of the entries this run found or wrote to now. cachewarm's
     lifecycle rule deletes an entry deleteAfterDays after its customTime, so an entry every
-    warm finds stays, and one no warm uses any more expires. gs:// caches only; best effort
-    (GCS refuses to move a customTime back, e.g. when another host just set a later one).
-    Returns how many -cache entries were refreshed."""
+    warm finds stays, and one no warm uses any more expires. gs:// caches only; only objects
+    the directory listing shows (a miss below the write thresholds has no entry, and there
+    is no -atime while jax's LRU is off). Process 0 alone calls it.
+
+    Returns {"entriesRefreshed": -cache entries refreshed, "refreshFailed": PATCHes that
+    failed, "refreshError": why, when the warmer's identity may not update objects (the
+    first 403 stops the refresh: every other PATCH would be refused too)}."""
+    out: dict[str, Any] = {"entriesRefreshed": 0, "refreshFailed": 0}
     keys = sorted(keys)
     if not url.startswith("gs://") or not keys:
-        return 0
+        return out
+    base = url[len("gs://"):].rstrip("/")
     try:
         import gcsfs  # noqa: PLC0415 - only gs:// caches need it, and they have it
 
         fs = gcsfs.GCSFileSystem()
+        try:
+            listed = {str(p).rsplit("/", 1)[-1] for p in fs.ls(base, detail=False, refresh=True)}
+        except FileNotFoundError:
+            listed = set()  # nothing was written under the prefix
     except Exception as exc:  # noqa: BLE001
         log("Could not refresh customTime of entries", error=repr(exc))
-        return 0
+        out["refreshFailed"] = len(keys)
+        out["refreshError"] = f"could not list {url} to refresh customTime: {type(exc).__name__}: {exc}"[:300]
+        return out
     t = time.time()
     now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-    base = url[len("gs://"):].rstrip("/")
-    refreshed = 0
-    for key in keys:
-        for suffix in ("-cache", "-atime"):
-            try:
-                fs.setxattrs(f"{base}/{key}{suffix}", fixed_key_metadata={"custom_time": now})
-            except FileNotFoundError:
-                continue  # a miss below the write thresholds, or no -atime (jax's LRU off)
-            except Exception as exc:  # noqa: BLE001
-                log("Could not refresh customTime", entry=f"{key}{suffix}", error=repr(exc))
-                continue
-            if suffix == "-cache":
-                refreshed += 1
-    log("Refreshed customTime of entries found or written", entries=refreshed)
-    return refreshed
+    names = [f"{key}{suffix}" for key in keys for suffix in ("-cache", "-atime") if f"{key}{suffix}" in listed]
+    denied = threading.Event()
+    lock = threading.Lock()
+
+    def one(name: str) -> None:
+        if denied.is_set():
+            with lock:
+                out["refreshFailed"] += 1
+            return
+        try:
+            fs.setxattrs(f"{base}/{name}", fixed_key_metadata={"custom_time": now})
+        except Exception as exc:  # noqa: BLE001
+            forbidden = isinstance(exc, PermissionError) or str(exc).startswith(("Forbidden", "Unauthorized"))
+            with lock:
+                out["refreshFailed"] += 1
+                if forbidden and not denied.is_set():
+                    denied.set()
+                    out["refreshError"] = (
+                        f"permission denied setting customTime of gs://{base}/{name}: the warmer's identity needs "
+                        "storage.objects.update on the bucket (e.g. Storage Object User); entries in use will "
+                        "expire deleteAfterDays after they were last refreshed")
+            log("Could not refresh customTime", entry=name, error=repr(exc))
+            return
+        if name.endswith("-cache"):
+            with lock:
+                out["entriesRefreshed"] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(REFRESH_THREADS) as pool:
+        list(pool.map(one, names))
+    log("Refreshed customTime of entries found or written", entries=out["entriesRefreshed"],
+        failed=out["refreshFailed"])
+    return out
 
 
 def _items(produced: Any) -> Iterator[Any]:
@@ -396,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         "entriesFound": found if counted else len(before),
         "entriesWritten": len(written),
         "bytesWritten": sum(written.values()),
-        "entriesRefreshed": refresh_last_use(cache.url, used.keys | {n.removesuffix("-cache") for n in written}),
+        # Process 0 alone (every host finds the same keys): N hosts would PATCH each object N times.
+        **(refresh_last_use(cache.url, used.keys | {n.removesuffix("-cache") for n in written}) if index == 0
+           else {"entriesRefreshed": 0, "refreshFailed": 0}),
         "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
         "errors": errors,
         "targets": results,

@@ -140,6 +140,13 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         out["entriesWritten"] = max(int(s.get("entriesWritten", 0)) for s in writers)
         out["bytesWritten"] = max(int(s.get("bytesWritten", 0)) for s in writers)
         out["compileSeconds"] = round(max(float(s.get("compileSeconds", 0)) for s in summaries), 3)
+        # Process 0 alone refreshes customTime; a failure there does not fail the warm.
+        failed = max(int(s.get("refreshFailed", 0) or 0) for s in writers)
+        if failed:
+            out["refreshFailed"] = failed
+        refresh_error = next((str(s["refreshError"]) for s in writers if s.get("refreshError")), "")
+        if refresh_error:
+            out["refreshError"] = refresh_error[:1000]
     errors = [e for s in summaries for e in s.get("errors", [])]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
@@ -318,6 +325,10 @@ def reconcile_warmup(
                                     f"{status.get('entriesFound', 0)} already cached"))
             elif state == "Failed":
                 events.append(Event("Warning", c.Reason.WARMER_FAILED, f"Warmer Job {job_name} failed: {status['lastError']}"))
+            if status.get("refreshError"):
+                events.append(Event("Warning", c.Reason.LAST_USE_NOT_REFRESHED,
+                                    f"Warmer Job {job_name} could not refresh entries' customTime: "
+                                    f"{status['refreshError']}"[:1000]))
         pools.append(status)
 
     # Pools that left the spec: their warmers stop, and nothing replaces them.

@@ -87,6 +87,18 @@ def test_summaries_without_process_index_are_process_0() -> None:
     assert (status["entriesWritten"], status["bytesWritten"]) == (2, 9)
 
 
+def test_a_refresh_that_was_refused_is_reported_without_failing_the_pool() -> None:
+    job = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    error = "permission denied setting customTime of gs://b/p/x-cache: ... needs storage.objects.update"
+    summaries = [{"processIndex": 1, "entriesWritten": 0, "refreshFailed": 0},
+                 {"processIndex": 0, "entriesWritten": 2, "refreshFailed": 4, "refreshError": error}]
+    status = pool_status("j", spec().warmup.pools[0], "h", job, summaries)
+    assert (status["state"], status["refreshFailed"], status["refreshError"]) == ("Succeeded", 4, error)
+    assert "lastError" not in status
+    clean = pool_status("j", spec().warmup.pools[0], "h", job, [{"entriesWritten": 2, "refreshFailed": 0}])
+    assert "refreshFailed" not in clean and "refreshError" not in clean
+
+
 UNSCHEDULABLE = ("0/5 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, "
                  "4 Insufficient google.com/tpu. preemption: 0/5 nodes are available.")
 
