@@ -78,6 +78,8 @@ class Reason:
     SOFT_DELETE_CONFLICT: Final = "SoftDeleteConflict"
     # The bucket also carries lifecycle rules another cachewarm operator instance recorded.
     SHARED_WITH_OTHER_OPERATOR: Final = "SharedWithOtherOperator"
+    # The rule a cache needs is on the bucket already, identical but not recorded as ours.
+    IDENTICAL_FOREIGN_RULE: Final = "IdenticalForeignRule"
     # Soft delete of a bucket no cache of this operator created: its owner's, never written.
     NOT_MANAGED: Final = "NotManaged"
     BUCKET_BUSY: Final = "BucketChangedConcurrently"

@@ -180,6 +180,14 @@ def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, 
                     f"{b.MAX_BUCKET_LABELS} labels per bucket, so no rule for {mine.delete_after_days} days fits. "
                     "Nothing expires; use the deleteAfterDays of another cache on the bucket (they share a rule) "
                     "or another bucket")
+    wanted = plan.rule_of.get(mine.key)
+    if wanted is not None and b.identical_foreign(bucket, wanted, instance):
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.IDENTICAL_FOREIGN_RULE,
+                    f"Bucket {spec.bucket} already holds the lifecycle rule this cache needs, byte for byte, but "
+                    "not recorded as this operator's (someone else's, another cachewarm instance's, or a copy "
+                    "whose cachewarm-rule label was removed, or two copies of it); cachewarm neither adds a second "
+                    "copy nor takes one over. Entries expire as that rule says while it stays; remove the "
+                    "unrecorded copies to let cachewarm manage the rule again")
     days = b.observed_delete_after_days(bucket, mine, instance)
     if days is None:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_BUSY,

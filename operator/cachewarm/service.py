@@ -87,7 +87,7 @@ def claim_of(spec: Mapping[str, Any], meta: Mapping[str, Any], namespace: str, n
 
 
 _ANNOUNCED = (c.Reason.SOFT_DELETE_CONFLICT, c.Reason.RULE_LIMIT_REACHED, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
-              c.Reason.RULES_UNREADABLE, c.Reason.SHARED_WITH_OTHER_OPERATOR)
+              c.Reason.RULES_UNREADABLE, c.Reason.SHARED_WITH_OTHER_OPERATOR, c.Reason.IDENTICAL_FOREIGN_RULE)
 
 
 def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list[Event]:

@@ -364,7 +364,9 @@ def test_adopted_bucket_rules_match_only_jax_entries_and_foreign_rules_stay(
     object_prefix = f"{prefix}/" if prefix else ""
     objects = FOREIGN_OBJECTS + ([JAX_SHAPED_ELSEWHERE, "datasets/features-cache"] if prefix else [])
     name, foreign_rules = _adopted_bucket_with_foreign_data(
-        gcs, "adopt-root" if not prefix else "adopt-prefix", ours(5, object_prefix) if prefix else ours(5), objects)
+        # Shaped like the rule the cache will want, one day apart (an identical one is the
+        # team's rule for the job: cachewarm then adds no copy, see the integration tests).
+        gcs, "adopt-root" if not prefix else "adopt-prefix", ours(6, object_prefix) if prefix else ours(6), objects)
     spec = cache("team", name, create=False, prefix=prefix, lifecycle={"deleteAfterDays": 5})
     spec["spec"]["jax"] = {"minCompileTimeSecs": 0}
     installed.apply(spec, namespace)

@@ -230,3 +230,19 @@ def test_two_operator_instances_on_one_bucket_leave_each_others_rules_alone(stor
     events = delete_cache_data(client, b_spec, namespace="ns", name="b-in-a", instance="ops-a")
     assert [e.reason for e in events] == ["DataRetained"]
     assert storage_only.bucket(name).get_blob(f"b/{ENTRY}") is not None
+
+
+def test_the_rule_a_cache_needs_already_there_unrecorded_is_reported_not_copied(storage_only: storage.Client) -> None:
+    name = new_bucket(storage_only)
+    rule = b.last_use_rule(10, ["jax/"])
+    bucket = storage_only.get_bucket(name)
+    bucket.lifecycle_rules = [THEIRS, rule]  # e.g. ours, its label stripped by a tool
+    bucket.patch()
+    gcs_spec = spec(name, prefix="jax", lifecycle={"deleteAfterDays": 10})
+    client = RecordingClient(storage_only)
+    for _ in range(3):
+        out = reconcile_bucket(client, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=False)
+    assert client.patches == []
+    assert [dict(r) for r in storage_only.get_bucket(name).lifecycle_rules] == [THEIRS, rule]
+    lifecycle = out.settings[0]
+    assert (lifecycle.status, lifecycle.reason) == (False, "IdenticalForeignRule")

@@ -54,7 +54,7 @@ def ours(days: int, *prefixes: str) -> dict[str, Any]:
 THEIRS = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
 CLASS_RULE = {"action": {"type": "SetStorageClass", "storageClass": "NEARLINE"}, "condition": {"age": 30}}
 # A team's own rule shaped exactly like cachewarm's, never recorded in the labels.
-LOOKALIKE = ours(10, "llama/")
+LOOKALIKE = ours(11, "llama/")
 
 
 def labelled(*rules: dict[str, Any]) -> dict[str, str]:
@@ -386,3 +386,28 @@ def test_instance_labels_are_valid_gcs_labels() -> None:
     for key, value in b.owner_labels("ns", "c", "eu-west_2").items():
         assert key[0] in string.ascii_lowercase and len(key) <= 63 and len(value) <= 63
         assert set(key + value) <= set(string.ascii_lowercase + string.digits + "-_")
+
+
+# --- identical rules: never a second copy, never one of two claimed ---------------------------
+
+def test_a_rule_identical_to_an_unrecorded_one_is_not_added() -> None:
+    rule = ours(10, "llama/")
+    p = plan(claim("a1", "llama", 10))
+    bucket = info(lifecycle_rules=[THEIRS, rule])  # the team's, byte for byte what we want
+    assert b.identical_foreign(bucket, rule)
+    assert b.lifecycle_patch(bucket, p) == {}
+    # Our record stripped by someone: no second copy either, and our label is not rewritten.
+    stripped = info(lifecycle_rules=[rule], labels={"team": "x"})
+    assert b.lifecycle_patch(stripped, p) == {}
+    # Another instance's rule that happens to be what this one wants: theirs, left alone.
+    other = info(lifecycle_rules=[rule], labels={b.rule_label(rule): "ops-b"})
+    assert b.lifecycle_patch(other, p, "ops-a") == {}
+
+
+def test_of_two_identical_copies_neither_is_claimed_and_no_third_is_added() -> None:
+    rule = ours(10, "llama/")
+    bucket = info(lifecycle_rules=[rule, THEIRS, rule], labels=labelled(rule))
+    assert b.split_rules(bucket) == ([rule, THEIRS, rule], [])
+    patch = b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10)))
+    assert patch == {"labels": {}}  # our record dropped (it names no rule we can tell), no rule written
+    assert b.observed_delete_after_days(bucket, claim("a1", "llama")) is None

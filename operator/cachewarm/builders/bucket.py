@@ -23,6 +23,7 @@ import copy
 import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -230,17 +231,12 @@ def other_instances(bucket: BucketInfo, instance: str) -> list[str]:
 def split_rules(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE
                 ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
     """(someone else's rules in order, this operator's rules). A rule is ours when its
-    label is recorded with our instance; of identical copies we own one (the last: ours
-    are appended)."""
+    label is recorded with our instance and it is the only copy on the bucket: of two
+    identical copies nothing tells which one we wrote, so both are someone else's."""
     recorded_here = recorded(bucket, instance)
-    claimed: set[str] = set()
-    ours: set[int] = set()
-    for i in reversed(range(len(bucket.lifecycle_rules))):
-        label = rule_label(bucket.lifecycle_rules[i])
-        if label in recorded_here and label not in claimed:
-            claimed.add(label)
-            ours.add(i)
     rules = bucket.lifecycle_rules
+    copies = Counter(rule_label(r) for r in rules)
+    ours = {i for i, r in enumerate(rules) if rule_label(r) in recorded_here and copies[rule_label(r)] == 1}
     return ([r for i, r in enumerate(rules) if i not in ours], [r for i, r in enumerate(rules) if i in ours])
 
 
@@ -253,16 +249,25 @@ def rule_budget(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE) -> int:
     return min(MAX_LIFECYCLE_RULES - len(foreign), MAX_BUCKET_LABELS - len(other_labels))
 
 
+def identical_foreign(bucket: BucketInfo, rule: Mapping[str, Any], instance: str = c.DEFAULT_INSTANCE) -> bool:
+    """Whether a rule byte-identical to this one is on the bucket but not ours."""
+    foreign, _ = split_rules(bucket, instance)
+    return canonical(rule) in [canonical(r) for r in foreign]
+
+
 def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan, instance: str = c.DEFAULT_INSTANCE) -> dict[str, Any]:
     """Others' rules (other operator instances' included) untouched and in place, ours
     after them as the plan says, and the labels that record ours (others' labels kept).
-    Empty when the bucket already is so, or when some rule on it could not be read
-    (writing the lifecycle back would drop it)."""
+    A planned rule identical to one of someone else's is neither added (copies would pile
+    up whenever labels are stripped) nor recorded. Empty when the bucket already is so, or
+    when some rule on it could not be read (writing the lifecycle back would drop it)."""
     if bucket.unreadable_rules:
         return {}
     foreign, ours = split_rules(bucket, instance)
-    wanted = [*foreign, *plan.rules]
-    if [canonical(r) for r in ours] == [canonical(r) for r in plan.rules]:
+    taken = [canonical(r) for r in foreign]
+    planned = [r for r in plan.rules if canonical(r) not in taken]
+    wanted = [*foreign, *planned]
+    if [canonical(r) for r in ours] == [canonical(r) for r in planned]:
         # Ours are as planned wherever they stand (another operator instance appends its
         # own after them): moving them would only make the two reorder the list in turn.
         wanted = [copy.deepcopy(dict(r)) for r in bucket.lifecycle_rules]
@@ -270,7 +275,7 @@ def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan, instance: str = c.D
     labels = {k: v for k, v in bucket.labels.items() if k not in mine}
     # A record written before instances existed ("1", the default's) is kept as it is.
     labels.update({rule_label(r): bucket.labels[rule_label(r)] if rule_label(r) in mine else instance
-                   for r in plan.rules})
+                   for r in planned})
     patch: dict[str, Any] = {}
     if [canonical(r) for r in bucket.lifecycle_rules] != [canonical(r) for r in wanted]:
         patch["lifecycle"] = {"rule": [copy.deepcopy(dict(r)) for r in wanted]}
