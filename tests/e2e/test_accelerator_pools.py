@@ -48,6 +48,15 @@ SINGLE_HOST = {
           "cloud.google.com/gke-tpu-topology": "2x4"}, [TPU_TOLERATION],
          {"requests": {"google.com/tpu": "8"}, "limits": {"google.com/tpu": "8"}}),
     ),
+    # A pool with the user's own placement on top: integer quantities in the spec, a node
+    # selector of GKE's node-pool label and an extra toleration.
+    "cpu-overrides": (
+        {"name": "cpu", "nodeSelector": {"cloud.google.com/gke-nodepool": "cpu"},
+         "tolerations": [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+         "resources": {"requests": {"cpu": 2, "memory": "1Gi"}, "limits": {"memory": "4Gi"}}},
+        {"gke-cpu-0"},
+        ({"cloud.google.com/gke-nodepool": "cpu"}, [], {"requests": {"cpu": "1"}}),
+    ),
     "v5p": (
         {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}},
         {"gke-v5p-0"},
@@ -110,16 +119,17 @@ def report(bed: Testbed, ns: str, pod: dict[str, Any], container: str = "train")
     return {**json.loads(log.strip().splitlines()[-1]), "log": log}
 
 
-@pytest.mark.parametrize("kind", sorted(SINGLE_HOST))
+@pytest.mark.parametrize(("kind", "mode"), [*((k, "targets") for k in sorted(SINGLE_HOST)), ("h100", "command")])
 def test_single_host_pool_warms_on_its_node_and_a_training_pod_there_hits(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
-    gcs: storage.Client, kind: str,
+    gcs: storage.Client, kind: str, mode: str,
 ) -> None:
     bed = controller_manager
     pool, nodes, (selector, tolerations, resources) = SINGLE_HOST[kind]
     bucket = f"{kind}-{uuid.uuid4().hex[:8]}"
-    bed.apply(cache("llama", bucket, {"image": "demo/train:1", "targets": ["train:targets"], "pools": [pool]}),
-              namespace)
+    program = {"targets": ["train:targets"]} if mode == "targets" else {
+        "command": ["python", "train.py", "--steps", "1"]}
+    bed.apply(cache("llama", bucket, {"image": "demo/train:1", "pools": [pool], **program}), namespace)
     obj = wait_warmed(bed, namespace, "llama")
 
     [status] = obj["status"]["warmup"]["pools"]
@@ -127,6 +137,12 @@ def test_single_host_pool_warms_on_its_node_and_a_training_pod_there_hits(
     assert job["metadata"]["name"] == status["job"]
     warmers = pods(bed, namespace, f"job-name={status['job']}")
     assert warmers and {p["spec"]["nodeName"] for p in warmers} <= nodes, [p["spec"]["nodeName"] for p in warmers]
+    for key, value in pool.get("nodeSelector", {}).items():
+        assert warmers[0]["spec"]["nodeSelector"][key] == value
+    for toleration in pool.get("tolerations", []):
+        assert toleration in warmers[0]["spec"]["tolerations"]
+    if "resources" in pool:  # the spec's integers arrive as the quantities the apiserver keeps
+        assert warmers[0]["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "2", "memory": "1Gi"}
     entries = [b.name for b in gcs.list_blobs(bucket, prefix="jax/") if b.name.endswith("-cache")]
     assert entries and status["entriesWritten"] == len(entries) == obj["status"]["cache"]["entries"]
 
