@@ -33,7 +33,7 @@ test-unit: venv ## Run the unit tests only (no processes)
 lint: venv ## Type-check the package (mypy strict)
 	$(PY) -m mypy
 
-dev-up: venv bin ## Start the local control plane + GCS emulator in the background (.dev/env)
+dev-up: venv bin ## Start the local control plane, simulated GKE nodes and the GCS emulator in the background (.dev/env)
 	$(PY) -m cachewarm_testbed up .dev
 
 dev-down: venv ## Stop what dev-up started

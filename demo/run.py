@@ -24,14 +24,11 @@ from typing import Any
 
 import yaml
 
-from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, exit_on_sigterm, repo_root
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, exit_on_sigterm, local_images, repo_root
 
 REPO = repo_root()
 NS = "demo"
-IMAGES = {
-    "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(REPO / "operator" / "cachewarm" / "warmer.py")}},
-    "demo/train:1": {"root": str(REPO / "demo"), "python": sys.executable},
-}
+IMAGES = local_images()
 
 
 def say(message: str) -> None:

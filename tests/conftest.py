@@ -15,7 +15,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from cachewarm_testbed.cluster import OperatorHandle, Testbed, exit_on_sigterm, repo_root
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, exit_on_sigterm, local_images, repo_root
 from cachewarm_testbed.gcsproxy import ProxyControl
 from cachewarm_testbed.processes import Proc
 
@@ -117,14 +117,9 @@ def node_agent(controller_manager: Testbed) -> Proc:
     return controller_manager.start_node_agent(IMAGES)
 
 
-# Images the node agent knows: a local folder stands for each. Like a Dockerfile's ENV, an
-# image's `env` is all a container gets besides its own spec and the node's GCS endpoint.
-IMAGES = {
-    "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(REPO / "operator" / "cachewarm" / "warmer.py")}},
-    "demo/train:1": {"root": str(REPO / "demo"), "python": sys.executable},
-    "demo/train:2": {"root": str(REPO / "demo"), "python": sys.executable},
-    "test/targets:1": {"root": str(REPO / "tests" / "data"), "python": sys.executable},
-}
+# Images the node agent knows (a local folder each): like a Dockerfile's ENV, an image's
+# `env` is all a container gets besides its own spec and the node's GCS endpoint.
+IMAGES = local_images()
 
 
 @pytest.fixture(scope="session")

@@ -15,21 +15,26 @@ from pathlib import Path
 
 import click
 
-from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.cluster import Testbed, local_images
 from cachewarm_testbed.processes import StartError
 
 
 @click.group()
 def cli() -> None:
-    """Start and stop the local control plane (etcd, kube-apiserver, kube-controller-manager)
-    and the GCS emulator on loopback, for development and demos."""
+    """Start and stop the local control plane (etcd, kube-apiserver, kube-controller-manager,
+    kube-scheduler with simulated GKE nodes) and the GCS emulator on loopback, for
+    development and demos."""
 
 
 @cli.command()
 @click.argument("workdir", type=click.Path(path_type=Path), default=Path(".dev"))
 @click.option("--controller-manager/--no-controller-manager", default=True, show_default=True,
               help="Also run kube-controller-manager (Jobs, garbage collection, namespaces).")
-def up(workdir: Path, controller_manager: bool) -> None:
+@click.option("--nodes/--no-nodes", default=True, show_default=True,
+              help="Also run kube-scheduler and the simulated GKE nodes (CPU, H100, v5e, v5p) whose stand-in "
+                   "kubelet runs pods of the local images (warmer, demo/train:1, test/targets:1). "
+                   "Needs the controller manager.")
+def up(workdir: Path, controller_manager: bool, nodes: bool) -> None:
     """Start the testbed in WORKDIR (default .dev) unless it is already running."""
     existing = Testbed.load(workdir)
     if existing is not None:
@@ -41,7 +46,10 @@ def up(workdir: Path, controller_manager: bool) -> None:
     bed = Testbed(workdir)
     try:
         bed.start(controller_manager=controller_manager)
+        if nodes and controller_manager:
+            bed.start_node_agent(local_images())
     except StartError as exc:
+        bed.stop()
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     lines = [f"export {k}={shlex.quote(v)}" for k, v in bed.env().items()]

@@ -81,6 +81,20 @@ def bin_dir() -> Path:
     return repo_root() / ".cache" / "bin" / f"k8s-v{v['K8S_VERSION']}_etcd-v{v['ETCD_VERSION']}"
 
 
+def local_images() -> dict[str, dict[str, Any]]:
+    """The images the node agent knows, each a local folder of this checkout: the warmer
+    image (its one file) and the stand-ins for training images (demo/, tests/data/), whose
+    `python` is this environment's interpreter."""
+    repo = repo_root()
+    trainer = {"root": str(repo / "demo"), "python": sys.executable}
+    return {
+        "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(repo / "operator" / "cachewarm" / "warmer.py")}},
+        "demo/train:1": trainer,
+        "demo/train:2": dict(trainer),
+        "test/targets:1": {"root": str(repo / "tests" / "data"), "python": sys.executable},
+    }
+
+
 def find_binaries() -> dict[str, Path]:
     """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl.
 
