@@ -11,7 +11,8 @@ happened; the handler turns that into status, conditions and events.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,15 @@ from cachewarm.conditions import Cond
 from cachewarm.model import GcsStorage
 
 MERGE_ATTEMPTS = 5  # re-read and re-merge this often when the bucket changes under us
-STAMP_LIMIT = 1000  # entries given a customTime per reconcile (the rest on the next one)
+# Stamping entries without a customTime is one sequential object PATCH each, done inside the
+# reconcile: in a kopf handler thread, holding the cache's lock (its timers and change
+# handlers wait), after listing the whole prefix. A bucket full of unstamped entries (a
+# training pod's first run, or a bucket adopted with years of entries) must not hold the
+# cache for minutes, so each reconcile stamps at most STAMP_LIMIT entries and for at most
+# STAMP_SECONDS; the rest are stamped on later reconciles and counted in
+# status.cache.unstamped meanwhile.
+STAMP_LIMIT = 1000
+STAMP_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -249,22 +258,33 @@ def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, instance: str
     }
 
 
-def cache_inventory(gcs: GcsClient, spec: GcsStorage) -> dict[str, int]:
+def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
+                    clock: Callable[[], float] = time.monotonic) -> dict[str, int]:
     """Entries and bytes of this cache, counted on the bucket itself. Entries without a
     customTime (written by a training pod, or before cachewarm managed the bucket) get
-    their creation time as customTime, so the last-use rule expires them too."""
+    their creation time as customTime, so the last-use rule expires them too: at most
+    STAMP_LIMIT of them and for at most STAMP_SECONDS per reconcile (see there); those
+    left for later reconciles are counted in `unstamped`."""
     entries = 0
     size = 0
     stamped = 0
+    unstamped = 0
+    deadline = clock() + STAMP_SECONDS
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
         if not b.is_cache_entry(obj.name, spec):
             continue
         if obj.name.endswith("-cache"):
             entries += 1
             size += obj.size
-        if obj.custom_time is None and obj.created is not None and stamped < STAMP_LIMIT:
-            stamped += gcs.set_custom_time(spec.bucket, obj, obj.created)
-    return {"entries": entries, "bytes": size}
+        if obj.custom_time is None and obj.created is not None:
+            if stamped < STAMP_LIMIT and clock() < deadline:
+                # False: the object changed since it was listed (a warmer stamped it, or it
+                # was replaced or deleted); nothing is left to do for it.
+                gcs.set_custom_time(spec.bucket, obj, obj.created)
+                stamped += 1
+            else:
+                unstamped += 1
+    return {"entries": entries, "bytes": size, "unstamped": unstamped}
 
 
 def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str,

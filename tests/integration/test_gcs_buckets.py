@@ -130,7 +130,7 @@ def test_entries_without_custom_time_are_stamped_with_their_creation(storage_onl
     gcs_spec = spec(name, prefix="jax", lifecycle={"deleteAfterDays": 10})
     out = reconcile_bucket(GcsClient(client=storage_only, timeout=5), gcs_spec, mine=claim(gcs_spec), claims=[],
                            spec_changed=True)
-    assert out.cache == {"entries": 1, "bytes": 1}
+    assert out.cache == {"entries": 1, "bytes": 1, "unstamped": 0}
     entry = bucket.get_blob(f"jax/{ENTRY}")
     assert entry.custom_time == entry.time_created
     assert bucket.get_blob(f"jax/sub/{ENTRY}").custom_time is None  # not this cache's entry

@@ -113,7 +113,7 @@ def test_a_kubernetes_error_is_the_warmed_condition_and_the_bucket_is_still_repo
     c = conds(outcome)
     assert c["BucketReady"]["status"] == "True" and c["Ready"]["status"] == "True"
     assert outcome.status["bucket"]["url"] == "gs://b-1/p"
-    assert outcome.status["cache"] == {"entries": 2, "bytes": 30}
+    assert outcome.status["cache"] == {"entries": 2, "bytes": 30, "unstamped": 0}
     assert c["Warmed"]["status"] == "False" and c["Warmed"]["reason"] == "KubernetesError"
     assert "jobs.batch is forbidden" in c["Warmed"]["message"]
     assert "warmup" not in outcome.status  # the last reported pools stay as they are

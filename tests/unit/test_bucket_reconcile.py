@@ -1,0 +1,103 @@
+"""reconcile.py against a GCS stand-in that keeps what is written into it: how long the
+reconcile may spend stamping entries, what status says about rules that are not there,
+and how the deletion path reports a bucket it could not delete."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+from cachewarm import reconcile as r
+from cachewarm.builders import bucket as b
+from cachewarm.clients.gcs import GcsConflict, ObjectInfo
+from cachewarm.model import GcsStorage
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def entry(i: int, prefix: str = "jax/") -> str:
+    return f"{prefix}jit_step-{i:064x}-cache"
+
+
+class FakeGcs:
+    """One bucket and its objects; patches and customTime stamps are applied to them."""
+
+    def __init__(self, bucket: b.BucketInfo, objects: list[ObjectInfo] | None = None) -> None:
+        self.bucket = bucket
+        self.objects = {o.name: o for o in objects or []}
+        self.stamps: list[str] = []
+        self.patches: list[dict[str, Any]] = []
+        self.delete_bucket_conflict = False
+
+    def get_bucket(self, name: str) -> b.BucketInfo | None:
+        return self.bucket
+
+    def patch_bucket(self, current: b.BucketInfo, patch: dict[str, Any]) -> b.BucketInfo:
+        self.patches.append(patch)
+        changes: dict[str, Any] = {"metageneration": self.bucket.metageneration + 1}
+        if "labels" in patch:
+            changes["labels"] = dict(patch["labels"])
+        if "lifecycle" in patch:
+            changes["lifecycle_rules"] = patch["lifecycle"]["rule"]
+        if "softDeletePolicy" in patch:
+            changes["soft_delete_seconds"] = patch["softDeletePolicy"]["retentionDurationSeconds"]
+        self.bucket = dataclasses.replace(self.bucket, **changes)
+        return self.bucket
+
+    def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
+        yield from [o for o in self.objects.values() if o.name.startswith(prefix)]
+
+    def set_custom_time(self, bucket: str, obj: ObjectInfo, when: dt.datetime) -> bool:
+        self.stamps.append(obj.name)
+        self.objects[obj.name] = dataclasses.replace(obj, custom_time=when)
+        return True
+
+    def delete_object(self, bucket: str, obj: ObjectInfo) -> None:
+        self.objects.pop(obj.name, None)
+
+    def delete_bucket(self, name: str) -> bool:
+        if self.delete_bucket_conflict:
+            return False
+        return True
+
+
+class Clock:
+    """A clock that moves only when the fake GCS stamps an entry (one second each)."""
+
+    def __init__(self, gcs: FakeGcs) -> None:
+        self.gcs = gcs
+
+    def __call__(self) -> float:
+        return float(len(self.gcs.stamps))
+
+
+def spec(**kw: Any) -> GcsStorage:
+    return GcsStorage.model_validate({"bucket": "bk", "location": "US", "create": False, "prefix": "jax", **kw})
+
+
+def unstamped_bucket(n: int) -> FakeGcs:
+    return FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD"),
+                   [ObjectInfo(entry(i), 1, created=T0, generation=1, metageneration=1) for i in range(n)])
+
+
+def test_stamping_is_bounded_in_time_and_the_rest_is_counted_and_done_later() -> None:
+    gcs = unstamped_bucket(12)
+    clock = Clock(gcs)
+    first = r.cache_inventory(gcs, spec(), clock=clock)  # type: ignore[arg-type]
+    assert first == {"entries": 12, "bytes": 12, "unstamped": 12 - len(gcs.stamps)}
+    assert 0 < len(gcs.stamps) <= r.STAMP_SECONDS + 1 < 12
+    seen: list[int] = [first["unstamped"]]
+    while seen[-1]:
+        gcs.stamps.clear()
+        seen.append(r.cache_inventory(gcs, spec(), clock=clock)["unstamped"])  # type: ignore[arg-type]
+        assert seen[-1] < seen[-2]  # every reconcile makes progress
+    assert all(o.custom_time == T0 for o in gcs.objects.values())
+
+
+def test_stamping_is_bounded_in_count_too(monkeypatch: Any) -> None:
+    monkeypatch.setattr(r, "STAMP_LIMIT", 3)
+    gcs = unstamped_bucket(5)
+    out = r.cache_inventory(gcs, spec(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    assert len(gcs.stamps) == 3 and out["unstamped"] == 2
