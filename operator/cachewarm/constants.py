@@ -80,6 +80,8 @@ class Reason:
     SHARED_WITH_OTHER_OPERATOR: Final = "SharedWithOtherOperator"
     # The rule a cache needs is on the bucket already, identical but not recorded as ours.
     IDENTICAL_FOREIGN_RULE: Final = "IdenticalForeignRule"
+    # A lifecycle rule that is not cachewarm's also deletes this cache's JAX entries (Event).
+    FOREIGN_RULE_DELETES_ENTRIES: Final = "ForeignRuleDeletesEntries"
     # Soft delete of a bucket no cache of this operator created: its owner's, never written.
     NOT_MANAGED: Final = "NotManaged"
     BUCKET_BUSY: Final = "BucketChangedConcurrently"

@@ -11,8 +11,10 @@ happened; the handler turns that into status, conditions and events.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,9 @@ class BucketOutcome:
     cache: dict[str, int] | None = None
     # LifecycleReady and SoftDeleteApplied, when the bucket could be read.
     settings: list[Cond] = field(default_factory=list)
+    # Rules not cachewarm's that also delete this cache's entries ("#index {condition}"),
+    # named in LifecycleReady's message.
+    foreign_deleting: list[str] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -157,15 +162,40 @@ def reconcile_bucket(
                                     "its settings; retrying", status=412)
 
     how = "created by cachewarm" if b.created_by(bucket, namespace, name, instance) else "adopted"
+    lifecycle, foreign_deleting = _with_foreign_deletes(
+        _lifecycle_condition(bucket, spec, mine, plan, instance), bucket, spec, plan.rule_of.get(mine.key), instance)
     return BucketOutcome(
         Cond(c.Condition.BUCKET_READY, True, c.Reason.RECONCILED,
              f"Bucket {spec.bucket} ({how}) is in {bucket.location}"),
         status=_status(bucket, spec, mine, instance),
         events=events,
         cache=cache_inventory(gcs, spec),
-        settings=[_lifecycle_condition(bucket, spec, mine, plan, instance),
-                  _soft_delete_condition(bucket, spec, mine, claims, instance)],
+        settings=[lifecycle, _soft_delete_condition(bucket, spec, mine, claims, instance)],
+        foreign_deleting=foreign_deleting,
     )
+
+
+def describe_rule(index: int, rule: Mapping[str, Any]) -> str:
+    """How a message names a lifecycle rule: its position and its conditions."""
+    return f"#{index} {json.dumps(rule.get('condition') or {}, sort_keys=True, separators=(',', ':'))}"
+
+
+def _with_foreign_deletes(cond: Cond, bucket: b.BucketInfo, spec: GcsStorage, wanted: Mapping[str, Any] | None,
+                          instance: str) -> tuple[Cond, list[str]]:
+    """LifecycleReady as it is, its message also naming the rules of others that delete
+    this cache's entries by their own conditions (cachewarm never changes them). A copy of
+    the very rule the cache needs is already reported by IdenticalForeignRule."""
+    if bucket.unreadable_rules:
+        return cond, []
+    found = [describe_rule(i, rule) for i, rule in b.foreign_rules_deleting_entries(bucket, spec.object_prefix, instance)
+             if wanted is None or b.canonical(rule) != b.canonical(wanted)]
+    if not found:
+        return cond, []
+    message = (f"{cond.message}. But lifecycle rule(s) {', '.join(found)} on bucket {spec.bucket}, not "
+               f"cachewarm's, also delete JAX entries under {spec.url} by their own conditions, in use or not; "
+               "cachewarm never changes them: narrow them (e.g. matchesPrefix outside this prefix) to keep "
+               "entries in use")
+    return dataclasses.replace(cond, message=message), found
 
 
 def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan,

@@ -100,6 +100,15 @@ def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list
             continue
         if (cond.type == c.Condition.BUCKET_READY and cond.status is False) or cond.reason in _ANNOUNCED:
             out.append(Event("Warning", cond.reason, cond.message))
+    # Foreign rules deleting this cache's entries leave LifecycleReady's reason as it is;
+    # each is announced once, when LifecycleReady's message did not name it yet.
+    previous = conditions.get(status.get("conditions"), c.Condition.LIFECYCLE_READY)
+    said = str((previous or {}).get("message") or "")
+    new = [rule for rule in bucket.foreign_deleting if rule not in said]
+    if new:
+        out.append(Event("Warning", c.Reason.FOREIGN_RULE_DELETES_ENTRIES,
+                         f"Lifecycle rule(s) {', '.join(new)} on the bucket are not cachewarm's and also delete "
+                         "this cache's JAX entries, in use or not; cachewarm never changes them"))
     return out
 
 

@@ -411,3 +411,83 @@ def test_of_two_identical_copies_neither_is_claimed_and_no_third_is_added() -> N
     patch = b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10)))
     assert patch == {"labels": {}}  # our record dropped (it names no rule we can tell), no rule written
     assert b.observed_delete_after_days(bucket, claim("a1", "llama")) is None
+
+
+# --- rules of others that delete this cache's entries --------------------------------------
+
+
+def delete_rule(**cond: Any) -> dict[str, Any]:
+    return {"action": {"type": "Delete"}, "condition": {"age": 30, **cond}}
+
+
+@pytest.mark.parametrize("rule, object_prefix, deletes", [
+    (delete_rule(), "jax/", True),  # no name conditions: every object
+    (delete_rule(), "", True),
+    (delete_rule(matchesPrefix=["logs/"]), "jax/", False),
+    (delete_rule(matchesPrefix=["ja"]), "jax/", True),
+    (delete_rule(matchesPrefix=["jax/jit_"]), "jax/", True),
+    (delete_rule(matchesPrefix=["jax/sub/"]), "jax/", False),  # entries lie directly under the prefix
+    (delete_rule(matchesSuffix=[".parquet"]), "jax/", False),
+    (delete_rule(matchesSuffix=["-cache"]), "jax/", True),
+    (delete_rule(matchesSuffix=["e"]), "jax/", True),
+    (delete_rule(matchesSuffix=["-CACHE"]), "jax/", False),
+    (delete_rule(matchesSuffix=[f"step-{HASH}-cache"]), "jax/", True),
+    (delete_rule(matchesSuffix=[f"jax/jit_step-{HASH}-atime"]), "jax/", True),
+    (delete_rule(matchesSuffix=[f"jax/jit_step-{HASH}-atime"]), "other/", False),
+    (delete_rule(matchesSuffix=[f"/-{HASH}-cache"]), "jax/", False),  # the module cannot be empty
+    (delete_rule(matchesSuffix=[f"-{'x' * 64}-cache"]), "jax/", False),  # not hex
+    (delete_rule(matchesPrefix=["jax/a"], matchesSuffix=[f"jax/b-{HASH}-cache"]), "jax/", False),
+    (delete_rule(matchesPrefix=["jax/b"], matchesSuffix=[f"jax/b-{HASH}-cache"]), "jax/", True),
+    (delete_rule(matchesPrefix=["logs/", "jax/"], matchesSuffix=[".txt", "-atime"]), "jax/", True),
+    (ours(10, "jax/"), "jax/", True),  # an edited copy of ours, no longer recorded
+    (ours(10, "jaxx/"), "jax/", False),
+    (CLASS_RULE, "jax/", False),  # only Delete deletes
+])
+def test_which_rules_delete_entries_of_a_cache(rule: dict[str, Any], object_prefix: str, deletes: bool) -> None:
+    assert b.deletes_entries_of(rule, object_prefix) is deletes
+
+
+ENTRY_PREFIXES = st.sampled_from(["", "jax/", "a/b/", "j-/", "x"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(object_prefix=ENTRY_PREFIXES, module=st.text(alphabet="ab-_1f", min_size=1, max_size=6),
+       digest=st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
+       ending=st.sampled_from(["-cache", "-atime"]), data=st.data())
+def test_property_a_rule_whose_names_match_an_entry_is_found(object_prefix: str, module: str, digest: str,
+                                                             ending: str, data: st.DataObject) -> None:
+    """Any Delete rule whose prefix and suffix conditions an actual entry name meets (per
+    the evaluator of GCS's semantics) is reported."""
+    name = f"{object_prefix}{module}-{digest}{ending}"
+    cond: dict[str, Any] = {"age": 1}
+    if data.draw(st.booleans()):
+        cond["matchesPrefix"] = ["nope/", name[:data.draw(st.integers(0, len(name)))]]
+    if data.draw(st.booleans()):
+        cond["matchesSuffix"] = [name[data.draw(st.integers(0, len(name))):], ".nope"]
+    rule = {"action": {"type": "Delete"}, "condition": cond}
+    assert ev.name_conditions_met(rule, name)
+    assert b.deletes_entries_of(rule, object_prefix)
+
+
+@settings(max_examples=500, deadline=None)
+@given(object_prefix=ENTRY_PREFIXES, module=st.text(alphabet="ab-_1f/", min_size=1, max_size=6),
+       digest=st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
+       prefix=st.text(alphabet="ajx/b-_1f", max_size=6), suffix=st.text(alphabet="abcef-/1", max_size=8))
+def test_property_a_rule_found_to_match_nothing_matches_no_entry(object_prefix: str, module: str, digest: str,
+                                                                 prefix: str, suffix: str) -> None:
+    rule = delete_rule(matchesPrefix=[prefix], matchesSuffix=[suffix])
+    if b.deletes_entries_of(rule, object_prefix):
+        return
+    for ending in ("-cache", "-atime"):
+        name = f"{object_prefix}{module}-{digest}{ending}"
+        if "/" not in module:
+            assert not ev.name_conditions_met(rule, name), name
+
+
+def test_foreign_rules_deleting_entries_are_named_by_index_and_ours_are_not() -> None:
+    team = delete_rule()
+    edited = ours(11, "jax/")
+    mine = ours(10, "jax/")
+    bucket = info(lifecycle_rules=[THEIRS, team, CLASS_RULE, edited, mine], labels=labelled(mine))
+    assert b.foreign_rules_deleting_entries(bucket, "jax/") == [(1, team), (3, edited)]
+    assert b.foreign_rules_deleting_entries(bucket, "logs/") == [(0, THEIRS), (1, team)]

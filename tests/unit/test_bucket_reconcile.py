@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from cachewarm import reconcile as r
+from cachewarm import service
 from cachewarm.builders import bucket as b
-from cachewarm.clients.gcs import GcsConflict, ObjectInfo
+from cachewarm.clients.gcs import ObjectInfo
+from cachewarm.injections import RecentInjections
 from cachewarm.model import GcsStorage
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -101,3 +103,63 @@ def test_stamping_is_bounded_in_count_too(monkeypatch: Any) -> None:
     gcs = unstamped_bucket(5)
     out = r.cache_inventory(gcs, spec(), clock=lambda: 0.0)  # type: ignore[arg-type]
     assert len(gcs.stamps) == 3 and out["unstamped"] == 2
+
+
+TEAM_RULE = {"action": {"type": "Delete"}, "condition": {"age": 30}}
+
+
+def claim(gcs_spec: GcsStorage, name: str = "c", created: str = "2026-01-01T00:00:00Z") -> b.Claim:
+    return b.Claim.of(gcs_spec, created=created, namespace="ns", name=name)
+
+
+def reconcile_cache(gcs: FakeGcs, status: dict[str, Any]) -> service.Outcome:
+    body = {"storage": {"gcs": {"bucket": "bk", "location": "US", "create": False, "prefix": "jax",
+                                "lifecycle": {"deleteAfterDays": 10}}}}
+    meta = {"generation": 1, "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z"}
+    return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
+                                   spec=body, meta=meta, status=status, namespace="ns", name="c",
+                                   claims=lambda bucket: [], now=T0)
+
+
+def lifecycle_of(status: dict[str, Any]) -> dict[str, Any]:
+    return next(cd for cd in status["conditions"] if cd["type"] == "LifecycleReady")
+
+
+def test_a_foreign_rule_deleting_the_caches_entries_is_named_in_lifecycle_ready_and_announced_once() -> None:
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD",
+                               lifecycle_rules=[{"action": {"type": "Delete"}, "condition": {"age": 9,
+                                                 "matchesPrefix": ["logs/"]}}, TEAM_RULE]))
+    first = reconcile_cache(gcs, {})
+    lifecycle = lifecycle_of(first.status)
+    assert (lifecycle["status"], lifecycle["reason"]) == ("True", "Reconciled")
+    assert '#1 {"age":30}' in lifecycle["message"] and "logs/" not in lifecycle["message"]
+    warned = [e for e in first.events if e.reason == "ForeignRuleDeletesEntries"]
+    assert len(warned) == 1 and warned[0].type == "Warning" and '#1 {"age":30}' in warned[0].message
+    assert gcs.bucket.lifecycle_rules[:2] == [gcs.bucket.lifecycle_rules[0], TEAM_RULE]  # never changed
+    again = reconcile_cache(gcs, first.status)
+    assert lifecycle_of(again.status)["message"] == lifecycle["message"]
+    assert not [e for e in again.events if e.reason == "ForeignRuleDeletesEntries"]
+
+
+def test_an_edited_copy_of_our_rule_is_named_too() -> None:
+    gcs_spec = spec(lifecycle={"deleteAfterDays": 10})
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD"))
+    r.reconcile_bucket(gcs, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=True)  # type: ignore[arg-type]
+    edited = b.canonical(gcs.bucket.lifecycle_rules[0])
+    edited["condition"]["daysSinceCustomTime"] = 2  # someone edits ours: now it is theirs
+    gcs.bucket = dataclasses.replace(gcs.bucket, lifecycle_rules=[edited])
+    out = r.reconcile_bucket(gcs, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=False)  # type: ignore[arg-type]
+    assert gcs.bucket.lifecycle_rules[0] == edited
+    lifecycle = out.settings[0]
+    assert lifecycle.status is True and lifecycle.reason == "Reconciled"
+    assert out.foreign_deleting == [r.describe_rule(0, edited)]
+    assert '"daysSinceCustomTime":2' in lifecycle.message
+
+
+def test_a_bucket_with_only_unrelated_foreign_rules_reports_none() -> None:
+    gcs_spec = spec(lifecycle={"deleteAfterDays": 10})
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD", lifecycle_rules=[
+        {"action": {"type": "Delete"}, "condition": {"age": 9, "matchesPrefix": ["logs/"]}},
+        {"action": {"type": "SetStorageClass", "storageClass": "NEARLINE"}, "condition": {"age": 30}}]))
+    out = r.reconcile_bucket(gcs, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=True)  # type: ignore[arg-type]
+    assert out.foreign_deleting == [] and "not cachewarm's" not in out.settings[0].message

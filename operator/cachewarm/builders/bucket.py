@@ -228,16 +228,83 @@ def other_instances(bucket: BucketInfo, instance: str) -> list[str]:
     return sorted(names - {instance})
 
 
-def split_rules(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE
-                ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
-    """(someone else's rules in order, this operator's rules). A rule is ours when its
-    label is recorded with our instance and it is the only copy on the bucket: of two
-    identical copies nothing tells which one we wrote, so both are someone else's."""
+def _our_indices(bucket: BucketInfo, instance: str) -> set[int]:
+    """Positions of this operator's rules: a rule is ours when its label is recorded with
+    our instance and it is the only copy on the bucket (of two identical copies nothing
+    tells which one we wrote, so both are someone else's)."""
     recorded_here = recorded(bucket, instance)
     rules = bucket.lifecycle_rules
     copies = Counter(rule_label(r) for r in rules)
-    ours = {i for i, r in enumerate(rules) if rule_label(r) in recorded_here and copies[rule_label(r)] == 1}
+    return {i for i, r in enumerate(rules) if rule_label(r) in recorded_here and copies[rule_label(r)] == 1}
+
+
+def split_rules(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE
+                ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(someone else's rules in order, this operator's rules); see _our_indices."""
+    ours = _our_indices(bucket, instance)
+    rules = bucket.lifecycle_rules
     return ([r for i, r in enumerate(rules) if i not in ours], [r for i, r in enumerate(rules) if i in ours])
+
+
+# The end of every JAX entry name: "-<64 hex>-cache" or "-<64 hex>-atime" ("h": any hex digit).
+_ENTRY_TAILS = tuple(f"-{'h' * 64}{suffix}" for suffix in ENTRY_SUFFIXES)
+
+
+def _fits_tail(text: str, tail: str) -> bool:
+    """Whether `text` can be the last len(text) characters of an entry name ending as `tail`."""
+    if len(text) > len(tail):
+        return False
+    for have, want in zip(text, tail[len(tail) - len(text):]):
+        if not (have == want or (want == "h" and have in "0123456789abcdef")):
+            return False
+    return True
+
+
+def _prefix_and_suffix_fit(object_prefix: str, prefix: str, suffix: str) -> bool:
+    """Whether some JAX entry directly under `object_prefix` (`<object_prefix><module>-<64
+    hex>-cache|atime`, the module any non-empty text without "/") starts with `prefix` and
+    ends with `suffix`."""
+    if not object_prefix.startswith(prefix):
+        if not prefix.startswith(object_prefix) or "/" in prefix[len(object_prefix):]:
+            return False
+    for tail in _ENTRY_TAILS:
+        if _fits_tail(suffix, tail):
+            return True  # the suffix lies in the tail; the module is free to fit the prefix
+        if not _fits_tail(suffix[-len(tail):], tail):
+            continue
+        rest = suffix[:-len(tail)]  # the end of <object_prefix><module>
+        if "/" not in rest:
+            return True  # the module is <what the prefix needs><rest>
+        cut = rest.rindex("/") + 1
+        module = rest[cut:]
+        if module and object_prefix.endswith(rest[:cut]):
+            # The suffix fixes the whole name (up to the tail's hex digits, which it fixes too).
+            if (object_prefix + module + suffix[-len(tail):]).startswith(prefix):
+                return True
+    return False
+
+
+def deletes_entries_of(rule: Mapping[str, Any], object_prefix: str) -> bool:
+    """Whether a Delete rule's name conditions (matchesPrefix, matchesSuffix; absent means
+    every name) match some JAX entry name directly under `object_prefix` ("" for the bucket
+    root). Only names are compared: its other conditions (age, customTime, storage class,
+    ...) only say when, so a rule that can match such a name will delete such entries."""
+    if (rule.get("action") or {}).get("type") != "Delete":
+        return False
+    cond = rule.get("condition") or {}
+    prefixes = list(cond.get("matchesPrefix") or [""])
+    suffixes = list(cond.get("matchesSuffix") or [""])
+    return any(_prefix_and_suffix_fit(object_prefix, p, s) for p in prefixes for s in suffixes)
+
+
+def foreign_rules_deleting_entries(bucket: BucketInfo, object_prefix: str, instance: str = c.DEFAULT_INSTANCE
+                                   ) -> list[tuple[int, Mapping[str, Any]]]:
+    """Rules that are not this operator's (index in the bucket's lifecycle, rule) whose
+    Delete also matches JAX entries of the cache at `object_prefix`: they delete its
+    entries by their own conditions, whatever cachewarm's rule says. Never changed."""
+    ours = _our_indices(bucket, instance)
+    return [(i, r) for i, r in enumerate(bucket.lifecycle_rules)
+            if i not in ours and deletes_entries_of(r, object_prefix)]
 
 
 def rule_budget(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE) -> int:
