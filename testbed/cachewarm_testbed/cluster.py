@@ -35,7 +35,7 @@ from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait
 
 T = TypeVar("T")
 
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
 ADMIN_USER = "cachewarm-testbed-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 # Controllers a test may need: Jobs make Pods, owner references are collected, namespaces
