@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,6 +134,28 @@ def test_job_of_three_completions(real: RealBed, ns: str) -> None:
         assert logs.stdout == f"done-{name}\n"
 
 
+def guard_dropped() -> int:
+    out = subprocess.run(["iptables", "-w", "-L", realnode.GUARD_CHAIN, "-v", "-x", "-n"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    return sum(int(line.split()[0]) for line in out.stdout.splitlines()[2:] if line.split())
+
+
+def test_pod_traffic_to_a_clusterip_is_dropped_on_the_host(real: RealBed, ns: str) -> None:
+    """No kube-proxy runs, so a packet to a ClusterIP would be routed out of the host's
+    interface: the FORWARD guard must drop it (its counter grows, the connection fails)."""
+    bed = real.bed
+    dropped = guard_dropped()
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "leak"},
+           "spec": {"restartPolicy": "Never",
+                    "containers": [busybox("c", "nc -w 3 10.96.0.1 443 </dev/null; echo rc=$?")]}}
+    bed.apply(pod, ns)
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/leak", "-n", ns)
+    logs = bed.kubectl_run("logs", "leak", "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    assert "rc=1" in logs.stdout.split(), logs.stdout  # nc gave up: nothing answered
+    assert guard_dropped() > dropped
+
+
 def test_second_real_node_is_refused_clearly(real: RealBed, tmp_path: Any) -> None:
     other = RealNode(tmp_path, real.bed.kubeconfig, real.node.kubelet_bin.parent, "10.96.0.0/16")
     with pytest.raises(StartError, match="another real node runs on this machine"):
@@ -147,7 +170,12 @@ def test_stop_leaves_the_host_as_it_was(real: RealBed) -> None:
     assert real.before.differences(during), "the running node changed nothing the snapshot sees"
     assert f"{NODE_IP}/32" in during.lo_addresses
     assert any(realnode.GUARD_CHAIN in rule for rule in during.iptables["iptables-save"]["filter"])
+    assert any(c.endswith("/kubepods") for c in during.cgroups)
+    assert during.processes and during.mounts
 
     real.bed.stop()
     after = HostSnapshot.take()
+    changed = {k: v for k, v in real.before.differences(during).items() if k not in ("cgroups", "mounts")}
+    print("changed while running (besides cgroups and mounts):", json.dumps(changed, indent=1))
+    print("timings:", real.node.timings)
     assert real.before.differences(after) == {}, real.before.differences(after)
