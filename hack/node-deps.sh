@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the testbed's real node needs (containerd, runc, the CNI bridge and
 # host-local plugins, a static busybox for the pause and busybox images, iptables for the
-# FORWARD guard) from Debian's archive, only when something is missing: a warm run is a few
+# FORWARD guard, conntrack to forget the pods' flows at teardown) from Debian's archive, only when something is missing: a warm run is a few
 # `test -x` checks. Without root or apt-get it says what is missing and exits 0, so the rest
 # of `make test` still runs; the real-node test then fails with the same list.
 set -euo pipefail
@@ -14,6 +14,7 @@ declare -A need=(
   [/usr/lib/cni/loopback]=containernetworking-plugins
   [/bin/busybox]=busybox-static
   [/usr/sbin/iptables]=iptables
+  [/usr/sbin/conntrack]=conntrack
 )
 missing=()
 for path in "${!need[@]}"; do

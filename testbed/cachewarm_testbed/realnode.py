@@ -6,8 +6,10 @@ so only one real node can run per machine: `RealNode.start()` takes an exclusive
 LOCK_FILE first and fails clearly when another holds it. Everything else it can place, it
 places under the testbed's workdir or RUN_DIR. `stop()` puts the host back as it found it:
 processes (kubelet, containerd, its shims and every container), mounts, cgroups, the iptables
-rules and chains that appeared, sysctls, the node address on `lo`, the CNI bridge, and the
-paths that did not exist before. `HostSnapshot` is what a test compares before and after.
+rules and chains that appeared, sysctls, the node address on `lo`, the CNI bridge, the
+pods' conntrack entries, and the paths that did not exist before. (One thing stays: with the
+nf_tables backend, a table the kubelet touched keeps its empty built-in chains with policy
+ACCEPT; they filter nothing and the snapshot counts them as absent. Dropping them takes `nft`.) `HostSnapshot` is what a test compares before and after.
 
 Nothing reaches off the machine: the node address is a /32 on `lo`, pods live in POD_CIDR on
 a bridge of our own, the CNI config has no ipMasq and routes only the node address and the
@@ -148,6 +150,23 @@ def _our_processes(markers: tuple[str, ...]) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _pod_flows() -> list[str]:
+    """Connection-tracking entries with an address in POD_CIDR (they would otherwise
+    outlive the pods until their timeouts)."""
+    try:
+        lines = Path("/proc/net/nf_conntrack").read_text().splitlines()
+    except OSError:
+        return []
+    net = ipaddress.ip_network(POD_CIDR)
+    flows = []
+    for line in lines:
+        addrs = [w.split("=", 1)[1] for w in line.split() if w.startswith(("src=", "dst="))]
+        with contextlib.suppress(ValueError):
+            if any(ipaddress.ip_address(a) in net for a in addrs):
+                flows.append(" ".join(addrs))
+    return sorted(set(flows))
+
+
 def _read_sysctl(name: str) -> str:
     try:
         return (Path("/proc/sys") / name).read_text().strip()
@@ -167,6 +186,7 @@ class HostSnapshot:
     cgroups: list[str]
     paths: dict[str, bool]
     processes: list[tuple[int, str]] = field(default_factory=list)
+    pod_flows: list[str] = field(default_factory=list)
 
     @classmethod
     def take(cls, markers: tuple[str, ...] = (str(RUN_DIR), NODE_NAME, "/realnode/containerd.toml")) -> HostSnapshot:
@@ -179,12 +199,13 @@ class HostSnapshot:
             cgroups=_cgroup_dirs(),
             paths={str(p): p.exists() for p in FIXED_PATHS},
             processes=_our_processes(markers),
+            pod_flows=_pod_flows(),
         )
 
     def differences(self, other: HostSnapshot) -> dict[str, Any]:
         """What `other` has that differs from self, field by field (empty when equal)."""
         diff: dict[str, Any] = {}
-        for name in ("mounts", "lo_addresses", "links", "cgroups", "processes"):
+        for name in ("mounts", "lo_addresses", "links", "cgroups", "processes", "pod_flows"):
             mine, theirs = getattr(self, name), getattr(other, name)
             added = [x for x in theirs if x not in mine]
             removed = [x for x in mine if x not in theirs]
@@ -343,7 +364,7 @@ class RealNode:
             raise StartError("the real node needs root (kubelet, containerd, iptables, cgroups)")
         missing = [str(p) for p in (BUSYBOX, CNI_BIN_DIR / "bridge", CNI_BIN_DIR / "host-local",
                                      CNI_BIN_DIR / "loopback") if not p.exists()]
-        missing += [tool for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables",
+        missing += [tool for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "conntrack",
                                       "iptables-save", "ip") if shutil.which(tool) is None]
         if missing:
             raise StartError(f"the real node needs {', '.join(missing)}: {PACKAGES_HINT}")
@@ -526,6 +547,9 @@ state = "{state}"
                 if BRIDGE in _links() and BRIDGE not in before.links:
                     _run("ip", "link", "del", BRIDGE)
             self._restore_iptables(before)
+            if shutil.which("conntrack"):
+                for flag in ("-s", "-d"):
+                    _run("conntrack", "-D", flag, POD_CIDR, check=False)
             for name, value in before.sysctls.items():
                 if value and _read_sysctl(name) != value:
                     with contextlib.suppress(OSError):

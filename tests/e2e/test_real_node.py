@@ -18,6 +18,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,3 +180,17 @@ def test_stop_leaves_the_host_as_it_was(real: RealBed) -> None:
     print("changed while running (besides cgroups and mounts):", json.dumps(changed, indent=1))
     print("timings:", real.node.timings)
     assert real.before.differences(after) == {}, real.before.differences(after)
+
+
+def test_failed_start_names_the_process_and_restores_the_host(real: RealBed, tmp_path: Path) -> None:
+    """After the node above is gone: a kubelet that dies at once gives a StartError with
+    its name and log tail, and the half-started node (containerd, guard, address) is undone."""
+    before = HostSnapshot.take()
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "kubelet").write_text("#!/bin/sh\necho 'kubelet: simulated failure' >&2\nexit 3\n")
+    (bins / "kubelet").chmod(0o755)
+    node = RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16")
+    with pytest.raises(StartError, match=r"kubelet exited \(code 3\)[\s\S]*simulated failure"):
+        node.start()
+    assert before.differences(HostSnapshot.take()) == {}
