@@ -3,7 +3,8 @@
 `Testbed` owns one working directory. `start()` brings up etcd, kube-apiserver (RBAC on,
 serving certs made with `cryptography`, a static admin token, service-account token
 signing) and the GCS emulator; `start_controller_manager()` adds kube-controller-manager
-when a test needs Jobs, garbage collection or namespace deletion. The state is written to
+when a test needs Jobs, garbage collection or namespace deletion; `start_real_node()` a
+real kubelet with containerd (cachewarm_testbed.realnode). The state is written to
 `state.json` so another process (`make dev-down`) can stop what this one started.
 """
 
@@ -85,7 +86,7 @@ def bin_dir() -> Path:
 
 
 def find_binaries() -> dict[str, Path]:
-    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl.
+    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kubectl.
 
     Raises StartError naming the missing ones and the command that builds them.
     """

@@ -3,13 +3,16 @@
 The kubelet needs root and changes host state that has fixed paths (cgroups under
 `kubepods`, sysctls, iptables chains, /var/lib/kubelet/device-plugins, /var/log/containers),
 so only one real node can run per machine: `RealNode.start()` takes an exclusive lock on
-LOCK_FILE first and fails clearly when another holds it. Everything else it can place, it
-places under the testbed's workdir or RUN_DIR. `stop()` puts the host back as it found it:
-processes (kubelet, containerd, its shims and every container), mounts, cgroups, the iptables
-rules and chains that appeared, sysctls, the node address on `lo`, the CNI bridge, the
-pods' conntrack entries, and the paths that did not exist before. (One thing stays: with the
-nf_tables backend, a table the kubelet touched keeps its empty built-in chains with policy
-ACCEPT; they filter nothing and the snapshot counts them as absent. Dropping them takes `nft`.) `HostSnapshot` is what a test compares before and after.
+LOCK_FILE first, waits a while for another holder to finish, then fails saying who holds
+it. Everything else it can place, it places under the testbed's workdir or RUN_DIR.
+
+`stop()` puts the host back as it found it: processes (kubelet, containerd, its shims and
+every container), mounts, cgroups, the iptables rules and chains that appeared, sysctls, the
+node address on `lo`, the CNI bridge, the pods' conntrack entries, and the paths that did
+not exist before. One thing stays: with the nf_tables backend, a table the kubelet touched
+keeps its built-in chains, empty with policy ACCEPT; they filter nothing, and the snapshot
+counts them as absent (dropping them would take `nft`). `HostSnapshot` is what a test
+compares before start and after stop.
 
 Nothing reaches off the machine: the node address is a /32 on `lo`, pods live in POD_CIDR on
 a bridge of our own, the CNI config has no ipMasq and routes only the node address and the
@@ -328,15 +331,16 @@ class RealNode:
 
     # -- start ------------------------------------------------------------------------
 
-    def start(self) -> RealNode:
-        """Bring the node up and wait until the apiserver shows it Ready.
+    def start(self, lock_timeout: float = 120.0) -> RealNode:
+        """Bring the node up and wait until the apiserver shows it Ready (after waiting up to
+        `lock_timeout` seconds for another real node on this machine to stop).
 
         Raises StartError naming what failed (a missing package, another real node holding
         the lock, leftovers of an earlier run, or a process with its log tail); whatever
         was already changed is undone first.
         """
         self._preflight()
-        self._take_lock()
+        self._take_lock(lock_timeout)
         try:
             self.before = HostSnapshot.take()
             leftovers = [c for c in self.before.cgroups if c.endswith("kubepods")] + [
@@ -385,17 +389,26 @@ class RealNode:
                     raise StartError(f"{net} is in use on this host and overlaps the real node's "
                                      f"{NODE_IP}/32 or {POD_CIDR}")
 
-    def _take_lock(self) -> None:
+    def _take_lock(self, timeout: float) -> None:
+        """Hold LOCK_FILE for the node's lifetime; wait up to `timeout` seconds for another
+        real node (another checkout's test run, say) to finish first."""
         LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
         lock = open(LOCK_FILE, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            lock.close()
-            raise StartError(f"another real node runs on this machine ({holder}); the kubelet uses fixed "
-                             f"host paths, so only one can run at a time (lock {LOCK_FILE})") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    lock.seek(0)
+                    holder = lock.read().strip() or "unknown"
+                    lock.close()
+                    raise StartError(
+                        f"another real node runs on this machine ({holder}) and did not stop within "
+                        f"{timeout:.0f}s; the kubelet uses fixed host paths, so only one can run at a time "
+                        f"(lock {LOCK_FILE})") from None
+                time.sleep(0.5)
         lock.seek(0)
         lock.truncate()
         lock.write(f"pid {os.getpid()}, workdir {self.workdir}\n")

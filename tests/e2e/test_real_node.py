@@ -160,7 +160,7 @@ def test_pod_traffic_to_a_clusterip_is_dropped_on_the_host(real: RealBed, ns: st
 def test_second_real_node_is_refused_clearly(real: RealBed, tmp_path: Any) -> None:
     other = RealNode(tmp_path, real.bed.kubeconfig, real.node.kubelet_bin.parent, "10.96.0.0/16")
     with pytest.raises(StartError, match="another real node runs on this machine"):
-        other.start()
+        other.start(lock_timeout=0)
 
 
 def test_stop_leaves_the_host_as_it_was(real: RealBed) -> None:
