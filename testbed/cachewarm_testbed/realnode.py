@@ -35,7 +35,8 @@ import shutil
 import subprocess
 import tarfile
 import time
-from dataclasses import dataclass, field
+import signal
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,6 +46,12 @@ from cachewarm_testbed.processes import Proc, StartError, free_port, log_tail, s
 
 LOCK_FILE = Path("/run/lock/cachewarm-testbed-realnode.lock")
 RUN_DIR = Path("/run/cachewarm-testbed")
+# The kubelet's root: a short fixed path, since it holds unix sockets (pod-resources, plugin
+# registration) whose paths must fit in 108 bytes, which a pytest tmp_path does not.
+KUBELET_ROOT = Path("/var/lib/cachewarm-testbed-kubelet")
+# The host snapshot and pids of the running node: a run killed before its teardown (SIGKILL,
+# a lost CI job) is undone from this by the next start.
+STATE_FILE = RUN_DIR / "state.json"
 NODE_NAME = "cachewarm-real-0"
 NODE_IP = "10.216.0.1"
 POD_CIDR = "10.217.0.0/24"
@@ -63,7 +70,7 @@ SYSCTLS = (
 # when they did not exist at start.
 FIXED_PATHS = (
     Path("/var/lib/kubelet"), Path("/var/log/containers"), Path("/var/log/pods"), Path("/run/containerd"),
-    Path("/run/runc"), Path("/run/netns"), Path("/var/lib/cni"), Path("/run/cachewarm-testbed"),
+    Path("/run/runc"), Path("/run/netns"), Path("/var/lib/cni"), RUN_DIR, KUBELET_ROOT,
 )
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PACKAGES_HINT = "run `make node-deps` (Debian: containerd runc containernetworking-plugins busybox-static iptables)"
@@ -116,7 +123,7 @@ def _cgroup_dirs() -> list[str]:
 # places of the kubelet, containerd, runc and CNI. Other testbeds on the machine mount
 # elsewhere (their node agents' /dev tmpfs), so a snapshot ignores those.
 MOUNT_MARKERS = ("/realnode/", str(RUN_DIR), "/run/netns", "/run/containerd", "/run/runc", "/var/lib/kubelet",
-                 "kubepods")
+                 str(KUBELET_ROOT), "kubepods")
 
 
 def _mount_points() -> list[str]:
@@ -204,6 +211,11 @@ class HostSnapshot:
             processes=_our_processes(markers),
             pod_flows=_pod_flows(),
         )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HostSnapshot:
+        """The inverse of dataclasses.asdict (JSON turns the process tuples into lists)."""
+        return cls(**{**data, "processes": [(int(pid), str(cmd)) for pid, cmd in data["processes"]]})
 
     def differences(self, other: HostSnapshot) -> dict[str, Any]:
         """What `other` has that differs from self, field by field (empty when equal)."""
@@ -306,7 +318,7 @@ class RealNode:
 
     `kubeconfig` is the admin kubeconfig the kubelet uses (the testbed's authorizer is RBAC
     only, so a Node identity would need the Node authorizer); `workdir` holds configs, logs,
-    containerd's root and the kubelet's root.
+    and containerd's root (the kubelet's is KUBELET_ROOT).
     """
 
     def __init__(self, workdir: Path, kubeconfig: Path, bin_dir: Path, service_cidr: str) -> None:
@@ -342,12 +354,14 @@ class RealNode:
         self._preflight()
         self._take_lock(lock_timeout)
         try:
+            self._undo_killed_run()
             self.before = HostSnapshot.take()
             leftovers = [c for c in self.before.cgroups if c.endswith("kubepods")] + [
-                p for p in ("/run/cachewarm-testbed",) if self.before.paths.get(p)]
+                p for p in (str(RUN_DIR), str(KUBELET_ROOT)) if self.before.paths.get(p)]
             if leftovers:
-                raise StartError(f"leftovers of an earlier real node: {', '.join(leftovers)}; "
-                                 "a crashed run left them (remove them, or reboot)")
+                raise StartError(f"leftovers of an earlier real node that this testbed did not record: "
+                                 f"{', '.join(leftovers)} (a kubelet of someone else's, or reboot)")
+            self._save_state()
             self._check_ranges_free()
             t0 = time.monotonic()
             _run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
@@ -374,6 +388,27 @@ class RealNode:
             raise StartError(f"the real node needs {', '.join(missing)}: {PACKAGES_HINT}")
         if not os.access(self.kubelet_bin, os.X_OK):
             raise StartError(f"kubelet missing in {self.kubelet_bin.parent}: build it with `make bin`")
+
+    def _save_state(self) -> None:
+        assert self.before is not None
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps({"workdir": str(self.workdir), "before": asdict(self.before),
+                                          "pids": {name: proc.pid for name, proc in self.procs.items()}}))
+
+    def _undo_killed_run(self) -> None:
+        """A real node whose process died without stop() left STATE_FILE: kill its kubelet
+        and containerd (by recorded pid, only if their command line still names its
+        workdir) and restore the host to the snapshot it took."""
+        if not STATE_FILE.is_file():
+            return
+        state = json.loads(STATE_FILE.read_text())
+        for pid in state["pids"].values():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                if state["workdir"] in cmdline:
+                    os.killpg(int(pid), signal.SIGKILL)
+        stale = RealNode(Path(state["workdir"]), self.kubeconfig, self.kubelet_bin.parent, self.service_cidr)
+        stale._restore(HostSnapshot.from_dict(state["before"]))
 
     def _check_ranges_free(self) -> None:
         """Refuse to start when the host already uses the node address or the pod range."""
@@ -470,6 +505,7 @@ state = "{state}"
         proc = start("containerd", ["containerd", f"--config={path}", "--log-level=info"],
                      self.log_dir / "containerd.log")
         self.procs["containerd"] = proc
+        self._save_state()
         wait_until(proc, lambda: self.ctr("version", check=False).returncode == 0, timeout=30,
                    what="answering on its socket")
 
@@ -486,7 +522,7 @@ state = "{state}"
                                  f"--- containerd log ---\n{log_tail(self.log_dir / 'containerd.log')}")
 
     def _start_kubelet(self) -> None:
-        root = self.workdir / "kubelet"
+        root = KUBELET_ROOT
         root.mkdir(parents=True, exist_ok=True)
         self.kubelet_port = free_port()
         healthz = free_port()
@@ -514,6 +550,7 @@ state = "{state}"
             f"--root-dir={root}", f"--hostname-override={NODE_NAME}", f"--node-ip={NODE_IP}", "--v=1",
         ], self.log_dir / "kubelet.log")
         self.procs["kubelet"] = proc
+        self._save_state()
 
         def ready() -> bool:
             out = subprocess.run(
@@ -550,36 +587,38 @@ state = "{state}"
         for name in ("kubelet", "containerd"):
             if name in self.procs:
                 self.procs.pop(name).stop(timeout=10)
-        before = self.before
-        if before is not None:
-            self._kill_leftover_processes(before)
-            self._unmount(before)
-            self._remove_cgroups(before)
-            self._remove_netns(before)
-            with contextlib.suppress(Exception):
-                if BRIDGE in _links() and BRIDGE not in before.links:
-                    _run("ip", "link", "del", BRIDGE)
-            self._restore_iptables(before)
-            if shutil.which("conntrack"):
-                for flag in ("-s", "-d"):
-                    _run("conntrack", "-D", flag, POD_CIDR, check=False)
-            for name, value in before.sysctls.items():
-                if value and _read_sysctl(name) != value:
-                    with contextlib.suppress(OSError):
-                        (Path("/proc/sys") / name).write_text(value + "\n")
-            if f"{NODE_IP}/32" in _lo_addresses() and f"{NODE_IP}/32" not in before.lo_addresses:
-                _run("ip", "addr", "del", f"{NODE_IP}/32", "dev", "lo", check=False)
-            for path in FIXED_PATHS:
-                if not before.paths[str(path)]:
-                    shutil.rmtree(path, ignore_errors=True)
-            # A container's files may belong to our workdir's kubelet and containerd roots.
-            for sub in ("kubelet", "containerd"):
-                shutil.rmtree(self.workdir / sub, ignore_errors=True)
+        if self.before is not None:
+            self._restore(self.before)
             self.before = None
         if self._lock is not None:
             self._lock.close()
             self._lock = None
         self.timings["teardown"] = time.monotonic() - t0
+
+    def _restore(self, before: HostSnapshot) -> None:
+        """Put back what differs from `before`, once no kubelet or containerd of ours runs."""
+        self._kill_leftover_processes(before)
+        self._unmount(before)
+        self._remove_cgroups(before)
+        self._remove_netns(before)
+        with contextlib.suppress(Exception):
+            if BRIDGE in _links() and BRIDGE not in before.links:
+                _run("ip", "link", "del", BRIDGE)
+        self._restore_iptables(before)
+        if shutil.which("conntrack"):
+            for flag in ("-s", "-d"):
+                _run("conntrack", "-D", flag, POD_CIDR, check=False)
+        for name, value in before.sysctls.items():
+            if value and _read_sysctl(name) != value:
+                with contextlib.suppress(OSError):
+                    (Path("/proc/sys") / name).write_text(value + "\n")
+        if f"{NODE_IP}/32" in _lo_addresses() and f"{NODE_IP}/32" not in before.lo_addresses:
+            _run("ip", "addr", "del", f"{NODE_IP}/32", "dev", "lo", check=False)
+        for path in FIXED_PATHS:
+            if not before.paths[str(path)]:
+                shutil.rmtree(path, ignore_errors=True)
+        # containerd's root (image layers, snapshots) lives in the workdir.
+        shutil.rmtree(self.workdir / "containerd", ignore_errors=True)
 
     def _kill_leftover_processes(self, before: HostSnapshot) -> None:
         """Shims (they daemonize out of containerd's process group) and any container
@@ -601,10 +640,8 @@ state = "{state}"
             time.sleep(0.1)
 
     def _unmount(self, before: HostSnapshot) -> None:
-        ours = [str(self.workdir), str(RUN_DIR), "/run/netns", "/run/containerd", "/var/lib/kubelet"]
         for _ in range(3):
-            new = [m for m in _mount_points() if m not in before.mounts and any(
-                m == p or m.startswith(p + "/") for p in ours)]
+            new = [m for m in _mount_points() if m not in before.mounts]  # only ours: MOUNT_MARKERS
             if not new:
                 return
             for point in sorted(set(new), key=lambda m: m.count("/"), reverse=True):

@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ def test_stop_leaves_the_host_as_it_was(real: RealBed) -> None:
 def test_failed_start_names_the_process_and_restores_the_host(real: RealBed, tmp_path: Path) -> None:
     """After the node above is gone: a kubelet that dies at once gives a StartError with
     its name and log tail, and the half-started node (containerd, guard, address) is undone."""
+    real.bed.stop()  # only one real node per machine
     before = HostSnapshot.take()
     bins = tmp_path / "bin"
     bins.mkdir()
@@ -193,4 +195,44 @@ def test_failed_start_names_the_process_and_restores_the_host(real: RealBed, tmp
     node = RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16")
     with pytest.raises(StartError, match=r"kubelet exited \(code 3\)[\s\S]*simulated failure"):
         node.start()
+    assert before.differences(HostSnapshot.take()) == {}
+
+
+KILLED_RUN = """
+import sys, time
+from pathlib import Path
+from cachewarm_testbed.cluster import Testbed
+bed = Testbed(Path(sys.argv[1])).start(controller_manager=True)
+bed.start_real_node()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_run_is_undone_by_the_next_start(real: RealBed, tmp_path: Path) -> None:
+    """A test run killed with SIGKILL never reaches stop(): its kubelet, containerd, cgroups,
+    address and rules stay. The next real node's start undoes them from the snapshot the
+    killed one recorded (here that start then fails on purpose, at its kubelet)."""
+    real.bed.stop()  # only one real node per machine
+    before = HostSnapshot.take()
+    workdir = tmp_path / "killed"
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(workdir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.readline().strip() == "ready"
+    finally:
+        run.kill()
+        run.wait()
+        killed_bed = Testbed.load(workdir)
+        if killed_bed is not None:
+            killed_bed.stop()  # its control plane; the real node is what the next start undoes
+    left = HostSnapshot.take()
+    assert any(c.endswith("/kubepods") for c in left.cgroups) and f"{NODE_IP}/32" in left.lo_addresses
+    assert any("kubelet" in cmd for _, cmd in left.processes)
+
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "kubelet").write_text("#!/bin/sh\nexit 3\n")
+    (bins / "kubelet").chmod(0o755)
+    with pytest.raises(StartError, match=r"kubelet exited \(code 3\)"):
+        RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16").start()
     assert before.differences(HostSnapshot.take()) == {}
