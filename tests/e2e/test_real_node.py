@@ -218,21 +218,23 @@ def test_a_killed_run_is_undone_by_the_next_start(real: RealBed, tmp_path: Path)
     workdir = tmp_path / "killed"
     run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(workdir)], stdout=subprocess.PIPE, text=True)
     try:
-        assert run.stdout is not None and run.stdout.readline().strip() == "ready"
+        try:
+            assert run.stdout is not None and run.stdout.readline().strip() == "ready"
+        finally:
+            run.kill()
+            run.wait()
+        left = HostSnapshot.take()
+        assert any(c.endswith("/kubepods") for c in left.cgroups) and f"{NODE_IP}/32" in left.lo_addresses
+        assert any("kubelet" in cmd for _, cmd in left.processes)
+
+        bins = tmp_path / "bin"
+        bins.mkdir()
+        (bins / "kubelet").write_text("#!/bin/sh\nexit 3\n")
+        (bins / "kubelet").chmod(0o755)
+        with pytest.raises(StartError, match=r"kubelet exited \(code 3\)"):
+            RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16").start()
     finally:
-        run.kill()
-        run.wait()
         killed_bed = Testbed.load(workdir)
         if killed_bed is not None:
-            killed_bed.stop()  # its control plane; the real node is what the next start undoes
-    left = HostSnapshot.take()
-    assert any(c.endswith("/kubepods") for c in left.cgroups) and f"{NODE_IP}/32" in left.lo_addresses
-    assert any("kubelet" in cmd for _, cmd in left.processes)
-
-    bins = tmp_path / "bin"
-    bins.mkdir()
-    (bins / "kubelet").write_text("#!/bin/sh\nexit 3\n")
-    (bins / "kubelet").chmod(0o755)
-    with pytest.raises(StartError, match=r"kubelet exited \(code 3\)"):
-        RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16").start()
+            killed_bed.stop()  # the killed run's control plane
     assert before.differences(HostSnapshot.take()) == {}
