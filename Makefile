@@ -8,7 +8,7 @@ BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin test test-unit lint dev-up dev-down demo clean
+.PHONY: help venv bin node-deps test test-unit lint dev-up dev-down demo clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -21,10 +21,13 @@ $(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 
 venv: $(VENV)/.installed ## Create .venv with the project and its test extras
 
-bin: ## Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl from Go modules (cached)
+bin: ## Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl from Go modules (cached)
 	hack/build-binaries.sh $(BIN_DIR)
 
-test: venv bin ## Run the whole suite: unit, integration, e2e
+node-deps: ## Install the real node's Debian packages (containerd, runc, CNI plugins, busybox-static) if missing
+	hack/node-deps.sh
+
+test: venv bin node-deps ## Run the whole suite: unit, integration, e2e
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv ## Run the unit tests only (no processes)

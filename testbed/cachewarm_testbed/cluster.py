@@ -3,7 +3,8 @@
 `Testbed` owns one working directory. `start()` brings up etcd, kube-apiserver (RBAC on,
 serving certs made with `cryptography`, a static admin token, service-account token
 signing) and the GCS emulator; `start_controller_manager()` adds kube-controller-manager
-when a test needs Jobs, garbage collection or namespace deletion. The state is written to
+when a test needs Jobs, garbage collection or namespace deletion; `start_real_node()` a
+real kubelet with containerd (cachewarm_testbed.realnode). The state is written to
 `state.json` so another process (`make dev-down`) can stop what this one started.
 """
 
@@ -32,10 +33,11 @@ import yaml
 from cachewarm import certs
 from cachewarm_testbed import nodes
 from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
+from cachewarm_testbed.realnode import RealNode
 
 T = TypeVar("T")
 
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
 ADMIN_USER = "cachewarm-testbed-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 # Controllers a test may need: Jobs make Pods, owner references are collected, namespaces
@@ -48,6 +50,8 @@ CONTROLLERS = (
     "serviceaccount-controller",
     "ttl-after-finished-controller",
     "node-lifecycle-controller",
+    # The real node's pods mount a ServiceAccount token, which waits for kube-root-ca.crt.
+    "root-ca-certificate-publisher-controller",
 )
 
 
@@ -96,7 +100,7 @@ def local_images() -> dict[str, dict[str, Any]]:
 
 
 def find_binaries() -> dict[str, Path]:
-    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl.
+    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kubectl.
 
     Raises StartError naming the missing ones and the command that builds them.
     """
@@ -168,6 +172,7 @@ class Testbed:
             workdir.mkdir(parents=True, exist_ok=True)
             self.state = State(workdir=str(workdir.resolve()), owns_workdir=False)
         self.procs: dict[str, Proc] = {}
+        self.real_node: RealNode | None = None
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -265,7 +270,11 @@ class Testbed:
 
     def stop(self) -> None:
         """Stop every process (reverse start order) and remove a workdir we created
-        (kept for debugging when $CACHEWARM_TESTBED_KEEP is set)."""
+        (kept for debugging when $CACHEWARM_TESTBED_KEEP is set). A real node goes first,
+        while the apiserver can still tell its kubelet to stop the pods."""
+        if self.real_node is not None:
+            self.real_node.stop()
+            self.real_node = None
         for name in reversed(list(self.procs)):
             self.procs[name].stop()
         self.procs.clear()
@@ -289,6 +298,7 @@ class Testbed:
             return None
         bed = cls.__new__(cls)
         bed.state = State(**json.loads(path.read_text()))
+        bed.real_node = None
         bed.procs = {
             name: Proc(name=name, pid=pid, log=workdir / "logs" / f"{name}.log")
             for name, pid in bed.state.pids.items()
@@ -454,6 +464,20 @@ class Testbed:
         self.save()
         return proc
 
+    def start_real_node(self) -> RealNode:
+        """Add a real node (containerd + runc + CNI bridge + kubelet, cachewarm_testbed.realnode)
+        with kube-controller-manager and kube-scheduler; return once it is Ready. Needs root
+        and `make node-deps`; one per machine. `stop()` removes it and restores the host.
+        Raises StartError."""
+        if self.real_node is not None:
+            return self.real_node
+        self.start_controller_manager()
+        self.start_scheduler()
+        node = RealNode(self.workdir / "realnode", self.kubeconfig, bin_dir(), SERVICE_CIDR)
+        node.start()
+        self.real_node = node
+        return node
+
     def pod_log(self, namespace: str, name: str, container: str) -> str:
         """What a container of a pod run by the node agent wrote (kubectl logs, in effect)."""
         return (self.workdir / "pods" / namespace / name / f"{container}.log").read_text(errors="replace")
@@ -532,6 +556,8 @@ class Testbed:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--allow-privileged=true",
+                # logs/exec on a real node go to its InternalIP, not its (unresolvable) name.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--cert-dir={pki}",
                 "--v=1",
             ],

@@ -1,0 +1,240 @@
+"""A real node in the testbed: kubelet v1.36.3 + containerd + runc + CNI bridge run real
+busybox pods (init container into an emptyDir, termination message, a Job of 3
+completions, `kubectl logs`), and stopping the testbed leaves the host as it was.
+
+Needs root on Linux and `make node-deps` (skipped, with the reason, without root). It has
+its own testbed: the kubelet uses fixed host paths, so only one real node runs per machine
+(a lock file guards it), and the session's simulated-node fixtures never see this node.
+The last test stops the testbed itself and compares the host with the snapshot taken
+before start, so the tests here run in file order.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachewarm_testbed import realnode
+from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.processes import StartError
+from cachewarm_testbed.realnode import BUSYBOX_IMAGE, NODE_IP, NODE_NAME, POD_CIDR, HostSnapshot, RealNode
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0, reason="a real kubelet and containerd need root"),
+]
+
+
+@dataclass
+class RealBed:
+    bed: Testbed
+    node: RealNode
+    before: HostSnapshot
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RealBed]:
+    before = HostSnapshot.take()
+    bed = Testbed()
+    try:
+        bed.start(controller_manager=True)
+        node = bed.start_real_node()
+        yield RealBed(bed, node, before)
+    finally:
+        bed.stop()
+
+
+@pytest.fixture
+def ns(real: RealBed) -> str:
+    name = f"rn-{uuid.uuid4().hex[:8]}"
+    made = real.bed.kubectl_run("create", "namespace", name)
+    assert made.returncode == 0, made.stderr
+    return name
+
+
+def busybox(name: str, script: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+            "command": ["/bin/sh", "-c", script], **extra}
+
+
+def wait(bed: Testbed, *args: str) -> None:
+    out = bed.kubectl_run("wait", "--timeout=120s", *args)
+    assert out.returncode == 0, out.stderr + out.stdout
+
+
+def test_node_registered_with_its_own_address(real: RealBed) -> None:
+    node = real.bed.get_json("node", NODE_NAME, "default")
+    assert node is not None
+    assert {"type": "InternalIP", "address": NODE_IP} in node["status"]["addresses"]
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.36.3"
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+
+
+def test_init_container_emptydir_termination_message_and_logs(real: RealBed, ns: str) -> None:
+    bed = real.bed
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader"},
+        "spec": {
+            "restartPolicy": "Never",
+            "volumes": [{"name": "work", "emptyDir": {}}],
+            "initContainers": [busybox("writer", "echo hello-from-init > /work/msg",
+                                       volumeMounts=[{"name": "work", "mountPath": "/work"}])],
+            "containers": [busybox("main", "cat /work/msg; echo \"read $(cat /work/msg)\" > /dev/termination-log",
+                                   volumeMounts=[{"name": "work", "mountPath": "/work"}])],
+        },
+    }
+    bed.apply(pod, ns)
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/reader", "-n", ns)
+
+    got = bed.get_json("pod", "reader", ns)
+    assert got is not None
+    assert got["spec"]["nodeName"] == NODE_NAME
+    assert got["status"]["hostIP"] == NODE_IP
+    assert ipaddress.ip_address(got["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
+    init = got["status"]["initContainerStatuses"][0]["state"]["terminated"]
+    assert init["exitCode"] == 0
+    main = got["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert main["exitCode"] == 0
+    # Written by the container into /dev/termination-log, read back by the kubelet.
+    assert main["message"] == "read hello-from-init\n"
+
+    logs = bed.kubectl_run("logs", "reader", "-c", "main", "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout == "hello-from-init\n"
+
+
+def test_job_of_three_completions(real: RealBed, ns: str) -> None:
+    bed = real.bed
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "three"},
+        "spec": {"completions": 3, "parallelism": 3, "backoffLimit": 0,
+                 "template": {"spec": {"restartPolicy": "Never",
+                                       "containers": [busybox("c", "echo done-$HOSTNAME")]}}},
+    }
+    bed.apply(job, ns)
+    wait(bed, "--for=condition=Complete", "job/three", "-n", ns)
+    got = bed.get_json("job", "three", ns)
+    assert got is not None and got["status"]["succeeded"] == 3
+
+    pods = bed.kubectl_run("get", "pods", "-n", ns, "-l", "job-name=three", "-o", "json")
+    assert pods.returncode == 0, pods.stderr
+    names = [p["metadata"]["name"] for p in json.loads(pods.stdout)["items"]]
+    assert len(names) == 3
+    for name in names:
+        logs = bed.kubectl_run("logs", name, "-n", ns)
+        assert logs.returncode == 0, logs.stderr
+        assert logs.stdout == f"done-{name}\n"
+
+
+def guard_dropped() -> int:
+    out = subprocess.run(["iptables", "-w", "-L", realnode.GUARD_CHAIN, "-v", "-x", "-n"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    return sum(int(line.split()[0]) for line in out.stdout.splitlines()[2:] if line.split())
+
+
+def test_pod_traffic_to_a_clusterip_is_dropped_on_the_host(real: RealBed, ns: str) -> None:
+    """No kube-proxy runs, so a packet to a ClusterIP would be routed out of the host's
+    interface: the FORWARD guard must drop it (its counter grows, the connection fails)."""
+    bed = real.bed
+    dropped = guard_dropped()
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "leak"},
+           "spec": {"restartPolicy": "Never",
+                    "containers": [busybox("c", "nc -w 3 10.96.0.1 443 </dev/null; echo rc=$?")]}}
+    bed.apply(pod, ns)
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/leak", "-n", ns)
+    logs = bed.kubectl_run("logs", "leak", "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    assert "rc=1" in logs.stdout.split(), logs.stdout  # nc gave up: nothing answered
+    assert guard_dropped() > dropped
+
+
+def test_second_real_node_is_refused_clearly(real: RealBed, tmp_path: Any) -> None:
+    other = RealNode(tmp_path, real.bed.kubeconfig, real.node.kubelet_bin.parent, "10.96.0.0/16")
+    with pytest.raises(StartError, match="another real node runs on this machine"):
+        other.start(lock_timeout=0)
+
+
+def test_stop_leaves_the_host_as_it_was(real: RealBed) -> None:
+    """Runs last: stops the testbed and compares the host with the snapshot before start
+    (mounts, iptables chains and rules, sysctls, lo addresses, links, kubepods cgroups,
+    fixed paths, processes of ours)."""
+    during = HostSnapshot.take()
+    assert real.before.differences(during), "the running node changed nothing the snapshot sees"
+    assert f"{NODE_IP}/32" in during.lo_addresses
+    assert any(realnode.GUARD_CHAIN in rule for rule in during.iptables["iptables-save"]["filter"])
+    assert any(c.endswith("/kubepods") for c in during.cgroups)
+    assert during.processes and during.mounts
+
+    real.bed.stop()
+    after = HostSnapshot.take()
+    changed = {k: v for k, v in real.before.differences(during).items() if k not in ("cgroups", "mounts")}
+    print("changed while running (besides cgroups and mounts):", json.dumps(changed, indent=1))
+    print("timings:", real.node.timings)
+    assert real.before.differences(after) == {}, real.before.differences(after)
+
+
+def test_failed_start_names_the_process_and_restores_the_host(real: RealBed, tmp_path: Path) -> None:
+    """After the node above is gone: a kubelet that dies at once gives a StartError with
+    its name and log tail, and the half-started node (containerd, guard, address) is undone."""
+    real.bed.stop()  # only one real node per machine
+    before = HostSnapshot.take()
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "kubelet").write_text("#!/bin/sh\necho 'kubelet: simulated failure' >&2\nexit 3\n")
+    (bins / "kubelet").chmod(0o755)
+    node = RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16")
+    with pytest.raises(StartError, match=r"kubelet exited \(code 3\)[\s\S]*simulated failure"):
+        node.start()
+    assert before.differences(HostSnapshot.take()) == {}
+
+
+KILLED_RUN = """
+import sys, time
+from pathlib import Path
+from cachewarm_testbed.cluster import Testbed
+bed = Testbed(Path(sys.argv[1])).start(controller_manager=True)
+bed.start_real_node()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_run_is_undone_by_the_next_start(real: RealBed, tmp_path: Path) -> None:
+    """A test run killed with SIGKILL never reaches stop(): its kubelet, containerd, cgroups,
+    address and rules stay. The next real node's start undoes them from the snapshot the
+    killed one recorded (here that start then fails on purpose, at its kubelet)."""
+    real.bed.stop()  # only one real node per machine
+    before = HostSnapshot.take()
+    workdir = tmp_path / "killed"
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(workdir)], stdout=subprocess.PIPE, text=True)
+    try:
+        try:
+            assert run.stdout is not None and run.stdout.readline().strip() == "ready"
+        finally:
+            run.kill()
+            run.wait()
+        left = HostSnapshot.take()
+        assert any(c.endswith("/kubepods") for c in left.cgroups) and f"{NODE_IP}/32" in left.lo_addresses
+        assert any("kubelet" in cmd for _, cmd in left.processes)
+
+        bins = tmp_path / "bin"
+        bins.mkdir()
+        (bins / "kubelet").write_text("#!/bin/sh\nexit 3\n")
+        (bins / "kubelet").chmod(0o755)
+        with pytest.raises(StartError, match=r"kubelet exited \(code 3\)"):
+            RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16").start()
+    finally:
+        killed_bed = Testbed.load(workdir)
+        if killed_bed is not None:
+            killed_bed.stop()  # the killed run's control plane
+    assert before.differences(HostSnapshot.take()) == {}
