@@ -73,7 +73,7 @@ def _claims_with(claims: Sequence[b.Claim], mine: b.Claim) -> list[b.Claim]:
 
 def reconcile_bucket(
     gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool,
-    instance: str = c.DEFAULT_INSTANCE,
+    instance: str = c.DEFAULT_INSTANCE, settings_owned_before: bool = True,
 ) -> BucketOutcome:
     """Bring the bucket to the spec. Raises GcsError for failures worth retrying.
 
@@ -82,6 +82,8 @@ def reconcile_bucket(
     and who owns soft delete. `spec_changed` says whether this run follows a spec change
     (writes are then "configuration") or not (writes then undo drift made outside cachewarm).
     `instance` names this operator on the bucket (rules other instances recorded are foreign).
+    `settings_owned_before` says whether this cache owned the bucket-wide settings at its
+    previous reconcile; if not, its first soft delete write is configuration, not drift.
     """
     namespace, name = mine.key
     claims = _claims_with(claims, mine)
@@ -142,7 +144,7 @@ def reconcile_bucket(
                                created_by_us=b.created_by(bucket, namespace, name, instance), instance=instance)
         if not patch:
             break
-        drift = b.changed_outside(bucket, patch, instance)
+        drift = b.changed_outside(bucket, patch, instance, settings_owned_before=settings_owned_before)
         try:
             bucket = gcs.patch_bucket(bucket, patch)
         except GcsPreconditionFailed:
@@ -150,6 +152,10 @@ def reconcile_bucket(
         if spec_changed or events:
             events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
                                 f"Configured bucket {spec.bucket}: {_changed_fields(patch)}"))
+        elif not drift and "softDeletePolicy" in patch:
+            events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
+                                f"Configured bucket {spec.bucket}: {_changed_fields(patch)} (this cache now owns "
+                                "its bucket-wide settings)"))
         elif not drift:
             events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
                                 f"Updated cachewarm's lifecycle rules on bucket {spec.bucket} for the caches on it"))

@@ -158,10 +158,13 @@ def _reconcile(
     gcs_spec = cache.storage.gcs
     mine = Claim.of(gcs_spec, created=str(meta.get("creationTimestamp") or ""), namespace=namespace, name=name)
     failure: Exception | None = None
+    # SoftDeleteApplied Reconciled is said only to the cache that owns the bucket-wide settings.
+    soft = conditions.get(status.get("conditions"), c.Condition.SOFT_DELETE_APPLIED)
     try:
         seen = _Seen(reconcile_bucket(gcs, gcs_spec, mine=mine, claims=list(claims(gcs_spec.bucket)),
                                       spec_changed=status.get("observedGeneration") != generation,
-                                      instance=instance))
+                                      instance=instance,
+                                      settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED))
         events += seen.bucket.events
         events += _transition_events(status, seen.bucket)
     except GcsError as exc:

@@ -112,13 +112,13 @@ def claim(gcs_spec: GcsStorage, name: str = "c", created: str = "2026-01-01T00:0
     return b.Claim.of(gcs_spec, created=created, namespace="ns", name=name)
 
 
-def reconcile_cache(gcs: FakeGcs, status: dict[str, Any]) -> service.Outcome:
+def reconcile_cache(gcs: FakeGcs, status: dict[str, Any], others: list[b.Claim] | None = None) -> service.Outcome:
     body = {"storage": {"gcs": {"bucket": "bk", "location": "US", "create": False, "prefix": "jax",
                                 "lifecycle": {"deleteAfterDays": 10}}}}
     meta = {"generation": 1, "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z"}
     return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
                                    spec=body, meta=meta, status=status, namespace="ns", name="c",
-                                   claims=lambda bucket: [], now=T0)
+                                   claims=lambda bucket: others or [], now=T0)
 
 
 def lifecycle_of(status: dict[str, Any]) -> dict[str, Any]:
@@ -163,3 +163,24 @@ def test_a_bucket_with_only_unrelated_foreign_rules_reports_none() -> None:
         {"action": {"type": "SetStorageClass", "storageClass": "NEARLINE"}, "condition": {"age": 30}}]))
     out = r.reconcile_bucket(gcs, gcs_spec, mine=claim(gcs_spec), claims=[], spec_changed=True)  # type: ignore[arg-type]
     assert out.foreign_deleting == [] and "not cachewarm's" not in out.settings[0].message
+
+
+def test_a_cache_that_becomes_owner_of_the_bucket_settings_configures_them_it_does_not_correct_drift() -> None:
+    """The bucket's creator was refused by an older cache on an overlapping prefix (which
+    then owned nothing either); that cache is deleted, so the creator now owns soft delete
+    and writes it for the first time: configuration, not a change made outside cachewarm."""
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD", labels=b.owner_labels("ns", "c"),
+                               soft_delete_seconds=0, uniform_access=True, public_access_prevention="enforced"))
+    older = b.Claim("2025-01-01T00:00:00Z", "ns", "older", "")
+    first = reconcile_cache(gcs, {}, [older])
+    assert gcs.patches == []
+    second = reconcile_cache(gcs, first.status)  # the older cache is gone
+    assert gcs.bucket.soft_delete_seconds == 7 * b.DAY
+    configured = [(e.type, e.reason) for e in second.events if e.reason in ("BucketConfigured", "DriftCorrected")]
+    assert configured == [("Normal", "BucketConfigured")]
+    soft = next(cd for cd in second.status["conditions"] if cd["type"] == "SoftDeleteApplied")
+    assert (soft["status"], soft["reason"]) == ("True", "Reconciled")
+    # From now on the value is this cache's: a change made outside cachewarm is drift.
+    gcs.bucket = dataclasses.replace(gcs.bucket, soft_delete_seconds=0)
+    third = reconcile_cache(gcs, second.status)
+    assert [(e.type, e.reason) for e in third.events] == [("Warning", "DriftCorrected")]

@@ -351,11 +351,18 @@ def lifecycle_patch(bucket: BucketInfo, plan: LifecyclePlan, instance: str = c.D
     return patch
 
 
-def changed_outside(bucket: BucketInfo, patch: Mapping[str, Any], instance: str = c.DEFAULT_INSTANCE) -> bool:
+def changed_outside(bucket: BucketInfo, patch: Mapping[str, Any], instance: str = c.DEFAULT_INSTANCE, *,
+                    settings_owned_before: bool = True) -> bool:
     """Whether a patch undoes changes made outside cachewarm (drift), rather than only
     following the caches on the bucket: a rule cachewarm recorded is gone or edited, or a
-    setting other than lifecycle rules and their labels differs."""
-    if set(patch) - {"lifecycle", "labels"}:
+    setting other than lifecycle rules and their labels differs. Soft delete counts only
+    when this cache already owned the bucket-wide settings: a cache that has just become
+    their owner (e.g. an older overlapping cache that refused it was deleted) writes its
+    value for the first time, which is configuration, not a repair."""
+    outside = set(patch) - {"lifecycle", "labels"}
+    if not settings_owned_before:
+        outside.discard("softDeletePolicy")
+    if outside:
         return True
     _, ours = split_rules(bucket, instance)
     return recorded(bucket, instance) != {rule_label(r) for r in ours}
