@@ -91,11 +91,19 @@ def reconcile_bucket(
     if refused_by is not None:
         bucket = gcs.get_bucket(spec.bucket)
         other = f"gs://{spec.bucket}/{refused_by.prefix}" if refused_by.prefix else f"gs://{spec.bucket}"
+        # A refused cache has no rule of its own: LifecycleReady must not keep saying what
+        # the rule it had before deletes.
+        lifecycle = Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.PREFIX_IN_USE,
+                         f"cachewarm keeps no lifecycle rule for {spec.url} while it overlaps {other}, the cache "
+                         f"of {refused_by.ref}: its prefix leaves cachewarm's rules on that cache's next reconcile, "
+                         "and then only that cache's rule (for its own prefix) and rules of others act on objects "
+                         "under it")
         return BucketOutcome(
             Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE,
                  f"{spec.url} overlaps {other}, already the cache of {refused_by.ref}; give this "
                  "CompilationCache its own bucket or a prefix that neither contains nor is contained in another's"),
-            settings=[_soft_delete_condition(bucket, spec, mine, claims, instance)] if bucket is not None else [],
+            settings=[lifecycle, *([_soft_delete_condition(bucket, spec, mine, claims, instance)]
+                                   if bucket is not None else [])],
         )
     events: list[Event] = []
     for _ in range(MERGE_ATTEMPTS):
@@ -357,6 +365,10 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
         events.append(Event("Normal", c.Reason.BUCKET_KEPT,
                             f"Kept bucket {spec.bucket}: {remaining} objects that are not this cache's entries remain"))
         return events
-    gcs.delete_bucket(spec.bucket)
+    if not gcs.delete_bucket(spec.bucket):
+        events.append(Event("Normal", c.Reason.BUCKET_KEPT,
+                            f"Kept bucket {spec.bucket}: GCS refused to delete it because it is not empty "
+                            "(objects were written to it after it was listed)"))
+        return events
     events.append(Event("Normal", c.Reason.BUCKET_DELETED, f"Deleted bucket {spec.bucket}, created by cachewarm"))
     return events

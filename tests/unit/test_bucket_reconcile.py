@@ -184,3 +184,32 @@ def test_a_cache_that_becomes_owner_of_the_bucket_settings_configures_them_it_do
     gcs.bucket = dataclasses.replace(gcs.bucket, soft_delete_seconds=0)
     third = reconcile_cache(gcs, second.status)
     assert [(e.type, e.reason) for e in third.events] == [("Warning", "DriftCorrected")]
+
+
+def test_a_refused_cache_no_longer_claims_a_lifecycle_rule() -> None:
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD"))
+    first = reconcile_cache(gcs, {})
+    assert lifecycle_of(first.status)["status"] == "True" and "deleted 10 days" in lifecycle_of(first.status)["message"]
+    older = b.Claim("2025-01-01T00:00:00Z", "ns", "older", "")  # at the root: overlaps jax/
+    refused = reconcile_cache(gcs, first.status, [older])
+    bucket_ready = next(cd for cd in refused.status["conditions"] if cd["type"] == "BucketReady")
+    assert bucket_ready["reason"] == "PrefixInUse"
+    lifecycle = lifecycle_of(refused.status)
+    assert (lifecycle["status"], lifecycle["reason"]) == ("False", "PrefixInUse")
+    assert "deleted" not in lifecycle["message"] and "ns/older" in lifecycle["message"]
+
+
+def deletable() -> FakeGcs:
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD", labels=b.owner_labels("ns", "c")),
+                  [ObjectInfo(entry(1), 1, generation=1)])
+    return gcs
+
+
+def test_a_bucket_gcs_refuses_to_delete_as_not_empty_is_kept_and_said_so() -> None:
+    gcs = deletable()
+    gcs.delete_bucket_conflict = True
+    events = r.delete_cache_data(gcs, spec(), namespace="ns", name="c")  # type: ignore[arg-type]
+    assert [e.reason for e in events] == ["DataDeleted", "BucketKept"]
+    assert "not empty" in events[-1].message and "BucketNameTaken" not in {e.reason for e in events}
+    gone = r.delete_cache_data(deletable(), spec(), namespace="ns", name="c")  # type: ignore[arg-type]
+    assert [e.reason for e in gone] == ["DataDeleted", "BucketDeleted"]

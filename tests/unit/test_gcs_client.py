@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from google.api_core import exceptions as gexc
 from google.cloud import storage
 
 from cachewarm.clients import gcs
@@ -43,3 +44,25 @@ def test_rules_the_library_cannot_read_are_counted_in_every_thread() -> None:
     assert wrong == []
     info = gcs._info(resource(THEIRS, FUTURE))
     assert info.lifecycle_rules == [THEIRS] and info.unreadable_rules == 1 and info.metageneration == 3
+
+
+class _RefusingBucket:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def delete(self, **kw: Any) -> None:
+        raise self.error
+
+
+class _Client:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def bucket(self, name: str) -> _RefusingBucket:
+        return _RefusingBucket(self.error)
+
+
+def test_deleting_a_bucket_that_is_not_empty_says_so_and_is_not_a_name_conflict() -> None:
+    client = gcs.GcsClient(client=_Client(gexc.Conflict("The bucket you tried to delete is not empty.")))  # type: ignore[arg-type]
+    assert client.delete_bucket("b") is False
+    assert gcs.GcsClient(client=_Client(gexc.NotFound("gone"))).delete_bucket("b") is True  # type: ignore[arg-type]

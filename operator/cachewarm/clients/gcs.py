@@ -242,10 +242,15 @@ class GcsClient:
         except GcsNotFound:
             pass
 
-    def delete_bucket(self, name: str) -> None:
-        """Delete an empty bucket; a bucket already gone counts as deleted. Raises GcsError."""
+    def delete_bucket(self, name: str) -> bool:
+        """Delete an empty bucket; a bucket already gone counts as deleted. Returns False
+        when GCS refuses because the bucket is not empty (409: objects were written since
+        it was listed); the bucket is then kept. Raises GcsError otherwise."""
         try:
             _translate(lambda: self.client.bucket(name).delete(timeout=self._timeout, retry=self._retry),
                        f"deleting bucket {name}")
         except GcsNotFound:
             pass
+        except GcsConflict:
+            return False
+        return True
