@@ -397,18 +397,12 @@ class Agent:
             ref = var.value_from
             if ref.field_ref is not None:
                 env[var.name] = self.field(pod, ref.field_ref.field_path)
-            elif ref.config_map_key_ref is not None:
-                r = ref.config_map_key_ref
-                data = self.configmap(ns, r.name, r.optional)
+            elif ref.config_map_key_ref is not None or ref.secret_key_ref is not None:
+                r = ref.config_map_key_ref or ref.secret_key_ref
+                kind, read = ("ConfigMap", self.configmap) if ref.config_map_key_ref else ("Secret", self.secret)
+                data = read(ns, r.name, r.optional)
                 if r.key not in data and not r.optional:
-                    raise ContainerConfigError(f"couldn't find key {r.key} in ConfigMap {ns}/{r.name}")
-                if r.key in data:
-                    env[var.name] = data[r.key]
-            elif ref.secret_key_ref is not None:
-                r = ref.secret_key_ref
-                data = self.secret(ns, r.name, r.optional)
-                if r.key not in data and not r.optional:
-                    raise ContainerConfigError(f"couldn't find key {r.key} in Secret {ns}/{r.name}")
+                    raise ContainerConfigError(f"couldn't find key {r.key} in {kind} {ns}/{r.name}")
                 if r.key in data:
                     env[var.name] = data[r.key]
             else:
