@@ -41,7 +41,8 @@ def wait_warmed(bed: Testbed, ns: str, name: str, status: str = "True", timeout:
     def check() -> dict[str, Any] | None:
         obj = bed.get_json("ccache", name, ns)
         warmed = conditions(obj).get("Warmed")
-        if warmed and warmed["status"] == status and (status == "True" or warmed["reason"] != "Warming"):
+        # Fully warm: not a re-warm in progress (True, Rewarming) nor a warm in progress.
+        if warmed and warmed["status"] == status and warmed["reason"] not in ("Warming", "Rewarming"):
             return obj
         return None
     return eventually(check, timeout=timeout, what=f"Warmed={status} on {ns}/{name}")
