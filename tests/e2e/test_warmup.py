@@ -284,3 +284,23 @@ def test_a_pod_created_while_a_warmed_cache_rewarms_is_not_held(
            "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
     assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
     assert gates(bed, namespace, "during") == []
+
+
+def test_a_refused_cache_holds_no_pod(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    bucket = f"taken-{uuid.uuid4().hex[:8]}"
+    bed.apply(warm_cache("owner", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"}),
+              namespace)
+    wait_ready(bed, namespace, "owner")
+    bed.apply(warm_cache("late", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"},
+                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}), namespace)
+    eventually(lambda: conditions(bed.get_json("ccache", "late", namespace)).get("BucketReady", {}).get("reason")
+               == "PrefixInUse", timeout=30, what="the second cache refused")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader", "labels": {"cachewarm.dev/cache": "late"}},
+           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    assert gates(bed, namespace, "reader") == []
+    for name in ("late", "owner"):
+        bed.kubectl_run("delete", "ccache", name, "-n", namespace, "--wait=false")
