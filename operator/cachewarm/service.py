@@ -266,6 +266,21 @@ def release_all_because(cache: CacheSpec, bucket: Cond, status: Mapping[str, Any
     return ""
 
 
+def release_orphaned_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Event | None:
+    """Release one labelled pod held by our gate for a cache that does not exist (deleted,
+    also while the operator was down, or in the instant the webhook admitted the pod).
+    The Event is the pod's: its cache is gone. Raises KubeError."""
+    meta = pod.get("metadata") or {}
+    gates = [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
+    namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
+    if WAIT_GATE not in gates or meta.get("deletionTimestamp") or lookup(namespace, cache_name) is not None:
+        return None
+    kube.remove_scheduling_gate(namespace, name, gates.index(WAIT_GATE), WAIT_GATE)
+    return Event("Normal", c.Reason.POD_RELEASED,
+                 f"Released pod {name}: its CompilationCache {cache_name} does not exist")
+
+
 def release_pods_of_deleted_cache(*, namespace: str, name: str, now: dt.datetime) -> list[Event]:
     """Release every pod still held for a cache that no longer exists. Raises KubeError."""
     _, events = release_waiting_pods(None, namespace=namespace, name=name, warmed=False, now=now,

@@ -8,6 +8,8 @@ GPU and TPU pools: test_accelerator_pools.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 from typing import Any
 
@@ -264,6 +266,23 @@ def test_deleting_the_cache_releases_held_pods(
     # deletionPolicy Retain: the cache has no finalizer and is gone at once.
     assert bed.kubectl_run("delete", "ccache", "gone", "-n", namespace).returncode == 0
     released(bed, namespace, "gone", "orphan", "the cache was deleted")
+
+
+def test_a_cache_deleted_while_the_operator_is_down_releases_held_pods_at_its_start(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    create_gated_setup(bed, namespace, "missed", "warm_targets:stuck_targets", 600, "stranded")
+    assert gates(bed, namespace, "stranded") == ["cachewarm.dev/wait-for-warm"]
+    os.kill(operator.pid, signal.SIGKILL)  # no operator sees the cache's DELETED event
+    assert bed.kubectl_run("delete", "ccache", "missed", "-n", namespace).returncode == 0
+    assert gates(bed, namespace, "stranded") == ["cachewarm.dev/wait-for-warm"]
+    operator.restart()
+    eventually(lambda: gates(bed, namespace, "stranded") == [], timeout=30, what="gate removed at the operator's start")
+    pod_events = json.loads(bed.kubectl_run("get", "events", "-n", namespace, "-o", "json",
+                                            "--field-selector", "involvedObject.name=stranded").stdout)["items"]
+    assert any(e["reason"] == "PodReleased" and "its CompilationCache missed does not exist" in e["message"]
+               for e in pod_events)
 
 
 def test_a_pod_created_while_a_warmed_cache_rewarms_is_not_held(
