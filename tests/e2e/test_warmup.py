@@ -310,16 +310,17 @@ def test_a_refused_cache_holds_no_pod(
 ) -> None:
     bed = controller_manager
     bucket = f"taken-{uuid.uuid4().hex[:8]}"
-    bed.apply(warm_cache("owner", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"}),
+    # Created in one second, the older claim is the one whose name sorts first.
+    bed.apply(warm_cache("first", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"}),
               namespace)
-    wait_ready(bed, namespace, "owner")
-    bed.apply(warm_cache("late", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"},
+    wait_ready(bed, namespace, "first")
+    bed.apply(warm_cache("second", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"},
                          injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}), namespace)
-    eventually(lambda: conditions(bed.get_json("ccache", "late", namespace)).get("BucketReady", {}).get("reason")
+    eventually(lambda: conditions(bed.get_json("ccache", "second", namespace)).get("BucketReady", {}).get("reason")
                == "PrefixInUse", timeout=30, what="the second cache refused")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader", "labels": {"cachewarm.dev/cache": "late"}},
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader", "labels": {"cachewarm.dev/cache": "second"}},
            "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
     assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
     assert gates(bed, namespace, "reader") == []
-    for name in ("late", "owner"):
+    for name in ("second", "first"):
         bed.kubectl_run("delete", "ccache", name, "-n", namespace, "--wait=false")
