@@ -111,6 +111,9 @@ class Reason:
     WARMUP_FAILED: Final = "WarmupFailed"
     CACHE_EMPTY: Final = "CacheEmpty"
     WARMED: Final = "Warmed"
+    # Warmed stays True while a cache that was Warmed, and still holds entries, re-warms
+    # (cron slot, rewarm annotation, new image): new pods read it and are not held.
+    REWARMING: Final = "Rewarming"
     POD_RELEASED: Final = "PodReleased"
     # A tpu pool whose type and topology the shape table does not know (and no hosts or
     # chipsPerHost override), or overrides that do not fit the topology.

@@ -130,12 +130,43 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
             raise kopf.TemporaryError(str(exc), delay=backoff(settings, retry)) from exc
         _post(body, events)
 
+    def on_event(body: kopf.Body, namespace: str | None, name: str, **kwargs: Any) -> None:
+        # A deleted cache (with or without our finalizer) releases the pods held for it. An
+        # event handler sees DELETED without a finalizer; kopf's optional on.delete does not
+        # run for an object that had none.
+        if kwargs.get("type") != "DELETED":
+            return
+        try:
+            events = service.release_pods_of_deleted_cache(namespace=namespace or "", name=name,
+                                                           now=dt.datetime.now(dt.timezone.utc))
+        except kube.KubeError as exc:
+            log.warning("Could not release the pods of deleted cache %s/%s: %s", namespace, name, exc)
+            return
+        _post(body, events)
+
+    def on_pod_event(body: kopf.Body, **kwargs: Any) -> None:
+        # Every labelled pod, at startup and on each change: one held for a cache that no
+        # longer exists is released (what the cache's own DELETED event may have missed).
+        if kwargs.get("type") == "DELETED":
+            return
+        index = kwargs["caches"]
+        try:
+            event = service.release_orphaned_pod(body, lambda ns, n: next(iter(index.get((ns, n), [])), None))
+        except kube.KubeError as exc:
+            log.warning("Could not release pod %s/%s: %s", body.meta.get("namespace"), body.meta.get("name"), exc)
+            return
+        if event is not None:
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+            log.info(event.message, extra={"k8s_ref": {"kind": "Pod", "namespace": body.meta.get("namespace"),
+                                                       "name": body.meta.get("name")}})
+
     def caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status,
                uid: str | None, **_: Any) -> Any:
         # Parsed here, once per change of the cache, not once per admitted pod.
-        warmed = conditions.get(status.get("conditions"), c.Condition.WARMED)
+        bucket = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY) or {}
         return {(namespace, name): service.index_entry(spec, generation=int(meta.get("generation") or 0), uid=uid,
-                                                       warmed=bool(warmed and warmed.get("status") == "True"))}
+                                                       warmed=service.was_warmed(status),
+                                                       refused=bucket.get("reason") in service.REFUSED)}
 
     def claims(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> Any:
         # Which caches use which bucket: they share its lifecycle rules and soft delete, and
@@ -178,6 +209,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     # A finalizer only where deletion has work to do: deletionPolicy Delete.
     kopf.on.delete(*RESOURCE, id="delete-data", field="spec.storage.gcs.deletionPolicy", value="Delete",
                    registry=registry)(on_delete)
+    kopf.on.event(*RESOURCE, id="release-on-delete", registry=registry)(on_event)
+    kopf.on.event("", "v1", "pods", id="release-orphans", labels={c.CACHE_LABEL: kopf.PRESENT},
+                  registry=registry)(on_pod_event)
     # In-memory indexes: the webhook answers without API calls.
     kopf.index(*RESOURCE, id="caches", registry=registry)(caches)
     kopf.index(*RESOURCE, id="claims", registry=registry)(claims)
@@ -231,3 +265,6 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_component = "cachewarm"  # the "From" column of kubectl describe
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # Pods are watched only for the release of held ones: the apiserver sends labelled pods
+    # only, never every pod of the cluster.
+    settings.watching.label_selectors["", "pods"] = c.CACHE_LABEL

@@ -71,6 +71,8 @@ def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: 
         out["warmup"] = None
     if seen.waiting_pods is not None:
         injection = {**injection, "waitingPods": seen.waiting_pods}
+    elif (status.get("injection") or {}).get("waitingPods") is not None:
+        injection = {**injection, "waitingPods": None}  # no longer waits: removed (a merge patch)
     out["injection"] = injection
     return out
 
@@ -152,7 +154,19 @@ def _reconcile(
         cache = parse_spec(spec)
     except InvalidSpec as exc:
         seen = _Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.INVALID_SPEC, str(exc))))
-        return Outcome(_status(status, generation, seen, injection, False, now), invalid=str(exc))
+        # Pods held for a cache that cannot be acted on would wait for nothing. A failed
+        # release is retried by the next resync (the spec stays invalid until it changes).
+        released: list[Event] = []
+        unreleased: Exception | None = None
+        try:
+            seen.waiting_pods, released = release_waiting_pods(
+                None, namespace=namespace, name=name, warmed=False, now=now,
+                why=f"the cache's spec is invalid ({exc})"[:500])
+        except kube.KubeError as kube_exc:
+            log.warning("Could not release the pods held for %s/%s: %s", namespace, name, kube_exc)
+            unreleased = kube_exc
+        return Outcome(_status(status, generation, seen, injection, False, now), released, failure=unreleased,
+                       invalid=str(exc))
     events: list[Event] = []
     previous = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY)
     gcs_spec = cache.storage.gcs
@@ -209,17 +223,69 @@ def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: s
                 previous=(status.get("warmup") or {}).get("pools") or [],
                 cache_entries=(seen.bucket.cache or {}).get("entries", 0),
                 warmer_image=warmer_image, now=now, generation=generation,
+                warmed_before=was_warmed(status),
             )
             seen.warm_condition = seen.warmup.condition
             events += seen.warmup.events
         else:
             seen.warm_condition = Cond(c.Condition.WARMED, False, c.Reason.BUCKET_NOT_READY,
                                        "Warmers wait for the bucket to be ready")
-    if cache.injection.wait_for_warm.enabled:
+    why = release_all_because(cache, seen.bucket.condition, status)
+    if why:
+        _, released = release_waiting_pods(cache, namespace=namespace, name=name, warmed=False, now=now, why=why)
+        events += released
+        if cache.injection.wait_for_warm.enabled:
+            seen.waiting_pods = 0
+    elif cache.injection.wait_for_warm.enabled:
         warmed = cache.warmup is None or bool(seen.warm_condition and seen.warm_condition.status)
         seen.waiting_pods, released = release_waiting_pods(cache, namespace=namespace, name=name,
                                                            warmed=warmed, now=now)
         events += released
+
+
+# BucketReady reasons that refuse the cache until its spec (or another cache) changes:
+# no warmer runs, so pods held for it would wait for nothing.
+REFUSED = (c.Reason.PREFIX_IN_USE,)
+
+
+def was_warmed(status: Mapping[str, Any]) -> bool:
+    """Whether the previous reconcile left Warmed True (a warm now is a re-warm)."""
+    warmed = conditions.get(status.get("conditions"), c.Condition.WARMED)
+    return bool(warmed and warmed.get("status") == "True")
+
+
+def release_all_because(cache: CacheSpec, bucket: Cond, status: Mapping[str, Any]) -> str:
+    """Why every pod held for this cache is released now ('' when they keep waiting):
+    the cache is refused, or waitForWarm is off. With waitForWarm off the pods are looked
+    up only while status.injection still has waitingPods (written only while waitForWarm
+    was on, removed by this release), so a cache that never waited costs no pod list."""
+    if bucket.reason in REFUSED:
+        return f"the cache is refused ({bucket.reason})"
+    if not cache.injection.wait_for_warm.enabled and (status.get("injection") or {}).get("waitingPods") is not None:
+        return "the cache no longer waits for warm (waitForWarm is off)"
+    return ""
+
+
+def release_orphaned_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Event | None:
+    """Release one labelled pod held by our gate for a cache that does not exist (deleted,
+    also while the operator was down, or in the instant the webhook admitted the pod).
+    The Event is the pod's: its cache is gone. Raises KubeError."""
+    meta = pod.get("metadata") or {}
+    gates = [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
+    namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
+    if WAIT_GATE not in gates or meta.get("deletionTimestamp") or lookup(namespace, cache_name) is not None:
+        return None
+    kube.remove_scheduling_gate(namespace, name, gates.index(WAIT_GATE), WAIT_GATE)
+    return Event("Normal", c.Reason.POD_RELEASED,
+                 f"Released pod {name}: its CompilationCache {cache_name} does not exist")
+
+
+def release_pods_of_deleted_cache(*, namespace: str, name: str, now: dt.datetime) -> list[Event]:
+    """Release every pod still held for a cache that no longer exists. Raises KubeError."""
+    _, events = release_waiting_pods(None, namespace=namespace, name=name, warmed=False, now=now,
+                                     why="the cache was deleted")
+    return events
 
 
 def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int) -> bool:
@@ -249,14 +315,18 @@ def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any
     return delete_cache_data(gcs, gcs_spec, namespace=namespace, name=name, instance=instance)
 
 
-def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool) -> dict[str, Any]:
-    """What the webhook needs of a cache, parsed once: the typed spec (or why it is invalid)."""
+def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool,
+                refused: bool = False) -> dict[str, Any]:
+    """What the webhook needs of a cache, parsed once: the typed spec (or why it is
+    invalid), whether it is Warmed, and whether it is refused (BucketReady reason in
+    REFUSED: no pod is held for it)."""
     try:
         cache: CacheSpec | None = parse_spec(spec)
         error = ""
     except InvalidSpec as exc:
         cache, error = None, str(exc)
-    return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed}
+    return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed,
+            "refused": refused}
 
 
 @dataclass
@@ -296,7 +366,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Admission:
         out.annotations[INJECTED_ANNOTATION] = result.annotation
         out.injected = True
     gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
-    if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"]:
+    if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \
+            and not entry.get("refused"):
         if not any(g.get("name") == WAIT_GATE for g in gates):
             out.spec["schedulingGates"] = [*gates, {"name": WAIT_GATE}]
     for kept in result.kept:

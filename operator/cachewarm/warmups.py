@@ -229,11 +229,12 @@ def _pool_of(obj: Mapping[str, Any]) -> str:
 def reconcile_warmup(
     cache: CacheSpec, *, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
     previous: Sequence[Mapping[str, Any]], cache_entries: int, warmer_image: str, now: dt.datetime,
-    generation: int = 0,
+    generation: int = 0, warmed_before: bool = False,
 ) -> WarmupOutcome:
     """Make sure each pool has run the warmer for the current program, one Job at a time
     per pool, and that multi-host pools have their Service while (and only while) a warmer
-    needs it. Raises KubeError."""
+    needs it. `warmed_before`: Warmed was True at the previous reconcile (a re-warm, not a
+    first warm). Raises KubeError."""
     warmup = cache.warmup
     assert warmup is not None
     token = rewarm_token(cache, annotations, now)
@@ -347,10 +348,14 @@ def reconcile_warmup(
         if _pool_of(svc) in untouchable or svc_name in keep_services:
             continue
         kube.delete_service(namespace, svc_name)
-    return WarmupOutcome(_warmed(pools, cache_entries), pools, events)
+    return WarmupOutcome(_warmed(pools, cache_entries, warmed_before), pools, events)
 
 
-def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int) -> Cond:
+def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_before: bool = False) -> Cond:
+    """Warmed once every pool succeeded and the bucket holds entries. A re-warm (Warmed
+    was True before) of a bucket that still holds entries stays True, reason Rewarming,
+    while its warmers run: the cache pods would read is usable, so they are not held. A
+    first warm, and a re-warm that failed, are False."""
     invalid = [p for p in pools if p.get("reason") in (c.Reason.UNKNOWN_TPU_SHAPE, c.Reason.INVALID_TPU_SHAPE)]
     if invalid:
         detail = "; ".join(f"{p['name']}: {p.get('message', '')}" for p in invalid)
@@ -363,6 +368,9 @@ def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int) -> Cond:
     if waiting:
         detail = ", ".join(f"{p['name']} {p.get('state')}" + (f" ({p['message']})" if p.get("message") else "")
                            for p in waiting)
+        if warmed_before and cache_entries > 0:
+            return Cond(c.Condition.WARMED, True, c.Reason.REWARMING,
+                        f"Re-warming: {detail}; the {cache_entries} entries already cached stay in use"[:1000])
         reason = c.Reason.UNSCHEDULABLE if any(p.get("reason") == c.Reason.UNSCHEDULABLE for p in waiting) \
             else c.Reason.WARMING
         return Cond(c.Condition.WARMED, False, reason, f"Warming: {detail}"[:1000])
@@ -373,11 +381,15 @@ def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int) -> Cond:
                 f"Every pool is warm; the cache holds {cache_entries} entries")
 
 
-def release_waiting_pods(cache: CacheSpec, *, namespace: str, name: str, warmed: bool,
-                         now: dt.datetime) -> tuple[int, list[Event]]:
+def release_waiting_pods(cache: CacheSpec | None, *, namespace: str, name: str, warmed: bool,
+                         now: dt.datetime, why: str = "") -> tuple[int, list[Event]]:
     """Remove our scheduling gate from this cache's pods once it is Warmed or a pod has
-    waited timeoutSeconds. Returns (pods still waiting, events). Raises KubeError."""
-    timeout = dt.timedelta(seconds=cache.injection.wait_for_warm.timeout_seconds)
+    waited timeoutSeconds; with `why` (the cache was deleted, refused, or no longer waits
+    for warm), from every one of its pods at once. Returns (pods still waiting, events).
+    Raises KubeError."""
+    if cache is None and not why:
+        raise ValueError("a release without a readable spec needs a reason")
+    timeout = dt.timedelta(seconds=cache.injection.wait_for_warm.timeout_seconds if cache else 0)
     waiting = 0
     events: list[Event] = []
     for pod in kube.list_pods(namespace, f"{c.CACHE_LABEL}={name}"):
@@ -386,11 +398,11 @@ def release_waiting_pods(cache: CacheSpec, *, namespace: str, name: str, warmed:
             continue
         created = dt.datetime.fromisoformat(str(pod["metadata"]["creationTimestamp"]).replace("Z", "+00:00"))
         timed_out = now - created >= timeout
-        if warmed or timed_out:
+        if why or warmed or timed_out:
             kube.remove_scheduling_gate(namespace, pod["metadata"]["name"], gates.index(WAIT_GATE), WAIT_GATE)
-            why = "the cache is warm" if warmed else f"it waited {int(timeout.total_seconds())}s for the cache"
-            events.append(Event("Normal" if warmed else "Warning", c.Reason.POD_RELEASED,
-                                f"Released pod {pod['metadata']['name']}: {why}"))
+            said = why or ("the cache is warm" if warmed else f"it waited {int(timeout.total_seconds())}s for the cache")
+            events.append(Event("Normal" if why or warmed else "Warning", c.Reason.POD_RELEASED,
+                                f"Released pod {pod['metadata']['name']}: {said}"))
         else:
             waiting += 1
     return waiting, events

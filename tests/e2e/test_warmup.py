@@ -8,6 +8,8 @@ GPU and TPU pools: test_accelerator_pools.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 from typing import Any
 
@@ -41,7 +43,8 @@ def wait_warmed(bed: Testbed, ns: str, name: str, status: str = "True", timeout:
     def check() -> dict[str, Any] | None:
         obj = bed.get_json("ccache", name, ns)
         warmed = conditions(obj).get("Warmed")
-        if warmed and warmed["status"] == status and (status == "True" or warmed["reason"] != "Warming"):
+        # Fully warm: not a re-warm in progress (True, Rewarming) nor a warm in progress.
+        if warmed and warmed["status"] == status and warmed["reason"] not in ("Warming", "Rewarming"):
             return obj
         return None
     return eventually(check, timeout=timeout, what=f"Warmed={status} on {ns}/{name}")
@@ -233,3 +236,91 @@ def test_a_changed_program_stops_the_running_warmer_before_starting_the_new_one(
     assert stuck not in names
     assert names == [obj["status"]["warmup"]["pools"][0]["job"]]
     assert any(e["reason"] == "WarmerStopped" and stuck in e["message"] for e in bed.events_for("swap", namespace))
+
+
+def released(bed: Testbed, ns: str, cache: str, pod: str, why: str) -> None:
+    eventually(lambda: gates(bed, ns, pod) == [], timeout=30, what=f"gate of {pod} removed")
+    eventually(lambda: any(e["reason"] == "PodReleased" and f"Released pod {pod}: {why}" in e["message"]
+                           for e in bed.events_for(cache, ns)), timeout=20, what=f"PodReleased ({why})")
+
+
+def test_wait_for_warm_turned_off_releases_held_pods(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    create_gated_setup(bed, namespace, "unwait", "warm_targets:stuck_targets", 600, "held")
+    assert gates(bed, namespace, "held") == ["cachewarm.dev/wait-for-warm"]
+    patched = bed.kubectl_run("patch", "ccache", "unwait", "-n", namespace, "--type", "merge",
+                              "-p", '{"spec": {"injection": {"waitForWarm": {"enabled": false}}}}')
+    assert patched.returncode == 0, patched.stderr
+    released(bed, namespace, "unwait", "held", "the cache no longer waits for warm")
+    bed.kubectl_run("delete", "ccache", "unwait", "-n", namespace, "--wait=false")
+
+
+def test_deleting_the_cache_releases_held_pods(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    create_gated_setup(bed, namespace, "gone", "warm_targets:stuck_targets", 600, "orphan")
+    assert gates(bed, namespace, "orphan") == ["cachewarm.dev/wait-for-warm"]
+    # deletionPolicy Retain: the cache has no finalizer and is gone at once.
+    assert bed.kubectl_run("delete", "ccache", "gone", "-n", namespace).returncode == 0
+    released(bed, namespace, "gone", "orphan", "the cache was deleted")
+
+
+def test_a_cache_deleted_while_the_operator_is_down_releases_held_pods_at_its_start(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    create_gated_setup(bed, namespace, "missed", "warm_targets:stuck_targets", 600, "stranded")
+    assert gates(bed, namespace, "stranded") == ["cachewarm.dev/wait-for-warm"]
+    os.kill(operator.pid, signal.SIGKILL)  # no operator sees the cache's DELETED event
+    assert bed.kubectl_run("delete", "ccache", "missed", "-n", namespace).returncode == 0
+    assert gates(bed, namespace, "stranded") == ["cachewarm.dev/wait-for-warm"]
+    operator.restart()
+    eventually(lambda: gates(bed, namespace, "stranded") == [], timeout=30, what="gate removed at the operator's start")
+    pod_events = json.loads(bed.kubectl_run("get", "events", "-n", namespace, "-o", "json",
+                                            "--field-selector", "involvedObject.name=stranded").stdout)["items"]
+    assert any(e["reason"] == "PodReleased" and "its CompilationCache missed does not exist" in e["message"]
+               for e in pod_events)
+
+
+def test_a_pod_created_while_a_warmed_cache_rewarms_is_not_held(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    create_gated_setup(bed, namespace, "again", "warm_targets:slow_targets", 600, "first")
+    wait_warmed(bed, namespace, "again", timeout=50)
+    annotated = bed.kubectl_run("annotate", "ccache", "again", "-n", namespace, "cachewarm.dev/rewarm=1")
+    assert annotated.returncode == 0, annotated.stderr
+
+    def rewarming() -> dict[str, Any] | None:
+        warmed = conditions(bed.get_json("ccache", "again", namespace)).get("Warmed") or {}
+        return warmed if warmed.get("reason") == "Rewarming" else None
+    warmed = eventually(rewarming, timeout=20, what="Warmed True, reason Rewarming")
+    assert warmed["status"] == "True" and "Re-warming: cpu" in warmed["message"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "during", "labels": {"cachewarm.dev/cache": "again"}},
+           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    assert gates(bed, namespace, "during") == []
+
+
+def test_a_refused_cache_holds_no_pod(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    bed = controller_manager
+    bucket = f"taken-{uuid.uuid4().hex[:8]}"
+    # Created in one second, the older claim is the one whose name sorts first.
+    bed.apply(warm_cache("first", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"}),
+              namespace)
+    wait_ready(bed, namespace, "first")
+    bed.apply(warm_cache("second", bucket, {"targets": ["warm_targets:stuck_targets"], "image": "test/targets:1"},
+                         injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}), namespace)
+    eventually(lambda: conditions(bed.get_json("ccache", "second", namespace)).get("BucketReady", {}).get("reason")
+               == "PrefixInUse", timeout=30, what="the second cache refused")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader", "labels": {"cachewarm.dev/cache": "second"}},
+           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    assert gates(bed, namespace, "reader") == []
+    for name in ("second", "first"):
+        bed.kubectl_run("delete", "ccache", name, "-n", namespace, "--wait=false")

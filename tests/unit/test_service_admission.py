@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from cachewarm import service
+from cachewarm.clients import kube
+from cachewarm.conditions import Cond
+from cachewarm.model import parse_spec
 
 SPEC: dict[str, Any] = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}}
 WARMUP = {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}
@@ -74,3 +79,47 @@ def test_poll_only_when_something_can_change() -> None:
     assert not service.needs_poll(SPEC, {"observedGeneration": 2}, 2)
     waiting = {**SPEC, "injection": {"waitForWarm": {"enabled": True}}}
     assert service.needs_poll(waiting, {"observedGeneration": 2}, 2)
+
+
+def test_a_refused_cache_or_one_without_wait_for_warm_gates_no_pod() -> None:
+    spec = {**SPEC, "warmup": WARMUP, "injection": {"waitForWarm": {"enabled": True}}}
+    refused = service.index_entry(spec, generation=4, uid="u-1", warmed=False, refused=True)
+    answer = service.admit_pod(pod(), lookup(refused))
+    assert answer.injected and "schedulingGates" not in answer.spec
+    off = {**SPEC, "warmup": WARMUP, "injection": {"waitForWarm": {"enabled": False}}}
+    assert "schedulingGates" not in service.admit_pod(pod(), lookup(entry(off))).spec
+
+
+def test_held_pods_are_all_released_when_refused_or_when_wait_for_warm_is_turned_off() -> None:
+    on = parse_spec({**SPEC, "warmup": WARMUP, "injection": {"waitForWarm": {"enabled": True}}})
+    off = parse_spec({**SPEC, "warmup": WARMUP})
+    ok = Cond("BucketReady", True, "Reconciled", "")
+    refused = Cond("BucketReady", False, "PrefixInUse", "overlaps")
+    waited = {"injection": {"waitingPods": 2}}
+    assert service.release_all_because(on, refused, {}) == "the cache is refused (PrefixInUse)"
+    assert service.release_all_because(on, ok, waited) == ""
+    assert service.release_all_because(off, ok, waited) == "the cache no longer waits for warm (waitForWarm is off)"
+    assert service.release_all_because(off, ok, {"injection": {"waitingPods": 0}}) != ""
+    # A cache that never waited (no waitingPods in status) lists no pods.
+    assert service.release_all_because(off, ok, {"injection": {}}) == ""
+
+
+def test_a_warmed_cache_is_rewarmed_not_first_warmed() -> None:
+    assert service.was_warmed({"conditions": [{"type": "Warmed", "status": "True", "reason": "Rewarming"}]})
+    assert not service.was_warmed({"conditions": [{"type": "Warmed", "status": "False", "reason": "Warming"}]})
+    assert not service.was_warmed({})
+
+
+def test_a_pod_held_for_a_cache_that_does_not_exist_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    removed: list[tuple[str, str, int]] = []
+    monkeypatch.setattr(kube, "remove_scheduling_gate", lambda ns, name, i, gate: removed.append((ns, name, i)))
+    held = pod(schedulingGates=[{"name": "other"}, {"name": "cachewarm.dev/wait-for-warm"}])
+    event = service.release_orphaned_pod(held, lookup(None))
+    assert removed == [("ml", "trainer", 1)]
+    assert event is not None and event.reason == "PodReleased"
+    assert event.message == "Released pod trainer: its CompilationCache llama does not exist"
+    removed.clear()
+    # The cache exists: its own reconcile decides. Not held by us: nothing to do.
+    assert service.release_orphaned_pod(held, lookup(entry(SPEC))) is None
+    assert service.release_orphaned_pod(pod(schedulingGates=[{"name": "other"}]), lookup(None)) is None
+    assert removed == []

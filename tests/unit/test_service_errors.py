@@ -169,3 +169,47 @@ def test_a_bug_anywhere_still_writes_a_condition(monkeypatch: pytest.MonkeyPatch
     again = reconcile(FakeGcs(), spec(), {"conditions": outcome.status["conditions"]})
     assert conds(again)["Ready"]["message"] == ready["message"] and again.failure is not None
     assert again.events == []
+
+
+@pytest.fixture
+def held_pods(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """One pod held by the wait-for-warm gate; returns the names released."""
+    released: list[str] = []
+    pod = {"metadata": {"name": "held", "creationTimestamp": "2026-11-22T06:59:00Z"},
+           "spec": {"schedulingGates": [{"name": "cachewarm.dev/wait-for-warm"}]}}
+    monkeypatch.setattr(kube, "list_pods", lambda namespace, selector: [pod] if "cachewarm.dev/cache" in selector else [])
+    monkeypatch.setattr(kube, "remove_scheduling_gate", lambda ns, name, i, gate: released.append(name))
+    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: body)
+    return released
+
+
+def test_an_invalid_spec_releases_the_pods_held_for_it(held_pods: list[str]) -> None:
+    outcome = reconcile(FakeGcs(), {"storage": {"gcs": {"location": "US"}}})
+    assert outcome.invalid is not None and held_pods == ["held"]
+    assert [e.reason for e in outcome.events] == ["PodReleased"]
+    assert outcome.events[0].message.startswith("Released pod held: the cache's spec is invalid")
+
+
+def test_wait_for_warm_turned_off_releases_held_pods_once(held_pods: list[str]) -> None:
+    was = {"observedGeneration": 2, "injection": {"waitingPods": 1}}
+    outcome = reconcile(FakeGcs(), spec(), was)
+    assert held_pods == ["held"]
+    assert [e.message for e in outcome.events if e.reason == "PodReleased"] == [
+        "Released pod held: the cache no longer waits for warm (waitForWarm is off)"]
+    assert outcome.status["injection"]["waitingPods"] is None  # removed: the next reconcile lists no pods
+    held_pods.clear()
+    reconcile(FakeGcs(), spec(), {**was, "injection": {}})
+    assert held_pods == []
+
+
+def test_a_warm_cache_that_rewarms_stays_warmed(held_pods: list[str]) -> None:
+    was = {"conditions": [{"type": "Warmed", "status": "True", "reason": "Warmed", "message": "",
+                           "lastTransitionTime": "2026-11-22T06:00:00Z"}]}
+    waiting = {**spec(), "injection": {"waitForWarm": {"enabled": True}}}
+    warmed = conds(reconcile(FakeGcs(), waiting, was))["Warmed"]
+    assert (warmed["status"], warmed["reason"]) == ("True", "Rewarming")
+    assert held_pods == ["held"]  # Warmed: pods held from before are released as for a warm cache
+    first = conds(reconcile(FakeGcs(), waiting))["Warmed"]
+    assert (first["status"], first["reason"]) == ("False", "Warming")

@@ -19,6 +19,7 @@ from cachewarm.warmups import (
     PoolPlan,
     _job_state,
     _warmed,
+    release_waiting_pods,
     observe,
     plan_pool,
     pool_status,
@@ -179,6 +180,40 @@ def test_warmed_needs_every_pool_and_entries_on_the_bucket() -> None:
     assert _warmed([ok, {"name": "b", "state": "Failed", "lastError": "boom"}], 5).message == "Warmer failed on b: boom"
     assert _warmed([ok], 0).reason == "CacheEmpty"
     assert _warmed([ok], 3).status is True
+
+
+def test_a_rewarm_of_a_usable_cache_stays_warmed_and_a_first_warm_does_not() -> None:
+    running = [{"name": "a", "state": "Succeeded"}, {"name": "b", "state": "Running"}]
+    rewarm = _warmed(running, 5, warmed_before=True)
+    assert (rewarm.status, rewarm.reason) == (True, "Rewarming")
+    assert rewarm.message == "Re-warming: b Running; the 5 entries already cached stay in use"
+    assert _warmed(running, 5, warmed_before=False).reason == "Warming"
+    assert _warmed(running, 0, warmed_before=True).status is False  # nothing left to read
+    failed = _warmed([{"name": "b", "state": "Failed", "lastError": "boom"}], 5, warmed_before=True)
+    assert (failed.status, failed.reason) == (False, "WarmupFailed")
+
+
+def gated_pod(name: str, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    return {"metadata": {"name": name, "creationTimestamp": created},
+            "spec": {"schedulingGates": [{"name": "other"}, {"name": "cachewarm.dev/wait-for-warm"}]}}
+
+
+def test_a_release_with_a_reason_frees_every_held_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    removed: list[tuple[str, int]] = []
+    pods = [gated_pod("p1"), gated_pod("p2"), {"metadata": {"name": "free"}, "spec": {}}]
+    monkeypatch.setattr(kube, "list_pods", lambda ns, sel: pods)
+    monkeypatch.setattr(kube, "remove_scheduling_gate", lambda ns, name, i, gate: removed.append((name, i)))
+    waiting, events = release_waiting_pods(None, namespace="ml", name="llama", warmed=False,
+                                           now=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+                                           why="the cache was deleted")
+    assert waiting == 0 and removed == [("p1", 1), ("p2", 1)]
+    assert [(e.reason, e.message) for e in events] == [
+        ("PodReleased", "Released pod p1: the cache was deleted"), ("PodReleased", "Released pod p2: the cache was deleted")]
+    held, _ = release_waiting_pods(parse_spec({"storage": {"gcs": {"bucket": "b", "location": "US"}},
+                                               "injection": {"waitForWarm": {"enabled": True}}}),
+                                   namespace="ml", name="llama", warmed=False,
+                                   now=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))
+    assert held == 2  # without a reason, not yet warm and not timed out: still held
 
 
 @pytest.mark.parametrize("interim", ["FailureTarget", "SuccessCriteriaMet"])
