@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     webhook_url: str = Field(
         default="", description="URL to register instead of the Service (e.g. https://127.0.0.1:9443 off-cluster); empty keeps the Service."
     )
+    pod_name: str = Field(
+        default="", description="This operator's Pod (from the downward API): Events about the operator itself go on it; "
+                                "empty logs them only.",
+    )
+    pod_namespace: str = Field(default="", description="Namespace of pod_name (from the downward API).")
     injection_window_seconds: float = Field(
         default=3600.0, gt=0, description="Window over which status.injection.recentPods counts injected pods."
     )
