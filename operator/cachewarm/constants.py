@@ -125,6 +125,11 @@ class Reason:
     INVALID_OBJECT: Final = "InvalidObject"
     # A step failed in a way nothing else names (a bug, or a library raising the unexpected).
     RECONCILE_ERROR: Final = "ReconcileError"
+    # On the operator's own Pod (Events): its MutatingWebhookConfiguration could not be
+    # pointed at it (e.g. not installed), so pods are admitted without the cache env; and
+    # once it could.
+    WEBHOOK_NOT_CONFIGURED: Final = "WebhookNotConfigured"
+    WEBHOOK_CONFIGURED: Final = "WebhookConfigured"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.

@@ -11,12 +11,17 @@ from typing import Any
 
 import kopf
 
+from cachewarm import constants as c
 from cachewarm import handlers, logs
 from cachewarm.clients import kube
 from cachewarm.clients.gcs import GcsClient
 from cachewarm.injections import RecentInjections
 from cachewarm.settings import Settings
 from cachewarm.webhook import AdmissionServer, tls_files
+
+# Retries of the webhook configuration stop doubling here: once it is installed, the
+# operator should notice within a minute.
+WEBHOOK_RETRY_MAX_SECONDS = 60.0
 
 
 def run(settings: Settings) -> None:
@@ -33,10 +38,23 @@ def run(settings: Settings) -> None:
         return info
 
     @kopf.on.startup(registry=registry)
-    def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         handlers.configure_kopf(settings)
         if ours.webhook_enabled:
-            settings.admission.server = _webhook_server(ours)
+            settings.admission.server, ca_pem = _webhook_server(ours)
+            if ours.webhook_configuration and ca_pem:
+                # The first attempt is awaited (so a working cluster has the webhook pointed
+                # at us before anything reconciles); a failed one never holds up startup.
+                first_attempt = asyncio.Event()
+                memo.webhook_configuration_task = asyncio.create_task(
+                    _keep_webhook_configuration(ours, ca_pem, first_attempt))
+                await first_attempt.wait()
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+        task = memo.get("webhook_configuration_task")
+        if task is not None:
+            task.cancel()
 
     ours = settings
     kube.load_config()  # warmer Jobs, pods and webhook events go through the official client
@@ -55,9 +73,8 @@ def run(settings: Settings) -> None:
     )
 
 
-def _webhook_server(settings: Settings) -> AdmissionServer:
-    """Serving certificate, our webhook configuration pointed at it, and the server."""
-    log = logs.get("cachewarm.webhook")
+def _webhook_server(settings: Settings) -> tuple[AdmissionServer, bytes]:
+    """Serving certificate and the server; the CA that signed it (b"" when unknown)."""
     hosts = list(settings.webhook_hosts)
     if settings.webhook_url:
         url_host = urllib.parse.urlparse(settings.webhook_url).hostname
@@ -65,15 +82,61 @@ def _webhook_server(settings: Settings) -> AdmissionServer:
             hosts.append(url_host)
     tls = tls_files(settings.webhook_cert_dir, Path(tempfile.mkdtemp(prefix="cachewarm-tls-")), hosts,
                     dt.datetime.now(dt.timezone.utc))
-    if settings.webhook_configuration and tls.ca_pem:
-        url = f"{settings.webhook_url.rstrip('/')}/{handlers.WEBHOOK_ID}" if settings.webhook_url else None
-        changed = kube.set_webhook_client_config(settings.webhook_configuration, tls.ca_pem, url)
-        log.info("Pointed webhook configuration at this operator", configuration=settings.webhook_configuration,
-                 webhooks_changed=changed, url=url or "(service)")
-    return AdmissionServer(
+    server = AdmissionServer(
         addr=settings.webhook_address, port=settings.webhook_port,
         certfile=str(tls.certfile), pkeyfile=str(tls.keyfile), cadata=tls.ca_pem or None,
     )
+    return server, tls.ca_pem or b""
+
+
+async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_attempt: asyncio.Event) -> None:
+    """Point our MutatingWebhookConfiguration at this operator, retrying until it works.
+
+    Runs beside reconciliation, never in its way: while the configuration is missing or
+    unwritable, caches are still reconciled but pods are admitted without the cache env,
+    so every failed attempt is a warning log line, and an Event on the operator's Pod
+    (when settings.pod_name is known) when the error is new. Sets `first_attempt` after
+    the first try, whatever its outcome."""
+    log = logs.get("cachewarm.webhook")
+    name = settings.webhook_configuration
+    url = f"{settings.webhook_url.rstrip('/')}/{handlers.WEBHOOK_ID}" if settings.webhook_url else None
+    retry, last_error = 0, ""
+    while True:
+        try:
+            changed = await asyncio.to_thread(kube.set_webhook_client_config, name, ca_pem, url)
+        except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
+            first_attempt.set()
+            delay = min(handlers.backoff(settings, retry), WEBHOOK_RETRY_MAX_SECONDS)
+            error = str(exc) or type(exc).__name__
+            log.warning("Failed to point webhook configuration at this operator; pods are admitted without "
+                        "the cache env until it is", configuration=name, error=error, retry_in_seconds=delay)
+            if error != last_error:
+                await _operator_event(settings, "Warning", c.Reason.WEBHOOK_NOT_CONFIGURED,
+                                      f"MutatingWebhookConfiguration {name} could not be pointed at this operator "
+                                      f"({error}); pods are admitted without the cache env; retrying")
+            retry, last_error = retry + 1, error
+            await asyncio.sleep(delay)
+            continue
+        log.info("Pointed webhook configuration at this operator", configuration=name,
+                 webhooks_changed=changed, url=url or "(service)")
+        if last_error:
+            await _operator_event(settings, "Normal", c.Reason.WEBHOOK_CONFIGURED,
+                                  f"Pointed MutatingWebhookConfiguration {name} at this operator")
+        first_attempt.set()
+        return
+
+
+async def _operator_event(settings: Settings, type_: str, reason: str, message: str) -> None:
+    """An Event on the operator's own Pod; none when the Pod is not known (the caller's
+    log line is then all there is)."""
+    if not (settings.pod_name and settings.pod_namespace):
+        return
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": settings.pod_name, "namespace": settings.pod_namespace}}
+    try:
+        await asyncio.to_thread(kube.post_event, pod, type=type_, reason=reason, message=message,
+                                now=dt.datetime.now(dt.timezone.utc))
+    except kube.KubeError as exc:
+        logs.get("cachewarm.webhook").warning("Failed to post event on the operator's Pod", reason=reason, error=str(exc))
 
 
 def _liveness(url: str) -> str | None:

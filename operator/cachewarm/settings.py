@@ -6,10 +6,15 @@ and validated at startup, so a bad value stops the operator with a message, not 
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# A Kubernetes namespace name: a DNS-1123 label.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class Settings(BaseSettings):
@@ -19,7 +24,8 @@ class Settings(BaseSettings):
 
     namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Namespaces to watch, comma-separated or JSON list; empty watches the whole cluster.",
+        description='Namespaces to watch, as a JSON list (["team-a", "team-b"]) or comma-separated '
+                    '(team-a,team-b); each a namespace name (DNS-1123 label). Empty watches the whole cluster.',
     )
     log_format: Literal["json", "console"] = Field(
         default="json", description="json for clusters (one object per line), console for terminals."
@@ -62,7 +68,7 @@ class Settings(BaseSettings):
     )
     webhook_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["cachewarm-webhook.cachewarm-system.svc", "cachewarm-webhook.cachewarm-system.svc.cluster.local"],
-        description="Host names and IPs the self-made webhook certificate is valid for, comma-separated.",
+        description="Host names and IPs the self-made webhook certificate is valid for, as a JSON list or comma-separated.",
     )
     webhook_configuration: str = Field(
         default="cachewarm-pod-injector",
@@ -71,15 +77,37 @@ class Settings(BaseSettings):
     webhook_url: str = Field(
         default="", description="URL to register instead of the Service (e.g. https://127.0.0.1:9443 off-cluster); empty keeps the Service."
     )
+    pod_name: str = Field(
+        default="", description="This operator's Pod (from the downward API): Events about the operator itself go on it; "
+                                "empty logs them only.",
+    )
+    pod_namespace: str = Field(default="", description="Namespace of pod_name (from the downward API).")
     injection_window_seconds: float = Field(
         default=3600.0, gt=0, description="Window over which status.injection.recentPods counts injected pods."
     )
 
     @field_validator("namespaces", "webhook_hosts", mode="before")
     @classmethod
-    def _split_namespaces(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
+    def _parse_list(cls, value: object) -> object:
+        """A JSON list when the value starts with '[', otherwise comma-separated."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a valid JSON list ({exc.msg} at character {exc.pos}): {value!r}") from exc
+            if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+                raise ValueError(f"a JSON list must hold strings only: {value!r}")
+            return [item.strip() for item in parsed if item.strip()]
+        return [part.strip() for part in value.split(",") if part.strip()]
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespace_names(cls, value: list[str]) -> list[str]:
+        wrong = [name for name in value if not _NAMESPACE.fullmatch(name)]
+        if wrong:
+            raise ValueError(f"not namespace names (lowercase letters, digits and '-', at most 63): {wrong}")
         return value
 
     @classmethod

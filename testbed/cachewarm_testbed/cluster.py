@@ -1,8 +1,8 @@
 """The local control plane and GCS emulator, started on loopback the way envtest does.
 
-`Testbed` owns one working directory. `start()` brings up etcd, kube-apiserver (RBAC on,
-serving certs made with `cryptography`, a static admin token, service-account token
-signing) and the GCS emulator; `start_controller_manager()` adds kube-controller-manager
+`Testbed` owns one working directory. `start()` brings up etcd, kube-apiserver (RBAC and
+OwnerReferencesPermissionEnforcement on, as on OpenShift; serving certs made with
+`cryptography`, a static admin token, service-account token signing) and the GCS emulator; `start_controller_manager()` adds kube-controller-manager
 when a test needs Jobs, garbage collection or namespace deletion; `start_real_node()` a
 real kubelet with containerd (cachewarm_testbed.realnode). The state is written to
 `state.json` so another process (`make dev-down`) can stop what this one started.
@@ -551,6 +551,9 @@ class Testbed:
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--token-auth-file={pki / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
+                # As on OpenShift: blockOwnerDeletion needs update on the owner's
+                # finalizers, so manifests/ must grant it.
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={pki / 'sa.pub'}",

@@ -110,7 +110,7 @@ def test_cert_manager_overlay_renders_with_ca_injection_and_cert_dir(testbed: Te
     hook = docs[("MutatingWebhookConfiguration", "cachewarm-pod-injector")]
     assert hook["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "cachewarm-system/cachewarm-webhook"}
     operator = docs[("Deployment", "cachewarm-operator")]["spec"]["template"]["spec"]
-    env = {e["name"]: e["value"] for e in operator["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in operator["containers"][0]["env"]}  # valueFrom ones: None
     assert env["CACHEWARM_WEBHOOK_CERT_DIR"] == "/etc/cachewarm/tls"
     assert env["CACHEWARM_WEBHOOK_CONFIGURATION"] == ""
     assert {"name": "tls", "secret": {"secretName": "cachewarm-webhook-tls"}} in operator["volumes"]

@@ -189,6 +189,25 @@ def test_pool_status_fields_are_typed(crd_installed: Testbed, namespace: str) ->
         assert message in bad.stderr, (case, bad.stderr)
 
 
+def test_dotted_name_is_refused_and_dashed_name_accepted(crd_installed: Testbed, namespace: str) -> None:
+    # Dots are valid in Kubernetes names but not in the warmer Service name, the pods'
+    # subdomain or GCS label values built from it.
+    code, out = create(crd_installed, namespace, valid_cache("llama.v2"))
+    assert code != 0, f"apiserver accepted a dotted name:\n{out}"
+    assert "metadata.name must be a DNS-1035 label" in out
+    code, out = create(crd_installed, namespace, valid_cache("llama-v2"))
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("name", ["2llama", "llama-", "-llama"])
+def test_name_not_starting_with_a_letter_or_ending_with_dash_is_refused(
+    crd_installed: Testbed, namespace: str, name: str
+) -> None:
+    code, out = create(crd_installed, namespace, valid_cache(name))
+    assert code != 0, f"apiserver accepted {name!r}:\n{out}"
+    assert "metadata.name" in out
+
+
 def test_bucket_cannot_change_after_creation(crd_installed: Testbed, namespace: str) -> None:
     code, out = create(crd_installed, namespace, valid_cache("moving"))
     assert code == 0, out

@@ -4,7 +4,9 @@ validation runs) to the real kube-apiserver in a server-side dry run."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,3 +153,24 @@ def test_an_object_the_client_would_refuse_is_a_kube_error(admin_client: None, n
         kube.create(job, dry_run=True)
     assert refused.value.reason == "InvalidObject"
     assert "nvidia.com/gpu" in str(refused.value)
+
+
+def test_operator_identity_may_create_jobs_that_block_owner_deletion(
+    installed: Testbed, namespace: str, tmp_path: Path
+) -> None:
+    # The testbed's apiserver runs OwnerReferencesPermissionEnforcement (as OpenShift does):
+    # a Job whose ownerReference has blockOwnerDeletion needs update on
+    # compilationcaches/finalizers, which manifests/ must grant the operator.
+    cache = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "owner"},
+             "spec": {"storage": {"gcs": {"bucket": "objects-check", "prefix": "owner", "location": "us-central1"}}}}
+    made = installed.kubectl_run("create", "-n", namespace, "-o", "json", "-f", "-", input=json.dumps(cache))
+    assert made.returncode == 0, made.stderr
+    uid = json.loads(made.stdout)["metadata"]["uid"]
+    built = objects(namespace, {"name": "cpu"}, {"targets": ["train.warm:targets"]})
+    [job] = built
+    job["metadata"]["ownerReferences"] = [jb.owner_reference({"name": "owner", "uid": uid})]
+    assert job["metadata"]["ownerReferences"][0]["blockOwnerDeletion"] is True
+    kubeconfig = installed.service_account_kubeconfig("cachewarm-system", "cachewarm-operator", tmp_path / "kubeconfig")
+    created = installed.kubectl_run("create", "-n", namespace, "--dry-run=server", "-f", "-",
+                                    input=json.dumps(job), kubeconfig=kubeconfig)
+    assert created.returncode == 0, created.stderr

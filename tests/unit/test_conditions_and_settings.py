@@ -48,6 +48,39 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings.from_env().instance == "eu-west_2"
 
 
+@pytest.mark.parametrize("value", ['["team-a", "team-b"]', "team-a, team-b", "team-a,team-b,", ' ["team-a","team-b"] '])
+def test_namespaces_parse_as_json_list_or_comma_separated(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("CACHEWARM_NAMESPACES", value)
+    assert Settings.from_env().namespaces == ["team-a", "team-b"]
+
+
+def test_webhook_hosts_parse_as_json_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEWARM_WEBHOOK_HOSTS", '["hook.example.svc", "127.0.0.1"]')
+    assert Settings.from_env().webhook_hosts == ["hook.example.svc", "127.0.0.1"]
+
+
+@pytest.mark.parametrize("value", ["", "[]"])
+def test_empty_namespaces_watch_the_cluster(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("CACHEWARM_NAMESPACES", value)
+    assert Settings.from_env().namespaces == []
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('["team-a", "team-b"', "not a valid JSON list"),
+    ('["team-a", 2]', "must hold strings only"),
+    ('[["team-a"]]', "must hold strings only"),
+    ('["team.a"]', "not namespace names"),
+    ("Team-A,team-b", "not namespace names"),
+    ('["team-a" "team-b"]', "not a valid JSON list"),
+])
+def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    monkeypatch.setenv("CACHEWARM_NAMESPACES", value)
+    with pytest.raises(ValidationError) as info:
+        Settings.from_env()
+    assert "namespaces" in str(info.value)
+    assert message in str(info.value)
+
+
 @pytest.mark.parametrize(("var", "value"), [
     ("CACHEWARM_LOG_FORMAT", "xml"),
     ("CACHEWARM_LOG_LEVEL", "LOUD"),
