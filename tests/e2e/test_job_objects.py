@@ -1,6 +1,8 @@
 """Every warmer Job and Service the builders make, for every pool kind, sent through the
 same clients/kube.py function the operator uses (so the kubernetes client's own argument
-validation runs) to the real kube-apiserver in a server-side dry run."""
+validation runs) to the real kube-apiserver in a server-side dry run. This checks the
+objects' schema and the client's validation for every shape; what the operator itself
+creates, and that it runs, is proven through the operator in test_accelerator_pools.py."""
 
 from __future__ import annotations
 

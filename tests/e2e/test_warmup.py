@@ -171,16 +171,23 @@ def wait_ready(bed: Testbed, ns: str, name: str) -> None:
                what=f"{ns}/{name} Ready")
 
 
+def create_labelled_pod(bed: Testbed, ns: str, name: str, cache: str) -> dict[str, Any]:
+    """Create a pod opted in to `cache` (an image no node has: it is only ever held or
+    scheduled, never run); returns its manifest."""
+    manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
+                "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
+    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(manifest))
+    assert created.returncode == 0, created.stderr
+    return manifest
+
+
 def create_gated_setup(bed: Testbed, ns: str, cache: str, target: str, timeout: int, pod: str) -> dict[str, Any]:
     """A cache with waitForWarm and the given warmup target, Ready, and a labelled pod
     created right after; returns the pod manifest for reuse."""
     bed.apply(warm_cache(cache, f"{cache}-{uuid.uuid4().hex[:8]}", {"targets": [target], "image": "test/targets:1"},
                          injection={"waitForWarm": {"enabled": True, "timeoutSeconds": timeout}}), ns)
     wait_ready(bed, ns, cache)
-    manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": {"cachewarm.dev/cache": cache}},
-                "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
-    assert bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(manifest)).returncode == 0
-    return manifest
+    return create_labelled_pod(bed, ns, pod, cache)
 
 
 def gates(bed: Testbed, ns: str, pod: str) -> list[str]:
@@ -191,7 +198,7 @@ def test_wait_for_warm_holds_pods_until_the_cache_is_warm(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:
     bed = controller_manager
-    pod = create_gated_setup(bed, namespace, "gated", "warm_targets:slow_targets", 600, "waiter")
+    create_gated_setup(bed, namespace, "gated", "warm_targets:slow_targets", 600, "waiter")
     assert gates(bed, namespace, "waiter") == ["cachewarm.dev/wait-for-warm"]
     assert conditions(bed.get_json("ccache", "gated", namespace))["Warmed"]["status"] == "False"
     wait_warmed(bed, namespace, "gated")
@@ -199,8 +206,7 @@ def test_wait_for_warm_holds_pods_until_the_cache_is_warm(
     eventually(lambda: any(e["reason"] == "PodReleased" and "the cache is warm" in e["message"]
                            for e in bed.events_for("gated", namespace)), timeout=20, what="PodReleased event")
     # A pod created after the cache is warm is not held at all.
-    pod["metadata"]["name"] = "late"
-    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    create_labelled_pod(bed, namespace, "late", "gated")
     assert gates(bed, namespace, "late") == []
 
 
@@ -299,9 +305,7 @@ def test_a_pod_created_while_a_warmed_cache_rewarms_is_not_held(
         return warmed if warmed.get("reason") == "Rewarming" else None
     warmed = eventually(rewarming, timeout=20, what="Warmed True, reason Rewarming")
     assert warmed["status"] == "True" and "Re-warming: cpu" in warmed["message"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "during", "labels": {"cachewarm.dev/cache": "again"}},
-           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
-    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    create_labelled_pod(bed, namespace, "during", "again")
     assert gates(bed, namespace, "during") == []
 
 
@@ -318,9 +322,7 @@ def test_a_refused_cache_holds_no_pod(
                          injection={"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}), namespace)
     eventually(lambda: conditions(bed.get_json("ccache", "second", namespace)).get("BucketReady", {}).get("reason")
                == "PrefixInUse", timeout=30, what="the second cache refused")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader", "labels": {"cachewarm.dev/cache": "second"}},
-           "spec": {"containers": [{"name": "train", "image": "python:3.11", "command": ["true"]}]}}
-    assert bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod)).returncode == 0
+    create_labelled_pod(bed, namespace, "reader", "second")
     assert gates(bed, namespace, "reader") == []
     for name in ("second", "first"):
         bed.kubectl_run("delete", "ccache", name, "-n", namespace, "--wait=false")
