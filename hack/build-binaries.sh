@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kubectl from Go modules into a
+# Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy and kubectl from Go modules into a
 # cache folder keyed by version and by the wrapper modules' go.sum, so a second run costs
 # nothing. Usage: hack/build-binaries.sh OUT_DIR
 set -euo pipefail
@@ -21,10 +21,11 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ld="$ld -X $pkg.gitVersion=v$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
 done
 start=$(date +%s)
-echo "building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl v$K8S_VERSION (a cold build takes a while)"
+echo "building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy, kubectl v$K8S_VERSION (a cold build takes a while)"
 (cd "$here/k8s" && go build -trimpath -ldflags "$ld" -o "$out/" \
   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl)
+  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl \
+  k8s.io/kubernetes/cmd/kube-proxy)
 echo "building etcd v$ETCD_VERSION"
 (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$out/etcd" .)
 echo "$stamp" > "$out/.stamp"

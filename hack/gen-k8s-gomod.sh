@@ -25,5 +25,6 @@ staging="v0.${K8S_VERSION#*.}"
 rm -f "$here/k8s/go.sum"
 cd "$here/k8s"
 go get -tool k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl
+  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl \
+  k8s.io/kubernetes/cmd/kube-proxy
 go mod tidy

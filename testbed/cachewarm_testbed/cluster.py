@@ -33,11 +33,11 @@ import yaml
 from cachewarm import certs
 from cachewarm_testbed import nodes
 from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
-from cachewarm_testbed.realnode import RealNode
+from cachewarm_testbed.realnode import NODE_IP, RealNode
 
 T = TypeVar("T")
 
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "kubectl")
 ADMIN_USER = "cachewarm-testbed-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 # Controllers a test may need: Jobs make Pods, owner references are collected, namespaces
@@ -52,6 +52,8 @@ CONTROLLERS = (
     "node-lifecycle-controller",
     # The real node's pods mount a ServiceAccount token, which waits for kube-root-ca.crt.
     "root-ca-certificate-publisher-controller",
+    # Selector Services (the webhook's) get EndpointSlices, which kube-proxy routes to.
+    "endpointslice-controller",
 )
 
 
@@ -157,6 +159,9 @@ class State:
     gcs_port: int = 0
     gcs_emulator_port: int = 0
     admin_token: str = ""
+    # Where the apiserver and the GCS proxy listen: loopback, or the real node's address
+    # (on `lo`) when its pods must reach them.
+    host: str = "127.0.0.1"
     pids: dict[str, int] = field(default_factory=dict)
 
 
@@ -190,12 +195,12 @@ class Testbed:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.state.apiserver_port}"
+        return f"https://{self.state.host}:{self.state.apiserver_port}"
 
     @property
     def storage_emulator_host(self) -> str:
         """The GCS endpoint clients use: the fidelity/fault proxy in front of the emulator."""
-        return f"http://127.0.0.1:{self.state.gcs_port}"
+        return f"http://{self.state.host}:{self.state.gcs_port}"
 
     @property
     def kubectl(self) -> Path:
@@ -214,13 +219,20 @@ class Testbed:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def start(self, *, controller_manager: bool = False) -> Testbed:
+    def start(self, *, controller_manager: bool = False, real_node: bool = False) -> Testbed:
         """Start etcd, kube-apiserver and the GCS emulator; wait until each is ready.
+
+        With `real_node`, the machine is claimed for a real node first (start_real_node()
+        then brings it up) and the apiserver and the GCS proxy listen on its address, where
+        its pods reach them (the apiserver through the `kubernetes` Service).
 
         Raises StartError naming the process that failed, with the tail of its log;
         everything already started is stopped first.
         """
         try:
+            if real_node:
+                self.real_node = RealNode(self.workdir / "realnode", self.kubeconfig, bin_dir(), SERVICE_CIDR).claim()
+                self.state.host = NODE_IP
             bins = find_binaries()
             self._write_pki()
             self._start_etcd(bins["etcd"])
@@ -469,13 +481,13 @@ class Testbed:
         with kube-controller-manager and kube-scheduler; return once it is Ready. Needs root
         and `make node-deps`; one per machine. `stop()` removes it and restores the host.
         Raises StartError."""
-        if self.real_node is not None:
+        if self.real_node is not None and self.real_node.running:
             return self.real_node
         self.start_controller_manager()
         self.start_scheduler()
-        node = RealNode(self.workdir / "realnode", self.kubeconfig, bin_dir(), SERVICE_CIDR)
-        node.start()
+        node = self.real_node or RealNode(self.workdir / "realnode", self.kubeconfig, bin_dir(), SERVICE_CIDR)
         self.real_node = node
+        node.start()
         return node
 
     def pod_log(self, namespace: str, name: str, container: str) -> str:
@@ -494,7 +506,7 @@ class Testbed:
         now = dt.datetime.now(dt.timezone.utc)
         ca = certs.make_ca("cachewarm-testbed-ca", now=now)
         serving = certs.make_serving_cert(
-            ca, ["127.0.0.1", "localhost", "kubernetes.default.svc", "10.96.0.1"], now=now
+            ca, ["127.0.0.1", "localhost", "kubernetes.default.svc", "10.96.0.1", NODE_IP], now=now
         )
         sa_private, sa_public = certs.make_signing_key()
         for fname, data in {
@@ -544,8 +556,9 @@ class Testbed:
             [
                 str(binary),
                 f"--etcd-servers=http://127.0.0.1:{self.state.etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.state.host}",
+                # The `kubernetes` Service's endpoint: a loopback address gets none.
+                f"--advertise-address={self.state.host}",
                 f"--secure-port={self.state.apiserver_port}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -596,8 +609,8 @@ class Testbed:
         self.state.gcs_port = free_port()
         proxy = start(
             "gcs-proxy",
-            [sys.executable, "-m", "cachewarm_testbed.gcsproxy", f"--port={self.state.gcs_port}",
-             f"--upstream={upstream}"],
+            [sys.executable, "-m", "cachewarm_testbed.gcsproxy", f"--host={self.state.host}",
+             f"--port={self.state.gcs_port}", f"--upstream={upstream}"],
             self.workdir / "logs" / "gcs-proxy.log",
         )
         self._track(proxy)

@@ -214,10 +214,11 @@ def make_app(upstream: str) -> web.Application:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="the emulator's base URL")
     args = parser.parse_args()
-    web.run_app(make_app(args.upstream), host="127.0.0.1", port=args.port, print=None)
+    web.run_app(make_app(args.upstream), host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

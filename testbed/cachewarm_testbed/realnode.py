@@ -65,6 +65,11 @@ BUSYBOX_IMAGE = "cachewarm.local/busybox:1"
 SYSCTLS = (
     "kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory", "vm/panic_on_oom",
     "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward",
+    # kube-proxy's: it is configured to leave them alone (conntrack settings 0, no localhost
+    # NodePorts), and the snapshot proves it did.
+    "net/ipv4/conf/all/route_localnet", "net/netfilter/nf_conntrack_max",
+    "net/netfilter/nf_conntrack_tcp_timeout_established", "net/netfilter/nf_conntrack_tcp_timeout_close_wait",
+    "net/bridge/bridge-nf-call-iptables",
 )
 # Host paths the kubelet, containerd, runc or CNI create at fixed places: removed at stop
 # when they did not exist at start.
@@ -325,6 +330,7 @@ class RealNode:
         self.workdir = workdir
         self.kubeconfig = kubeconfig
         self.kubelet_bin = bin_dir / "kubelet"
+        self.kube_proxy_bin = bin_dir / "kube-proxy"
         self.kubectl_bin = bin_dir / "kubectl"
         self.service_cidr = service_cidr
         self.procs: dict[str, Proc] = {}
@@ -333,6 +339,9 @@ class RealNode:
         self.socket = RUN_DIR / "containerd" / "containerd.sock"
         self.kubelet_port = 0
         self.timings: dict[str, float] = {}
+        self.proxy_health_port = 0
+        self.claimed = False
+        self.running = False
 
     @property
     def log_dir(self) -> Path:
@@ -343,14 +352,17 @@ class RealNode:
 
     # -- start ------------------------------------------------------------------------
 
-    def start(self, lock_timeout: float = 120.0) -> RealNode:
-        """Bring the node up and wait until the apiserver shows it Ready (after waiting up to
-        `lock_timeout` seconds for another real node on this machine to stop).
+    def claim(self, lock_timeout: float = 120.0) -> RealNode:
+        """Take the machine for this node before anything else starts: the lock (waiting up
+        to `lock_timeout` seconds for another real node on this machine to stop), the host
+        snapshot, the node address on `lo` and the FORWARD guard. A control plane that pods
+        must reach (the apiserver, the GCS proxy) is then started on NODE_IP.
 
         Raises StartError naming what failed (a missing package, another real node holding
-        the lock, leftovers of an earlier run, or a process with its log tail); whatever
-        was already changed is undone first.
+        the lock, leftovers of an earlier run); whatever was already changed is undone first.
         """
+        if self.claimed:
+            return self
         self._preflight()
         self._take_lock(lock_timeout)
         try:
@@ -363,15 +375,36 @@ class RealNode:
                                  f"{', '.join(leftovers)} (a kubelet of someone else's, or reboot)")
             self._save_state()
             self._check_ranges_free()
-            t0 = time.monotonic()
             _run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
             self._install_guard()
+            self.claimed = True
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self, lock_timeout: float = 120.0) -> RealNode:
+        """Bring the node up (claiming the machine first unless claim() did) and wait until
+        the apiserver shows it Ready and kube-proxy has programmed the `kubernetes` Service.
+
+        Raises StartError naming what failed (see claim(), or a process with its log tail);
+        whatever was already changed is undone first.
+        """
+        if self.running:
+            return self
+        self.claim(lock_timeout)
+        try:
+            t0 = time.monotonic()
             self._start_containerd()
             self._import_images()
             self.timings["containerd"] = time.monotonic() - t0
             t1 = time.monotonic()
             self._start_kubelet()
             self.timings["kubelet_ready"] = time.monotonic() - t1
+            t2 = time.monotonic()
+            self._start_kube_proxy()
+            self.timings["kube_proxy_synced"] = time.monotonic() - t2
+            self.running = True
         except BaseException:
             self.stop()
             raise
@@ -386,8 +419,9 @@ class RealNode:
                                       "iptables-save", "ip") if shutil.which(tool) is None]
         if missing:
             raise StartError(f"the real node needs {', '.join(missing)}: {PACKAGES_HINT}")
-        if not os.access(self.kubelet_bin, os.X_OK):
-            raise StartError(f"kubelet missing in {self.kubelet_bin.parent}: build it with `make bin`")
+        for binary in (self.kubelet_bin, self.kube_proxy_bin):
+            if not os.access(binary, os.X_OK):
+                raise StartError(f"{binary.name} missing in {binary.parent}: build it with `make bin`")
 
     def _save_state(self) -> None:
         assert self.before is not None
@@ -561,6 +595,47 @@ state = "{state}"
             return out.returncode == 0 and out.stdout.split() == ["True"]
         wait_until(proc, ready, timeout=90, what=f"Ready as node {NODE_NAME}")
 
+    def _kube_proxy_config(self) -> Path:
+        """kube-proxy in iptables mode, told to leave the host's conntrack sysctls and
+        route_localnet alone, serving health and metrics on loopback only."""
+        config = {
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(self.kubeconfig)},
+            "hostnameOverride": NODE_NAME, "bindAddress": NODE_IP, "mode": "iptables",
+            "clusterCIDR": POD_CIDR, "nodePortAddresses": [f"{NODE_IP}/32"],
+            "healthzBindAddress": f"127.0.0.1:{self.proxy_health_port}",
+            "metricsBindAddress": f"127.0.0.1:{free_port()}",
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+            "iptables": {"localhostNodePorts": False, "masqueradeAll": False},
+        }
+        path = self.workdir / "kube-proxy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def _start_kube_proxy(self) -> None:
+        """Service ClusterIPs for the node's pods and for the host (the apiserver calls the
+        webhook through its Service): ready once the `kubernetes` Service is programmed."""
+        self.proxy_health_port = free_port()
+        path = self._kube_proxy_config()
+        proc = start("kube-proxy", [str(self.kube_proxy_bin), f"--config={path}", "--v=1"],
+                     self.log_dir / "kube-proxy.log")
+        self.procs["kube-proxy"] = proc
+        self._save_state()
+
+        def synced() -> bool:
+            rules = _run("iptables", "-w", "-t", "nat", "-S", "KUBE-SERVICES", check=False).stdout
+            return "default/kubernetes:https cluster IP" in rules
+        wait_until(proc, synced, timeout=60, what="syncing the `kubernetes` Service into iptables")
+
+    def _stop_kube_proxy(self) -> None:
+        proc = self.procs.pop("kube-proxy", None)
+        if proc is None:
+            return
+        proc.stop(timeout=10)
+        # Its own cleanup removes every chain and rule it made (the snapshot restore would
+        # too, rule by rule).
+        _run(str(self.kube_proxy_bin), f"--config={self.workdir / 'kube-proxy.yaml'}", "--cleanup", check=False)
+
     # -- stop ---------------------------------------------------------------------------
 
     def drain(self, timeout: float = 60.0) -> None:
@@ -584,6 +659,7 @@ state = "{state}"
         t0 = time.monotonic()
         with contextlib.suppress(Exception):
             self.drain()
+        self._stop_kube_proxy()
         for name in ("kubelet", "containerd"):
             if name in self.procs:
                 self.procs.pop(name).stop(timeout=10)
@@ -593,6 +669,7 @@ state = "{state}"
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        self.claimed = self.running = False
         self.timings["teardown"] = time.monotonic() - t0
 
     def _restore(self, before: HostSnapshot) -> None:

@@ -1,6 +1,8 @@
-"""A real node in the testbed: kubelet v1.36.3 + containerd + runc + CNI bridge run real
-busybox pods (init container into an emptyDir, termination message, a Job of 3
-completions, `kubectl logs`), and stopping the testbed leaves the host as it was.
+"""A real node in the testbed: kubelet v1.36.3 + containerd + runc + CNI bridge + kube-proxy
+run real busybox pods (init container into an emptyDir, termination message, a Job of 3
+completions, `kubectl logs`), pods reach the apiserver through the `kubernetes` Service and
+the GCS proxy on the node address, the host reaches a pod through its Service's ClusterIP
+(as the apiserver reaches the webhook), and stopping the testbed leaves the host as it was.
 
 Needs root on Linux and `make node-deps` (skipped, with the reason, without root). It has
 its own testbed: the kubelet uses fixed host paths, so only one real node runs per machine
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ from typing import Any
 import pytest
 
 from cachewarm_testbed import realnode
-from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.cluster import Testbed, eventually
 from cachewarm_testbed.processes import StartError
 from cachewarm_testbed.realnode import BUSYBOX_IMAGE, NODE_IP, NODE_NAME, POD_CIDR, HostSnapshot, RealNode
 
@@ -47,7 +50,7 @@ def real() -> Iterator[RealBed]:
     before = HostSnapshot.take()
     bed = Testbed()
     try:
-        bed.start(controller_manager=True)
+        bed.start(controller_manager=True, real_node=True)
         node = bed.start_real_node()
         yield RealBed(bed, node, before)
     finally:
@@ -142,14 +145,72 @@ def guard_dropped() -> int:
     return sum(int(line.split()[0]) for line in out.stdout.splitlines()[2:] if line.split())
 
 
-def test_pod_traffic_to_a_clusterip_is_dropped_on_the_host(real: RealBed, ns: str) -> None:
-    """No kube-proxy runs, so a packet to a ClusterIP would be routed out of the host's
-    interface: the FORWARD guard must drop it (its counter grows, the connection fails)."""
+def run_pod(bed: Testbed, ns: str, name: str, script: str) -> str:
+    """Run `script` in a busybox pod to completion; return its log."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"restartPolicy": "Never", "containers": [busybox("c", script)]}}
+    bed.apply(pod, ns)
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", f"pod/{name}", "-n", ns)
+    logs = bed.kubectl_run("logs", name, "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    return logs.stdout
+
+
+def test_pods_reach_the_apiserver_through_the_kubernetes_service(real: RealBed, ns: str) -> None:
+    """What an in-cluster client does: KUBERNETES_SERVICE_HOST is the ClusterIP, which
+    kube-proxy sends to the apiserver on the node address."""
+    out = run_pod(real.bed, ns, "incluster",
+                  'echo "host=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"; '
+                  'nc -w 5 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT </dev/null; echo rc=$?')
+    assert "host=10.96.0.1:443" in out.split(), out
+    assert "rc=0" in out.split(), out  # the TCP connection through the ClusterIP was accepted
+
+
+def test_pods_reach_the_gcs_proxy_on_the_node_address(real: RealBed, ns: str) -> None:
+    bed = real.bed
+    assert bed.storage_emulator_host.startswith(f"http://{NODE_IP}:")
+    out = run_pod(bed, ns, "gcs", f"wget -q -O - '{bed.storage_emulator_host}/storage/v1/b?project=testbed'; "
+                                  "echo; echo rc=$?")
+    assert "rc=0" in out.split(), out
+    assert "storage#buckets" in out, out
+
+
+def test_the_host_reaches_a_pod_through_its_service_clusterip(real: RealBed, ns: str) -> None:
+    """The apiserver calls an admission webhook through its Service's ClusterIP from the
+    host: the same path, with busybox httpd behind a selector Service."""
+    bed = real.bed
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "labels": {"app": "web"}},
+           "spec": {"containers": [busybox("c", "mkdir -p /www && echo served-by-$HOSTNAME > /www/index.html "
+                                                "&& exec httpd -f -p 8080 -h /www",
+                                           ports=[{"containerPort": 8080, "name": "http"}])]}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+               "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]}}
+    bed.apply(pod, ns)
+    bed.apply(service, ns)
+    wait(bed, "--for=condition=Ready", "pod/web", "-n", ns)
+    svc = bed.get_json("service", "web", ns)
+    assert svc is not None
+    cluster_ip = svc["spec"]["clusterIP"]
+    assert ipaddress.ip_address(cluster_ip) in ipaddress.ip_network("10.96.0.0/16")
+
+    def answered() -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://{cluster_ip}/index.html", timeout=3) as resp:
+                return str(resp.read().decode())
+        except OSError:
+            return None
+    assert eventually(answered, timeout=60, what=f"{cluster_ip}:80 answering") == "served-by-web\n"
+
+
+def test_pod_traffic_to_an_unserved_clusterip_is_dropped_on_the_host(real: RealBed, ns: str) -> None:
+    """kube-proxy has no rule for a ClusterIP no Service holds, so the packet would be
+    routed out of the host's interface: the FORWARD guard must drop it (its counter grows,
+    the connection fails)."""
     bed = real.bed
     dropped = guard_dropped()
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "leak"},
            "spec": {"restartPolicy": "Never",
-                    "containers": [busybox("c", "nc -w 3 10.96.0.1 443 </dev/null; echo rc=$?")]}}
+                    "containers": [busybox("c", "nc -w 3 10.96.255.254 443 </dev/null; echo rc=$?")]}}
     bed.apply(pod, ns)
     wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/leak", "-n", ns)
     logs = bed.kubectl_run("logs", "leak", "-n", ns)
@@ -192,6 +253,7 @@ def test_failed_start_names_the_process_and_restores_the_host(real: RealBed, tmp
     bins.mkdir()
     (bins / "kubelet").write_text("#!/bin/sh\necho 'kubelet: simulated failure' >&2\nexit 3\n")
     (bins / "kubelet").chmod(0o755)
+    (bins / "kube-proxy").symlink_to(real.node.kube_proxy_bin)
     node = RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16")
     with pytest.raises(StartError, match=r"kubelet exited \(code 3\)[\s\S]*simulated failure"):
         node.start()
@@ -202,7 +264,7 @@ KILLED_RUN = """
 import sys, time
 from pathlib import Path
 from cachewarm_testbed.cluster import Testbed
-bed = Testbed(Path(sys.argv[1])).start(controller_manager=True)
+bed = Testbed(Path(sys.argv[1])).start(controller_manager=True, real_node=True)
 bed.start_real_node()
 print("ready", flush=True)
 time.sleep(600)
@@ -231,6 +293,7 @@ def test_a_killed_run_is_undone_by_the_next_start(real: RealBed, tmp_path: Path)
         bins.mkdir()
         (bins / "kubelet").write_text("#!/bin/sh\nexit 3\n")
         (bins / "kubelet").chmod(0o755)
+        (bins / "kube-proxy").symlink_to(real.node.kube_proxy_bin)
         with pytest.raises(StartError, match=r"kubelet exited \(code 3\)"):
             RealNode(tmp_path / "node", tmp_path / "kubeconfig", bins, "10.96.0.0/16").start()
     finally:
