@@ -1,9 +1,12 @@
 """`make demo`: cachewarm's main job on a local control plane, start to finish.
 
-1. Starts etcd, kube-apiserver, kube-controller-manager and the GCS emulator on loopback,
-   installs manifests/, runs the operator as its ServiceAccount, and starts kube-scheduler
-   with the node agent (simulated GKE nodes whose stand-in kubelet runs pods as local
-   processes).
+1. Starts etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the GCS
+   emulator, and a real node (kubelet + containerd + kube-proxy, cachewarm_testbed.realnode;
+   needs Linux and root); builds the operator, warmer and training images from our
+   Dockerfiles (cached by content) into the node's containerd; installs the operator with
+   `kubectl apply -k manifests/` (plus the GCS emulator's address in its env).
+   With --simulated instead: no root needed; the operator runs as a local process under
+   its ServiceAccount, and simulated GKE nodes (the node agent) run pods as local processes.
 2. Trains once without the cache (an unlabelled pod): the cold time to the first step.
 3. Applies demo/compilationcache.yaml; the operator creates the bucket and a warmer Job,
    which compiles demo/train.py's step into the bucket; the cache turns Warmed.
@@ -24,22 +27,39 @@ from typing import Any
 
 import yaml
 
+from cachewarm_testbed import images, install
+from cachewarm_testbed.realnode import NODE_NAME
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, exit_on_sigterm, local_images, repo_root
 
 REPO = repo_root()
 NS = "demo"
-IMAGES = local_images()
+# How pods find GCS here: the emulator's address (a real cluster needs none of it).
+GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 
 
 def say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def train_pod(bed: Testbed, name: str, cache: str | None) -> dict[str, Any]:
+def client_env(bed: Testbed, real: bool) -> list[dict[str, str]]:
+    """The GCS emulator's address for the real node's pods (simulated nodes add it themselves)."""
+    env = bed.env()
+    return [{"name": k, "value": env[k]} for k in GCS_ENV] if real else []
+
+
+def pod_log(bed: Testbed, name: str, real: bool) -> str:
+    if not real:
+        return bed.pod_log(NS, name, "train")
+    out = bed.kubectl_run("logs", name, "-n", NS, "-c", "train")
+    return out.stdout if out.returncode == 0 else out.stderr
+
+
+def train_pod(bed: Testbed, name: str, cache: str | None, real: bool) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
         "spec": {"restartPolicy": "Never", "containers": [{
-            "name": "train", "image": "demo/train:1", "command": ["python", "train.py", "--steps", "3"]}]},
+            "name": "train", "image": images.TRAIN_IMAGE, "command": ["python", "train.py", "--steps", "3"],
+            "env": client_env(bed, real)}]},
     }
     if cache:
         pod["metadata"]["labels"] = {"cachewarm.dev/cache": cache}
@@ -52,7 +72,7 @@ def train_pod(bed: Testbed, name: str, cache: str | None) -> dict[str, Any]:
                                 if (((bed.get_json("pod", name, NS) or {}).get("status") or {}).get("phase")
                                     in ("Succeeded", "Failed")) else None),
                        timeout=300, what=f"pod {name} to finish")
-    log = bed.pod_log(NS, name, "train")
+    log = pod_log(bed, name, real)
     if phase != "Succeeded":
         raise SystemExit(f"pod {name} failed:\n{log[-3000:]}")
     stored = bed.get_json("pod", name, NS) or {}
@@ -63,32 +83,59 @@ def train_pod(bed: Testbed, name: str, cache: str | None) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", type=Path, default=REPO / "demo-report.json")
+    parser.add_argument("--simulated", action="store_true",
+                        help="no root: simulated nodes (the node agent) and the operator as a local process")
     args = parser.parse_args()
+    real = not args.simulated
     exit_on_sigterm()
     t_start = time.monotonic()
     bed = Testbed()
     operator = None
+    setup: dict[str, Any] = {}
     try:
-        say("starting etcd, kube-apiserver, kube-controller-manager and the GCS emulator")
-        bed.start(controller_manager=True)
-        if bed.kubectl_run("apply", "-k", str(REPO / "manifests")).returncode != 0:
-            raise SystemExit("kubectl apply -k manifests/ failed")
-        bed.kubectl_run("wait", "--for=condition=Established", "crd/compilationcaches.cachewarm.dev")
-        say("installed manifests/ (CRD, RBAC, webhook configuration); starting the operator as its ServiceAccount")
-        kubeconfig = bed.service_account_kubeconfig("cachewarm-system", "cachewarm-operator",
-                                                    Path(tempfile.mkdtemp()) / "kubeconfig")
-        operator = OperatorHandle(bed, kubeconfig, {"CACHEWARM_WARM_POLL_SECONDS": "1",
-                                                    "CACHEWARM_RESYNC_SECONDS": "30"})
-        bed.start_node_agent(IMAGES)
+        if real:
+            t0 = time.monotonic()
+            say("building the operator, warmer and training images from our Dockerfiles (cached by content)")
+            archives = images.build_all()
+            setup["imagesSeconds"] = round(time.monotonic() - t0, 1)
+            say("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the GCS emulator "
+                "and a real node (kubelet, containerd, kube-proxy)")
+            bed.start(controller_manager=True, real_node=True)
+            node = bed.start_real_node()
+            node.import_images(archives)
+            say(f"  node {NODE_NAME} Ready; images imported: {', '.join(sorted(archives))}")
+            env = bed.env()
+            pod = install.install_operator(bed, REPO / "manifests", {
+                **{k: env[k] for k in GCS_ENV}, "CACHEWARM_WARM_POLL_SECONDS": "1", "CACHEWARM_RESYNC_SECONDS": "30"})
+            say(f"installed with kubectl apply -k manifests/: operator Pod {pod['metadata']['name']} "
+                f"({pod['spec']['containers'][0]['image']}) Running on {pod['spec']['nodeName']}")
+            setup["images"] = sorted(archives)
+            setup["operatorPod"] = {"name": pod["metadata"]["name"], "node": pod["spec"]["nodeName"],
+                                    "image": pod["spec"]["containers"][0]["image"],
+                                    "imageID": pod["status"]["containerStatuses"][0]["imageID"]}
+        else:
+            say("starting etcd, kube-apiserver, kube-controller-manager and the GCS emulator")
+            bed.start(controller_manager=True)
+            if bed.kubectl_run("apply", "-k", str(REPO / "manifests")).returncode != 0:
+                raise SystemExit("kubectl apply -k manifests/ failed")
+            bed.kubectl_run("wait", "--for=condition=Established", "crd/compilationcaches.cachewarm.dev")
+            say("installed manifests/ (CRD, RBAC, webhook configuration); starting the operator as its ServiceAccount")
+            kubeconfig = bed.service_account_kubeconfig("cachewarm-system", "cachewarm-operator",
+                                                        Path(tempfile.mkdtemp()) / "kubeconfig")
+            operator = OperatorHandle(bed, kubeconfig, {"CACHEWARM_WARM_POLL_SECONDS": "1",
+                                                        "CACHEWARM_RESYNC_SECONDS": "30"})
+            bed.start_node_agent(local_images())
+        setup["clusterSeconds"] = round(time.monotonic() - t_start, 1)
         bed.kubectl_run("create", "namespace", NS)
         eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
 
         say("training without the cache (cold)")
-        cold = train_pod(bed, "train-cold", None)
+        cold = train_pod(bed, "train-cold", None, real)
         say(f"  first step {cold['first_step_seconds']} s, programs compiled: {cold['compiled']}")
 
         say("applying demo/compilationcache.yaml")
         cache = yaml.safe_load((REPO / "demo" / "compilationcache.yaml").read_text())
+        cache["spec"]["warmup"]["env"] = client_env(bed, real)
         bed.apply(cache, NS)
 
         def warmed() -> dict[str, Any] | None:
@@ -106,11 +153,13 @@ def main() -> None:
             f"({pool['bytesWritten']} bytes) in {pool['compileSeconds']} s")
 
         say("training in a pod labelled cachewarm.dev/cache=llama-demo (warm)")
-        warm = train_pod(bed, "train-warm", "llama-demo")
+        warm = train_pod(bed, "train-warm", "llama-demo", real)
         say(f"  on {warm['node']}: first step {warm['first_step_seconds']} s, cache hits: {warm['cache_hits']}, "
             f"programs compiled: {warm['compiled']}")
 
         report = {
+            "node": "real (kubelet + containerd)" if real else "simulated (node agent)",
+            **setup,
             "bucket": status["bucket"],
             "cache": status["cache"],
             "warmup": pool,
@@ -123,12 +172,17 @@ def main() -> None:
         }
         args.report.write_text(json.dumps(report, indent=2) + "\n")
         b = status["bucket"]
+        install_line = (f"operator      {setup['operatorPod']['image']} on {setup['operatorPod']['node']} "
+                        f"(kubectl apply -k manifests/), images {', '.join(setup['images'])}" if real
+                        else "operator      a local process under its ServiceAccount (--simulated)")
         print(f"""
 cachewarm demo report
+  {install_line}
   bucket        {b['url']}  location {b['location']}  class {b['storageClass']}
                 entries deleted {b['deleteAfterDays']} d after a warmer last used them (customTime), soft delete {b['softDeleteDays']} d
   warmer Job    {pool['job']}: {pool['state']} on {warmer_nodes}, {pool['entriesWritten']} entries written, {pool['entriesFound']} found
   training pod  cold on {cold['node']}, warm on {warm['node']} (placed by kube-scheduler)
+  wall time     {report['demoSeconds']} s, of which images {setup.get('imagesSeconds', 0)} s and cluster start {setup['clusterSeconds']} s
   cache         {status['cache']['entries']} entries, {status['cache']['bytes']} bytes
   injected env  {', '.join(f'{k}={v}' for k, v in report['injectedEnv'].items())}
   first step    cold {cold['first_step_seconds']} s (compiled {cold['compiled']})

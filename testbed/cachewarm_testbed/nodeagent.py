@@ -38,6 +38,17 @@ ServiceAccount token (nothing in a pod can reach the apiserver); containers are 
 (restartPolicy is treated as Never); no probes run (a pod with a readinessProbe never turns
 Ready); resource limits are not enforced.
 
+Where it is still used, and why not the real node (cachewarm_testbed.realnode): the
+session's `node_agent` fixture (tests/conftest.py) serves tests/e2e/test_accelerator_pools.py,
+test_warmup.py and test_node_agent.py, and `make dev-up` and
+`demo/run.py --simulated` start it too. They need what one real kubelet cannot give: many
+nodes at once, GKE-shaped, with `nvidia.com/gpu` and `google.com/tpu` capacity and TPU
+topologies (a kubelet reports only the devices it has, and only one real node runs per
+machine), and no root. What a user's first cluster install does (images from our
+Dockerfiles, `kubectl apply -k manifests/`, the webhook through its Service, the warmer's
+init container, the kubelet's termination message) is proven on the real node:
+tests/e2e/test_real_install.py and `make demo`.
+
 Run: python -m cachewarm_testbed.nodeagent --kubeconfig K --workdir D --image-map JSON --nodes JSON
 """
 

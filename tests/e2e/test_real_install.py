@@ -1,0 +1,186 @@
+"""cachewarm as a user installs it, on a real node (issue 10's proof).
+
+The images are built from our Dockerfiles (cachewarm_testbed.images, cached by content)
+and imported into the real node's containerd; `kubectl apply -k manifests/` installs the
+operator, which runs from its image in cachewarm-system under its ServiceAccount and the
+Deployment's security context, reaching the apiserver through the `kubernetes` Service
+(kube-proxy) and the GCS emulator on the node address. Then:
+
+- a CompilationCache's warmer Job runs the training image, with warm.py copied in by the
+  warmer image's init container; it fills the emulated bucket; the operator reads the
+  result from the termination message the kubelet wrote, and the cache turns Warmed;
+- a labelled training pod created through the apiserver gets the cache env from the
+  in-cluster webhook (called through its Service) and its first step hits the cache with
+  no compile.
+
+What differs from GKE, and why: GCS is the emulator behind our proxy, named by
+STORAGE_EMULATOR_HOST (in the operator's env through a kustomize overlay, in the warmer's
+through `warmup.env`, in the training pod's own spec), as any cluster without real GCS
+needs; the node is a CPU node, so the warmer runs on the accelerator-less pool. Needs
+root and `make node-deps`; one real node per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cachewarm_testbed import images, install
+from cachewarm_testbed.cluster import Testbed, eventually, repo_root
+from cachewarm_testbed.realnode import NODE_NAME, RealNode
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0, reason="a real kubelet and containerd need root"),
+]
+
+REPO = repo_root()
+GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+@dataclass
+class Installed:
+    bed: Testbed
+    node: RealNode
+    operator: dict[str, Any]
+
+    def client_env(self) -> list[dict[str, str]]:
+        """How pods of this cluster find GCS (the emulator)."""
+        env = self.bed.env()
+        return [{"name": k, "value": env[k]} for k in GCS_ENV]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Installed]:
+    archives = images.build_all()
+    bed = Testbed()
+    try:
+        bed.start(controller_manager=True, real_node=True)
+        node = bed.start_real_node()
+        node.import_images(archives)
+        env = bed.env()
+        operator = install.install_operator(bed, REPO / "manifests", {
+            **{k: env[k] for k in GCS_ENV},
+            "CACHEWARM_WARM_POLL_SECONDS": "2",
+        })
+        yield Installed(bed, node, operator)
+    finally:
+        bed.stop()
+
+
+@pytest.fixture
+def ns(cluster: Installed) -> str:
+    name = f"ri-{uuid.uuid4().hex[:8]}"
+    made = cluster.bed.kubectl_run("create", "namespace", name)
+    assert made.returncode == 0, made.stderr
+    eventually(lambda: cluster.bed.get_json("serviceaccount", "default", name), what="default ServiceAccount")
+    return name
+
+
+def manifest_deployment() -> dict[str, Any]:
+    return dict(yaml.safe_load((REPO / "manifests" / "manager" / "deployment.yaml").read_text()))
+
+
+def test_operator_runs_from_its_image_under_the_manifests_security_context(cluster: Installed) -> None:
+    pod = cluster.operator
+    want = manifest_deployment()["spec"]["template"]["spec"]
+    assert pod["spec"]["nodeName"] == NODE_NAME
+    assert pod["spec"]["serviceAccountName"] == want["serviceAccountName"] == "cachewarm-operator"
+    assert pod["spec"]["securityContext"] == want["securityContext"]
+    [container] = pod["spec"]["containers"]
+    assert container["securityContext"] == want["containers"][0]["securityContext"]
+    assert container["image"] == "cachewarm/operator:0.1.0"
+    [status] = pod["status"]["containerStatuses"]
+    assert status["ready"] and status["restartCount"] == 0, status
+    assert status["imageID"].startswith("sha256:") or "@sha256:" in status["imageID"], status
+
+    # Inside the real container: the manifests' user, and a root filesystem it cannot write.
+    out = cluster.bed.kubectl_run("exec", "-n", install.NAMESPACE, pod["metadata"]["name"], "--",
+                                  "python", "-c",
+                                  "import os\ntry:\n open('/probe', 'w')\n print(os.getuid(), 'writable')\n"
+                                  "except OSError as e:\n print(os.getuid(), e.strerror)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(maxsplit=1) == ["65532", "Read-only file system\n"], out.stdout
+
+
+def test_webhook_is_reached_through_its_service_with_the_operators_certificate(cluster: Installed) -> None:
+    config = cluster.bed.get_json("mutatingwebhookconfiguration", install.WEBHOOK_CONFIGURATION, "")
+    assert config is not None
+    [hook] = config["webhooks"]
+    # Still the Service from manifests/ (no URL put in its place), now with the CA the
+    # operator made; the pod test below shows the apiserver calling it.
+    assert hook["clientConfig"]["service"] == {"name": "cachewarm-webhook", "namespace": install.NAMESPACE,
+                                               "path": "/inject-cache", "port": 443}
+    assert "url" not in hook["clientConfig"]
+    assert hook["clientConfig"]["caBundle"]
+
+
+def warm_cache(name: str, cluster: Installed) -> dict[str, Any]:
+    return {
+        "apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
+        "spec": {
+            "storage": {"gcs": {"bucket": f"real-{uuid.uuid4().hex[:10]}", "prefix": name,
+                                "location": "us-central1", "lifecycle": {"deleteAfterDays": 10}}},
+            "jax": {"minCompileTimeSecs": 0},
+            "warmup": {"image": images.TRAIN_IMAGE, "targets": ["train:targets"], "pools": [{"name": "cpu"}],
+                       "env": cluster.client_env()},
+            "injection": {"mode": "ReadOnly"},
+        },
+    }
+
+
+def finished(bed: Testbed, kind: str, name: str, ns: str) -> dict[str, Any] | None:
+    obj = bed.get_json(kind, name, ns) or {}
+    return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+
+def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: Installed, ns: str) -> None:
+    bed = cluster.bed
+    bed.apply(warm_cache("llama", cluster), ns)
+
+    def warmed() -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", "llama", ns) or {}
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+        assert conds.get("Warmed", {}).get("reason") != "WarmupFailed", conds["Warmed"]
+        return obj if conds.get("Warmed", {}).get("status") == "True" else None
+    obj = eventually(warmed, timeout=300, what="the cache to be Warmed")
+    [pool] = obj["status"]["warmup"]["pools"]
+    assert pool["state"] == "Succeeded" and pool["entriesWritten"] > 0, pool
+
+    # The warmer pod as the kubelet ran it: the real init container copied warm.py, and the
+    # summary the operator put in status is the termination message the kubelet recorded.
+    pods = json.loads(bed.kubectl_run("get", "pods", "-n", ns, "-l", f"job-name={pool['job']}", "-o", "json").stdout)
+    [warmer] = pods["items"]
+    assert warmer["spec"]["nodeName"] == NODE_NAME
+    [init] = warmer["status"]["initContainerStatuses"]
+    assert init["image"].endswith("cachewarm/warmer:0.1.0") and init["state"]["terminated"]["exitCode"] == 0
+    [main] = warmer["status"]["containerStatuses"]
+    summary = json.loads(main["state"]["terminated"]["message"])
+    assert summary["entriesWritten"] == pool["entriesWritten"]
+    assert obj["status"]["cache"]["entries"] >= pool["entriesWritten"]
+
+    # A training pod created through the apiserver: the in-cluster webhook adds the env.
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "train", "labels": {"cachewarm.dev/cache": "llama"}},
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "train", "image": images.TRAIN_IMAGE, "command": ["python", "train.py", "--steps", "2"],
+               "env": cluster.client_env()}]}}
+    bed.apply(pod, ns)
+    stored = bed.get_json("pod", "train", ns)
+    assert stored is not None
+    env = {e["name"]: e.get("value") for e in stored["spec"]["containers"][0]["env"]}
+    assert env["JAX_COMPILATION_CACHE_DIR"] == f"gs://{obj['spec']['storage']['gcs']['bucket']}/llama"
+    assert "cachewarm.dev/injected" in stored["metadata"]["annotations"]
+    done = eventually(lambda: finished(bed, "pod", "train", ns), timeout=300, what="the training pod to finish")
+    logs = bed.kubectl_run("logs", "train", "-n", ns)
+    assert done["status"]["phase"] == "Succeeded", logs.stdout[-3000:]
+    report = json.loads(logs.stdout.strip().splitlines()[-1])
+    assert report["cache_hits"] >= 1 and report["compiled"] == 0, report
