@@ -8,7 +8,7 @@ BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin node-deps test test-unit lint dev-up dev-down demo clean
+.PHONY: help venv bin node-deps images test test-unit lint dev-up dev-down demo demo-simulated clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -27,7 +27,10 @@ bin: ## Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kub
 node-deps: ## Install the real node's Debian packages (containerd, runc, CNI plugins, busybox-static) if missing
 	hack/node-deps.sh
 
-test: venv bin node-deps ## Run the whole suite: unit, integration, e2e
+images: venv node-deps ## Build the operator, warmer and demo training images from our Dockerfiles with buildah (cached by content)
+	$(PY) -m cachewarm_testbed.images build --skip-without-root
+
+test: venv bin node-deps images ## Run the whole suite: unit, integration, e2e
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv ## Run the unit tests only (no processes)
@@ -42,8 +45,11 @@ dev-up: venv bin ## Start the local control plane, simulated GKE nodes and the G
 dev-down: venv ## Stop what dev-up started
 	$(PY) -m cachewarm_testbed down .dev
 
-demo: venv bin ## The main job: warm a cache on a local control plane, then train warm (demo-report.json)
+demo: venv bin node-deps images ## The main job on a real node (Linux, root): install from manifests/, warm a cache, train warm (demo-report.json)
 	$(PY) demo/run.py
+
+demo-simulated: venv bin ## The same without root: simulated nodes and the operator as a local process
+	$(PY) demo/run.py --simulated
 
 clean: dev-down ## Remove the venv and build caches of this checkout
 	rm -rf $(VENV) .cache

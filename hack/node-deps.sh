@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the testbed's real node needs (containerd, runc, the CNI bridge and
 # host-local plugins, a static busybox for the pause and busybox images, iptables for the
-# FORWARD guard, conntrack to forget the pods' flows at teardown) from Debian's archive, only when something is missing: a warm run is a few
+# FORWARD guard, conntrack to forget the pods' flows at teardown, buildah and mmdebstrap to
+# build our images without a Docker daemon) from Debian's archive, only when something is missing: a warm run is a few
 # `test -x` checks. Without root or apt-get it says what is missing and exits 0, so the rest
 # of `make test` still runs; the real-node test then fails with the same list.
 set -euo pipefail
@@ -15,6 +16,8 @@ declare -A need=(
   [/bin/busybox]=busybox-static
   [/usr/sbin/iptables]=iptables
   [/usr/sbin/conntrack]=conntrack
+  [/usr/bin/buildah]=buildah
+  [/usr/bin/mmdebstrap]=mmdebstrap
 )
 missing=()
 for path in "${!need[@]}"; do

@@ -33,8 +33,11 @@ def run(settings: Settings) -> None:
 
     @kopf.on.login(registry=registry)
     def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # In a pod: its ServiceAccount; elsewhere: $KUBECONFIG.
-        info: kopf.ConnectionInfo | None = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        # Through the official client's config, as every other call here: in a pod its
+        # ServiceAccount at $KUBERNETES_SERVICE_HOST (as client-go does; kopf's own
+        # login_with_service_account asks for https://kubernetes.default.svc, which needs
+        # cluster DNS), elsewhere $KUBECONFIG.
+        info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
         return info
 
     @kopf.on.startup(registry=registry)

@@ -54,6 +54,9 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     # Selector Services (the webhook's) get EndpointSlices, which kube-proxy routes to.
     "endpointslice-controller",
+    # The operator installed from manifests/ is a Deployment.
+    "deployment-controller",
+    "replicaset-controller",
 )
 
 
@@ -96,6 +99,8 @@ def local_images() -> dict[str, dict[str, Any]]:
     return {
         "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(repo / "operator" / "cachewarm" / "warmer.py")}},
         "demo/train:1": trainer,
+        # The name of the image demo/Dockerfile builds for the real node (cachewarm_testbed.images).
+        "cachewarm/demo-train:0.1.0": dict(trainer),
         "demo/train:2": dict(trainer),
         "test/targets:1": {"root": str(repo / "tests" / "data"), "python": sys.executable},
     }

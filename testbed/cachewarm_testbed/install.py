@@ -47,7 +47,7 @@ def overlay(dest: Path, manifests: Path, env: dict[str, str]) -> Path:
     return dest
 
 
-def install_operator(bed: Testbed, manifests: Path, env: dict[str, str], timeout: float = 180.0) -> dict[str, Any]:
+def install_operator(bed: Testbed, manifests: Path, env: dict[str, str], timeout: float = 110.0) -> dict[str, Any]:
     """`kubectl apply -k` manifests/ (through `overlay`), then wait until the operator's
     Deployment is available and its webhook configuration carries a CA bundle. Returns the
     operator's Pod. Raises StartError with the rollout's state and the pod's log tail."""

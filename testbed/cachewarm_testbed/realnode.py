@@ -546,14 +546,25 @@ state = "{state}"
     def _import_images(self) -> None:
         images_dir = self.workdir / "images"
         images_dir.mkdir(parents=True, exist_ok=True)
+        archives = {}
         for name, (layer, config) in busybox_images().items():
             archive = images_dir / (name.rsplit("/", 1)[1].replace(":", "-") + ".tar")
             with open(archive, "wb") as out:
                 oci_archive(name, layer, config, out)
-            result = self.ctr("images", "import", str(archive), check=False)
+            archives[name] = archive
+        self.import_images(archives)
+
+    def import_images(self, archives: dict[str, Path]) -> None:
+        """Import OCI archives (image ref -> path, e.g. from cachewarm_testbed.images) into
+        the node's containerd, under those refs. Raises StartError."""
+        for ref, archive in archives.items():
+            result = self.ctr("images", "import", "--index-name", ref, str(archive), check=False)
             if result.returncode != 0:
                 raise StartError(f"ctr images import {archive} failed: {result.stderr.strip()}\n"
                                  f"--- containerd log ---\n{log_tail(self.log_dir / 'containerd.log')}")
+            listed = self.ctr("images", "ls", "-q", check=False).stdout.split()
+            if ref not in listed:
+                raise StartError(f"ctr images import {archive} did not give image {ref} (containerd has {listed})")
 
     def _start_kubelet(self) -> None:
         root = KUBELET_ROOT
