@@ -35,7 +35,7 @@ import yaml
 
 from cachewarm_testbed import images, install
 from cachewarm_testbed.cluster import Testbed, eventually, repo_root
-from cachewarm_testbed.realnode import NODE_NAME, RealNode
+from cachewarm_testbed.realnode import NODE_NAME, HostSnapshot, RealNode
 
 pytestmark = [
     pytest.mark.e2e,
@@ -51,6 +51,7 @@ class Installed:
     bed: Testbed
     node: RealNode
     operator: dict[str, Any]
+    before: HostSnapshot
 
     def client_env(self) -> list[dict[str, str]]:
         """How pods of this cluster find GCS (the emulator)."""
@@ -61,6 +62,7 @@ class Installed:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Installed]:
     archives = images.build_all()
+    before = HostSnapshot.take()
     bed = Testbed()
     try:
         bed.start(controller_manager=True, real_node=True)
@@ -71,7 +73,7 @@ def cluster() -> Iterator[Installed]:
             **{k: env[k] for k in GCS_ENV},
             "CACHEWARM_WARM_POLL_SECONDS": "2",
         })
-        yield Installed(bed, node, operator)
+        yield Installed(bed, node, operator, before)
     finally:
         bed.stop()
 
@@ -185,3 +187,14 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     assert done["status"]["phase"] == "Succeeded", logs.stdout[-3000:]
     report = json.loads(logs.stdout.strip().splitlines()[-1])
     assert report["cache_hits"] >= 1 and report["compiled"] == 0, report
+
+
+def test_stop_leaves_the_host_as_it_was(cluster: Installed) -> None:
+    """Runs last: with the operator, warmers and training pods gone, stopping the testbed
+    leaves no process, mount, cgroup, iptables rule (kube-proxy's included), sysctl or
+    address of ours behind."""
+    during = HostSnapshot.take()
+    assert any("KUBE-SERVICES" in rule for rule in during.iptables["iptables-save"].get("nat", [])), \
+        "kube-proxy's rules were not there to be removed"
+    cluster.bed.stop()
+    assert cluster.before.differences(HostSnapshot.take()) == {}
