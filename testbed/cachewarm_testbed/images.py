@@ -2,7 +2,8 @@
 
 buildah (Debian's) builds `Dockerfile` (the operator), `warmer_image/Dockerfile` and
 `demo/Dockerfile` (the demo's training image with jax) in a private store under
-`.cache/images/` (vfs driver, chroot isolation: no daemon, no mounts left behind), and
+`.cache/images/` (vfs driver, chroot isolation: no daemon, no mounts left behind; its run
+state in /run is removed after each build), and
 exports each as an OCI archive that the real node's containerd imports
 (`RealNode.import_images`). No registry is reachable here, so the bases are made on this
 machine and passed as the Dockerfiles' base build arguments (whose defaults are the public
@@ -43,7 +44,7 @@ WARMER_IMAGE = "docker.io/cachewarm/warmer:0.1.0"
 TRAIN_IMAGE = "cachewarm/demo-train:0.1.0"
 PYTHON_BASE = "localhost/cachewarm-base/python"
 BUSYBOX_BASE = "localhost/cachewarm-base/busybox"
-RUNROOT = Path("/run/cachewarm-buildah")
+RUNROOT_PARENT = Path("/run")
 SUITE = "bookworm"
 # The python base: Debian's python3 (3.11, as python:3.11-slim) and pip, made to look like
 # the official image where our Dockerfiles lean on it (python and pip on PATH, pip allowed
@@ -107,10 +108,12 @@ class Builder:
         self.root = root
         self.cache = cache or root / ".cache" / "images"
         self.store = self.cache / "storage"
+        # buildah's run state, one per store: two checkouts building at once share nothing.
+        self.runroot = RUNROOT_PARENT / f"cachewarm-buildah-{hashlib.sha256(str(self.store.resolve()).encode()).hexdigest()[:12]}"
         self.timings: dict[str, float] = {}
 
     def buildah(self, *args: str, step: str, timeout: float = 1800) -> str:
-        argv = ["buildah", f"--root={self.store}", f"--runroot={RUNROOT}", "--storage-driver=vfs", *args]
+        argv = ["buildah", f"--root={self.store}", f"--runroot={self.runroot}", "--storage-driver=vfs", *args]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
             raise StartError(f"{step} failed (buildah {args[0]}, exit {result.returncode}):\n"
@@ -126,7 +129,7 @@ class Builder:
         return subprocess.run(["buildah", "--version"], capture_output=True, text=True, check=True).stdout.strip()
 
     def _has(self, name: str) -> bool:
-        return subprocess.run(["buildah", f"--root={self.store}", f"--runroot={RUNROOT}", "--storage-driver=vfs",
+        return subprocess.run(["buildah", f"--root={self.store}", f"--runroot={self.runroot}", "--storage-driver=vfs",
                                "inspect", "--type=image", name], capture_output=True).returncode == 0
 
     def python_base(self, tool_version: str) -> tuple[str, str]:
@@ -197,7 +200,7 @@ class Builder:
                 if old != archive:
                     old.unlink()
             out[build.ref] = archive
-        shutil.rmtree(RUNROOT, ignore_errors=True)  # buildah's run state: nothing of ours stays in /run
+        shutil.rmtree(self.runroot, ignore_errors=True)  # buildah's run state: nothing of ours stays in /run
         return out
 
     def _base_key(self, base: str, tool_version: str) -> str:
