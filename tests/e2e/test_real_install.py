@@ -102,6 +102,9 @@ def test_operator_runs_from_its_image_under_the_manifests_security_context(clust
     assert container["image"] == "cachewarm/operator:0.1.0"
     [status] = pod["status"]["containerStatuses"]
     assert status["ready"] and status["restartCount"] == 0, status
+    # Ready by the manifests' own probe (the webhook listening), as the real kubelet ran it.
+    probe = want["containers"][0]["readinessProbe"]
+    assert {k: container["readinessProbe"].get(k) for k in probe} == probe  # the apiserver adds defaults
     assert status["imageID"].startswith("sha256:") or "@sha256:" in status["imageID"], status
 
     # Inside the real container: the manifests' user, and a root filesystem it cannot write.
