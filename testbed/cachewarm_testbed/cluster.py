@@ -54,10 +54,10 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     # Selector Services (the webhook's) get EndpointSlices, which kube-proxy routes to.
     "endpointslice-controller",
-    # The operator installed from manifests/ is a Deployment.
-    "deployment-controller",
-    "replicaset-controller",
 )
+# With a real node only: the operator installed from manifests/ is a Deployment (on
+# simulated nodes its pod could never run; the operator runs as a local process there).
+REAL_NODE_CONTROLLERS = ("deployment-controller", "replicaset-controller")
 
 
 def repo_root() -> Path:
@@ -265,7 +265,7 @@ class Testbed:
                 f"--kubeconfig={self.kubeconfig}",
                 f"--authentication-kubeconfig={self.kubeconfig}",
                 f"--authorization-kubeconfig={self.kubeconfig}",
-                f"--controllers={','.join(CONTROLLERS)}",
+                f"--controllers={','.join(CONTROLLERS + (REAL_NODE_CONTROLLERS if self.real_node else ()))}",
                 "--leader-elect=false",
                 "--secure-port=0",
                 f"--root-ca-file={self.ca_file}",
