@@ -107,10 +107,12 @@ def main() -> None:
             env = bed.env()
             pod = install.install_operator(bed, REPO / "manifests", {
                 **{k: env[k] for k in GCS_ENV}, "CACHEWARM_WARM_POLL_SECONDS": "1", "CACHEWARM_RESYNC_SECONDS": "30"})
-            say(f"installed with kubectl apply -k manifests/: operator Pod {pod['metadata']['name']} "
-                f"({pod['spec']['containers'][0]['image']}) Running on {pod['spec']['nodeName']}")
+            replicas = install.operator_pods(bed)
+            say(f"installed with kubectl apply -k manifests/: {len(replicas)} operator Pods Running; the leader, "
+                f"{pod['metadata']['name']} ({pod['spec']['containers'][0]['image']}), on {pod['spec']['nodeName']}")
             setup["images"] = sorted(archives)
-            setup["operatorPod"] = {"name": pod["metadata"]["name"], "node": pod["spec"]["nodeName"],
+            setup["operatorReplicas"] = len(replicas)
+            setup["operatorPod"] = {"name": pod["metadata"]["name"], "node": pod["spec"]["nodeName"], "leader": True,
                                     "image": pod["spec"]["containers"][0]["image"],
                                     "imageID": pod["status"]["containerStatuses"][0]["imageID"]}
         else:

@@ -88,6 +88,10 @@ OPERATOR_ENV = {
     "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
     "CACHEWARM_GCS_TIMEOUT_SECONDS": "2",
     "CACHEWARM_GCP_PROJECT": "testbed",
+    # As in a Pod (downward API): leader election and the shared certificate Secret in the
+    # operator's namespace, with the manifests' Role.
+    "CACHEWARM_POD_NAMESPACE": "cachewarm-system",
+    "CACHEWARM_CERT_CHECK_SECONDS": "1",
 }
 
 

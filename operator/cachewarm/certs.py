@@ -116,3 +116,32 @@ def make_signing_key() -> tuple[bytes, bytes]:
         serialization.NoEncryption(),
     )
     return private, public
+
+
+def reissue_reason(cert_pem: bytes, hosts: list[str], *, now: dt.datetime, renew_before: dt.timedelta) -> str:
+    """Why a serving certificate must be made again ('' when it is fine): unreadable,
+    expiring within `renew_before`, or not valid for one of `hosts`."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        return f"unreadable certificate ({exc})"
+    if cert.not_valid_after_utc - now < renew_before:
+        return f"expires {cert.not_valid_after_utc:%Y-%m-%d}"
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return "no subjectAltName"
+    covered = {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} | set(san.get_values_for_type(x509.DNSName))
+    missing = [h for h in hosts if _normal(h) not in covered]
+    return f"not valid for {', '.join(missing)}" if missing else ""
+
+
+def _normal(host: str) -> str:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
+def expires(cert_pem: bytes) -> dt.datetime:
+    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc

@@ -1,32 +1,36 @@
-"""How many pods the webhook injected per cache recently, kept in memory for status."""
+"""How many pods the webhook injected per cache recently, kept in memory for status.
+
+Counted from the labelled pods the operator watches (each carries the webhook's
+annotation), not from the admissions one replica served: every replica serves the
+webhook, and the leader, which writes status, sees every injected pod this way."""
 
 from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections import deque
 
 
 class RecentInjections:
-    """Injection times per (namespace, cache) within a sliding window. Thread-safe: the
-    webhook records on the event loop, status is read from handler threads."""
+    """Injected pods per (namespace, cache) created within a sliding window, each counted
+    once however often it is seen. Thread-safe: pods are recorded on the event loop,
+    status is read from reconcile threads."""
 
     def __init__(self, window_seconds: float) -> None:
         self.window = dt.timedelta(seconds=window_seconds)
-        self._times: dict[tuple[str, str], deque[dt.datetime]] = {}
+        self._pods: dict[tuple[str, str], dict[str, dt.datetime]] = {}
         self._lock = threading.Lock()
 
-    def record(self, namespace: str, cache: str, now: dt.datetime) -> None:
+    def record(self, namespace: str, cache: str, pod_uid: str, created: dt.datetime) -> None:
         with self._lock:
-            self._times.setdefault((namespace, cache), deque()).append(now)
+            self._pods.setdefault((namespace, cache), {})[pod_uid] = created
 
     def summary(self, namespace: str, cache: str, now: dt.datetime) -> dict[str, object]:
         """{"recentPods": N, "windowSeconds": W, "lastInjectionTime": ...} (the last only if any)."""
         with self._lock:
-            times = self._times.get((namespace, cache), deque())
-            while times and now - times[0] > self.window:
-                times.popleft()
-            out: dict[str, object] = {"recentPods": len(times), "windowSeconds": int(self.window.total_seconds())}
-            if times:
-                out["lastInjectionTime"] = times[-1].strftime("%Y-%m-%dT%H:%M:%SZ")
+            pods = self._pods.get((namespace, cache), {})
+            for uid in [u for u, t in pods.items() if now - t > self.window]:
+                del pods[uid]
+            out: dict[str, object] = {"recentPods": len(pods), "windowSeconds": int(self.window.total_seconds())}
+            if pods:
+                out["lastInjectionTime"] = max(pods.values()).strftime("%Y-%m-%dT%H:%M:%SZ")
             return out

@@ -1,23 +1,24 @@
-"""Runs the operator: settings, logging, kopf registry, webhook endpoint and event loop."""
+"""Runs the operator: settings, logging, kopf registry, leader election, the reconcile
+controller, the webhook endpoint and its certificate, and the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import tempfile
 import urllib.parse
-from pathlib import Path
 from typing import Any
 
 import kopf
 
 from cachewarm import constants as c
-from cachewarm import handlers, logs
+from cachewarm import handlers, logs, servingcert
 from cachewarm.clients import kube
 from cachewarm.clients.gcs import GcsClient
+from cachewarm.controller import Controller, backoff
 from cachewarm.injections import RecentInjections
+from cachewarm.leader import AlwaysLeader, Leadership, identity
 from cachewarm.settings import Settings
-from cachewarm.webhook import AdmissionServer, tls_files
+from cachewarm.webhook import AdmissionServer, ServingTls
 
 # Retries of the webhook configuration stop doubling here: once it is installed, the
 # operator should notice within a minute.
@@ -28,43 +29,18 @@ def run(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT. Blocks. Raises ValueError for unusable settings."""
     logs.configure(settings.log_format, settings.log_level)
     log = logs.get("cachewarm.operator")
-    registry = kopf.OperatorRegistry()
     liveness = _liveness(settings.liveness_endpoint)
-
-    @kopf.on.login(registry=registry)
-    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # Through the official client's config, as every other call here: in a pod its
-        # ServiceAccount at $KUBERNETES_SERVICE_HOST (as client-go does; kopf's own
-        # login_with_service_account asks for https://kubernetes.default.svc, which needs
-        # cluster DNS), elsewhere $KUBECONFIG.
-        info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
-        return info
-
-    @kopf.on.startup(registry=registry)
-    async def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        handlers.configure_kopf(settings)
-        if ours.webhook_enabled:
-            settings.admission.server, ca_pem = _webhook_server(ours)
-            if ours.webhook_configuration and ca_pem:
-                # The first attempt is awaited (so a working cluster has the webhook pointed
-                # at us before anything reconciles); a failed one never holds up startup.
-                first_attempt = asyncio.Event()
-                memo.webhook_configuration_task = asyncio.create_task(
-                    _keep_webhook_configuration(ours, ca_pem, first_attempt))
-                await first_attempt.wait()
-
-    @kopf.on.cleanup(registry=registry)
-    async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
-        task = memo.get("webhook_configuration_task")
-        if task is not None:
-            task.cancel()
-
-    ours = settings
-    kube.load_config()  # warmer Jobs, pods and webhook events go through the official client
-    handlers.register(registry, settings)
+    kube.load_config()  # everything outside kopf's watches goes through the official client
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, webhook=settings.webhook_enabled)
+    kopf.on.login(registry=registry)(login)
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.cleanup(registry=registry)(cleanup)
     memo = kopf.Memo(
+        settings=settings,
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
         injections=RecentInjections(settings.injection_window_seconds),
+        tasks=[],
     )
     scope: dict[str, Any] = (
         {"namespaces": settings.namespaces} if settings.namespaces else {"clusterwide": True}
@@ -76,20 +52,137 @@ def run(settings: Settings) -> None:
     )
 
 
-def _webhook_server(settings: Settings) -> tuple[AdmissionServer, bytes]:
-    """Serving certificate and the server; the CA that signed it (b"" when unknown)."""
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Through the official client's config, as every other call here: in a pod its
+    ServiceAccount at $KUBERNETES_SERVICE_HOST (as client-go does; kopf's own
+    login_with_service_account asks for https://kubernetes.default.svc, which needs cluster
+    DNS), elsewhere $KUBECONFIG."""
+    info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
+    return info
+
+
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Leader election and the controller; the webhook's certificate, server and
+    configuration. Nothing here waits for anything that may never come."""
+    ours: Settings = memo.settings
+    log = logs.get("cachewarm.operator")
+    handlers.configure_kopf(settings)
+    if ours.leader_election and ours.pod_namespace:
+        leadership: Leadership | AlwaysLeader = Leadership(ours.pod_namespace, ours.leader_election_lease,
+                                                          identity(ours.pod_name))
+    else:
+        log.info("Leader election is off: this process reconciles", reason="disabled" if not ours.leader_election
+                 else "CACHEWARM_POD_NAMESPACE is not set")
+        leadership = AlwaysLeader()
+    controller = Controller(ours, memo.gcs, memo.injections, leadership)
+    memo.controller, memo.leadership = controller, leadership
+    memo.tasks.append(asyncio.create_task(controller.run(), name="controller"))
+    leadership.start(controller.leadership_changed)
+    if ours.webhook_enabled:
+        tls = ServingTls()
+        material, why = await _first_material(ours)
+        tls.load(material)
+        settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
+                                                    url=ours.webhook_url)
+        keeper = WebhookKeeper(ours, tls)
+        await keeper.point_configuration(material.ca_pem)
+        memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
+        memo.keeper = keeper
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    for task in memo.get("tasks", []):
+        task.cancel()
+    keeper = memo.get("keeper")
+    if keeper is not None:
+        keeper.stop()
+    leadership = memo.get("leadership")
+    if leadership is not None:
+        await asyncio.to_thread(leadership.release)
+
+
+def webhook_hosts(settings: Settings) -> list[str]:
     hosts = list(settings.webhook_hosts)
     if settings.webhook_url:
         url_host = urllib.parse.urlparse(settings.webhook_url).hostname
         if url_host and url_host not in hosts:
             hosts.append(url_host)
-    tls = tls_files(settings.webhook_cert_dir, Path(tempfile.mkdtemp(prefix="cachewarm-tls-")), hosts,
-                    dt.datetime.now(dt.timezone.utc))
-    server = AdmissionServer(
-        addr=settings.webhook_address, port=settings.webhook_port,
-        certfile=str(tls.certfile), pkeyfile=str(tls.keyfile), cadata=tls.ca_pem or None,
-    )
-    return server, tls.ca_pem or b""
+    return hosts
+
+
+def _material(settings: Settings) -> tuple[servingcert.TlsMaterial, str] | None:
+    """The certificate from where settings say it lives (None: nowhere to look again, the
+    in-memory one stays). Raises KubeError, OSError."""
+    now = dt.datetime.now(dt.timezone.utc)
+    if settings.webhook_cert_dir:
+        return servingcert.from_dir(settings.webhook_cert_dir), ""
+    if settings.webhook_cert_secret and settings.pod_namespace:
+        return servingcert.from_secret(settings.pod_namespace, settings.webhook_cert_secret,
+                                       webhook_hosts(settings), now)
+    return None
+
+
+async def _first_material(settings: Settings) -> tuple[servingcert.TlsMaterial, str]:
+    """The certificate to start serving with. When its source cannot be read yet (the
+    Secret's API call fails), an in-memory one, replaced by the keeper once it can: the
+    webhook listens (readiness) while the caBundle does not match it yet."""
+    try:
+        found = await asyncio.to_thread(_material, settings)
+    except (kube.KubeError, OSError) as exc:
+        logs.get("cachewarm.webhook").warning(
+            "Could not read the webhook's certificate; serving a temporary one until it can be read",
+            error=str(exc))
+        found = None
+    if found is not None:
+        return found
+    return servingcert.in_memory(webhook_hosts(settings), dt.datetime.now(dt.timezone.utc)), "made in memory"
+
+
+class WebhookKeeper:
+    """Keeps the served certificate current (re-read every cert_check_seconds, reloaded
+    in place when it changed) and the webhook configuration's caBundle on its CA."""
+
+    def __init__(self, settings: Settings, tls: ServingTls) -> None:
+        self.settings, self.tls = settings, tls
+        self._configuring: asyncio.Task[None] | None = None
+        self._ca = b""
+
+    async def point_configuration(self, ca_pem: bytes) -> None:
+        """(Re)point the configuration at `ca_pem`: the first attempt awaited, retries in
+        the background."""
+        if not (self.settings.webhook_configuration and ca_pem) or ca_pem == self._ca:
+            return
+        self._ca = ca_pem
+        if self._configuring is not None:
+            self._configuring.cancel()
+        first_attempt = asyncio.Event()
+        self._configuring = asyncio.create_task(_keep_webhook_configuration(self.settings, ca_pem, first_attempt))
+        await first_attempt.wait()
+
+    async def watch(self) -> None:
+        log = logs.get("cachewarm.webhook")
+        while True:
+            await asyncio.sleep(self.settings.cert_check_seconds)
+            try:
+                found = await asyncio.to_thread(_material, self.settings)
+            except (kube.KubeError, OSError, KeyError) as exc:
+                log.warning("Could not re-read the webhook's certificate; serving the current one", error=str(exc))
+                continue
+            if found is None:
+                continue
+            material, why = found
+            try:
+                changed = self.tls.load(material)
+            except Exception as exc:  # noqa: BLE001 - ssl.SSLError, a key that does not match: keep serving
+                log.warning("Could not load the webhook's new certificate; serving the current one", error=str(exc))
+                continue
+            if changed:
+                log.info("Serving a new webhook certificate", renewed_because=why or "changed at its source")
+            await self.point_configuration(material.ca_pem)
+
+    def stop(self) -> None:
+        if self._configuring is not None:
+            self._configuring.cancel()
 
 
 async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_attempt: asyncio.Event) -> None:
@@ -109,7 +202,7 @@ async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_a
             changed = await asyncio.to_thread(kube.set_webhook_client_config, name, ca_pem, url)
         except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
             first_attempt.set()
-            delay = min(handlers.backoff(settings, retry), WEBHOOK_RETRY_MAX_SECONDS)
+            delay = min(backoff(settings.retry_delay_seconds, retry), WEBHOOK_RETRY_MAX_SECONDS)
             error = str(exc) or type(exc).__name__
             log.warning("Failed to point webhook configuration at this operator; pods are admitted without "
                         "the cache env until it is", configuration=name, error=error, retry_in_seconds=delay)

@@ -82,6 +82,26 @@ class Settings(BaseSettings):
                                 "empty logs them only.",
     )
     pod_namespace: str = Field(default="", description="Namespace of pod_name (from the downward API).")
+    workers: int = Field(default=4, ge=1, le=64, description="Caches reconciled at once (threads of the leader).")
+    leader_election: bool = Field(
+        default=True,
+        description="Elect one replica (a Lease in pod_namespace) to reconcile; every replica serves the webhook. "
+                    "Off, or without pod_namespace, this process reconciles alone.",
+    )
+    leader_election_lease: str = Field(
+        default="cachewarm-operator", pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="Name of the Lease (in pod_namespace) the replicas elect their leader with.",
+    )
+    webhook_cert_secret: str = Field(
+        default="cachewarm-webhook-tls", pattern=r"^$|^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="Secret (in pod_namespace) with the CA and serving certificate every replica shares; the first "
+                    "replica creates it, any renews it before expiry. Unused with webhook_cert_dir; empty (or no "
+                    "pod_namespace) makes one in memory per process.",
+    )
+    cert_check_seconds: float = Field(
+        default=60.0, gt=0, description="How often the webhook's certificate is re-read (Secret or cert_dir) and "
+                                        "reloaded in place when it changed.",
+    )
     injection_window_seconds: float = Field(
         default=3600.0, gt=0, description="Window over which status.injection.recentPods counts injected pods."
     )

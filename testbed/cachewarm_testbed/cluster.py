@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -57,7 +58,8 @@ CONTROLLERS = (
 )
 # With a real node only: the operator installed from manifests/ is a Deployment (on
 # simulated nodes its pod could never run; the operator runs as a local process there).
-REAL_NODE_CONTROLLERS = ("deployment-controller", "replicaset-controller")
+# The disruption controller keeps the operator's PodDisruptionBudget's status.
+REAL_NODE_CONTROLLERS = ("deployment-controller", "replicaset-controller", "disruption-controller")
 
 
 def repo_root() -> Path:
@@ -644,7 +646,9 @@ class OperatorHandle:
     def __init__(self, bed: Testbed, kubeconfig: Path, env: dict[str, str]) -> None:
         self.bed = bed
         self.kubeconfig = kubeconfig
-        self.env = env
+        # One name across restarts, as a Pod's name is across container restarts: a
+        # restarted leader takes its own Lease back at once.
+        self.env = {"CACHEWARM_POD_NAME": f"cachewarm-operator-{uuid.uuid4().hex[:6]}", **env}
         self.proc = bed.start_operator(kubeconfig, env)
         self.logs = [self.proc.log]
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 NAMESPACE = "cachewarm-system"
 DEPLOYMENT = "cachewarm-operator"
 WEBHOOK_CONFIGURATION = "cachewarm-pod-injector"
+LEASE = "cachewarm-operator"
 
 
 def overlay(dest: Path, manifests: Path, env: dict[str, str]) -> Path:
@@ -49,8 +50,9 @@ def overlay(dest: Path, manifests: Path, env: dict[str, str]) -> Path:
 
 def install_operator(bed: Testbed, manifests: Path, env: dict[str, str], timeout: float = 110.0) -> dict[str, Any]:
     """`kubectl apply -k` manifests/ (through `overlay`), then wait until the operator's
-    Deployment is available and its webhook configuration carries a CA bundle. Returns the
-    operator's Pod. Raises StartError with the rollout's state and the pod's log tail."""
+    Deployment is available (every replica Ready), its webhook configuration carries a CA
+    bundle and one replica holds the leader Lease. Returns that replica's Pod. Raises
+    StartError with the rollout's state and the pods' log tails."""
     kustomization = overlay(bed.workdir / "install", manifests, env)
     applied = bed.kubectl_run("apply", "-k", str(kustomization))
     if applied.returncode != 0:
@@ -64,25 +66,44 @@ def install_operator(bed: Testbed, manifests: Path, env: dict[str, str], timeout
     while time.monotonic() < deadline:
         config = bed.get_json("mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "") or {}
         if all(w.get("clientConfig", {}).get("caBundle") for w in config.get("webhooks", [])):
-            return operator_pod(bed)
+            return leader_pod(bed)
         time.sleep(0.5)
     raise StartError(f"the operator never filled the caBundle of {WEBHOOK_CONFIGURATION}\n{describe_operator(bed)}")
 
 
-def operator_pod(bed: Testbed) -> dict[str, Any]:
-    """The operator's one running Pod."""
+def operator_pods(bed: Testbed) -> list[dict[str, Any]]:
+    """The operator's running Pods (not being deleted), by name."""
     out = bed.kubectl_run("get", "pods", "-n", NAMESPACE, "-l",
                           "app.kubernetes.io/name=cachewarm,app.kubernetes.io/component=operator",
                           "--field-selector=status.phase=Running", "-o", "json")
     pods = json.loads(out.stdout)["items"] if out.returncode == 0 else []
-    if len(pods) != 1:
-        raise StartError(f"expected one running operator Pod, found {len(pods)}\n{describe_operator(bed)}")
-    return dict(pods[0])
+    return sorted((dict(p) for p in pods if not p["metadata"].get("deletionTimestamp")),
+                  key=lambda p: str(p["metadata"]["name"]))
+
+
+def lease_holder(bed: Testbed) -> str | None:
+    lease = bed.get_json("lease", LEASE, NAMESPACE) or {}
+    holder = (lease.get("spec") or {}).get("holderIdentity")
+    return str(holder) if holder else None
+
+
+def leader_pod(bed: Testbed, timeout: float = 60.0) -> dict[str, Any]:
+    """The running operator Pod that holds the leader Lease (waits up to `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        holder = lease_holder(bed)
+        for pod in operator_pods(bed):
+            if pod["metadata"]["name"] == holder:
+                return pod
+        time.sleep(0.5)
+    raise StartError(f"no running operator Pod holds Lease {NAMESPACE}/{LEASE} (holder: {lease_holder(bed)})\n"
+                     f"{describe_operator(bed)}")
 
 
 def describe_operator(bed: Testbed) -> str:
     """The operator pods' state and log tail, for error messages."""
     pods = bed.kubectl_run("get", "pods", "-n", NAMESPACE, "-o", "wide").stdout
-    logs = bed.kubectl_run("logs", "-n", NAMESPACE, f"deployment/{DEPLOYMENT}", "--tail=30").stdout
+    logs = bed.kubectl_run("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=operator",
+                           "--prefix", "--tail=30").stdout
     events = bed.kubectl_run("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp").stdout
     return f"--- pods ---\n{pods}--- events ---\n{events[-3000:]}--- operator log ---\n{logs}"

@@ -98,9 +98,9 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
     assert condition(obj, "BucketReady")["reason"] == "Reconciled"
     assert condition(obj, "LifecycleReady")["reason"] == "Reconciled"
     assert condition(obj, "SoftDeleteApplied")["reason"] == "Reconciled"
-    # kopf's state lives in status, not in annotations; Retain needs no finalizer.
+    # No kopf state anywhere on the user's object (the controller is ours); Retain needs no finalizer.
     assert not any(k.startswith("kopf.zalando.org") for k in obj["metadata"].get("annotations", {}))
-    assert "progress" in status["kopf"] or "last-handled-configuration" in status["kopf"]
+    assert "kopf" not in status
     assert not obj["metadata"].get("finalizers")
     assert {"BucketCreated", "BucketConfigured"} <= set(event_reasons(installed, namespace, "llama-8b"))
 

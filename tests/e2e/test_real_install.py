@@ -192,6 +192,46 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     assert report["cache_hits"] >= 1 and report["compiled"] == 0, report
 
 
+def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:
+    """The Deployment's two replicas run; the Lease names one; a PodDisruptionBudget keeps
+    one of them; when the leader's Pod is force-deleted (its process killed, as on a node
+    loss) the other replica takes the Lease and reconciles, the webhook keeps injecting
+    through the Service meanwhile, and the ReplicaSet brings the count back to two."""
+    bed = cluster.bed
+    pods = install.operator_pods(bed)
+    assert len(pods) == manifest_deployment()["spec"]["replicas"] == 2
+    assert all(p["status"]["containerStatuses"][0]["ready"] for p in pods)
+    leader = install.leader_pod(bed)["metadata"]["name"]
+    [other] = [p["metadata"]["name"] for p in pods if p["metadata"]["name"] != leader]
+    pdb = eventually(lambda: ((bed.get_json("pdb", "cachewarm-operator", install.NAMESPACE) or {}).get("status") or {})
+                     .get("currentHealthy") == 2 or None, timeout=60, what="the PodDisruptionBudget counting both")
+    assert pdb
+
+    killed = bed.kubectl_run("delete", "pod", leader, "-n", install.NAMESPACE, "--grace-period=0", "--force")
+    assert killed.returncode == 0, killed.stderr
+    # Admitted meanwhile by the replica left: the Service sends the apiserver to it.
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "during", "labels": {"cachewarm.dev/cache": "ha"}},
+           "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox", "command": ["true"]}]}}
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "ha"},
+               "spec": {"storage": {"gcs": {"bucket": f"ha-{uuid.uuid4().hex[:10]}", "location": "us-central1"}}}},
+              ns)
+    eventually(lambda: install.lease_holder(bed) == other or None, timeout=60,
+               what=f"{other} holding the Lease after {leader} was killed")
+
+    def ready() -> bool:
+        obj = bed.get_json("ccache", "ha", ns) or {}
+        return any(cd["type"] == "Ready" and cd["status"] == "True"
+                   for cd in (obj.get("status") or {}).get("conditions") or [])
+    eventually(ready, timeout=90, what="a cache made after the kill Ready under the new leader")
+    bed.apply(pod, ns)
+    stored = bed.get_json("pod", "during", ns) or {}
+    assert "cachewarm.dev/injected" in (stored.get("metadata") or {}).get("annotations", {}), stored.get("metadata")
+    eventually(lambda: len([p for p in install.operator_pods(bed)
+                            if p["status"]["containerStatuses"][0]["ready"]]) == 2 or None,
+               timeout=120, what="two ready replicas again")
+
+
 def test_stop_leaves_the_host_as_it_was(cluster: Installed) -> None:
     """Runs last: with the operator, warmers and training pods gone, stopping the testbed
     leaves no process, mount, cgroup, iptables rule (kube-proxy's included), sysctl or

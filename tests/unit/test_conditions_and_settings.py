@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from cachewarm import conditions
 from cachewarm.conditions import Cond
-from cachewarm.handlers import backoff
+from cachewarm.controller import backoff
 from cachewarm.model import InvalidSpec, parse_spec
 from cachewarm.settings import Settings
 
@@ -99,9 +99,8 @@ def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, va
 
 
 def test_backoff_doubles_and_caps() -> None:
-    settings = Settings(retry_delay_seconds=15)
-    assert [backoff(settings, r) for r in range(7)] == [15, 30, 60, 120, 240, 480, 600]
-    assert backoff(settings, 10_000) == 600
+    assert [backoff(15, r) for r in range(7)] == [15, 30, 60, 120, 240, 480, 600]
+    assert backoff(15, 10_000) == 600
 
 
 def test_spec_defaults_match_the_crd() -> None:

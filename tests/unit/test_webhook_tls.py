@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import ssl
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
-from cachewarm import certs
-from cachewarm.webhook import check_review, tls_files
+from cachewarm import certs, servingcert
+from cachewarm.servingcert import plan_secret
+from cachewarm.webhook import ServingTls, check_review
 
 NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
+HOSTS = ["cachewarm-webhook.cachewarm-system.svc", "127.0.0.1"]
 
 
-def test_self_made_certificate_names_the_service_and_is_signed_by_the_bundle(tmp_path: Path) -> None:
-    tls = tls_files("", tmp_path, ["cachewarm-webhook.cachewarm-system.svc", "127.0.0.1"], NOW)
-    cert = x509.load_pem_x509_certificate(tls.certfile.read_bytes())
+def _san(cert_pem: bytes) -> list[str]:
+    san = x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    return [*san.value.get_values_for_type(x509.DNSName), *map(str, san.value.get_values_for_type(x509.IPAddress))]
+
+
+def test_self_made_certificate_names_the_service_and_is_signed_by_the_bundle() -> None:
+    tls = servingcert.in_memory(HOSTS, NOW)
+    cert = x509.load_pem_x509_certificate(tls.cert_pem)
     cert.verify_directly_issued_by(x509.load_pem_x509_certificate(tls.ca_pem))
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.DNSName) == ["cachewarm-webhook.cachewarm-system.svc"]
-    assert oct(tls.keyfile.stat().st_mode & 0o777) == "0o600"
+    assert _san(tls.cert_pem) == HOSTS
 
 
 def test_cert_manager_files_are_used_as_they_are(tmp_path: Path) -> None:
@@ -28,9 +36,78 @@ def test_cert_manager_files_are_used_as_they_are(tmp_path: Path) -> None:
     (tmp_path / "tls.crt").write_bytes(leaf.cert_pem)
     (tmp_path / "tls.key").write_bytes(leaf.key_pem)
     (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
-    tls = tls_files(str(tmp_path), tmp_path / "unused", ["ignored"], NOW)
-    assert tls.certfile == tmp_path / "tls.crt" and tls.ca_pem == ca.cert_pem
-    assert not (tmp_path / "unused").exists()
+    assert servingcert.from_dir(str(tmp_path)) == servingcert.TlsMaterial(leaf.cert_pem, leaf.key_pem, ca.cert_pem)
+
+
+def test_a_missing_secret_is_created_with_a_ca_and_a_certificate_for_every_host() -> None:
+    data, why = plan_secret(None, HOSTS, NOW)
+    assert why == "created" and data is not None
+    x509.load_pem_x509_certificate(data["tls.crt"]).verify_directly_issued_by(
+        x509.load_pem_x509_certificate(data["ca.crt"]))
+    assert _san(data["tls.crt"]) == HOSTS
+
+
+def test_a_current_secret_is_left_as_it_is() -> None:
+    data, _ = plan_secret(None, HOSTS, NOW)
+    assert plan_secret(data, HOSTS, NOW + dt.timedelta(days=300)) == (None, "")
+
+
+def test_a_certificate_near_expiry_is_renewed_under_the_same_ca_so_the_ca_bundle_stays() -> None:
+    data, _ = plan_secret(None, HOSTS, NOW)
+    assert data is not None
+    renewed, why = plan_secret(data, HOSTS, NOW + dt.timedelta(days=340))
+    assert renewed is not None and why.startswith("expires")
+    assert renewed["ca.crt"] == data["ca.crt"] and renewed["ca.key"] == data["ca.key"]
+    assert renewed["tls.crt"] != data["tls.crt"]
+    x509.load_pem_x509_certificate(renewed["tls.crt"]).verify_directly_issued_by(
+        x509.load_pem_x509_certificate(data["ca.crt"]))
+
+
+def test_a_certificate_missing_a_host_is_made_again_for_every_host() -> None:
+    data, _ = plan_secret(None, HOSTS[:1], NOW)
+    renewed, why = plan_secret(data, HOSTS, NOW)
+    assert renewed is not None and why == "not valid for 127.0.0.1"
+    assert _san(renewed["tls.crt"]) == HOSTS and renewed["ca.crt"] == data["ca.crt"]  # type: ignore[index]
+
+
+def test_a_ca_near_its_end_is_replaced_with_the_certificate() -> None:
+    data, _ = plan_secret(None, HOSTS, NOW)
+    assert data is not None
+    later = NOW + dt.timedelta(days=servingcert.CA_DAYS - 300)
+    renewed, why = plan_secret(data, HOSTS, later)
+    assert renewed is not None and why.endswith("CA renewed") and renewed["ca.crt"] != data["ca.crt"]
+
+
+def test_an_incomplete_secret_is_made_again() -> None:
+    data, _ = plan_secret(None, HOSTS, NOW)
+    assert data is not None
+    renewed, why = plan_secret({k: v for k, v in data.items() if k != "ca.key"}, HOSTS, NOW)
+    assert renewed is not None and why == "incomplete"
+
+
+def test_serving_tls_reloads_in_place_new_connections_get_the_new_certificate() -> None:
+    async def peer_cert(port: int, ca_pem: bytes) -> bytes:
+        client = ssl.create_default_context(cadata=ca_pem.decode())
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="127.0.0.1")
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        return bytes(der)
+
+    async def scenario() -> tuple[bytes, bytes, bytes, bytes]:
+        first, second = servingcert.in_memory(["127.0.0.1"], NOW), servingcert.in_memory(["127.0.0.1"], NOW)
+        tls = ServingTls()
+        assert tls.load(first) and not tls.load(first)
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=tls.context)
+        port = server.sockets[0].getsockname()[1]
+        before = await peer_cert(port, first.ca_pem)
+        assert tls.load(second)
+        after = await peer_cert(port, second.ca_pem)
+        server.close()
+        return before, after, first.cert_pem, second.cert_pem
+
+    before, after, first, second = asyncio.run(scenario())
+    assert before == x509.load_pem_x509_certificate(first).public_bytes(serialization.Encoding.DER)
+    assert after == x509.load_pem_x509_certificate(second).public_bytes(serialization.Encoding.DER)
 
 
 def test_review_shape_checks() -> None:

@@ -206,3 +206,114 @@ def remove_scheduling_gate(namespace: str, name: str, index: int, gate: str) -> 
     ]
     with _errors(f"releasing Pod {namespace}/{name}", ok=(404, 422)):
         client.CoreV1Api().patch_namespaced_pod(name, namespace, patch)
+
+
+# --- CompilationCaches, read and written by the operator's own controller (not kopf) ---
+
+def get_cache(namespace: str, name: str) -> dict[str, Any] | None:
+    """The CompilationCache as stored now (None when it is gone). Raises KubeError."""
+    found: Any = None
+    with _errors(f"reading {c.KIND} {namespace}/{name}", ok=(404,)):
+        found = client.CustomObjectsApi().get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
+    return None if found is None else dict(found)
+
+
+def patch_cache_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+    """A JSON merge patch of the cache's status subresource (a None value removes the key).
+    A cache already gone is fine. Raises KubeError."""
+    with _errors(f"writing the status of {c.KIND} {namespace}/{name}", ok=(404,)):
+        client.CustomObjectsApi().patch_namespaced_custom_object_status(
+            c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"status": status},
+            _content_type="application/merge-patch+json")
+
+
+def set_cache_finalizers(namespace: str, name: str, finalizers: list[str], resource_version: str) -> bool:
+    """Replace the cache's finalizers, only if it is still at `resource_version` (the merge
+    patch carries it as a precondition, so someone else's finalizer added meanwhile is never
+    dropped). Returns False on a conflict or when the cache is gone. Raises KubeError."""
+    patch = {"metadata": {"finalizers": finalizers or None, "resourceVersion": resource_version}}
+    done: Any = None
+    with _errors(f"setting the finalizers of {c.KIND} {namespace}/{name}", ok=(404, 409)):
+        done = client.CustomObjectsApi().patch_namespaced_custom_object(
+            c.GROUP, c.VERSION, namespace, c.PLURAL, name, patch, _content_type="application/merge-patch+json")
+    return done is not None
+
+
+def list_labelled_pods(namespaces: list[str], selector: str) -> list[dict[str, Any]]:
+    """Pods matching `selector` in `namespaces` (every namespace when empty). Raises KubeError."""
+    api = client.CoreV1Api()
+    if not namespaces:
+        with _errors("listing Pods in all namespaces"):
+            found = api.list_pod_for_all_namespaces(label_selector=selector)
+        return [_dict(item) for item in found.items]
+    return [pod for ns in namespaces for pod in _list(api.list_namespaced_pod, "Pods", ns, selector)]
+
+
+# --- The webhook's serving certificate, shared by every replica through one Secret ---
+
+def read_secret(namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
+    """A Secret's data (decoded) and resourceVersion; None when it does not exist.
+    Raises KubeError."""
+    found: Any = None
+    with _errors(f"reading Secret {namespace}/{name}", ok=(404,)):
+        found = client.CoreV1Api().read_namespaced_secret(name, namespace)
+    if found is None:
+        return None
+    data = {key: base64.b64decode(value) for key, value in (found.data or {}).items()}
+    return data, str(found.metadata.resource_version)
+
+
+def write_secret(namespace: str, name: str, data: dict[str, bytes], resource_version: str | None,
+                 labels: dict[str, str]) -> bool:
+    """Create the Secret (`resource_version` None) or replace it if it is still at
+    `resource_version`. Returns False when another writer got there first (409), so the
+    caller reads what that writer wrote. Raises KubeError."""
+    body = client.V1Secret(
+        metadata=client.V1ObjectMeta(name=name, namespace=namespace, labels=labels,
+                                     resource_version=resource_version),
+        type="kubernetes.io/tls",
+        data={key: base64.b64encode(value).decode() for key, value in data.items()},
+    )
+    done: Any = None
+    with _errors(f"writing Secret {namespace}/{name}", ok=(409,)):
+        api = client.CoreV1Api()
+        done = (api.create_namespaced_secret(namespace, body) if resource_version is None
+                else api.replace_namespaced_secret(name, namespace, body))
+    return done is not None
+
+
+def release_lease(namespace: str, name: str, identity: str) -> bool:
+    """Give up a Lease this process holds (holder cleared, so another replica takes it at
+    its next try instead of waiting out the lease). Returns False when someone else holds
+    it. Raises KubeError."""
+    api = client.CoordinationV1Api()
+    with _errors(f"releasing Lease {namespace}/{name}"):
+        lease: Any = api.read_namespaced_lease(name, namespace)
+        if lease.spec is None or lease.spec.holder_identity != identity:
+            return False
+        lease.spec.holder_identity = None
+        lease.spec.lease_duration_seconds = 1
+        api.replace_namespaced_lease(name, namespace, lease)
+    return True
+
+
+def lease_holder(namespace: str, name: str) -> str | None:
+    """Who holds a Lease now (None: nobody, or no Lease). Raises KubeError."""
+    lease: Any = None
+    with _errors(f"reading Lease {namespace}/{name}", ok=(404,)):
+        lease = client.CoordinationV1Api().read_namespaced_lease(name, namespace)
+    return None if lease is None or lease.spec is None else lease.spec.holder_identity
+
+
+def list_caches(namespaces: list[str]) -> list[dict[str, Any]]:
+    """Every CompilationCache in `namespaces` (every namespace when empty). Raises KubeError."""
+    api = client.CustomObjectsApi()
+    found: list[dict[str, Any]] = []
+    for ns in namespaces or [""]:
+        with _errors(f"listing {c.KIND}s in {ns or 'all namespaces'}"):
+            if not ns:
+                answer: Any = api.list_cluster_custom_object(c.GROUP, c.VERSION, c.PLURAL)
+            else:
+                answer = api.list_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL)
+        found.extend(dict(item) for item in answer.get("items") or [])
+    return found

@@ -1,0 +1,392 @@
+"""The reconcile loop of CompilationCaches: a work queue of cache keys, drained by a few
+worker threads, on the leader only.
+
+kopf watches the caches (on every replica, for the webhook's index) and hands each watch
+event to `Controller.observe`; the controller decides whether it is worth a reconcile
+(a new cache, a new generation, changed annotations or finalizers, a deletion), and its
+own timers add the periodic resync and the fast poll of caches with warmers running or
+pods waiting. The queue is the one rule that keeps reconciles safe:
+
+- a key is in the queue at most once, and never reconciled by two workers at once: a key
+  enqueued while it is being reconciled is reconciled again right after (client-go's
+  workqueue semantics);
+- every reconcile starts by reading the cache from the apiserver, so it acts on the
+  latest spec, whatever the event that queued it carried;
+- a failed reconcile is retried with the operator's backoff; a spec that cannot be acted
+  on is not retried until it changes (or the next resync).
+
+The finalizer is ours too: added only to caches whose deletionPolicy is Delete (so
+`kubectl delete` of any other cache never waits for the operator), removed once their
+data is deleted, or when the policy changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from cachewarm import constants as c
+from cachewarm import service
+from cachewarm.builders.bucket import Claim
+from cachewarm.clients import kube
+from cachewarm.clients.gcs import GcsClient, GcsError
+from cachewarm.injections import RecentInjections
+from cachewarm.model import InvalidSpec
+from cachewarm.reconcile import Event
+from cachewarm.settings import Settings
+
+Key = tuple[str, str]  # (namespace, name)
+MAX_BACKOFF = 600.0
+log = logging.getLogger("cachewarm.controller")
+
+
+class Leader(Protocol):
+    @property
+    def is_leader(self) -> bool: ...
+
+
+def backoff(retry_delay_seconds: float, retry: int) -> float:
+    """Delay before retry number `retry`: doubles from retry_delay_seconds up to 10 minutes."""
+    return float(min(retry_delay_seconds * (2 ** min(retry, 16)), MAX_BACKOFF))
+
+
+def worth_reconciling(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether a watch event of a cache asks for a reconcile: the cache is new to us, or
+    its spec (generation), annotations (cachewarm.dev/rewarm), finalizers or deletion
+    changed. A change of status alone (our own writes) is not: it would loop."""
+    if old is None:
+        return True
+    o, n = old.get("metadata") or {}, new.get("metadata") or {}
+    return any(o.get(f) != n.get(f) for f in ("generation", "annotations", "finalizers", "deletionTimestamp"))
+
+
+def deletion_policy(spec: Mapping[str, Any]) -> str:
+    return str(((spec.get("storage") or {}).get("gcs") or {}).get("deletionPolicy") or "Retain")
+
+
+def wanted_finalizers(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str] | None:
+    """The finalizers the cache should have (None: they are right as they are). Ours only
+    while deletionPolicy is Delete and the cache is not being deleted; others' untouched."""
+    have = list(meta.get("finalizers") or [])
+    want = deletion_policy(spec) == "Delete" and not meta.get("deletionTimestamp")
+    if want and c.FINALIZER not in have:
+        return [*have, c.FINALIZER]
+    if not want and c.FINALIZER in have and not meta.get("deletionTimestamp"):
+        return [f for f in have if f != c.FINALIZER]
+    return None
+
+
+@dataclasses.dataclass
+class Result:
+    """How a reconcile ended: `retry` asks for a retry with backoff, `again` for an
+    immediate one (the object changed under us)."""
+
+    retry: bool = False
+    again: bool = False
+
+
+class Controller:
+    def __init__(self, settings: Settings, gcs: GcsClient, injections: RecentInjections, leader: Leader) -> None:
+        self.settings = settings
+        self.gcs = gcs
+        self.injections = injections
+        self.leader = leader
+        self.store: dict[Key, dict[str, Any]] = {}  # the latest body seen per cache
+        self._claims: dict[str, dict[Key, Claim]] = {}  # bucket -> the caches on it
+        self._queued: set[Key] = set()
+        self._processing: set[Key] = set()
+        self._dirty: set[Key] = set()
+        self._retries: dict[Key, int] = {}
+        self._queue: asyncio.Queue[Key] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="reconcile")
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- what the caches look like (every replica) ---
+
+    def observe(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A watch event of a cache (on the event loop). Keeps the store and the
+        per-bucket claims current and queues the cache when the event asks for it."""
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        old = self.store.get(key)
+        self._forget_claim(key)
+        if event_type == "DELETED":
+            self.store.pop(key, None)
+            self._retries.pop(key, None)
+            self._release_deleted(body)
+            return
+        new = copy.deepcopy(dict(body))
+        self.store[key] = new
+        spec = new.get("spec") or {}
+        claim = service.claim_of(spec, meta, *key)
+        if claim is not None:
+            bucket = str(((spec.get("storage") or {}).get("gcs") or {}).get("bucket") or "")
+            self._claims.setdefault(bucket, {})[key] = claim
+        if worth_reconciling(old, new):
+            self.enqueue(key)
+
+    def _forget_claim(self, key: Key) -> None:
+        for claims in self._claims.values():
+            claims.pop(key, None)
+
+    def claims(self, bucket: str) -> list[Claim]:
+        return list(self._claims.get(bucket, {}).values())
+
+    def lookup(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        return self.store.get((namespace, name))
+
+    # --- the queue ---
+
+    def enqueue(self, key: Key) -> None:
+        if self._queue is None or not self.leader.is_leader:
+            return  # a replica that does not lead reconciles nothing; a new leader queues all
+        if key in self._processing:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    def enqueue_all(self) -> None:
+        for key in list(self.store):
+            self.enqueue(key)
+
+    def leadership_changed(self, leading: bool) -> None:
+        """From the election's thread: a new leader reconciles every cache and releases
+        pods held for caches that are gone (what it missed while it did not lead)."""
+        if self._loop is None:
+            return
+        if leading:
+            self._loop.call_soon_threadsafe(self._on_lead)
+
+    def _on_lead(self) -> None:
+        self.enqueue_all()
+        assert self._loop is not None
+        self._loop.run_in_executor(self._executor, self.release_orphans)
+
+    async def _prime(self) -> None:
+        """Every cache, listed once before the first reconcile: a reconcile plans a
+        bucket's lifecycle rules for all the caches on it, so it must know them all."""
+        assert self._loop is not None
+        retry = 0
+        while True:
+            try:
+                caches = await self._loop.run_in_executor(self._executor, kube.list_caches, self.settings.namespaces)
+            except kube.KubeError as exc:
+                delay = backoff(self.settings.retry_delay_seconds, retry)
+                log.warning("Could not list the caches (retrying in %.0fs): %s", delay, exc)
+                retry += 1
+                await asyncio.sleep(delay)
+                continue
+            for body in caches:
+                meta = body.get("metadata") or {}
+                if (meta.get("namespace"), meta.get("name")) not in self.store:
+                    self.observe(None, body)
+            return
+
+    async def run(self) -> None:
+        """Workers and timers, until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        await self._prime()
+        self._queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}")
+                       for i in range(self.settings.workers)]
+        self._tasks.append(asyncio.create_task(self._every(self.settings.resync_seconds, self._resync), name="resync"))
+        self._tasks.append(asyncio.create_task(self._every(self.settings.warm_poll_seconds, self._poll), name="poll"))
+        if self.leader.is_leader:
+            self._on_lead()
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _every(self, seconds: float, fn: Any) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            fn()
+
+    def _resync(self) -> None:
+        self.enqueue_all()
+        if self.leader.is_leader and self._loop is not None:
+            self._loop.run_in_executor(self._executor, self.release_orphans)
+
+    def _poll(self) -> None:
+        for key, body in list(self.store.items()):
+            meta = body.get("metadata") or {}
+            if service.needs_poll(body.get("spec") or {}, body.get("status") or {}, int(meta.get("generation") or 0)):
+                self.enqueue(key)
+
+    async def _worker(self) -> None:
+        assert self._queue is not None and self._loop is not None
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            if not self.leader.is_leader:
+                continue
+            self._processing.add(key)
+            try:
+                result = await self._loop.run_in_executor(self._executor, self.reconcile_one, key)
+            except Exception:  # noqa: BLE001 - a bug in one reconcile must not stop the worker
+                log.exception("Reconcile of %s/%s failed", *key)
+                result = Result(retry=True)
+            finally:
+                self._processing.discard(key)
+            self._after(key, result)
+
+    def _after(self, key: Key, result: Result) -> None:
+        assert self._loop is not None
+        if key in self._dirty or result.again:
+            self._dirty.discard(key)
+            self.enqueue(key)
+        elif result.retry:
+            retry = self._retries.get(key, 0)
+            self._retries[key] = retry + 1
+            self._loop.call_later(backoff(self.settings.retry_delay_seconds, retry), self.enqueue, key)
+        else:
+            self._retries.pop(key, None)
+
+    # --- one reconcile (a worker thread) ---
+
+    def reconcile_one(self, key: Key) -> Result:
+        """Read the cache as stored now, then finalizer, then bucket, warmers and pods, and
+        its status. Raises nothing a retry cannot cure: API errors are retried."""
+        namespace, name = key
+        try:
+            body = kube.get_cache(namespace, name)
+        except kube.KubeError as exc:
+            log.warning("Could not read %s %s/%s: %s", c.KIND, namespace, name, exc)
+            return Result(retry=True)
+        if body is None:
+            return Result()
+        meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            return self._finalize(body)
+        finalizers = wanted_finalizers(meta, spec)
+        if finalizers is not None:
+            try:
+                if not kube.set_cache_finalizers(namespace, name, finalizers, str(meta.get("resourceVersion"))):
+                    return Result(again=True)  # changed meanwhile: read it again
+            except kube.KubeError as exc:
+                log.warning("Could not set the finalizers of %s/%s: %s", namespace, name, exc)
+                return Result(retry=True)
+        outcome = service.reconcile_cache(
+            gcs=self.gcs, warmer_image=self.settings.warmer_image, injections=self.injections, spec=spec,
+            meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
+            now=dt.datetime.now(dt.timezone.utc), instance=self.settings.instance,
+        )
+        patch = dict(outcome.status)
+        if "kopf" in status:
+            patch["kopf"] = None  # state of the kopf handlers that reconciled caches before
+        try:
+            kube.patch_cache_status(namespace, name, patch)
+        except kube.KubeError as exc:
+            log.warning("Could not write the status of %s/%s: %s", namespace, name, exc)
+            self._post(body, outcome.events)
+            return Result(retry=True)
+        self._post(body, outcome.events)
+        if outcome.invalid is not None:
+            log.warning("%s %s/%s cannot be acted on: %s", c.KIND, namespace, name, outcome.invalid)
+            return Result()
+        return Result(retry=outcome.failure is not None)
+
+    def _finalize(self, body: Mapping[str, Any]) -> Result:
+        """A cache being deleted: with our finalizer, delete its data (deletionPolicy
+        Delete) and then remove the finalizer; without it, nothing is ours to do."""
+        meta = body.get("metadata") or {}
+        namespace, name = str(meta["namespace"]), str(meta["name"])
+        if c.FINALIZER not in (meta.get("finalizers") or []):
+            return Result()
+        events: list[Event] = []
+        if deletion_policy(body.get("spec") or {}) == "Delete":
+            try:
+                events = service.delete_cache(self.gcs, body.get("spec") or {}, meta, namespace=namespace,
+                                              name=name, claims=self.claims, instance=self.settings.instance)
+            except InvalidSpec as exc:
+                events = [Event("Warning", c.Reason.INVALID_SPEC,
+                                f"Kept the cache's data: its spec cannot be read ({exc})")]
+            except GcsError as exc:
+                self._post(body, [Event("Warning", exc.reason, f"Could not delete cache data: {exc}; retrying")])
+                return Result(retry=True)
+        self._post(body, events)
+        try:
+            done = kube.set_cache_finalizers(namespace, name, [f for f in meta.get("finalizers") or []
+                                                               if f != c.FINALIZER], str(meta.get("resourceVersion")))
+        except kube.KubeError as exc:
+            log.warning("Could not remove the finalizer of %s/%s: %s", namespace, name, exc)
+            return Result(retry=True)
+        return Result(again=not done)
+
+    def _post(self, body: Mapping[str, Any], events: list[Event]) -> None:
+        meta = body.get("metadata") or {}
+        kind = str(body.get("kind") or c.KIND)
+        ref = {"apiVersion": body.get("apiVersion") or f"{c.GROUP}/{c.VERSION}", "kind": kind,
+               "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid")}}
+        for event in events:
+            log.info(event.message, extra={"k8s_ref": {"kind": kind, "namespace": meta.get("namespace"),
+                                                       "name": meta.get("name")}, "reason": event.reason})
+            try:
+                kube.post_event(ref, type=event.type, reason=event.reason, message=event.message,
+                                now=dt.datetime.now(dt.timezone.utc))
+            except kube.KubeError as exc:
+                log.warning("Could not post event %s: %s", event.reason, exc)
+
+    # --- pods held for caches that are gone (leader only) ---
+
+    def _release_deleted(self, body: Mapping[str, Any]) -> None:
+        if self._loop is None or not self.leader.is_leader:
+            return
+        meta = body.get("metadata") or {}
+        namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+        def release() -> None:
+            try:
+                events = service.release_pods_of_deleted_cache(namespace=namespace, name=name,
+                                                               now=dt.datetime.now(dt.timezone.utc))
+            except kube.KubeError as exc:
+                log.warning("Could not release the pods of deleted cache %s/%s: %s", namespace, name, exc)
+                return
+            self._post(body, events)
+
+        self._loop.run_in_executor(self._executor, release)
+
+    def release_orphans(self) -> None:
+        """Release every labelled pod held for a cache that does not exist. Pods are listed
+        before caches: a pod was gated only while its cache existed, so a cache missing
+        from the later list was deleted (no cache created after the pod list can be one
+        such a pod waits for)."""
+        if not self.leader.is_leader:
+            return
+        try:
+            pods = kube.list_labelled_pods(self.settings.namespaces, c.CACHE_LABEL)
+            caches = kube.list_caches(self.settings.namespaces)
+        except kube.KubeError as exc:
+            log.warning("Could not look for pods held for deleted caches: %s", exc)
+            return
+        existing = {((b.get("metadata") or {}).get("namespace"), (b.get("metadata") or {}).get("name"))
+                    for b in caches}
+        for pod in pods:
+            self.release_if_orphaned(pod, lambda ns, n: {} if (ns, n) in existing else None)
+
+    def release_if_orphaned(self, pod: Mapping[str, Any], lookup: service.CacheLookup) -> Event | None:
+        """Release one held pod whose cache `lookup` does not find (leader only)."""
+        if not self.leader.is_leader:
+            return None
+        meta = pod.get("metadata") or {}
+        try:
+            event = service.release_orphaned_pod(pod, lookup)
+        except kube.KubeError as exc:
+            log.warning("Could not release pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+            return None
+        if event is not None:
+            ref = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                "name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid")}}
+            self._post(ref, [event])
+        return event

@@ -1,0 +1,116 @@
+"""Leader election: of all the operator's replicas, exactly one reconciles caches (and
+releases held pods); every replica serves the webhook and keeps its indexes current.
+
+A coordination.k8s.io Lease, through the official client's `kubernetes.leaderelection`
+(the same Lease protocol as client-go: the holder renews it every RETRY_PERIOD seconds; a
+candidate takes it once it has seen no renewal for LEASE_DURATION seconds). The election
+runs in a daemon thread of its own; the controller asks `is_leader` before each reconcile
+and is told (on its event loop) when leadership is won or lost. A replica that stops
+cleanly clears the Lease's holder, so the next one takes over at its next try instead of
+after a whole lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+
+from kubernetes.leaderelection import electionconfig, leaderelection
+from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
+
+from cachewarm.clients import kube
+
+# client-go's defaults (kube-controller-manager and kube-scheduler use the same).
+LEASE_DURATION = 15
+RENEW_DEADLINE = 10
+RETRY_PERIOD = 2
+log = logging.getLogger("cachewarm.leader")
+# The library logs every retry of a follower at INFO ("yet to finish lease_duration"):
+# every 2 s, forever. Our own lines say when leadership changes.
+logging.getLogger("leaderelection").setLevel(logging.WARNING)
+
+
+def identity(pod_name: str) -> str:
+    """This replica's name in the Lease: its Pod's name (stable across container restarts,
+    so a restarted leader takes its own Lease back at once), else host, pid and a nonce."""
+    return pod_name or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+class Leadership:
+    """Whether this replica leads. `on_change(True|False)`, given to `start`, is called
+    from the election's thread on every change; the caller hops to its own loop."""
+
+    def __init__(self, namespace: str, name: str, identity: str) -> None:
+        self.namespace, self.name, self.identity = namespace, name, identity
+        self._on_change: Callable[[bool], None] = lambda leading: None
+        self._leading = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leading.is_set()
+
+    def start(self, on_change: Callable[[bool], None]) -> None:
+        self._on_change = on_change
+        self._thread = threading.Thread(target=self._elect_forever, name="leader-election", daemon=True)
+        self._thread.start()
+
+    def _elect_forever(self) -> None:
+        while True:
+            config = electionconfig.Config(
+                LeaseLock(self.name, self.namespace, self.identity),  # type: ignore[no-untyped-call]
+                lease_duration=LEASE_DURATION, renew_deadline=RENEW_DEADLINE, retry_period=RETRY_PERIOD,
+                onstarted_leading=self._started, onstopped_leading=self._stopped,
+            )
+            try:
+                # Returns after this replica led and then failed to renew in time.
+                leaderelection.LeaderElection(config).run()  # type: ignore[no-untyped-call]
+            except Exception:  # noqa: BLE001 - the election must go on whatever the API answered
+                log.exception("Leader election failed; trying again")
+                self._stopped()
+            threading.Event().wait(RETRY_PERIOD)
+
+    def _started(self) -> None:
+        log.info("Leading: this replica reconciles caches", extra={"lease": f"{self.namespace}/{self.name}",
+                                                                   "identity": self.identity})
+        self._leading.set()
+        self._on_change(True)
+
+    def _stopped(self) -> None:
+        if not self._leading.is_set():
+            return
+        self._leading.clear()
+        log.warning("Lost the lead: another replica reconciles caches now",
+                    extra={"lease": f"{self.namespace}/{self.name}", "identity": self.identity})
+        self._on_change(False)
+
+    def release(self) -> None:
+        """At shutdown: stop leading and clear the Lease's holder (best effort)."""
+        was_leading = self._leading.is_set()
+        self._leading.clear()
+        if not was_leading:
+            return
+        try:
+            kube.release_lease(self.namespace, self.name, self.identity)
+        except kube.KubeError as exc:
+            log.warning("Could not release the Lease: %s", exc)
+
+
+class AlwaysLeader:
+    """No election (one process, e.g. outside a cluster without CACHEWARM_POD_NAMESPACE):
+    this process leads from the start."""
+
+    identity = "standalone"
+
+    @property
+    def is_leader(self) -> bool:
+        return True
+
+    def start(self, on_change: Callable[[bool], None]) -> None:
+        on_change(True)
+
+    def release(self) -> None:
+        return None

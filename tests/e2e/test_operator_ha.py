@@ -1,0 +1,149 @@
+"""Two replicas of the operator, as the Deployment runs them: exactly one (the Lease
+holder) reconciles, both serve the webhook with a certificate of one CA (one Secret, so the
+caBundle never flips), a killed leader is replaced by the other replica, a renewed
+certificate is served without a restart, and a replica that stops cleanly gives the Lease
+up.
+
+Both replicas are processes on this machine with their webhooks on one loopback port
+(SO_REUSEPORT: the kernel spreads connections over both, as a Service spreads them over
+Pods), authenticated as the manifests' ServiceAccount, on a control plane of their own
+(killing the session's operator would disturb every other test)."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import os
+import signal
+import socket
+import ssl
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from cachewarm import certs
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, repo_root
+from cachewarm_testbed.processes import free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = repo_root()
+NS = "cachewarm-system"
+LEASE = "cachewarm-operator"
+SECRET = "cachewarm-webhook-tls"
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[Testbed]:
+    bed = Testbed().start()
+    try:
+        for args in (("apply", "-f", str(REPO / "crds")), ("apply", "-k", str(REPO / "manifests")),
+                     ("wait", "--for=condition=Established", "--timeout=60s", "crd/compilationcaches.cachewarm.dev")):
+            done = bed.kubectl_run(*args)
+            assert done.returncode == 0, (args, done.stderr)
+        yield bed
+    finally:
+        bed.stop()
+
+
+def holder(bed: Testbed) -> str | None:
+    lease = bed.get_json("lease", LEASE, NS) or {}
+    return (lease.get("spec") or {}).get("holderIdentity")
+
+
+def served_certificate(port: int) -> bytes:
+    """The DER certificate a new TLS connection to the webhook port is given."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, \
+            context.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def ready(bed: Testbed, name: str, namespace: str) -> bool:
+    obj = bed.get_json("ccache", name, namespace) or {}
+    return any(cd["type"] == "Ready" and cd["status"] == "True"
+               for cd in (obj.get("status") or {}).get("conditions") or [])
+
+
+def cache(name: str) -> dict[str, object]:
+    return {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
+            "spec": {"storage": {"gcs": {"bucket": f"{name}-{uuid.uuid4().hex[:8]}", "location": "us-central1"}}}}
+
+
+def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: Testbed, tmp_path: Path) -> None:
+    kubeconfig = bed.service_account_kubeconfig(NS, "cachewarm-operator", tmp_path / "kubeconfig")
+    port = free_port()
+    env = {"CACHEWARM_RESYNC_SECONDS": "3", "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
+           "CACHEWARM_GCS_TIMEOUT_SECONDS": "2", "CACHEWARM_GCP_PROJECT": "testbed",
+           "CACHEWARM_POD_NAMESPACE": NS, "CACHEWARM_CERT_CHECK_SECONDS": "1",
+           "CACHEWARM_WEBHOOK_PORT": str(port), "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{port}"}
+    replicas = [OperatorHandle(bed, kubeconfig, {**env, "CACHEWARM_POD_NAME": f"cachewarm-operator-{i}"})
+                for i in range(2)]
+    try:
+        namespace = f"t-{uuid.uuid4().hex[:10]}"
+        assert bed.kubectl_run("create", "namespace", namespace).returncode == 0
+
+        # One leader; the other replica reconciles nothing.
+        leader = eventually(lambda: holder(bed), timeout=30, what="a Lease holder")
+        assert leader in {"cachewarm-operator-0", "cachewarm-operator-1"}
+        first, second = (replicas[0], replicas[1]) if leader.endswith("-0") else (replicas[1], replicas[0])
+        cache_obj = cache("before")
+        bed.apply(cache_obj, namespace)
+        eventually(lambda: ready(bed, "before", namespace), timeout=60, what="Ready under the first leader")
+        bucket = str(cache_obj["spec"]["storage"]["gcs"]["bucket"])  # type: ignore[index]
+        assert f"Created bucket {bucket}" in first.log.read_text(errors="replace")
+        assert bucket not in second.log.read_text(errors="replace")  # not one line about it
+        assert "Leading" in first.log.read_text(errors="replace")
+        assert "Leading" not in second.log.read_text(errors="replace")
+        assert holder(bed) == leader
+
+        # Both serve a certificate of the Secret's CA, which is also the caBundle.
+        secret = bed.get_json("secret", SECRET, NS)
+        assert secret is not None
+        ca_pem = base64.b64decode(secret["data"]["ca.crt"])
+        tls_pem = base64.b64decode(secret["data"]["tls.crt"])
+        served = {served_certificate(port) for _ in range(20)}
+        assert served == {x509.load_pem_x509_certificate(tls_pem).public_bytes(Encoding.DER)}
+        hooks = (bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "default") or {})["webhooks"]
+        assert {base64.b64decode(h["clientConfig"]["caBundle"]) for h in hooks} == {ca_pem}
+
+        # The leader dies (SIGKILL, as a node loss would): the other replica takes over.
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.stop(timeout=5)
+        eventually(lambda: holder(bed) == second.env["CACHEWARM_POD_NAME"] or None, timeout=40,
+                   what="the surviving replica holding the Lease")
+        bed.apply(cache("after"), namespace)
+        eventually(lambda: ready(bed, "after", namespace), timeout=60, what="Ready under the new leader")
+        assert "Created bucket after-" in second.log.read_text(errors="replace")
+
+        # A renewed certificate (same CA, as cert renewals are) is served without a restart.
+        ca = certs.KeyPair(ca_pem, base64.b64decode(secret["data"]["ca.key"]))
+        san = x509.load_pem_x509_certificate(tls_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        hosts = [*san.value.get_values_for_type(x509.DNSName), *map(str, san.value.get_values_for_type(x509.IPAddress))]
+        renewed = certs.make_serving_cert(ca, hosts, now=dt.datetime.now(dt.timezone.utc))
+        secret["data"]["tls.crt"] = base64.b64encode(renewed.cert_pem).decode()
+        secret["data"]["tls.key"] = base64.b64encode(renewed.key_pem).decode()
+        bed.apply(secret, NS)
+        new_der = x509.load_pem_x509_certificate(renewed.cert_pem).public_bytes(Encoding.DER)
+        eventually(lambda: served_certificate(port) == new_der or None, timeout=30,
+                   what="the renewed certificate served")
+        pid_before = second.pid
+        hooks = (bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "default") or {})["webhooks"]
+        assert {base64.b64decode(h["clientConfig"]["caBundle"]) for h in hooks} == {ca_pem}
+        assert second.pid == pid_before  # reloaded in place
+        assert "Serving a new webhook certificate" in second.log.read_text(errors="replace")
+
+        # Stopped cleanly, the last replica gives the Lease up.
+        second.stop()
+        assert holder(bed) is None
+    finally:
+        for handle in replicas:
+            handle.stop()

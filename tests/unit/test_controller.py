@@ -1,0 +1,157 @@
+"""The controller's rules: which watch events ask for a reconcile, which finalizers a cache
+should carry, and its work queue (one reconcile of a cache at a time, a change during a
+reconcile reconciled right after, nothing reconciled by a replica that does not lead)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from cachewarm import constants as c
+from cachewarm.controller import Controller, Key, Result, wanted_finalizers, worth_reconciling
+from cachewarm.injections import RecentInjections
+from cachewarm.settings import Settings
+
+
+def body(generation: int = 1, **meta: Any) -> dict[str, Any]:
+    return {"metadata": {"namespace": "ml", "name": "llama", "generation": generation, **meta},
+            "spec": {}, "status": {"observedGeneration": generation}}
+
+
+@pytest.mark.parametrize(("old", "new", "worth"), [
+    (None, body(), True),  # first sight
+    (body(1), body(2), True),  # spec changed
+    (body(annotations={"a": "1"}), body(annotations={"a": "2"}), True),  # cachewarm.dev/rewarm
+    (body(), body(finalizers=["x"]), True),
+    (body(), body(deletionTimestamp="2026-11-22T00:00:00Z"), True),
+    (body(), {**body(), "status": {"observedGeneration": 1, "conditions": []}}, False),  # our own status write
+    (body(resourceVersion="1"), body(resourceVersion="2"), False),
+])
+def test_which_watch_events_ask_for_a_reconcile(old: Any, new: Any, worth: bool) -> None:
+    assert worth_reconciling(old, new) is worth
+
+
+DELETE = {"storage": {"gcs": {"deletionPolicy": "Delete"}}}
+RETAIN = {"storage": {"gcs": {"deletionPolicy": "Retain"}}}
+
+
+@pytest.mark.parametrize(("meta", "spec", "wanted"), [
+    ({}, DELETE, [c.FINALIZER]),
+    ({"finalizers": ["theirs"]}, DELETE, ["theirs", c.FINALIZER]),  # others' kept, ours added last
+    ({"finalizers": [c.FINALIZER]}, DELETE, None),
+    ({}, RETAIN, None),
+    ({}, {}, None),  # Retain is the default: never a finalizer
+    ({"finalizers": ["theirs", c.FINALIZER]}, RETAIN, ["theirs"]),  # policy changed to Retain
+    # Being deleted: the finalizer goes only after the data (controller._finalize), never here.
+    ({"finalizers": [c.FINALIZER], "deletionTimestamp": "t"}, RETAIN, None),
+    ({"deletionTimestamp": "t"}, DELETE, None),
+])
+def test_finalizer_only_while_deletion_policy_is_delete(meta: Any, spec: Any, wanted: Any) -> None:
+    assert wanted_finalizers(meta, spec) == wanted
+
+
+class Lead:
+    def __init__(self, leading: bool = True) -> None:
+        self.is_leader = leading
+
+
+def _controller(monkeypatch: pytest.MonkeyPatch, reconcile: Any, leading: bool = True) -> Controller:
+    settings = Settings(workers=4, resync_seconds=3600, warm_poll_seconds=3600, retry_delay_seconds=0.05)
+    monkeypatch.setattr("cachewarm.controller.kube.list_caches", lambda namespaces: [])
+    controller = Controller(settings, None, RecentInjections(60), Lead(leading))  # type: ignore[arg-type]
+    monkeypatch.setattr(controller, "reconcile_one", reconcile)
+    monkeypatch.setattr(controller, "release_orphans", lambda: None)
+    return controller
+
+
+async def _drive(controller: Controller, steps: Any, settle: float = 0.5) -> None:
+    task = asyncio.create_task(controller.run())
+    await asyncio.sleep(0.05)  # primed, workers up
+    await steps()
+    await asyncio.sleep(settle)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def test_one_reconcile_of_a_cache_at_a_time_and_a_change_meanwhile_is_reconciled_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    running: dict[Key, int] = {}
+    overlap: list[Key] = []
+    calls: list[Key] = []
+    guard = threading.Lock()
+
+    def reconcile(key: Key) -> Result:
+        with guard:
+            running[key] = running.get(key, 0) + 1
+            if running[key] > 1:
+                overlap.append(key)
+            calls.append(key)
+        time.sleep(0.1)
+        with guard:
+            running[key] -= 1
+        return Result()
+
+    controller = _controller(monkeypatch, reconcile)
+
+    async def steps() -> None:
+        controller.enqueue(("ml", "a"))
+        controller.enqueue(("ml", "b"))
+        await asyncio.sleep(0.03)  # both being reconciled now
+        for _ in range(5):  # five changes of "a" while it is reconciled: one more reconcile
+            controller.enqueue(("ml", "a"))
+
+    asyncio.run(_drive(controller, steps))
+    assert overlap == []
+    assert calls.count(("ml", "a")) == 2 and calls.count(("ml", "b")) == 1
+
+
+def test_a_replica_that_does_not_lead_reconciles_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Key] = []
+    controller = _controller(monkeypatch, lambda key: calls.append(key) or Result(), leading=False)
+
+    async def steps() -> None:
+        controller.observe(None, body())
+        controller.enqueue(("ml", "llama"))
+
+    asyncio.run(_drive(controller, steps, settle=0.2))
+    assert calls == [] and ("ml", "llama") in controller.store
+
+
+def test_a_failed_reconcile_is_retried_with_backoff_and_a_success_resets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    times: list[float] = []
+
+    def reconcile(key: Key) -> Result:
+        times.append(time.monotonic())
+        return Result(retry=len(times) < 3)
+
+    controller = _controller(monkeypatch, reconcile)
+
+    async def steps() -> None:
+        controller.enqueue(("ml", "llama"))
+
+    asyncio.run(_drive(controller, steps, settle=0.6))
+    assert len(times) == 3  # two failures, then a success and no more
+    # Backoff doubles from retry_delay_seconds (0.05 s, then 0.1 s).
+    assert times[1] - times[0] >= 0.05 and times[2] - times[1] >= 0.1
+
+
+def test_status_writes_do_not_requeue_but_a_new_generation_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Key] = []
+    controller = _controller(monkeypatch, lambda key: calls.append(key) or Result())
+
+    async def steps() -> None:
+        controller.observe(None, body(1))
+        await asyncio.sleep(0.1)
+        controller.observe("MODIFIED", {**body(1), "status": {"conditions": [{"type": "Ready"}]}})
+        await asyncio.sleep(0.1)
+        controller.observe("MODIFIED", body(2))
+
+    asyncio.run(_drive(controller, steps, settle=0.2))
+    assert calls == [("ml", "llama"), ("ml", "llama")]
