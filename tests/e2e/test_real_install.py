@@ -22,8 +22,12 @@ root and `make node-deps`; one real node per machine.
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import json
 import os
+import socket
+import ssl
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +36,10 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from cachewarm import certs
 
 from cachewarm_testbed import images, install
 from cachewarm_testbed.cluster import Testbed, eventually, repo_root
@@ -227,9 +235,46 @@ def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced
     bed.apply(pod, ns)
     stored = bed.get_json("pod", "during", ns) or {}
     assert "cachewarm.dev/injected" in (stored.get("metadata") or {}).get("annotations", {}), stored.get("metadata")
-    eventually(lambda: len([p for p in install.operator_pods(bed)
-                            if p["status"]["containerStatuses"][0]["ready"]]) == 2 or None,
-               timeout=120, what="two ready replicas again")
+    def two_ready() -> list[dict[str, Any]] | None:
+        ready = [p for p in install.operator_pods(bed) if p["status"]["containerStatuses"][0]["ready"]]
+        return ready if len(ready) == 2 else None
+    replicas = eventually(two_ready, timeout=120, what="two ready replicas again")
+
+    # A renewal of the shared certificate (same CA, as the operator renews it): both
+    # replicas serve it without a restart, and the apiserver still trusts the webhook.
+    secret = bed.get_json("secret", "cachewarm-webhook-tls", install.NAMESPACE)
+    assert secret is not None
+    ca = certs.KeyPair(base64.b64decode(secret["data"]["ca.crt"]), base64.b64decode(secret["data"]["ca.key"]))
+    old = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    hosts = list(old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                 .get_values_for_type(x509.DNSName))
+    renewed = certs.make_serving_cert(ca, hosts, now=dt.datetime.now(dt.timezone.utc))
+    secret["data"].update({"tls.crt": base64.b64encode(renewed.cert_pem).decode(),
+                           "tls.key": base64.b64encode(renewed.key_pem).decode()})
+    bed.apply(secret, install.NAMESPACE)
+    new_der = x509.load_pem_x509_certificate(renewed.cert_pem).public_bytes(Encoding.DER)
+    for replica in replicas:
+        ip = replica["status"]["podIP"]
+        eventually(lambda: served_certificate(ip, 9443) == new_der or None, timeout=90,
+                   what=f"replica {replica['metadata']['name']} serving the renewed certificate")
+    restarts = {p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+                for p in install.operator_pods(bed)}
+    assert restarts == {p["metadata"]["name"]: 0 for p in replicas}, restarts
+    bed.apply({**pod, "metadata": {"name": "after-renewal", "labels": {"cachewarm.dev/cache": "ha"}}}, ns)
+    stored = bed.get_json("pod", "after-renewal", ns) or {}
+    assert "cachewarm.dev/injected" in (stored.get("metadata") or {}).get("annotations", {}), stored.get("metadata")
+
+
+def served_certificate(host: str, port: int) -> bytes:
+    """The DER certificate a new TLS connection to host:port is given."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with socket.create_connection((host, port), timeout=5) as sock, \
+            context.wrap_socket(sock, server_hostname=host) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
 
 
 def test_stop_leaves_the_host_as_it_was(cluster: Installed) -> None:

@@ -91,6 +91,17 @@ def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, val
     ("CACHEWARM_INSTANCE", "1"),  # the record of rules written before instances
     ("CACHEWARM_INSTANCE", "a" * 64),
     ("CACHEWARM_INSTANCE", "eu.west"),
+    ("CACHEWARM_WORKERS", "0"),
+    ("CACHEWARM_WORKERS", "65"),
+    ("CACHEWARM_WORKERS", "many"),
+    ("CACHEWARM_LEADER_ELECTION", "maybe"),
+    ("CACHEWARM_LEADER_ELECTION_LEASE", ""),
+    ("CACHEWARM_LEADER_ELECTION_LEASE", "Cachewarm"),  # object names are lowercase
+    ("CACHEWARM_LEADER_ELECTION_LEASE", "cachewarm-"),
+    ("CACHEWARM_WEBHOOK_CERT_SECRET", "webhook_tls"),
+    ("CACHEWARM_WEBHOOK_CERT_SECRET", "-tls"),
+    ("CACHEWARM_CERT_CHECK_SECONDS", "0"),
+    ("CACHEWARM_CERT_CHECK_SECONDS", "hourly"),
 ])
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)

@@ -116,3 +116,33 @@ def test_review_shape_checks() -> None:
     assert check_review({"kind": "AdmissionReview"}) == "request is missing"
     assert check_review({"kind": "AdmissionReview", "request": {"uid": ""}}) == "request.uid is missing"
     assert check_review({"kind": "AdmissionReview", "request": {"uid": "u"}}) is None
+
+
+def test_a_renewed_cert_manager_certificate_is_loaded_by_the_keeper_without_a_restart(tmp_path: Path) -> None:
+    from cachewarm.main import WebhookKeeper
+    from cachewarm.settings import Settings
+
+    def write(material: servingcert.TlsMaterial) -> None:
+        for name, data in (("tls.crt", material.cert_pem), ("tls.key", material.key_pem), ("ca.crt", material.ca_pem)):
+            (tmp_path / name).write_bytes(data)
+
+    first, renewed = servingcert.in_memory(["svc"], NOW), servingcert.in_memory(["svc"], NOW)
+    write(first)
+    settings = Settings(webhook_cert_dir=str(tmp_path), webhook_configuration="", cert_check_seconds=0.05)
+
+    async def scenario() -> list[servingcert.TlsMaterial | None]:
+        tls = ServingTls()
+        tls.load(servingcert.from_dir(str(tmp_path)))
+        keeper = WebhookKeeper(settings, tls)
+        task = asyncio.create_task(keeper.watch())
+        seen = [tls.material]
+        write(renewed)  # as the kubelet updates a mounted Secret
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if tls.material == renewed:
+                break
+        seen.append(tls.material)
+        task.cancel()
+        return seen
+
+    assert asyncio.run(scenario()) == [first, renewed]
