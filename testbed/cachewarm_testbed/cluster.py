@@ -649,7 +649,7 @@ class OperatorHandle:
         # One name across restarts, as a Pod's name is across container restarts: a
         # restarted leader takes its own Lease back at once.
         self.env = {"CACHEWARM_POD_NAME": f"cachewarm-operator-{uuid.uuid4().hex[:6]}", **env}
-        self.proc = bed.start_operator(kubeconfig, env)
+        self.proc = bed.start_operator(kubeconfig, self.env)
         self.logs = [self.proc.log]
 
     @property
