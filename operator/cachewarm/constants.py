@@ -44,6 +44,8 @@ LABEL_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 # On warmer Jobs: metadata.generation of the CompilationCache whose spec built the Job. A
 # reconcile holding an older spec never deletes, nor adds beside, a Job of a newer one.
 GENERATION_ANNOTATION: Final = f"{GROUP}/generation"
+# On the ConfigMap of a cache's pod env (cachewarm-<cache>-env): which cache.
+ENV_FOR_LABEL: Final = f"{GROUP}/env-for"
 # Labels the Job controller puts on the pods of a Job (read, never written by us).
 JOB_NAME_LABEL: Final = "job-name"
 
@@ -63,6 +65,8 @@ class Condition:
     LIFECYCLE_READY: Final = "LifecycleReady"
     # Whether the bucket-wide soft delete policy is what this cache asks for.
     SOFT_DELETE_APPLIED: Final = "SoftDeleteApplied"
+    # Whether the ConfigMap of the cache's pod env (for containers with envFrom) is current.
+    INJECTION_READY: Final = "InjectionReady"
 
 
 class Reason:
@@ -110,6 +114,12 @@ class Reason:
     WARMING: Final = "Warming"
     WARMUP_FAILED: Final = "WarmupFailed"
     CACHE_EMPTY: Final = "CacheEmpty"
+    # Entries a warmer reported are not (or no longer) in the bucket.
+    ENTRIES_MISSING: Final = "EntriesMissing"
+    # A failed warmer is run again after a backoff.
+    WARMER_RETRIED: Final = "WarmerRetried"
+    # Programs the warmer compiled that JAX did not write (below the size/time thresholds).
+    PROGRAMS_NOT_CACHED: Final = "ProgramsNotCached"
     WARMED: Final = "Warmed"
     # Warmed stays True while a cache that was Warmed, and still holds entries, re-warms
     # (cron slot, rewarm annotation, new image): new pods read it and are not held.

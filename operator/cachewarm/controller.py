@@ -40,6 +40,7 @@ from cachewarm.injections import RecentInjections
 from cachewarm.model import InvalidSpec
 from cachewarm.reconcile import Event
 from cachewarm.settings import Settings
+from cachewarm.warmups import WarmRetry
 
 Key = tuple[str, str]  # (namespace, name)
 MAX_BACKOFF = 600.0
@@ -281,6 +282,7 @@ class Controller:
             gcs=self.gcs, warmer_image=self.settings.warmer_image, injections=self.injections, spec=spec,
             meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
             now=dt.datetime.now(dt.timezone.utc), instance=self.settings.instance,
+            warm_retry=WarmRetry(self.settings.warm_retries, self.settings.warm_retry_seconds),
         )
         patch = dict(outcome.status)
         if "kopf" in status:

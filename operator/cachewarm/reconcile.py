@@ -23,6 +23,7 @@ from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsPreconditionFailed
 from cachewarm.conditions import Cond
 from cachewarm.model import GcsStorage
+from cachewarm.warmer import key_hash
 
 MERGE_ATTEMPTS = 5  # re-read and re-merge this often when the bucket changes under us
 # Stamping entries without a customTime is one sequential object PATCH each, done inside the
@@ -51,6 +52,8 @@ class BucketOutcome:
     status: dict[str, Any] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     cache: dict[str, int] | None = None
+    # The key hashes (warmer.key_hash) of the entries in the bucket under the prefix.
+    entry_keys: frozenset[str] = frozenset()
     # LifecycleReady and SoftDeleteApplied, when the bucket could be read.
     settings: list[Cond] = field(default_factory=list)
     # Rules not cachewarm's that also delete this cache's entries ("#index {condition}"),
@@ -176,6 +179,7 @@ def reconcile_bucket(
                                     "its settings; retrying", status=412)
 
     how = "created by cachewarm" if b.created_by(bucket, namespace, name, instance) else "adopted"
+    inventory, entry_keys = cache_inventory(gcs, spec)
     lifecycle, foreign_deleting = _with_foreign_deletes(
         _lifecycle_condition(bucket, spec, mine, plan, instance), bucket, spec, plan.rule_of.get(mine.key), instance)
     return BucketOutcome(
@@ -183,7 +187,8 @@ def reconcile_bucket(
              f"Bucket {spec.bucket} ({how}) is in {bucket.location}"),
         status=_status(bucket, spec, mine, instance),
         events=events,
-        cache=cache_inventory(gcs, spec),
+        cache=inventory,
+        entry_keys=entry_keys,
         settings=[lifecycle, _soft_delete_condition(bucket, spec, mine, claims, instance)],
         foreign_deleting=foreign_deleting,
     )
@@ -303,12 +308,14 @@ def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, instance: str
 
 
 def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
-                    clock: Callable[[], float] = time.monotonic) -> dict[str, int]:
+                    clock: Callable[[], float] = time.monotonic) -> tuple[dict[str, int], frozenset[str]]:
     """Entries and bytes of this cache, counted on the bucket itself. Entries without a
     customTime (written by a training pod, or before cachewarm managed the bucket) get
     their creation time as customTime, so the last-use rule expires them too: at most
     STAMP_LIMIT of them and for at most STAMP_SECONDS per reconcile (see there); those
-    left for later reconciles are counted in `unstamped`."""
+    left for later reconciles are counted in `unstamped`. Also returns the key hashes of
+    the entries (as warmers report them), to check a warm's entries are all there."""
+    keys: set[str] = set()
     entries = 0
     size = 0
     stamped = 0
@@ -320,6 +327,7 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
         if obj.name.endswith("-cache"):
             entries += 1
             size += obj.size
+            keys.add(key_hash(obj.name.rsplit("/", 1)[-1].removesuffix("-cache")))
         if obj.custom_time is None and obj.created is not None:
             if stamped < STAMP_LIMIT and clock() < deadline:
                 # False: the object changed since it was listed (a warmer stamped it, or it
@@ -328,7 +336,7 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
                 stamped += 1
             else:
                 unstamped += 1
-    return {"entries": entries, "bytes": size, "unstamped": unstamped}
+    return {"entries": entries, "bytes": size, "unstamped": unstamped}, frozenset(keys)
 
 
 def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str,

@@ -14,14 +14,15 @@ from typing import Any
 from cachewarm import conditions
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
-from cachewarm.builders.injection import INJECTED_ANNOTATION, inject_pod
+from cachewarm.builders.injection import INJECTED_ANNOTATION, env_configmap, env_configmap_name, inject_pod
 from cachewarm.clients import kube
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.conditions import Cond
 from cachewarm.injections import RecentInjections
 from cachewarm.model import CacheSpec, InvalidSpec, parse_spec
 from cachewarm.reconcile import BucketOutcome, Event, delete_cache_data, reconcile_bucket
-from cachewarm.warmups import ACTIVE_STATES, WAIT_GATE, WarmupOutcome, reconcile_warmup, release_waiting_pods
+from cachewarm.warmups import (ACTIVE_STATES, WAIT_GATE, WarmRetry, WarmupOutcome, reconcile_warmup,
+                               release_waiting_pods)
 
 ClaimLookup = Callable[[str], Iterable[Claim]]  # bucket -> the caches on it
 CacheLookup = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, name) -> webhook index entry
@@ -45,17 +46,20 @@ class _Seen:
     warmup: WarmupOutcome | None = None
     warm_condition: Cond | None = None
     waiting_pods: int | None = None
+    injection: Cond | None = None
 
 
 def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: dict[str, Any],
             has_warmup: bool, now: dt.datetime) -> dict[str, Any]:
     bucket = seen.bucket
-    ready = Cond(
-        c.Condition.READY, bucket.condition.status,
-        c.Reason.RECONCILED if bucket.ready else c.Reason.BUCKET_NOT_READY,
-        "The cache is ready for warmers and training pods" if bucket.ready else bucket.condition.message,
-    )
-    updates = [bucket.condition, ready, *bucket.settings, *([seen.warm_condition] if seen.warm_condition else [])]
+    if not bucket.ready:
+        ready = Cond(c.Condition.READY, False, c.Reason.BUCKET_NOT_READY, bucket.condition.message)
+    elif seen.injection is not None and not seen.injection.status:
+        ready = Cond(c.Condition.READY, False, seen.injection.reason, seen.injection.message)
+    else:
+        ready = Cond(c.Condition.READY, True, c.Reason.RECONCILED, "The cache is ready for warmers and training pods")
+    updates = [bucket.condition, ready, *bucket.settings, *([seen.warm_condition] if seen.warm_condition else []),
+               *([seen.injection] if seen.injection else [])]
     existing = [cd for cd in status.get("conditions") or [] if has_warmup or cd.get("type") != c.Condition.WARMED]
     out: dict[str, Any] = {
         "conditions": conditions.merge(existing, updates, generation=generation, now=now),
@@ -117,7 +121,7 @@ def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list
 def reconcile_cache(
     *, gcs: GcsClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
     meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
-    now: dt.datetime, instance: str = c.DEFAULT_INSTANCE,
+    now: dt.datetime, instance: str = c.DEFAULT_INSTANCE, warm_retry: WarmRetry = WarmRetry(),
 ) -> Outcome:
     """Bucket, then warmers, then pods waiting for the cache; one status at the end. Never
     raises: a failing step becomes a condition with a reason and a message, an Event, and
@@ -127,7 +131,7 @@ def reconcile_cache(
     try:
         return _reconcile(gcs=gcs, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
                           namespace=namespace, name=name, claims=claims, now=now, generation=generation,
-                          injection=injection, instance=instance)
+                          injection=injection, instance=instance, warm_retry=warm_retry)
     except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
         log.exception("Reconcile of %s/%s failed", namespace, name)
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
@@ -148,7 +152,7 @@ def _changed(status: Mapping[str, Any], cond: Cond) -> bool:
 def _reconcile(
     *, gcs: GcsClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
     status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup, now: dt.datetime,
-    generation: int, injection: dict[str, Any], instance: str,
+    generation: int, injection: dict[str, Any], instance: str, warm_retry: WarmRetry,
 ) -> Outcome:
     try:
         cache = parse_spec(spec)
@@ -193,9 +197,13 @@ def _reconcile(
         if _changed(status, seen.bucket.condition):
             events.append(Event("Warning", c.Reason.RECONCILE_ERROR, seen.bucket.condition.message))
         failure = exc
+    seen.injection = _publish_env(cache, status, events, namespace=namespace, name=name,
+                                  uid=str(meta.get("uid") or ""))
+    if not seen.injection.status:
+        failure = failure or RuntimeError(seen.injection.message)
     try:
         _warm(cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
-              name=name, now=now, generation=generation)
+              name=name, now=now, generation=generation, retry=warm_retry)
     except Exception as exc:  # noqa: BLE001 - KubeError, or anything a library raised unexpectedly
         if isinstance(exc, kube.KubeError):
             reason, message = exc.reason, f"Warmers could not be reconciled: {exc}; retrying"
@@ -213,8 +221,29 @@ def _reconcile(
     return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now), events, failure)
 
 
+def _publish_env(cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *, namespace: str, name: str,
+                 uid: str) -> Cond:
+    """The ConfigMap containers with envFrom sources read the cache env from, applied
+    (created, or restored if someone changed it) on every reconcile. Its condition; a
+    Warning Event when it newly fails."""
+    configmap = env_configmap_name(name)
+    try:
+        kube.apply_configmap(env_configmap(cache, name, namespace, {"name": name, "uid": uid}))
+    except kube.KubeError as exc:
+        cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
+                    f"ConfigMap {configmap} with the cache env could not be applied: {exc}; pods whose containers "
+                    "have envFrom sources may start without the cache env; retrying"[:1000])
+        if _changed(status, cond):
+            events.append(Event("Warning", exc.reason, cond.message))
+        return cond
+    return Cond(c.Condition.INJECTION_READY, True, c.Reason.RECONCILED,
+                f"ConfigMap {configmap} holds the cache env; containers with envFrom sources read it first, so "
+                "their own env and envFrom values win")
+
+
 def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
-          meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime, generation: int) -> None:
+          meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime, generation: int,
+          retry: WarmRetry) -> None:
     if cache.warmup is not None:
         if seen.bucket.ready:
             seen.warmup = reconcile_warmup(
@@ -223,7 +252,7 @@ def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: s
                 previous=(status.get("warmup") or {}).get("pools") or [],
                 cache_entries=(seen.bucket.cache or {}).get("entries", 0),
                 warmer_image=warmer_image, now=now, generation=generation,
-                warmed_before=was_warmed(status),
+                warmed_before=was_warmed(status), entry_keys=seen.bucket.entry_keys, retry=retry,
             )
             seen.warm_condition = seen.warmup.condition
             events += seen.warmup.events

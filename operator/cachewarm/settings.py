@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     warm_poll_seconds: float = Field(
         default=10.0, gt=0, description="How often a cache with warmers running or pods waiting is re-checked."
     )
+    warm_retries: int = Field(
+        default=3, ge=0, le=10,
+        description="How often a failed warmer runs again (per pool and program) before its pool stays Failed.",
+    )
+    warm_retry_seconds: float = Field(
+        default=60.0, gt=0,
+        description="Wait before the first retry of a failed warmer; each later one waits twice as long (at most 1 h).",
+    )
     webhook_enabled: bool = Field(default=True, description="Serve the pod admission webhook that injects the cache env.")
     webhook_port: int = Field(default=9443, ge=1, le=65535, description="HTTPS port of the admission webhook.")
     webhook_address: str = Field(default="0.0.0.0", description="Address the webhook listens on.")

@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+KEY_HASH_CHARS = 16
 SUMMARY_LIMIT = 4000  # the kubelet keeps at most 4096 bytes of a termination message
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
@@ -307,11 +308,25 @@ def run_command(argv: list[str]) -> int:
     return subprocess.call(argv)
 
 
+def key_hash(key: str) -> str:
+    """How a summary names a cache entry: the first 16 hex digits of the hash its key ends
+    in (`jit_step-<sha256>`), enough to tell a prefix's entries apart, short enough for
+    about 200 of them in the termination message."""
+    return key.rsplit("-", 1)[-1][:KEY_HASH_CHARS]
+
+
 def write_summary(summary: dict[str, Any]) -> None:
     text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     if len(text) > SUMMARY_LIMIT:
         summary = {**summary, "errors": [e[:200] for e in summary.get("errors", [])[:3]], "targets": []}
-        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)[:SUMMARY_LIMIT]
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    keys = list(summary.get("keys") or [])
+    while len(text) > SUMMARY_LIMIT and keys:
+        # Fewer keys, said so: the operator checks those reported, and knows the count.
+        keys = keys[: len(keys) * 3 // 4]
+        summary = {**summary, "keys": keys, "keysTruncated": True}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    text = text[:SUMMARY_LIMIT]
     path = os.environ.get("CACHEWARM_SUMMARY_FILE", "/dev/termination-log")
     try:
         with open(path, "w") as out:
@@ -450,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             errors.append("nothing was compiled or found in the cache")
     summary["notCached"] = max(0, counters.requests - found - len(written)) if counted and index == 0 else 0
+    # The entries this warm relies on (what it found or wrote, and is in the cache now):
+    # the operator checks that they are in the bucket before it calls the cache Warmed.
+    if index == 0:
+        present = {n.removesuffix("-cache") for n in after if n.endswith("-cache")}
+        relied = (used.keys | {n.removesuffix("-cache") for n in written}) & present
+        summary["keys"] = sorted({key_hash(k) for k in relied})
+        summary["keyCount"] = len(summary["keys"])
     summary["errors"] = errors
     write_summary(summary)
     log("Finished", programs=counters.requests, found=found, written=len(written), errors=len(errors))

@@ -28,6 +28,20 @@ from cachewarm.reconcile import Event
 
 WAIT_GATE = c.WAIT_GATE
 ACTIVE_STATES = ("Pending", "Running")
+MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
+
+
+@dataclass(frozen=True)
+class WarmRetry:
+    """How often a failed warmer runs again: `retries` more times, the first after
+    `delay_seconds`, each later one after twice the one before (at most an hour)."""
+
+    retries: int = 3
+    delay_seconds: float = 60.0
+
+    def delay(self, attempt: int) -> dt.timedelta:
+        """The wait after failed attempt number `attempt` (1 is the first run)."""
+        return dt.timedelta(seconds=min(self.delay_seconds * 2 ** max(0, attempt - 1), 3600.0))
 
 
 @dataclass
@@ -147,6 +161,14 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         refresh_error = next((str(s["refreshError"]) for s in writers if s.get("refreshError")), "")
         if refresh_error:
             out["refreshError"] = refresh_error[:1000]
+        not_cached = max(int(s.get("notCached", 0) or 0) for s in writers)
+        if not_cached:
+            out["notCached"] = not_cached
+        # The entries this warm relies on, by key hash (checked against the bucket).
+        reported = next((s for s in writers if isinstance(s.get("keys"), list)), None)
+        if reported is not None:
+            out["keys"] = sorted({str(k) for k in reported["keys"]})[:MAX_KEYS]
+            out["keyCount"] = int(reported.get("keyCount", len(out["keys"])) or 0)
     errors = [e for s in summaries for e in s.get("errors", [])]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
@@ -226,10 +248,45 @@ def _pool_of(obj: Mapping[str, Any]) -> str:
     return str(((obj.get("metadata") or {}).get("labels") or {}).get(jobs.LABEL_POOL, ""))
 
 
+def _time(value: Any) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
+    except ValueError:
+        return None
+
+
+def _iso(when: dt.datetime) -> str:
+    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def failed_at(job: Mapping[str, Any] | None) -> dt.datetime | None:
+    """When the Job controller marked the Job Failed."""
+    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Failed" and cond.get("status") == "True":
+            return _time(cond.get("lastTransitionTime"))
+    return None
+
+
+def plan_retry(entry: Mapping[str, Any], attempt: int, failed: dt.datetime, retry: WarmRetry,
+               now: dt.datetime) -> tuple[dict[str, Any], bool]:
+    """A failed pool's status with its attempt and, while retries are left, when the next
+    one runs; and whether it is due now."""
+    out = {**entry, "attempt": attempt, "failedTime": _iso(failed)}
+    out.pop("nextRetryTime", None)
+    if attempt > retry.retries:
+        out["message"] = f"Failed {attempt} times; no retry is left (spec change or {c.REWARM_ANNOTATION} runs it again)"
+        return out, False
+    at = failed + retry.delay(attempt)
+    out["nextRetryTime"] = _iso(at)
+    out["message"] = f"Attempt {attempt} of {retry.retries + 1} failed; retrying at {_iso(at)}"
+    return out, now >= at
+
+
 def reconcile_warmup(
     cache: CacheSpec, *, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
     previous: Sequence[Mapping[str, Any]], cache_entries: int, warmer_image: str, now: dt.datetime,
-    generation: int = 0, warmed_before: bool = False,
+    generation: int = 0, warmed_before: bool = False, entry_keys: frozenset[str] | None = None,
+    retry: WarmRetry = WarmRetry(),
 ) -> WarmupOutcome:
     """Make sure each pool has run the warmer for the current program, one Job at a time
     per pool, and that multi-host pools have their Service while (and only while) a warmer
@@ -271,11 +328,11 @@ def reconcile_warmup(
             stop(plan.delete, "the pool's TPU shape is invalid")
             if plan.waiting_for:
                 keep_services.add(jobs.service_name(name, pool.name))  # the stopping warmers may still use it
-            entry = {"name": pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
-                     "lastError": str(exc)}
-            if prev.get("message") != entry["message"]:
+            invalid = {"name": pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
+                       "lastError": str(exc)}
+            if prev.get("message") != invalid["message"]:
                 events.append(Event("Warning", exc.reason, f"Pool {pool.name}: {exc}"))
-            pools.append(entry)
+            pools.append(invalid)
             continue
         job_name = jobs.job_name(name, pool, digest)
         plan = plan_pool(seen, job_name, generation)
@@ -284,16 +341,30 @@ def reconcile_warmup(
             pools.append(dict(prev) if prev else {"name": pool.name, "job": job_name, "state": "Pending"})
             continue
         current = next((j for j in mine if j["metadata"]["name"] == job_name), None)
+        # Which run of this program this is: 1, then one more per retry after a failure.
+        attempt = int(prev.get("attempt") or 1) if prev.get("specHash") == digest else 1
         if current is None and not plan.waiting_for and prev.get("specHash") == digest \
                 and prev.get("state") in ("Succeeded", "Failed"):
-            pools.append(dict(prev))  # finished earlier; its Job may be gone (TTL)
-            continue
+            # Finished earlier; its Job may be gone (TTL). A failure may be due a retry.
+            earlier: dict[str, Any] = dict(prev)
+            due = False
+            if prev.get("state") == "Failed":
+                earlier, due = plan_retry(prev, attempt, _time(prev.get("failedTime")) or now, retry, now)
+            if not due:
+                pools.append(earlier)
+                continue
+            attempt += 1
+            events.append(Event("Normal", c.Reason.WARMER_RETRIED,
+                                f"Pool {pool.name}: running warmer Job {job_name} again (attempt {attempt} of "
+                                f"{retry.retries + 1}) after: {prev.get('lastError', 'a failure')}"[:1000]))
         stop(plan.delete, "the program changed")
         service = jobs.service_name(name, pool.name)
         if plan.waiting_for:
             if hosts > 1 or any(o.unfinished for o in seen):
                 keep_services.add(service)  # the stopping warmers may still use it
             pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending",
+                          "attempt": attempt, **({"lastError": prev["lastError"]} if attempt > 1 and
+                                                 prev.get("lastError") else {}),
                           "message": f"Waiting for warmer Job {', '.join(plan.waiting_for)} to stop"})
             continue
         if plan.create:
@@ -304,18 +375,37 @@ def reconcile_warmup(
                                    owner=owner, warmer_image=warmer_image, generation=generation)
             if kube.create(body) is not None:
                 events.append(Event("Normal", c.Reason.WARMER_CREATED, f"Created warmer Job {job_name} for pool {pool.name}"))
-            pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending"})
+            pools.append({"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending",
+                          "attempt": attempt})
             continue
         assert current is not None
         state = _job_state(current)
         if state in ACTIVE_STATES and hosts > 1:
             keep_services.add(service)
         if state not in ACTIVE_STATES and prev.get("job") == job_name and prev.get("state") == state:
-            pools.append(dict(prev))  # finished and already read: no need to list its pods again
+            # Finished and already read: no need to list its pods again.
+            entry = dict(prev)
+            due = False
+            if state == "Failed":
+                entry, due = plan_retry(prev, attempt, failed_at(current) or now, retry, now)
+                if due:
+                    # Stopped first (foreground): the same Job name runs again once it is gone.
+                    kube.delete_job(namespace, job_name)
+                    entry = {"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending",
+                             "attempt": attempt + 1, "lastError": prev.get("lastError", ""),
+                             "message": f"Retrying after attempt {attempt} failed"}
+                    events.append(Event("Normal", c.Reason.WARMER_RETRIED,
+                                        f"Pool {pool.name}: running warmer Job {job_name} again (attempt "
+                                        f"{attempt + 1} of {retry.retries + 1}) after: "
+                                        f"{prev.get('lastError', 'a failure')}"[:1000]))
+            pools.append(entry)
             continue
         pods = kube.list_pods(namespace, f"{c.JOB_NAME_LABEL}={job_name}")
         summaries = read_summaries(pods) if state not in ACTIVE_STATES else []
         status = pool_status(job_name, pool, digest, current, summaries, read_pods(pods))
+        status["attempt"] = attempt
+        if state == "Failed":
+            status, _ = plan_retry(status, attempt, failed_at(current) or now, retry, now)
         if status.get("reason") == c.Reason.UNSCHEDULABLE and status.get("message") != prev.get("message"):
             events.append(Event("Warning", c.Reason.UNSCHEDULABLE,
                                 f"Warmer Job {job_name} cannot be scheduled: {status['message']}"[:1000]))
@@ -348,21 +438,34 @@ def reconcile_warmup(
         if _pool_of(svc) in untouchable or svc_name in keep_services:
             continue
         kube.delete_service(namespace, svc_name)
-    return WarmupOutcome(_warmed(pools, cache_entries, warmed_before), pools, events)
+    return WarmupOutcome(_warmed(pools, cache_entries, warmed_before, entry_keys), pools, events)
 
 
-def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_before: bool = False) -> Cond:
-    """Warmed once every pool succeeded and the bucket holds entries. A re-warm (Warmed
-    was True before) of a bucket that still holds entries stays True, reason Rewarming,
-    while its warmers run: the cache pods would read is usable, so they are not held. A
-    first warm, and a re-warm that failed, are False."""
+def missing_entries(pools: Sequence[Mapping[str, Any]], entry_keys: frozenset[str]) -> dict[str, int]:
+    """Per pool, how many entries its warmer reported are not in the bucket."""
+    out = {}
+    for pool in pools:
+        missing = [k for k in pool.get("keys") or [] if k not in entry_keys]
+        if missing:
+            out[str(pool["name"])] = len(missing)
+    return out
+
+
+def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_before: bool = False,
+            entry_keys: frozenset[str] | None = None) -> Cond:
+    """Warmed once every pool succeeded and the entries their warmers reported (by key)
+    are all in the bucket (`entry_keys`; a warmer too old to report keys: the bucket holds
+    entries). A re-warm (Warmed was True before) of a bucket that still holds entries stays
+    True, reason Rewarming, while its warmers run: the cache pods would read is usable, so
+    they are not held. A first warm, and a re-warm that failed, are False."""
     invalid = [p for p in pools if p.get("reason") in (c.Reason.UNKNOWN_TPU_SHAPE, c.Reason.INVALID_TPU_SHAPE)]
     if invalid:
         detail = "; ".join(f"{p['name']}: {p.get('message', '')}" for p in invalid)
         return Cond(c.Condition.WARMED, False, str(invalid[0]["reason"]), f"Cannot warm pool {detail}"[:1000])
     failed = [p for p in pools if p.get("state") == "Failed"]
     if failed:
-        detail = "; ".join(f"{p['name']}: {p.get('lastError', 'failed')}" for p in failed)
+        detail = "; ".join(f"{p['name']}: {p.get('lastError', 'failed')}"
+                           + (f" ({p['message']})" if p.get("attempt") and p.get("message") else "") for p in failed)
         return Cond(c.Condition.WARMED, False, c.Reason.WARMUP_FAILED, f"Warmer failed on {detail}"[:1000])
     waiting = [p for p in pools if p.get("state") != "Succeeded"]
     if waiting:
@@ -374,11 +477,27 @@ def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_befor
         reason = c.Reason.UNSCHEDULABLE if any(p.get("reason") == c.Reason.UNSCHEDULABLE for p in waiting) \
             else c.Reason.WARMING
         return Cond(c.Condition.WARMED, False, reason, f"Warming: {detail}"[:1000])
-    if cache_entries == 0:
+    reporting = [p for p in pools if isinstance(p.get("keys"), list)]
+    if entry_keys is not None and reporting:
+        missing = missing_entries(reporting, entry_keys)
+        if missing:
+            detail = "; ".join(f"{pool}: {n} of {len(next(p for p in reporting if p['name'] == pool)['keys'])}"
+                               for pool, n in sorted(missing.items()))
+            return Cond(c.Condition.WARMED, False, c.Reason.ENTRIES_MISSING,
+                        f"Entries the warmers reported are not in the bucket ({detail}): deleted since, or "
+                        f"written elsewhere; set {c.REWARM_ANNOTATION} to warm again"[:1000])
+    if cache_entries == 0 or (reporting and not any(p["keys"] for p in reporting)):
         return Cond(c.Condition.WARMED, False, c.Reason.CACHE_EMPTY,
-                    "Every warmer succeeded but the bucket holds no cache entries under the prefix")
-    return Cond(c.Condition.WARMED, True, c.Reason.WARMED,
-                f"Every pool is warm; the cache holds {cache_entries} entries")
+                    "Every warmer succeeded but the bucket holds none of the entries they compiled under the prefix")
+    relied = sum(len(p["keys"]) for p in reporting)
+    message = (f"Every pool is warm: the {relied} entries its warmers reported are in the bucket "
+               f"({cache_entries} entries in all)" if reporting else
+               f"Every pool is warm; the cache holds {cache_entries} entries")
+    not_cached = {str(p["name"]): int(p["notCached"]) for p in pools if p.get("notCached")}
+    if not_cached:
+        message += ("; not cached (below minCompileTimeSecs or minEntrySizeBytes, so pods compile them): "
+                    + ", ".join(f"{n} programs of {pool}" for pool, n in sorted(not_cached.items())))
+    return Cond(c.Condition.WARMED, True, c.Reason.WARMED, message[:1000])
 
 
 def release_waiting_pods(cache: CacheSpec | None, *, namespace: str, name: str, warmed: bool,

@@ -46,6 +46,17 @@ def test_targets_are_compiled_into_the_cache_then_found(tmp_path: Path) -> None:
     assert again["entriesWritten"] == 0 and again["entriesFound"] == 1
 
 
+def test_the_summary_names_by_key_the_entries_the_warm_wrote_and_then_found(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    code, first, log = warm(tmp_path, "targets", "warm_targets:slow_targets", cache=cache)
+    assert code == 0, log
+    on_disk = sorted(p.name.removesuffix("-cache").rsplit("-", 1)[1][:16] for p in cache.glob("*-cache"))
+    assert first["keys"] == on_disk and first["keyCount"] == len(on_disk) == 1
+    code, again, _ = warm(tmp_path, "targets", "warm_targets:slow_targets", cache=cache)
+    assert code == 0 and again["entriesFound"] == 1
+    assert again["keys"] == on_disk  # found, not written: still what pods will read
+
+
 def test_failing_target_exits_1_with_the_error(tmp_path: Path) -> None:
     code, summary, _ = warm(tmp_path, "targets", "warm_targets:broken_targets", cache=tmp_path / "c")
     assert code == 1

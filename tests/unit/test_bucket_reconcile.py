@@ -9,14 +9,25 @@ import datetime as dt
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from cachewarm import reconcile as r
 from cachewarm import service
 from cachewarm.builders import bucket as b
+from cachewarm.clients import kube
 from cachewarm.clients.gcs import ObjectInfo
 from cachewarm.injections import RecentInjections
 from cachewarm.model import GcsStorage
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+@pytest.fixture(autouse=True)
+def applied_configmaps(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The env ConfigMaps reconciles apply (no apiserver here)."""
+    applied: list[dict[str, Any]] = []
+    monkeypatch.setattr(kube, "apply_configmap", applied.append)
+    return applied
 
 
 def entry(i: int, prefix: str = "jax/") -> str:
@@ -87,13 +98,13 @@ def unstamped_bucket(n: int) -> FakeGcs:
 def test_stamping_is_bounded_in_time_and_the_rest_is_counted_and_done_later() -> None:
     gcs = unstamped_bucket(12)
     clock = Clock(gcs)
-    first = r.cache_inventory(gcs, spec(), clock=clock)  # type: ignore[arg-type]
+    first, _ = r.cache_inventory(gcs, spec(), clock=clock)  # type: ignore[arg-type]
     assert first == {"entries": 12, "bytes": 12, "unstamped": 12 - len(gcs.stamps)}
     assert 0 < len(gcs.stamps) <= r.STAMP_SECONDS + 1 < 12
     seen: list[int] = [first["unstamped"]]
     while seen[-1]:
         gcs.stamps.clear()
-        seen.append(r.cache_inventory(gcs, spec(), clock=clock)["unstamped"])  # type: ignore[arg-type]
+        seen.append(r.cache_inventory(gcs, spec(), clock=clock)[0]["unstamped"])  # type: ignore[arg-type]
         assert seen[-1] < seen[-2]  # every reconcile makes progress
     assert all(o.custom_time == T0 for o in gcs.objects.values())
 
@@ -101,7 +112,7 @@ def test_stamping_is_bounded_in_time_and_the_rest_is_counted_and_done_later() ->
 def test_stamping_is_bounded_in_count_too(monkeypatch: Any) -> None:
     monkeypatch.setattr(r, "STAMP_LIMIT", 3)
     gcs = unstamped_bucket(5)
-    out = r.cache_inventory(gcs, spec(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    out, _ = r.cache_inventory(gcs, spec(), clock=lambda: 0.0)  # type: ignore[arg-type]
     assert len(gcs.stamps) == 3 and out["unstamped"] == 2
 
 

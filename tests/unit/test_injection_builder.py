@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from cachewarm.builders.injection import Kept, cache_env, inject_pod
+from cachewarm.builders.injection import Kept, cache_env, env_configmap, env_configmap_name, inject_pod
 from cachewarm.model import CacheSpec, parse_spec
 
 
@@ -92,3 +92,49 @@ def test_generation_change_updates_annotation_even_without_new_env() -> None:
     moved = {"metadata": {"annotations": {"cachewarm.dev/injected": first.annotation}},
              "spec": {"containers": first.containers}}
     assert inject_pod(moved, "llama", 2, spec()).changed
+
+
+CM = {"configMapRef": {"name": "cachewarm-llama-env", "optional": True}}
+
+
+@pytest.mark.parametrize("sources", [
+    [{"configMapRef": {"name": "team-env"}}],
+    [{"secretRef": {"name": "team-secrets"}}],
+    [{"prefix": "APP_", "configMapRef": {"name": "app"}}, {"secretRef": {"name": "s", "optional": True}}],
+])
+def test_a_container_with_env_from_reads_the_cache_env_first_so_its_own_sources_win(sources: list[Any]) -> None:
+    pod = {"spec": {"containers": [{"name": "train", "envFrom": sources, "env": [{"name": "OTHER", "value": "1"}]}]}}
+    result = inject_pod(pod, "llama", 1, spec())
+    [container] = result.containers
+    # Ours first: a later source (theirs) wins for a key both set, and env beats every source.
+    assert container["envFrom"] == [CM, *sources]
+    assert container["env"] == [{"name": "OTHER", "value": "1"}]  # no env entry would override their sources
+    assert result.changed and result.kept == []
+
+
+def test_env_from_and_a_users_own_env_entry_still_report_it_kept() -> None:
+    own = {"name": "JAX_COMPILATION_CACHE_DIR", "value": "/local"}
+    pod = {"spec": {"containers": [{"name": "train", "envFrom": [{"secretRef": {"name": "s"}}], "env": [own]}]}}
+    result = inject_pod(pod, "llama", 1, spec())
+    assert result.containers[0]["env"] == [own]
+    assert result.kept == [Kept("train", "JAX_COMPILATION_CACHE_DIR")]
+
+
+def test_env_from_injection_is_idempotent_and_a_prefixed_ref_to_our_configmap_is_not_ours() -> None:
+    pod: dict[str, Any] = {"metadata": {}, "spec": {"containers": [{"name": "t", "envFrom": [{"secretRef": {"name": "s"}}]}]}}
+    first = inject_pod(pod, "llama", 1, spec())
+    again = inject_pod({"metadata": {"annotations": {"cachewarm.dev/injected": first.annotation}},
+                        "spec": {"containers": first.containers}}, "llama", 1, spec())
+    assert not again.changed and again.containers == first.containers
+    prefixed = {"prefix": "X_", "configMapRef": {"name": "cachewarm-llama-env"}}
+    other = inject_pod({"spec": {"containers": [{"name": "t", "envFrom": [prefixed]}]}}, "llama", 1, spec())
+    assert other.containers[0]["envFrom"] == [CM, prefixed]
+
+
+def test_the_env_configmap_is_the_pod_env_owned_by_the_cache() -> None:
+    cm = env_configmap(spec("ReadOnly"), "llama", "ml", {"name": "llama", "uid": "u-1"})
+    assert cm["metadata"]["name"] == env_configmap_name("llama") == "cachewarm-llama-env"
+    assert cm["data"] == as_dict(cache_env(spec("ReadOnly"), "pod"))
+    assert cm["metadata"]["ownerReferences"] == [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
+                                                  "name": "llama", "uid": "u-1", "controller": True,
+                                                  "blockOwnerDeletion": True}]

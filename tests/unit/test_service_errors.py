@@ -55,6 +55,14 @@ class FakeGcs:
         yield ObjectInfo("p/jit_g-" + "b" * 64 + "-cache", 20, custom_time=NOW)
 
 
+@pytest.fixture(autouse=True)
+def applied_configmaps(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The env ConfigMaps reconciles apply (no apiserver here)."""
+    applied: list[dict[str, Any]] = []
+    monkeypatch.setattr(kube, "apply_configmap", applied.append)
+    return applied
+
+
 def spec(pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
             "warmup": {"image": "i", "targets": ["m:f"], "pools": pools or [{"name": "a"}]}}
@@ -213,3 +221,37 @@ def test_a_warm_cache_that_rewarms_stays_warmed(held_pods: list[str]) -> None:
     assert held_pods == ["held"]  # Warmed: pods held from before are released as for a warm cache
     first = conds(reconcile(FakeGcs(), waiting))["Warmed"]
     assert (first["status"], first["reason"]) == ("False", "Warming")
+
+
+def test_an_env_configmap_that_cannot_be_applied_is_a_condition_and_the_rest_is_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(body: dict[str, Any]) -> None:
+        raise kube.KubeError("applying ConfigMap ml/cachewarm-llama-env: 403 Forbidden", 403)
+    monkeypatch.setattr(kube, "apply_configmap", refuse)
+    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: body)
+    outcome = reconcile(FakeGcs(), spec())
+    c = conds(outcome)
+    assert c["InjectionReady"]["status"] == "False" and "403" in c["InjectionReady"]["message"]
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == c["InjectionReady"]["reason"]
+    assert c["BucketReady"]["status"] == "True"  # what worked is still reported
+    assert outcome.failure is not None
+    assert [e.reason for e in outcome.events if e.type == "Warning"] == ["KubernetesError"]
+    # The same failure again: no second Event.
+    again = reconcile(FakeGcs(), spec(), status=outcome.status)
+    assert [e for e in again.events if e.type == "Warning"] == []
+
+
+def test_the_env_configmap_holds_the_pod_env_and_is_owned_by_the_cache(applied_configmaps: list[dict[str, Any]],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
+    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: body)
+    outcome = reconcile(FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly"}})
+    [cm] = applied_configmaps
+    assert cm["metadata"]["name"] == "cachewarm-llama-env" and cm["metadata"]["namespace"] == "ml"
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert cm["data"]["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p"
+    assert cm["data"]["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "1e9"  # the pod role: ReadOnly reads only
+    assert conds(outcome)["InjectionReady"]["status"] == "True"

@@ -309,3 +309,112 @@ def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop(monkeypatch: 
     cluster.jobs = []  # gone: now the Service goes too
     warm(invalid)
     assert cluster.deleted[-1] == ("Service", service)
+
+
+def succeeded(keys: list[str] | None, not_cached: int = 0) -> dict[str, Any]:
+    pool: dict[str, Any] = {"name": "p", "state": "Succeeded"}
+    if keys is not None:
+        pool["keys"] = keys
+    if not_cached:
+        pool["notCached"] = not_cached
+    return pool
+
+
+def test_warmed_only_when_every_reported_entry_is_in_the_bucket() -> None:
+    assert _warmed([succeeded(["aa", "bb"])], 5, entry_keys=frozenset({"aa", "bb", "cc"})).status is True
+    missing = _warmed([succeeded(["aa", "bb"])], 5, entry_keys=frozenset({"aa", "cc"}))
+    assert (missing.status, missing.reason) == (False, "EntriesMissing")
+    assert "p: 1 of 2" in missing.message
+
+
+def test_an_entry_of_another_program_does_not_make_a_new_program_warmed() -> None:
+    # The bucket holds an old image's entry; the new warm reported nothing it could rely on.
+    cond = _warmed([succeeded([])], 1, entry_keys=frozenset({"old"}))
+    assert (cond.status, cond.reason) == (False, "CacheEmpty")
+
+
+def test_a_warmer_too_old_to_report_keys_falls_back_to_the_bucket_holding_entries() -> None:
+    assert _warmed([succeeded(None)], 3, entry_keys=frozenset({"x"})).status is True
+    assert _warmed([succeeded(None)], 0, entry_keys=frozenset()).reason == "CacheEmpty"
+
+
+def test_programs_not_cached_are_named_in_warmed() -> None:
+    cond = _warmed([succeeded(["aa"], not_cached=2)], 1, entry_keys=frozenset({"aa"}))
+    assert cond.status is True and "2 programs of p" in cond.message
+
+
+def failed_job(name: str, when: str = "2026-11-22T01:00:00Z") -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": {"cachewarm.dev/pool": "p"},
+                         "annotations": {"cachewarm.dev/generation": "2"},
+                         "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
+            "status": {"startTime": "s", "conditions": [
+                {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": when}]}}
+
+
+def test_a_failed_warmer_is_retried_after_backoff_then_left_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachewarm.warmups import WarmRetry
+    retry = WarmRetry(retries=2, delay_seconds=60)
+    cluster = FakeCluster(monkeypatch, [])
+    first = reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+                             cache_entries=0, warmer_image="w", now=at(1), generation=2, retry=retry)
+    job = first.pools[0]["job"]
+    assert first.pools[0]["attempt"] == 1
+    cluster.jobs = [failed_job(job)]
+
+    def step(previous: list[dict[str, Any]], now: dt.datetime) -> WarmupOutcome:
+        return reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=previous,
+                                cache_entries=0, warmer_image="w", now=now, generation=2, retry=retry)
+
+    failed = step(first.pools, at(1))  # failed at 01:00: retry 1 due at 01:01
+    [pool] = failed.pools
+    assert (pool["state"], pool["attempt"], pool["nextRetryTime"]) == ("Failed", 1, "2026-11-22T01:01:00Z")
+    assert _warmed(failed.pools, 0).reason == "WarmupFailed" and "retrying at" in _warmed(failed.pools, 0).message
+    assert step(failed.pools, at(1, 0) + dt.timedelta(seconds=59)).pools[0]["state"] == "Failed"  # not yet
+    assert cluster.deleted == []
+    due = step(failed.pools, at(1, 1))
+    assert cluster.deleted == [("Job", job)]  # stopped first, then made again under the same name
+    assert (due.pools[0]["state"], due.pools[0]["attempt"]) == ("Pending", 2)
+    assert [e.reason for e in due.events] == ["WarmerRetried"]
+    cluster.jobs = []  # gone: created again
+    created = step(due.pools, at(1, 2))
+    assert [o["metadata"]["name"] for o in cluster.created[1:]] == [job]
+    assert created.pools[0]["attempt"] == 2
+    # Attempt 2 fails at 01:05: retry 2 after twice the delay (01:07); attempt 3 is the last.
+    cluster.jobs = [failed_job(job, "2026-11-22T01:05:00Z")]
+    second = step(created.pools, at(1, 5))
+    assert second.pools[0]["nextRetryTime"] == "2026-11-22T01:07:00Z"
+    stopped = step(second.pools, at(1, 7))
+    cluster.jobs = []
+    third = step(stopped.pools, at(1, 8))  # gone: created for attempt 3
+    cluster.jobs = [failed_job(job, "2026-11-22T01:10:00Z")]
+    last = step(third.pools, at(1, 10))
+    assert last.pools[0]["attempt"] == 3 and "nextRetryTime" not in last.pools[0]
+    assert "no retry is left" in last.pools[0]["message"]
+    assert step(last.pools, at(5)).pools[0]["state"] == "Failed" and len(cluster.created) == 3
+
+
+def test_a_failed_pool_whose_job_expired_is_still_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachewarm.warmups import WarmRetry
+    cluster = FakeCluster(monkeypatch, [])
+    first = reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+                             cache_entries=0, warmer_image="w", now=at(1), generation=2)
+    previous = [{**first.pools[0], "state": "Failed", "attempt": 1, "failedTime": "2026-11-22T01:00:00Z",
+                 "lastError": "boom"}]
+    out = reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=previous,
+                           cache_entries=0, warmer_image="w", now=at(2), generation=2, retry=WarmRetry(1, 60))
+    assert [o["kind"] for o in cluster.created] == ["Job", "Job"]
+    assert (out.pools[0]["state"], out.pools[0]["attempt"]) == ("Pending", 2)
+
+
+def test_a_summary_with_more_keys_than_fit_keeps_the_count_and_says_it_was_cut(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachewarm import warmer
+    out = tmp_path / "termination-log"
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(out))
+    keys = sorted(f"{i:016x}" for i in range(400))
+    warmer.write_summary({"entriesWritten": 400, "keys": keys, "keyCount": 400, "errors": [], "targets": []})
+    text = out.read_text()
+    summary = json.loads(text)  # still whole JSON
+    assert len(text) <= warmer.SUMMARY_LIMIT
+    assert summary["keysTruncated"] is True and summary["keyCount"] == 400
+    assert 100 < len(summary["keys"]) < 400 and set(summary["keys"]) <= set(keys)

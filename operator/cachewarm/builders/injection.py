@@ -65,16 +65,49 @@ class PodInjection:
     changed: bool = False
 
 
-def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], kept: list[Kept]) -> tuple[dict[str, Any], bool]:
+def env_configmap_name(cache_name: str) -> str:
+    """The ConfigMap holding a cache's pod env, in the cache's namespace."""
+    return f"cachewarm-{cache_name}-env"
+
+
+def env_configmap(cache: CacheSpec, cache_name: str, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The ConfigMap of the env training pods get (cache_env, role pod), owned by the cache
+    (deleted with it). Containers with envFrom sources read the cache env from it."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": env_configmap_name(cache_name), "namespace": namespace,
+                     "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.ENV_FOR_LABEL: cache_name},
+                     "ownerReferences": [{"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+                                          "name": owner["name"], "uid": owner["uid"], "controller": True,
+                                          "blockOwnerDeletion": True}]},
+        "data": {var["name"]: var["value"] for var in cache_env(cache, "pod")},
+    }
+
+
+def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], configmap: str,
+            kept: list[Kept]) -> tuple[dict[str, Any], bool]:
+    """The cache env for one container, so that whatever the user set wins.
+
+    A container without envFrom gets the variables it lacks as `env` entries (visible in
+    the pod spec). A container with envFrom sources could be setting one of them there,
+    which an `env` entry would override (env beats every envFrom source); it gets the
+    cache's ConfigMap as its first envFrom source instead (optional, so a missing one never
+    stops the pod), and the kubelet resolves the rest as for any pod: the container's
+    own env and every later envFrom source, ConfigMap or Secret, win. cachewarm reads
+    none of them."""
     out = copy.deepcopy(dict(container))
     existing = {e.get("name"): e for e in out.get("env") or []}
-    added = []
     for var in env:
         have = existing.get(var["name"])
-        if have is None:
-            added.append(dict(var))
-        elif have.get("value") != var["value"] or "valueFrom" in have:
+        if have is not None and (have.get("value") != var["value"] or "valueFrom" in have):
             kept.append(Kept(str(out.get("name", "")), var["name"]))
+    sources = list(out.get("envFrom") or [])
+    if sources:
+        if any((s.get("configMapRef") or {}).get("name") == configmap and not s.get("prefix") for s in sources):
+            return out, False
+        out["envFrom"] = [{"configMapRef": {"name": configmap, "optional": True}}, *sources]
+        return out, True
+    added = [dict(var) for var in env if var["name"] not in existing]
     if added:
         out["env"] = [*(out.get("env") or []), *added]
     return out, bool(added)
@@ -85,25 +118,28 @@ def annotation_value(cache_name: str, generation: int, cache: CacheSpec) -> str:
 
 
 def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: CacheSpec) -> PodInjection:
-    """Add the cache env to every container and init container that lacks it.
+    """Add the cache env to every container and init container that lacks it (see
+    `_inject`: as env entries, or through the cache's ConfigMap for containers with
+    envFrom sources).
 
     Env a container already has wins (listed in `kept` when its value differs). Applying
     the result again changes nothing, so webhook reinvocation yields the same pod.
     """
     env = cache_env(cache, "pod")
+    configmap = env_configmap_name(cache_name)
     spec = pod.get("spec") or {}
     kept: list[Kept] = []
     changed = False
     containers = []
     for container in spec.get("containers") or []:
-        new, did = _inject(container, env, kept)
+        new, did = _inject(container, env, configmap, kept)
         containers.append(new)
         changed |= did
     init_containers = None
     if spec.get("initContainers"):
         init_containers = []
         for container in spec["initContainers"]:
-            new, did = _inject(container, env, kept)
+            new, did = _inject(container, env, configmap, kept)
             init_containers.append(new)
             changed |= did
     annotation = annotation_value(cache_name, generation, cache)

@@ -317,3 +317,15 @@ def list_caches(namespaces: list[str]) -> list[dict[str, Any]]:
                 answer = api.list_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL)
         found.extend(dict(item) for item in answer.get("items") or [])
     return found
+
+
+def apply_configmap(body: dict[str, Any]) -> None:
+    """Server-side apply of a ConfigMap we own (field manager cachewarm, forced): created
+    when missing, our keys restored when changed, others' fields kept; an unchanged apply
+    writes nothing. Needs only create and patch, never read access to ConfigMaps.
+    Raises KubeError."""
+    meta = body["metadata"]
+    with _errors(f"applying ConfigMap {meta['namespace']}/{meta['name']}"):
+        client.CoreV1Api().patch_namespaced_config_map(
+            meta["name"], meta["namespace"], body, field_manager="cachewarm", force=True,
+            _content_type="application/apply-patch+yaml")
