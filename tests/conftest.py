@@ -92,6 +92,9 @@ OPERATOR_ENV = {
     # operator's namespace, with the manifests' Role.
     "CACHEWARM_POD_NAMESPACE": "cachewarm-system",
     "CACHEWARM_CERT_CHECK_SECONDS": "1",
+    # A failed warmer runs once more, a second later (test_warmup shows the retry).
+    "CACHEWARM_WARM_RETRIES": "1",
+    "CACHEWARM_WARM_RETRY_SECONDS": "1",
 }
 
 

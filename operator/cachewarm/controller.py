@@ -212,7 +212,20 @@ class Controller:
     async def _every(self, seconds: float, fn: Any) -> None:
         while True:
             await asyncio.sleep(seconds)
-            fn()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a bug in one tick must not stop the timers
+                log.exception("Periodic %s failed", getattr(fn, "__name__", "task"))
+
+    async def drain(self, timeout: float) -> bool:
+        """At shutdown, after leadership stopped: wait (at most `timeout` seconds) for the
+        reconciles in flight to end, so no other replica starts one of the same cache
+        while this one still writes. Returns whether they all ended."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._processing and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._processing
 
     def _resync(self) -> None:
         self.enqueue_all()
@@ -287,6 +300,10 @@ class Controller:
         patch = dict(outcome.status)
         if "kopf" in status:
             patch["kopf"] = None  # state of the kopf handlers that reconciled caches before
+        if not self.leader.is_leader:
+            # Leadership went during this reconcile: the new leader writes status now.
+            log.warning("Lost the lead while reconciling %s/%s; its status is left to the new leader", namespace, name)
+            return Result()
         try:
             kube.patch_cache_status(namespace, name, patch)
         except kube.KubeError as exc:

@@ -39,6 +39,22 @@ def identity(pod_name: str) -> str:
     return pod_name or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
+class _FencedLeaseLock(LeaseLock):
+    """The Lease lock, which refuses to write once this replica is stopping: the library's
+    renew loop then fails its next renewal and stops leading, instead of taking the Lease
+    back after `release` gave it up."""
+
+    def __init__(self, name: str, namespace: str, identity: str, stopping: threading.Event) -> None:
+        super().__init__(name, namespace, identity)  # type: ignore[no-untyped-call]
+        self._stopping = stopping
+
+    def create(self, name: str, namespace: str, election_record: object) -> bool:
+        return False if self._stopping.is_set() else bool(super().create(name, namespace, election_record))  # type: ignore[no-untyped-call]
+
+    def update(self, name: str, namespace: str, updated_record: object) -> bool:
+        return False if self._stopping.is_set() else bool(super().update(name, namespace, updated_record))  # type: ignore[no-untyped-call]
+
+
 class Leadership:
     """Whether this replica leads. `on_change(True|False)`, given to `start`, is called
     from the election's thread on every change; the caller hops to its own loop."""
@@ -47,6 +63,7 @@ class Leadership:
         self.namespace, self.name, self.identity = namespace, name, identity
         self._on_change: Callable[[bool], None] = lambda leading: None
         self._leading = threading.Event()
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
@@ -59,9 +76,9 @@ class Leadership:
         self._thread.start()
 
     def _elect_forever(self) -> None:
-        while True:
-            config = electionconfig.Config(
-                LeaseLock(self.name, self.namespace, self.identity),  # type: ignore[no-untyped-call]
+        while not self._stopping.is_set():
+            config = electionconfig.Config(  # type: ignore[no-untyped-call]
+                _FencedLeaseLock(self.name, self.namespace, self.identity, self._stopping),
                 lease_duration=LEASE_DURATION, renew_deadline=RENEW_DEADLINE, retry_period=RETRY_PERIOD,
                 onstarted_leading=self._started, onstopped_leading=self._stopped,
             )
@@ -74,6 +91,8 @@ class Leadership:
             threading.Event().wait(RETRY_PERIOD)
 
     def _started(self) -> None:
+        if self._stopping.is_set():
+            return
         log.info("Leading: this replica reconciles caches", extra={"lease": f"{self.namespace}/{self.name}",
                                                                    "identity": self.identity})
         self._leading.set()
@@ -87,12 +106,17 @@ class Leadership:
                     extra={"lease": f"{self.namespace}/{self.name}", "identity": self.identity})
         self._on_change(False)
 
-    def release(self) -> None:
-        """At shutdown: stop leading and clear the Lease's holder (best effort)."""
+    def stop(self) -> bool:
+        """At shutdown, first: lead no more (no new reconcile starts) and never write the
+        Lease again. Returns whether this replica was leading."""
         was_leading = self._leading.is_set()
+        self._stopping.set()
         self._leading.clear()
-        if not was_leading:
-            return
+        return was_leading
+
+    def release(self) -> None:
+        """At shutdown, once reconciles in flight are done: clear the Lease's holder (best
+        effort) so another replica takes over at its next try."""
         try:
             kube.release_lease(self.namespace, self.name, self.identity)
         except kube.KubeError as exc:
@@ -111,6 +135,9 @@ class AlwaysLeader:
 
     def start(self, on_change: Callable[[bool], None]) -> None:
         on_change(True)
+
+    def stop(self) -> bool:
+        return True
 
     def release(self) -> None:
         return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
+import signal
 import urllib.parse
 from typing import Any
 
@@ -23,6 +25,8 @@ from cachewarm.webhook import AdmissionServer, ServingTls
 # Retries of the webhook configuration stop doubling here: once it is installed, the
 # operator should notice within a minute.
 WEBHOOK_RETRY_MAX_SECONDS = 60.0
+# At shutdown, reconciles in flight get this long to end before the Lease is given up.
+DRAIN_SECONDS = 20.0
 
 
 def run(settings: Settings) -> None:
@@ -62,11 +66,28 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Leader election and the controller; the webhook's certificate, server and
-    configuration. Nothing here waits for anything that may never come."""
+    """The webhook's certificate, server and configuration first, then leader election and
+    the controller. Raises nothing: kopf would run a failed startup again, and a second
+    controller would reconcile beside the first."""
     ours: Settings = memo.settings
     log = logs.get("cachewarm.operator")
     handlers.configure_kopf(settings)
+    if ours.webhook_enabled:
+        tls = ServingTls()
+        material, authoritative = await _first_material(ours)
+        try:
+            tls.load(material)
+        except Exception as exc:  # noqa: BLE001 - e.g. cert-manager's tls.crt and tls.key not a pair (yet)
+            log.warning("Could not load the webhook's certificate; serving a temporary one until it loads",
+                        error=f"{type(exc).__name__}: {exc}")
+            tls.load(servingcert.in_memory(webhook_hosts(ours), dt.datetime.now(dt.timezone.utc)))
+            authoritative = False
+        settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
+                                                    url=ours.webhook_url)
+        keeper = WebhookKeeper(ours, tls, authoritative)
+        await keeper.point_configuration()
+        memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
+        memo.keeper = keeper
     if ours.leader_election and ours.pod_namespace:
         leadership: Leadership | AlwaysLeader = Leadership(ours.pod_namespace, ours.leader_election_lease,
                                                           identity(ours.pod_name))
@@ -76,27 +97,38 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         leadership = AlwaysLeader()
     controller = Controller(ours, memo.gcs, memo.injections, leadership)
     memo.controller, memo.leadership = controller, leadership
-    memo.tasks.append(asyncio.create_task(controller.run(), name="controller"))
+    task = asyncio.create_task(controller.run(), name="controller")
+    task.add_done_callback(_controller_ended)
+    memo.tasks.append(task)
     leadership.start(controller.leadership_changed)
-    if ours.webhook_enabled:
-        tls = ServingTls()
-        material, why = await _first_material(ours)
-        tls.load(material)
-        settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
-                                                    url=ours.webhook_url)
-        keeper = WebhookKeeper(ours, tls)
-        await keeper.point_configuration(material.ca_pem)
-        memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
-        memo.keeper = keeper
+
+
+def _controller_ended(task: asyncio.Task[None]) -> None:
+    """The controller only ends when cancelled at shutdown. Ended otherwise (a bug), this
+    process stops (SIGTERM: kopf's graceful stop) so the kubelet restarts it, rather than
+    serving on while reconciling nothing."""
+    if task.cancelled():
+        return
+    logs.get("cachewarm.operator").critical("The reconcile loop ended; stopping the operator",
+                                            error=repr(task.exception()))
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Stop leading, let reconciles in flight end (bounded), then give the Lease up, so
+    the next leader never reconciles a cache this replica still writes."""
+    leadership = memo.get("leadership")
+    controller = memo.get("controller")
+    if leadership is not None and leadership.stop() and controller is not None:
+        if not await controller.drain(DRAIN_SECONDS):
+            logs.get("cachewarm.operator").warning("Reconciles still running at shutdown; the Lease is kept until "
+                                                   "it expires", seconds=DRAIN_SECONDS)
+            leadership = None
     for task in memo.get("tasks", []):
         task.cancel()
     keeper = memo.get("keeper")
     if keeper is not None:
         keeper.stop()
-    leadership = memo.get("leadership")
     if leadership is not None:
         await asyncio.to_thread(leadership.release)
 
@@ -122,41 +154,48 @@ def _material(settings: Settings) -> tuple[servingcert.TlsMaterial, str] | None:
     return None
 
 
-async def _first_material(settings: Settings) -> tuple[servingcert.TlsMaterial, str]:
-    """The certificate to start serving with. When its source cannot be read yet (the
-    Secret's API call fails), an in-memory one, replaced by the keeper once it can: the
-    webhook listens (readiness) while the caBundle does not match it yet."""
+async def _first_material(settings: Settings) -> tuple[servingcert.TlsMaterial, bool]:
+    """The certificate to start serving with, and whether it is the real one (from its
+    source). When the source cannot be read yet, an in-memory one that the webhook
+    configuration is never pointed at (its CA would flip the caBundle away from the one
+    the other replicas serve): the webhook listens, the keeper swaps in the real one."""
     try:
         found = await asyncio.to_thread(_material, settings)
-    except (kube.KubeError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - KubeError, OSError, a corrupt Secret: serve, and say so
         logs.get("cachewarm.webhook").warning(
             "Could not read the webhook's certificate; serving a temporary one until it can be read",
-            error=str(exc))
-        found = None
+            error=f"{type(exc).__name__}: {exc}")
+        return servingcert.in_memory(webhook_hosts(settings), dt.datetime.now(dt.timezone.utc)), False
     if found is not None:
-        return found
-    return servingcert.in_memory(webhook_hosts(settings), dt.datetime.now(dt.timezone.utc)), "made in memory"
+        return found[0], True
+    # No source to read (outside a cluster): the in-memory certificate is the real one.
+    return servingcert.in_memory(webhook_hosts(settings), dt.datetime.now(dt.timezone.utc)), True
 
 
 class WebhookKeeper:
     """Keeps the served certificate current (re-read every cert_check_seconds, reloaded
-    in place when it changed) and the webhook configuration's caBundle on its CA."""
+    in place when it changed) and the webhook configuration's caBundle on its CA (checked
+    at each round too, so a bundle changed by someone else is put back)."""
 
-    def __init__(self, settings: Settings, tls: ServingTls) -> None:
+    def __init__(self, settings: Settings, tls: ServingTls, authoritative: bool) -> None:
         self.settings, self.tls = settings, tls
+        self.authoritative = authoritative  # False: a stand-in, never published
         self._configuring: asyncio.Task[None] | None = None
         self._ca = b""
 
-    async def point_configuration(self, ca_pem: bytes) -> None:
-        """(Re)point the configuration at `ca_pem`: the first attempt awaited, retries in
-        the background."""
-        if not (self.settings.webhook_configuration and ca_pem) or ca_pem == self._ca:
+    async def point_configuration(self) -> None:
+        """Point the configuration at the served CA: the first attempt awaited, retries in
+        the background. Nothing while a stand-in certificate is served."""
+        material = self.tls.material
+        if not (self.settings.webhook_configuration and self.authoritative and material and material.ca_pem):
             return
-        self._ca = ca_pem
-        if self._configuring is not None:
+        if self._configuring is not None and not self._configuring.done():
+            if material.ca_pem == self._ca:
+                return  # still retrying this very CA
             self._configuring.cancel()
+        self._ca = material.ca_pem
         first_attempt = asyncio.Event()
-        self._configuring = asyncio.create_task(_keep_webhook_configuration(self.settings, ca_pem, first_attempt))
+        self._configuring = asyncio.create_task(_keep_webhook_configuration(self.settings, self._ca, first_attempt))
         await first_attempt.wait()
 
     async def watch(self) -> None:
@@ -165,20 +204,17 @@ class WebhookKeeper:
             await asyncio.sleep(self.settings.cert_check_seconds)
             try:
                 found = await asyncio.to_thread(_material, self.settings)
-            except (kube.KubeError, OSError, KeyError) as exc:
-                log.warning("Could not re-read the webhook's certificate; serving the current one", error=str(exc))
-                continue
-            if found is None:
-                continue
-            material, why = found
-            try:
-                changed = self.tls.load(material)
-            except Exception as exc:  # noqa: BLE001 - ssl.SSLError, a key that does not match: keep serving
-                log.warning("Could not load the webhook's new certificate; serving the current one", error=str(exc))
-                continue
-            if changed:
-                log.info("Serving a new webhook certificate", renewed_because=why or "changed at its source")
-            await self.point_configuration(material.ca_pem)
+                if found is not None:
+                    material, why = found
+                    if self.tls.load(material):
+                        log.info("Serving a new webhook certificate", renewed_because=why or "changed at its source")
+                    self.authoritative = True
+                await self.point_configuration()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep serving the current certificate, try again next round
+                log.warning("Could not re-read or load the webhook's certificate; serving the current one",
+                            error=f"{type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         if self._configuring is not None:
@@ -213,8 +249,9 @@ async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_a
             retry, last_error = retry + 1, error
             await asyncio.sleep(delay)
             continue
-        log.info("Pointed webhook configuration at this operator", configuration=name,
-                 webhooks_changed=changed, url=url or "(service)")
+        if changed or retry:
+            log.info("Pointed webhook configuration at this operator", configuration=name,
+                     webhooks_changed=changed, url=url or "(service)")
         if last_error:
             await _operator_event(settings, "Normal", c.Reason.WEBHOOK_CONFIGURED,
                                   f"Pointed MutatingWebhookConfiguration {name} at this operator")

@@ -317,12 +317,18 @@ def release_pods_of_deleted_cache(*, namespace: str, name: str, now: dt.datetime
     return events
 
 
-def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int) -> bool:
-    """Whether the fast timer has work: warmers running, or pods that may be waiting."""
+def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int,
+               now: dt.datetime | None = None) -> bool:
+    """Whether the fast poll has work: warmers running, a failed warmer's retry due, or
+    pods that may be waiting."""
     if status.get("observedGeneration") != generation:
         return True
     pools = (status.get("warmup") or {}).get("pools")
     if spec.get("warmup") and (not pools or any(p.get("state") in ACTIVE_STATES for p in pools)):
+        return True
+    at = now or dt.datetime.now(dt.timezone.utc)
+    if spec.get("warmup") and any(p.get("nextRetryTime") and str(p["nextRetryTime"]) <= at.strftime("%Y-%m-%dT%H:%M:%SZ")
+                                  for p in pools or []):
         return True
     wait = ((spec.get("injection") or {}).get("waitForWarm") or {}).get("enabled")
     warmed = conditions.get(status.get("conditions"), c.Condition.WARMED)

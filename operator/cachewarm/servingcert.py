@@ -69,10 +69,19 @@ def plan_secret(data: dict[str, bytes] | None, hosts: list[str], now: dt.datetim
         if not why:
             return None, ""
         ca = certs.KeyPair(data["ca.crt"], data["ca.key"])
-        if certs.expires(ca.cert_pem) - now < CA_RENEW_BEFORE:
+        try:
+            ca_left = certs.expires(ca.cert_pem) - now
+        except ValueError:
+            ca_left = dt.timedelta(0)  # unreadable: replaced
+        if ca_left < CA_RENEW_BEFORE:
             ca = certs.make_ca("cachewarm-webhook-ca", now=now, days=CA_DAYS)
             why += "; CA renewed"
-    serving = certs.make_serving_cert(ca, hosts, now=now, days=SERVING_DAYS)
+    try:
+        serving = certs.make_serving_cert(ca, hosts, now=now, days=SERVING_DAYS)
+    except ValueError:  # the stored CA key is unreadable or not ours: a new CA
+        ca = certs.make_ca("cachewarm-webhook-ca", now=now, days=CA_DAYS)
+        serving = certs.make_serving_cert(ca, hosts, now=now, days=SERVING_DAYS)
+        why += "; CA replaced (unreadable)"
     return {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.cert_pem, "ca.key": ca.key_pem}, why
 
 

@@ -215,26 +215,50 @@ def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced
                      .get("currentHealthy") == 2 or None, timeout=60, what="the PodDisruptionBudget counting both")
     assert pdb
 
+    cache = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "ha"},
+             "spec": {"storage": {"gcs": {"bucket": f"ha-{uuid.uuid4().hex[:10]}", "location": "us-central1"}}}}
+    bed.apply(cache, ns)
+
+    def current(generation: int | None = None) -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", "ha", ns) or {}
+        status = obj.get("status") or {}
+        ok = any(cd["type"] == "Ready" and cd["status"] == "True" for cd in status.get("conditions") or [])
+        gen = obj.get("metadata", {}).get("generation")
+        return obj if ok and status.get("observedGeneration") == gen and (generation is None or gen == generation) \
+            else None
+    first = eventually(current, timeout=60, what="cache ha Ready under the first leader")
+
     killed = bed.kubectl_run("delete", "pod", leader, "-n", install.NAMESPACE, "--grace-period=0", "--force")
     assert killed.returncode == 0, killed.stderr
-    # Admitted meanwhile by the replica left: the Service sends the apiserver to it.
+    survivor_ip = next(p["status"]["podIP"] for p in pods if p["metadata"]["name"] == other)
+
+    def served_by_survivor_only() -> bool:
+        out = bed.kubectl_run("get", "endpointslices", "-n", install.NAMESPACE, "-l",
+                              "kubernetes.io/service-name=cachewarm-webhook", "-o", "json")
+        ready = [a for sl in json.loads(out.stdout)["items"] for e in sl.get("endpoints") or []
+                 if (e.get("conditions") or {}).get("ready") for a in e["addresses"]]
+        return ready == [survivor_ip]
+    eventually(served_by_survivor_only, timeout=30, what="the webhook Service left with the surviving replica")
+    # Admitted by the replica left, before it has taken the Lease over (the dead leader's
+    # lease runs 15 s): serving the webhook needs no leader.
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "during", "labels": {"cachewarm.dev/cache": "ha"}},
            "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox", "command": ["true"]}]}}
-    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "ha"},
-               "spec": {"storage": {"gcs": {"bucket": f"ha-{uuid.uuid4().hex[:10]}", "location": "us-central1"}}}},
-              ns)
-    eventually(lambda: install.lease_holder(bed) == other or None, timeout=60,
-               what=f"{other} holding the Lease after {leader} was killed")
-
-    def ready() -> bool:
-        obj = bed.get_json("ccache", "ha", ns) or {}
-        return any(cd["type"] == "Ready" and cd["status"] == "True"
-                   for cd in (obj.get("status") or {}).get("conditions") or [])
-    eventually(ready, timeout=90, what="a cache made after the kill Ready under the new leader")
+    holder_when_admitted = install.lease_holder(bed)
     bed.apply(pod, ns)
     stored = bed.get_json("pod", "during", ns) or {}
     assert "cachewarm.dev/injected" in (stored.get("metadata") or {}).get("annotations", {}), stored.get("metadata")
+    print(f"pod 'during' admitted while the Lease named {holder_when_admitted}")
+    eventually(lambda: install.lease_holder(bed) == other or None, timeout=60,
+               what=f"{other} holding the Lease after {leader} was killed")
+
+    # The new leader reconciles: a spec change is observed.
+    cache["spec"]["storage"]["gcs"]["lifecycle"] = {"deleteAfterDays": 9}  # type: ignore[index]
+    bed.apply(cache, ns)
+    after = eventually(lambda: current(first["metadata"]["generation"] + 1), timeout=90,
+                       what="the changed cache reconciled by the new leader")
+    assert after["status"]["bucket"]["deleteAfterDays"] == 9
+
     def two_ready() -> list[dict[str, Any]] | None:
         ready = [p for p in install.operator_pods(bed) if p["status"]["containerStatuses"][0]["ready"]]
         return ready if len(ready) == 2 else None

@@ -107,6 +107,33 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     assert len([b for b in gcs.list_blobs(bucket, prefix="jax/") if b.name.endswith("-cache")]) == len(entries)
 
 
+def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, gcs: storage.Client,
+) -> None:
+    """Warmed is not "some entry under the prefix": an entry of another program (planted
+    before the warm) is not what the warmer reports, and deleting one the warmer reported
+    turns Warmed False (EntriesMissing) at the next reconcile, although entries remain."""
+    bucket = f"keys-{uuid.uuid4().hex[:8]}"
+    controller_manager.apply(warm_cache("keys", bucket, {"targets": ["train:targets"]}), namespace)
+    eventually(lambda: controller_manager.get_json("ccache", "keys", namespace) and gcs.lookup_bucket(bucket),
+               what="the cache's bucket")
+    gcs.bucket(bucket).blob("jax/jit_old_program-" + "f" * 64 + "-cache").upload_from_string(b"old image's entry")
+    obj = wait_warmed(controller_manager, namespace, "keys")
+    [pool] = obj["status"]["warmup"]["pools"]
+    written = [b for b in gcs.list_blobs(bucket, prefix="jax/") if b.name.endswith("-cache") and "old_program" not in b.name]
+    hashes = sorted(b.name.removesuffix("-cache").rsplit("-", 1)[1][:16] for b in written)
+    assert pool["keys"] == hashes and "f" * 16 not in pool["keys"]
+    assert f"the {len(hashes)} entries its warmers reported are in the bucket" in conditions(obj)["Warmed"]["message"]
+
+    written[0].delete()
+
+    def missing() -> dict[str, Any] | None:
+        warmed = conditions(controller_manager.get_json("ccache", "keys", namespace)).get("Warmed") or {}
+        return warmed if warmed.get("reason") == "EntriesMissing" else None
+    warmed = eventually(missing, timeout=60, what="Warmed=False EntriesMissing after an entry was deleted")
+    assert warmed["status"] == "False" and f"cpu: 1 of {len(hashes)}" in warmed["message"]
+
+
 @pytest.mark.parametrize(("target", "error"), [
     ("warm_targets:broken_targets", "TypeError"),
     ("warm_targets:no_targets", "produced nothing to compile"),
@@ -114,14 +141,24 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
 def test_warmer_that_compiles_nothing_or_fails_leaves_warmed_false(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, target: str, error: str,
 ) -> None:
+    """The session's operator retries a failed warmer once (CACHEWARM_WARM_RETRIES=1, after
+    1 s): the same Job runs again, then the pool stays Failed, and says so."""
     controller_manager.apply(warm_cache("bad", f"bad-{uuid.uuid4().hex[:8]}",
                                         {"targets": [target], "image": "test/targets:1"}), namespace)
-    obj = wait_warmed(controller_manager, namespace, "bad", status="False")
+
+    def given_up() -> dict[str, Any] | None:
+        obj = controller_manager.get_json("ccache", "bad", namespace) or {}
+        pools = ((obj.get("status") or {}).get("warmup") or {}).get("pools") or []
+        return obj if pools and pools[0].get("state") == "Failed" and pools[0].get("attempt") == 2 else None
+    obj = eventually(given_up, timeout=180, what="the failed warmer retried once, then left Failed")
     warmed = conditions(obj)["Warmed"]
-    assert warmed["reason"] == "WarmupFailed"
+    assert warmed["reason"] == "WarmupFailed" and warmed["status"] == "False"
     assert error in warmed["message"]
     [pool] = obj["status"]["warmup"]["pools"]
-    assert pool["state"] == "Failed" and error in pool["lastError"]
+    assert error in pool["lastError"] and "no retry is left" in pool["message"] and "nextRetryTime" not in pool
+    reasons = [e["reason"] for e in controller_manager.events_for("bad", namespace)]
+    assert reasons.count("WarmerRetried") == 1 and reasons.count("WarmerCreated") == 2
+    assert reasons.count("WarmerFailed") >= 1
 
 
 def test_image_change_rewarms_and_same_spec_does_not(

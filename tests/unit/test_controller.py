@@ -155,3 +155,27 @@ def test_status_writes_do_not_requeue_but_a_new_generation_does(monkeypatch: pyt
 
     asyncio.run(_drive(controller, steps, settle=0.2))
     assert calls == [("ml", "llama"), ("ml", "llama")]
+
+
+def test_shutdown_waits_for_the_reconciles_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    finished: list[float] = []
+
+    def reconcile(key: Key) -> Result:
+        time.sleep(0.3)
+        finished.append(time.monotonic())
+        return Result()
+
+    controller = _controller(monkeypatch, reconcile)
+
+    async def scenario() -> tuple[bool, float]:
+        task = asyncio.create_task(controller.run())
+        await asyncio.sleep(0.05)
+        controller.enqueue(("ml", "llama"))
+        await asyncio.sleep(0.05)  # being reconciled now
+        drained = await controller.drain(5)
+        returned = time.monotonic()
+        task.cancel()
+        return drained, returned
+
+    drained, returned = asyncio.run(scenario())
+    assert drained and finished and finished[0] <= returned

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from typing import Any
 
 import pytest
@@ -79,6 +81,10 @@ def test_poll_only_when_something_can_change() -> None:
     assert not service.needs_poll(SPEC, {"observedGeneration": 2}, 2)
     waiting = {**SPEC, "injection": {"waitForWarm": {"enabled": True}}}
     assert service.needs_poll(waiting, {"observedGeneration": 2}, 2)
+    # A failed warmer waiting for its retry: polled once the retry is due, not before.
+    failed = {**done, "warmup": {"pools": [{"name": "a", "state": "Failed", "nextRetryTime": "2026-11-22T01:01:00Z"}]}}
+    assert not service.needs_poll(warmup_spec, failed, 2, now=dt.datetime(2026, 11, 22, 1, 0, tzinfo=dt.timezone.utc))
+    assert service.needs_poll(warmup_spec, failed, 2, now=dt.datetime(2026, 11, 22, 1, 1, tzinfo=dt.timezone.utc))
 
 
 def test_a_refused_cache_or_one_without_wait_for_warm_gates_no_pod() -> None:

@@ -7,6 +7,7 @@ import datetime as dt
 import ssl
 from pathlib import Path
 
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
@@ -133,7 +134,7 @@ def test_a_renewed_cert_manager_certificate_is_loaded_by_the_keeper_without_a_re
     async def scenario() -> list[servingcert.TlsMaterial | None]:
         tls = ServingTls()
         tls.load(servingcert.from_dir(str(tmp_path)))
-        keeper = WebhookKeeper(settings, tls)
+        keeper = WebhookKeeper(settings, tls, True)
         task = asyncio.create_task(keeper.watch())
         seen = [tls.material]
         write(renewed)  # as the kubelet updates a mounted Secret
@@ -146,3 +147,36 @@ def test_a_renewed_cert_manager_certificate_is_loaded_by_the_keeper_without_a_re
         return seen
 
     assert asyncio.run(scenario()) == [first, renewed]
+
+
+def test_a_corrupt_secret_is_made_again_rather_than_failing_the_operator() -> None:
+    data, _ = plan_secret(None, HOSTS, NOW)
+    assert data is not None
+    for broken in ({**data, "tls.crt": b"garbage"}, {**data, "tls.crt": b"garbage", "ca.crt": b"garbage"},
+                   {**data, "tls.crt": b"garbage", "ca.key": b"garbage"}):
+        renewed, why = plan_secret(broken, HOSTS, NOW)
+        assert renewed is not None and why.startswith("unreadable certificate")
+        x509.load_pem_x509_certificate(renewed["tls.crt"]).verify_directly_issued_by(
+            x509.load_pem_x509_certificate(renewed["ca.crt"]))
+
+
+def test_a_stand_in_certificate_is_never_published_as_the_ca_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that could not read the shared Secret serves a stand-in, but never points
+    the webhook configuration at the stand-in's CA (the other replicas serve the Secret's)."""
+    from cachewarm.clients import kube
+    from cachewarm.main import WebhookKeeper
+    from cachewarm.settings import Settings
+
+    pointed: list[bytes] = []
+    monkeypatch.setattr(kube, "set_webhook_client_config", lambda name, ca, url: pointed.append(ca) or 0)
+    settings = Settings(webhook_configuration="cachewarm-pod-injector")
+
+    async def scenario(authoritative: bool) -> None:
+        tls = ServingTls()
+        tls.load(servingcert.in_memory(["svc"], NOW))
+        await WebhookKeeper(settings, tls, authoritative).point_configuration()
+
+    asyncio.run(scenario(False))
+    assert pointed == []
+    asyncio.run(scenario(True))
+    assert len(pointed) == 1

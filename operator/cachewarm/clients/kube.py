@@ -320,12 +320,13 @@ def list_caches(namespaces: list[str]) -> list[dict[str, Any]]:
 
 
 def apply_configmap(body: dict[str, Any]) -> None:
-    """Server-side apply of a ConfigMap we own (field manager cachewarm, forced): created
-    when missing, our keys restored when changed, others' fields kept; an unchanged apply
-    writes nothing. Needs only create and patch, never read access to ConfigMaps.
-    Raises KubeError."""
+    """Server-side apply of a ConfigMap we own (field manager cachewarm): created when
+    missing, an unchanged apply writes nothing. Not forced: a field someone else set to
+    another value is a conflict (409, KubeError), never taken over, so a ConfigMap of the
+    same name that is not ours is not adopted. Needs only create and patch, never read
+    access to ConfigMaps. Raises KubeError."""
     meta = body["metadata"]
     with _errors(f"applying ConfigMap {meta['namespace']}/{meta['name']}"):
         client.CoreV1Api().patch_namespaced_config_map(
-            meta["name"], meta["namespace"], body, field_manager="cachewarm", force=True,
+            meta["name"], meta["namespace"], body, field_manager="cachewarm", force=False,
             _content_type="application/apply-patch+yaml")
