@@ -180,27 +180,30 @@ class Builder:
         self.cache.mkdir(parents=True, exist_ok=True)
         bases: dict[str, tuple[str, str]] = {}
         out: dict[str, Path] = {}
-        for build in BUILDS:
-            archive_name = build.ref.rsplit("/", 1)[1].replace(":", "-")
-            if build.base not in bases:
-                # Computing the key needs no build; the base is made only if an archive is missing.
-                bases[build.base] = ("", self._base_key(build.base, tool_version))
-            key = build_key(self.root, build, bases[build.base][1], tool_version)
-            archive = self.cache / f"{archive_name}-{key}.tar"
-            if archive.is_file():
+        try:
+            for build in BUILDS:
+                archive_name = build.ref.rsplit("/", 1)[1].replace(":", "-")
+                if build.base not in bases:
+                    # Computing the key needs no build; the base is made only if an archive is missing.
+                    bases[build.base] = ("", self._base_key(build.base, tool_version))
+                key = build_key(self.root, build, bases[build.base][1], tool_version)
+                archive = self.cache / f"{archive_name}-{key}.tar"
+                if archive.is_file():
+                    out[build.ref] = archive
+                    continue
+                if not bases[build.base][0]:
+                    bases[build.base] = (self.python_base(tool_version) if build.base == "python"
+                                         else self.busybox_base(tool_version))
+                t0 = time.monotonic()
+                self._build(build, bases[build.base][0], archive)
+                self.timings[build.ref] = round(time.monotonic() - t0, 1)
+                for old in self.cache.glob(f"{archive_name}-*.tar"):
+                    if old != archive:
+                        old.unlink()
                 out[build.ref] = archive
-                continue
-            if not bases[build.base][0]:
-                bases[build.base] = (self.python_base(tool_version) if build.base == "python"
-                                     else self.busybox_base(tool_version))
-            t0 = time.monotonic()
-            self._build(build, bases[build.base][0], archive)
-            self.timings[build.ref] = round(time.monotonic() - t0, 1)
-            for old in self.cache.glob(f"{archive_name}-*.tar"):
-                if old != archive:
-                    old.unlink()
-            out[build.ref] = archive
-        shutil.rmtree(self.runroot, ignore_errors=True)  # buildah's run state: nothing of ours stays in /run
+        finally:
+            # buildah's run state, also after a failed build: nothing of ours stays in /run.
+            shutil.rmtree(self.runroot, ignore_errors=True)
         return out
 
     def _base_key(self, base: str, tool_version: str) -> str:

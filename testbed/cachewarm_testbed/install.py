@@ -65,7 +65,8 @@ def install_operator(bed: Testbed, manifests: Path, env: dict[str, str], timeout
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         config = bed.get_json("mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "") or {}
-        if all(w.get("clientConfig", {}).get("caBundle") for w in config.get("webhooks", [])):
+        hooks = config.get("webhooks") or []
+        if hooks and all(w.get("clientConfig", {}).get("caBundle") for w in hooks):
             return leader_pod(bed)
         time.sleep(0.5)
     raise StartError(f"the operator never filled the caBundle of {WEBHOOK_CONFIGURATION}\n{describe_operator(bed)}")

@@ -204,7 +204,8 @@ class HostSnapshot:
     pod_flows: list[str] = field(default_factory=list)
 
     @classmethod
-    def take(cls, markers: tuple[str, ...] = (str(RUN_DIR), NODE_NAME, "/realnode/containerd.toml")) -> HostSnapshot:
+    def take(cls, markers: tuple[str, ...] = (str(RUN_DIR), NODE_NAME, "/realnode/containerd.toml",
+                                              "/realnode/kube-proxy.yaml")) -> HostSnapshot:
         return cls(
             mounts=_mount_points(),
             iptables={tool: _iptables_rules(tool) for tool in ("iptables-save", "ip6tables-save")},
@@ -643,9 +644,9 @@ state = "{state}"
         if proc is None:
             return
         proc.stop(timeout=10)
-        # Its own cleanup removes every chain and rule it made (the snapshot restore would
-        # too, rule by rule).
-        _run(str(self.kube_proxy_bin), f"--config={self.workdir / 'kube-proxy.yaml'}", "--cleanup", check=False)
+        # No `kube-proxy --cleanup`: it flushes every IPVS service and KUBE-* chain of the
+        # host, ours or not (and loads ip_vs). The snapshot restore removes the rules and
+        # chains that appeared since the node started, and only those.
 
     # -- stop ---------------------------------------------------------------------------
 

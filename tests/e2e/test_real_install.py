@@ -69,8 +69,8 @@ class Installed:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Installed]:
+    before = HostSnapshot.take()  # before the image build too: it must leave nothing behind either
     archives = images.build_all()
-    before = HostSnapshot.take()
     bed = Testbed()
     try:
         bed.start(controller_manager=True, real_node=True)
@@ -216,7 +216,8 @@ def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced
     assert pdb
 
     cache = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "ha"},
-             "spec": {"storage": {"gcs": {"bucket": f"ha-{uuid.uuid4().hex[:10]}", "location": "us-central1"}}}}
+             "spec": {"storage": {"gcs": {"bucket": f"ha-{uuid.uuid4().hex[:10]}", "prefix": "ha",
+                                          "location": "us-central1"}}}}
     bed.apply(cache, ns)
 
     def current(generation: int | None = None) -> dict[str, Any] | None:

@@ -170,7 +170,7 @@ def test_pods_reach_the_gcs_proxy_on_the_node_address(real: RealBed, ns: str) ->
     bed = real.bed
     assert bed.storage_emulator_host.startswith(f"http://{NODE_IP}:")
     out = run_pod(bed, ns, "gcs", f"wget -q -O - '{bed.storage_emulator_host}/storage/v1/b?project=testbed'; "
-                                  "echo; echo rc=$?")
+                                  "echo \" rc=$?\"")
     assert "rc=0" in out.split(), out
     assert "storage#buckets" in out, out
 
