@@ -467,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     summary["notCached"] = max(0, counters.requests - found - len(written)) if counted and index == 0 else 0
     # The entries this warm relies on (what it found or wrote, and is in the cache now):
     # the operator checks that they are in the bucket before it calls the cache Warmed.
-    if index == 0:
+    # Only when JAX's lookups were seen (targets, or a python entrypoint run in process):
+    # an entrypoint in a child process finds entries this process cannot name, so no
+    # `keys` at all then (the operator falls back to "the bucket holds entries").
+    if index == 0 and counted:
         present = {n.removesuffix("-cache") for n in after if n.endswith("-cache")}
         relied = (used.keys | {n.removesuffix("-cache") for n in written}) & present
         summary["keys"] = sorted({key_hash(k) for k in relied})

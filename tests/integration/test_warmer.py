@@ -97,6 +97,20 @@ def test_command_mode_runs_a_python_entrypoint_in_process(tmp_path: Path) -> Non
     assert summary["errors"] == ["entrypoint exited with status 3"]
 
 
+
+def test_an_entrypoint_in_a_child_process_reports_no_keys(tmp_path: Path) -> None:
+    """The warmer cannot see which entries a child process looked up, so it names none (the
+    operator then falls back to "the bucket holds entries") rather than only those it saw
+    written, which would make a re-warm of a full cache look empty."""
+    script = tmp_path / "entry.py"
+    script.write_text("import jax, jax.numpy as jnp\nprint(jax.jit(lambda x: x * 3)(jnp.ones(3)))\n")
+    for _ in range(2):  # writes, then finds everything already cached
+        code, summary, log = warm(tmp_path, "command", "--", "sh", "-c", f"{sys.executable} {script}",
+                                  cache=tmp_path / "c")
+        assert code == 0, log
+        assert "keys" not in summary and "keyCount" not in summary
+
+
 MULTI_HOST_TARGETS = '''
 import jax
 import jax.numpy as jnp
