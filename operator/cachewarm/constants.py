@@ -49,11 +49,6 @@ ENV_FOR_LABEL: Final = f"{GROUP}/env-for"
 # Labels the Job controller puts on the pods of a Job (read, never written by us).
 JOB_NAME_LABEL: Final = "job-name"
 
-# kopf keeps its progress and diff-base state under status.kopf (declared in the CRD, so
-# structural pruning keeps it); nothing goes into annotations of the user's object.
-KOPF_STATUS_PROGRESS: Final = "status.kopf.progress"
-KOPF_STATUS_DIFFBASE: Final = "status.kopf.last-handled-configuration"
-
 
 class Condition:
     """Condition types in status.conditions."""
