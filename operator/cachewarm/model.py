@@ -110,6 +110,10 @@ class Warmup(_Model):
     active_deadline_seconds: int = Field(default=3600, alias="activeDeadlineSeconds", ge=1)
     ttl_seconds_after_finished: int = Field(default=86400, alias="ttlSecondsAfterFinished", ge=0)
     schedule: str | None = None
+    # The writer identity: warmer pods run as this ServiceAccount (e.g. bound through
+    # Workload Identity to a Google service account that may write the cache); None: the
+    # namespace's default, as training pods.
+    service_account_name: str | None = Field(default=None, alias="serviceAccountName")
 
     @field_validator("schedule")
     @classmethod

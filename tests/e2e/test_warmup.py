@@ -134,6 +134,34 @@ def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
     assert warmed["status"] == "False" and f"cpu: 1 of {len(hashes)}" in warmed["message"]
 
 
+def test_warmers_run_as_the_writer_identity_and_training_pods_as_their_own(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """warmup.serviceAccountName: the warmer pod runs as the cache's writer identity (on
+    GKE bound through Workload Identity to a Google service account that may write the
+    bucket); a training pod keeps the ServiceAccount it names. Identities only: the GCS
+    emulator checks no IAM, so what each may write is not shown here."""
+    bed = controller_manager
+    for account in ("cache-writer", "trainer"):
+        assert bed.kubectl_run("create", "serviceaccount", account, "-n", namespace).returncode == 0
+    bed.apply(warm_cache("ident", f"ident-{uuid.uuid4().hex[:8]}",
+                         {"targets": ["train:targets"], "serviceAccountName": "cache-writer"}), namespace)
+    obj = wait_warmed(bed, namespace, "ident")
+    [pool] = obj["status"]["warmup"]["pools"]
+    pods = json.loads(bed.kubectl_run("get", "pods", "-n", namespace, "-l", f"job-name={pool['job']}",
+                                      "-o", "json").stdout)["items"]
+    assert pods and {p["spec"]["serviceAccountName"] for p in pods} == {"cache-writer"}
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "reader", "labels": {"cachewarm.dev/cache": "ident"}},
+           "spec": {"restartPolicy": "Never", "serviceAccountName": "trainer", "containers": [{
+               "name": "train", "image": "demo/train:1", "command": ["python", "train.py", "--steps", "1"]}]}}
+    created = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod))
+    assert created.returncode == 0, created.stderr
+    stored = bed.get_json("pod", "reader", namespace) or {}
+    assert stored["spec"]["serviceAccountName"] == "trainer"
+    assert "cachewarm.dev/injected" in stored["metadata"]["annotations"]
+
+
 @pytest.mark.parametrize(("target", "error"), [
     ("warm_targets:broken_targets", "TypeError"),
     ("warm_targets:no_targets", "produced nothing to compile"),

@@ -158,6 +158,7 @@ def test_command_mode_runs_the_entrypoint_through_the_warmer() -> None:
     ({"targets": ["train.warm:other"]}, False),
     ({"env": [{"name": "XLA_FLAGS", "value": "--x"}]}, False),
     ({"backoffLimit": 3, "ttlSecondsAfterFinished": 10}, True),
+    ({"serviceAccountName": "cache-writer"}, True),  # who writes is not what is compiled
 ])
 def test_hash_changes_only_with_what_changes_the_program(change: dict[str, Any], same: bool) -> None:
     base = cache([{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}])
@@ -282,3 +283,11 @@ def test_other_contradictions_stay_invalid(override: dict[str, int]) -> None:
     with pytest.raises(TpuShapeError) as err:
         jb.pool_shape(p)
     assert err.value.reason == "InvalidTpuShape"
+
+
+def test_warmers_run_as_the_writer_identity_when_one_is_named() -> None:
+    named = build(cache([{"name": "cpu"}], serviceAccountName="cache-writer"))
+    assert named["spec"]["template"]["spec"]["serviceAccountName"] == "cache-writer"
+    unnamed = build(cache([{"name": "cpu"}]))
+    assert "serviceAccountName" not in unnamed["spec"]["template"]["spec"]  # the namespace's default
+    kube.typed(named)  # the client takes it as built

@@ -52,9 +52,12 @@ def spec_hash(cache: CacheSpec, pool: Pool, token: str = "") -> str:
     assert cache.warmup is not None
     shape = pool_shape(pool)
     material = {
+        # Who runs the warmer (its ServiceAccount) does not change the programs: not hashed,
+        # so a new writer identity takes effect at the next warm without re-warming.
         "warmup": cache.warmup.model_dump(by_alias=True, exclude={"pools", "schedule", "backoff_limit",
                                                                    "active_deadline_seconds",
-                                                                   "ttl_seconds_after_finished"}),
+                                                                   "ttl_seconds_after_finished",
+                                                                   "service_account_name"}),
         # The resolved shape, not the raw hosts/chipsPerHost: stating what the table derives
         # does not re-warm.
         "pool": pool.model_dump(by_alias=True, exclude={"name", "hosts", "chips_per_host"}),
@@ -203,6 +206,8 @@ def warmer_job(
         "containers": [container],
         "volumes": [{"name": "cachewarm", "emptyDir": {"sizeLimit": "16Mi"}}],
     }
+    if warmup.service_account_name:
+        pod_spec["serviceAccountName"] = warmup.service_account_name
     if selector:
         pod_spec["nodeSelector"] = selector
     if tolerations:
