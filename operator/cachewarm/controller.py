@@ -100,6 +100,7 @@ class Controller:
         self.leader = leader
         self.store: dict[Key, dict[str, Any]] = {}  # the latest body seen per cache
         self._claims: dict[str, dict[Key, Claim]] = {}  # bucket -> the caches on it
+        self._bucket_of: dict[Key, str] = {}  # cache -> its bucket in _claims
         self._queued: set[Key] = set()
         self._processing: set[Key] = set()
         self._dirty: set[Key] = set()
@@ -130,18 +131,17 @@ class Controller:
         if claim is not None:
             bucket = str(((spec.get("storage") or {}).get("gcs") or {}).get("bucket") or "")
             self._claims.setdefault(bucket, {})[key] = claim
+            self._bucket_of[key] = bucket
         if worth_reconciling(old, new):
             self.enqueue(key)
 
     def _forget_claim(self, key: Key) -> None:
-        for claims in self._claims.values():
-            claims.pop(key, None)
+        bucket = self._bucket_of.pop(key, None)
+        if bucket is not None:
+            self._claims.get(bucket, {}).pop(key, None)
 
     def claims(self, bucket: str) -> list[Claim]:
         return list(self._claims.get(bucket, {}).values())
-
-    def lookup(self, namespace: str, name: str) -> Mapping[str, Any] | None:
-        return self.store.get((namespace, name))
 
     # --- the queue ---
 

@@ -282,6 +282,12 @@ def plan_retry(entry: Mapping[str, Any], attempt: int, failed: dt.datetime, retr
     return out, now >= at
 
 
+def _retried(pool: str, job: str, attempt: int, retry: WarmRetry, prev: Mapping[str, Any]) -> Event:
+    return Event("Normal", c.Reason.WARMER_RETRIED,
+                 f"Pool {pool}: running warmer Job {job} again (attempt {attempt} of {retry.retries + 1}) after: "
+                 f"{prev.get('lastError', 'a failure')}"[:1000])
+
+
 def reconcile_warmup(
     cache: CacheSpec, *, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
     previous: Sequence[Mapping[str, Any]], cache_entries: int, warmer_image: str, now: dt.datetime,
@@ -354,9 +360,7 @@ def reconcile_warmup(
                 pools.append(earlier)
                 continue
             attempt += 1
-            events.append(Event("Normal", c.Reason.WARMER_RETRIED,
-                                f"Pool {pool.name}: running warmer Job {job_name} again (attempt {attempt} of "
-                                f"{retry.retries + 1}) after: {prev.get('lastError', 'a failure')}"[:1000]))
+            events.append(_retried(pool.name, job_name, attempt, retry, prev))
         stop(plan.delete, "the program changed")
         service = jobs.service_name(name, pool.name)
         if plan.waiting_for:
@@ -394,10 +398,7 @@ def reconcile_warmup(
                     entry = {"name": pool.name, "job": job_name, "specHash": digest, "state": "Pending",
                              "attempt": attempt + 1, "lastError": prev.get("lastError", ""),
                              "message": f"Retrying after attempt {attempt} failed"}
-                    events.append(Event("Normal", c.Reason.WARMER_RETRIED,
-                                        f"Pool {pool.name}: running warmer Job {job_name} again (attempt "
-                                        f"{attempt + 1} of {retry.retries + 1}) after: "
-                                        f"{prev.get('lastError', 'a failure')}"[:1000]))
+                    events.append(_retried(pool.name, job_name, attempt + 1, retry, prev))
             pools.append(entry)
             continue
         pods = kube.list_pods(namespace, f"{c.JOB_NAME_LABEL}={job_name}")

@@ -179,3 +179,17 @@ def test_shutdown_waits_for_the_reconciles_in_flight(monkeypatch: pytest.MonkeyP
 
     drained, returned = asyncio.run(scenario())
     assert drained and finished and finished[0] <= returned
+
+
+def test_a_cache_moved_to_another_bucket_leaves_the_old_buckets_claims(monkeypatch: pytest.MonkeyPatch) -> None:
+    controller = _controller(monkeypatch, lambda key: Result())
+
+    def on(bucket: str) -> dict[str, Any]:
+        return {**body(), "spec": {"storage": {"gcs": {"bucket": bucket, "location": "US"}}}}
+
+    controller.observe(None, on("a"))
+    assert [cl.key for cl in controller.claims("a")] == [("ml", "llama")]
+    controller.observe("MODIFIED", on("b"))
+    assert controller.claims("a") == [] and [cl.key for cl in controller.claims("b")] == [("ml", "llama")]
+    controller.observe("DELETED", on("b"))
+    assert controller.claims("b") == []

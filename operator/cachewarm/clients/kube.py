@@ -297,13 +297,6 @@ def release_lease(namespace: str, name: str, identity: str) -> bool:
     return True
 
 
-def lease_holder(namespace: str, name: str) -> str | None:
-    """Who holds a Lease now (None: nobody, or no Lease). Raises KubeError."""
-    lease: Any = None
-    with _errors(f"reading Lease {namespace}/{name}", ok=(404,)):
-        lease = client.CoordinationV1Api().read_namespaced_lease(name, namespace)
-    return None if lease is None or lease.spec is None else lease.spec.holder_identity
-
 
 def list_caches(namespaces: list[str]) -> list[dict[str, Any]]:
     """Every CompilationCache in `namespaces` (every namespace when empty). Raises KubeError."""
