@@ -8,7 +8,7 @@ BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin node-deps images lint-manifests test test-unit lint dev-up dev-down demo demo-simulated clean
+.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit lint dev-up dev-down demo demo-simulated clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -33,7 +33,10 @@ images: venv node-deps ## Build the operator, warmer and demo training images fr
 lint-manifests: bin ## kube-score the rendered manifests (built once from the Go module proxy); fails on an unjustified CRITICAL
 	hack/kube-score.sh $(BIN_DIR)/kubectl
 
-test: venv bin node-deps images lint-manifests ## Run the whole suite: manifests lint, unit, integration, e2e
+kstatus: ## Build hack/kstatus, the GitOps health check of Flux and kpt (sigs.k8s.io/cli-utils), for the suite (cached)
+	hack/build-kstatus.sh >/dev/null
+
+test: venv bin node-deps images lint-manifests kstatus ## Run the whole suite: manifests lint, unit, integration, e2e
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv ## Run the unit tests only (no processes)

@@ -3,12 +3,14 @@ this file only wires them into pytest scopes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,19 @@ def storage_bed() -> Iterator[Testbed]:
 @pytest.fixture(scope="session")
 def storage_only(storage_bed: Testbed) -> storage.Client:
     return storage_client(storage_bed.storage_emulator_host)
+
+
+@pytest.fixture(scope="session")
+def kstatus() -> Callable[[dict], dict]:
+    """Evaluate an object as Flux, kpt and every kstatus-based check do: hack/kstatus, a
+    small Go program around sigs.k8s.io/cli-utils' status.Compute, built once from the Go
+    module proxy. Returns {"status": Current|InProgress|Failed|Terminating, "message": ...}."""
+    built = subprocess.run([str(REPO / "hack" / "build-kstatus.sh")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    binary = built.stdout.strip().splitlines()[-1]
+
+    def evaluate(obj: dict) -> dict:
+        out = subprocess.run([binary], input=json.dumps(obj), capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+    return evaluate

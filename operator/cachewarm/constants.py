@@ -62,6 +62,11 @@ class Condition:
     SOFT_DELETE_APPLIED: Final = "SoftDeleteApplied"
     # Whether the ConfigMap of the cache's pod env (for containers with envFrom) is current.
     INJECTION_READY: Final = "InjectionReady"
+    # The kstatus conditions (Flux, kpt, cli-utils): Reconciling is True while the operator
+    # works toward the spec (a warm under way, a retry pending), Stalled is True when only a
+    # person can move the cache on. kstatus reads them as InProgress and Failed.
+    RECONCILING: Final = "Reconciling"
+    STALLED: Final = "Stalled"
 
 
 class Reason:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,17 +49,57 @@ class _Seen:
     injection: Cond | None = None
 
 
+# What only a person can fix: the bucket (BucketReady) or the warm (Warmed) stays as it is
+# until the spec, the bucket or IAM changes. A failed warm is one only once no retry is left.
+STALLED_BUCKET = (c.Reason.INVALID_SPEC, c.Reason.BUCKET_NOT_FOUND, c.Reason.LOCATION_MISMATCH, c.Reason.NAME_TAKEN,
+                  c.Reason.PREFIX_IN_USE, c.Reason.ACCESS_DENIED)
+STALLED_WARM = (c.Reason.UNKNOWN_TPU_SHAPE, c.Reason.INVALID_TPU_SHAPE, c.Reason.ENTRIES_MISSING,
+                c.Reason.CACHE_EMPTY)
+
+
+def progress(bucket: Cond, injection: Cond | None, warm: Cond | None, pools: Sequence[Mapping[str, Any]],
+             failing: bool) -> tuple[Cond, Cond]:
+    """The kstatus conditions, Reconciling and Stalled, from the others: Stalled when only a
+    person can move the cache on, else Reconciling while anything is under way or retried
+    (`failing`: a step failed and the reconcile is retried). A reconcile of a new generation
+    needs no condition: kstatus reads observedGeneration behind generation as InProgress."""
+    stalled: Cond | None = None
+    if bucket.status is False and bucket.reason in STALLED_BUCKET:
+        stalled = bucket
+    elif warm is not None and warm.status is False and (
+            warm.reason in STALLED_WARM
+            or (warm.reason == c.Reason.WARMUP_FAILED
+                and not any(p.get("state") in ACTIVE_STATES or p.get("nextRetryTime") for p in pools))):
+        stalled = warm
+    if stalled is not None:
+        return (Cond(c.Condition.RECONCILING, False, stalled.reason, "Nothing is retried until the spec, the bucket "
+                     "or the operator's permissions change"),
+                Cond(c.Condition.STALLED, True, stalled.reason, stalled.message))
+    under_way = next((cd for cd in (bucket, injection, warm)
+                      if cd is not None and (not cd.status or cd.reason == c.Reason.REWARMING)), None)
+    not_stalled = Cond(c.Condition.STALLED, False, c.Reason.RECONCILED, "Nothing needs a person")
+    if under_way is not None:
+        return Cond(c.Condition.RECONCILING, True, under_way.reason, under_way.message), not_stalled
+    if failing:
+        return Cond(c.Condition.RECONCILING, True, c.Reason.RECONCILE_ERROR, "A step failed; retrying"), not_stalled
+    return Cond(c.Condition.RECONCILING, False, c.Reason.RECONCILED, "The cache is as its spec says"), not_stalled
+
+
 def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: dict[str, Any],
-            has_warmup: bool, now: dt.datetime) -> dict[str, Any]:
+            has_warmup: bool, now: dt.datetime, failing: bool) -> dict[str, Any]:
     bucket = seen.bucket
+    reconciling, stalled = progress(bucket.condition, seen.injection, seen.warm_condition,
+                                    seen.warmup.pools if seen.warmup else [], failing)
     if not bucket.ready:
         ready = Cond(c.Condition.READY, False, c.Reason.BUCKET_NOT_READY, bucket.condition.message)
     elif seen.injection is not None and not seen.injection.status:
         ready = Cond(c.Condition.READY, False, seen.injection.reason, seen.injection.message)
+    elif stalled.status:
+        ready = Cond(c.Condition.READY, False, stalled.reason, stalled.message)
     else:
         ready = Cond(c.Condition.READY, True, c.Reason.RECONCILED, "The cache is ready for warmers and training pods")
-    updates = [bucket.condition, ready, *bucket.settings, *([seen.warm_condition] if seen.warm_condition else []),
-               *([seen.injection] if seen.injection else [])]
+    updates = [bucket.condition, ready, reconciling, stalled, *bucket.settings,
+               *([seen.warm_condition] if seen.warm_condition else []), *([seen.injection] if seen.injection else [])]
     existing = [cd for cd in status.get("conditions") or [] if has_warmup or cd.get("type") != c.Condition.WARMED]
     out: dict[str, Any] = {
         "conditions": conditions.merge(existing, updates, generation=generation, now=now),
@@ -136,7 +176,9 @@ def reconcile_cache(
         log.exception("Reconcile of %s/%s failed", namespace, name)
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
         cond = Cond(c.Condition.READY, False, c.Reason.RECONCILE_ERROR, message)
-        out = {"conditions": conditions.merge(status.get("conditions"), [cond], generation=generation, now=now),
+        retrying = Cond(c.Condition.RECONCILING, True, c.Reason.RECONCILE_ERROR, message)
+        out = {"conditions": conditions.merge(status.get("conditions"), [cond, retrying], generation=generation,
+                                              now=now),
                "observedGeneration": generation, "injection": injection}
         # The same error on every resync is said once, as the steps' own errors are.
         events = [Event("Warning", c.Reason.RECONCILE_ERROR, message)] if _changed(status, cond) else []
@@ -169,8 +211,8 @@ def _reconcile(
         except kube.KubeError as kube_exc:
             log.warning("Could not release the pods held for %s/%s: %s", namespace, name, kube_exc)
             unreleased = kube_exc
-        return Outcome(_status(status, generation, seen, injection, False, now), released, failure=unreleased,
-                       invalid=str(exc))
+        return Outcome(_status(status, generation, seen, injection, False, now, unreleased is not None), released,
+                       failure=unreleased, invalid=str(exc))
     events: list[Event] = []
     previous = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY)
     gcs_spec = cache.storage.gcs
@@ -218,7 +260,8 @@ def _reconcile(
         if _changed(status, error):
             events.append(Event("Warning", reason, message[:1000]))
         failure = failure or exc
-    return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now), events, failure)
+    return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now, failure is not None),
+                   events, failure)
 
 
 def _publish_env(cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *, namespace: str, name: str,
