@@ -97,6 +97,10 @@ OPERATOR_ENV = {
     # A failed warmer runs once more, a second later (test_warmup shows the retry).
     "CACHEWARM_WARM_RETRIES": "1",
     "CACHEWARM_WARM_RETRY_SECONDS": "1",
+    # The entries are listed when something changed, else at this cadence (1 h in a cluster):
+    # short enough for test_warmup's deleted entry, long enough for test_operator_bucket to
+    # show resyncs that list nothing.
+    "CACHEWARM_INVENTORY_SECONDS": "10",
 }
 
 

@@ -36,9 +36,9 @@ from cachewarm import service
 from cachewarm.builders.bucket import Claim
 from cachewarm.clients import kube
 from cachewarm.clients.gcs import GcsClient, GcsError
+from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
 from cachewarm.model import InvalidSpec
-from cachewarm.reconcile import Event
 from cachewarm.settings import Settings
 from cachewarm.warmups import WarmRetry
 
@@ -69,6 +69,20 @@ def worth_reconciling(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> 
 
 def deletion_policy(spec: Mapping[str, Any]) -> str:
     return str(((spec.get("storage") or {}).get("gcs") or {}).get("deletionPolicy") or "Retain")
+
+
+def merged(target: Any, patch: Any) -> Any:
+    """`target` after a JSON merge patch (RFC 7386): objects merge, None removes a key,
+    anything else replaces."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merged(out.get(key), value)
+    return out
 
 
 def wanted_finalizers(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str] | None:
@@ -296,6 +310,7 @@ class Controller:
             meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
             now=dt.datetime.now(dt.timezone.utc), instance=self.settings.instance,
             warm_retry=WarmRetry(self.settings.warm_retries, self.settings.warm_retry_seconds),
+            inventory_every=dt.timedelta(seconds=self.settings.inventory_seconds),
         )
         patch = dict(outcome.status)
         if "kopf" in status:
@@ -305,7 +320,8 @@ class Controller:
             log.warning("Lost the lead while reconciling %s/%s; its status is left to the new leader", namespace, name)
             return Result()
         try:
-            kube.patch_cache_status(namespace, name, patch)
+            if merged(status, patch) != status:  # a resync that changed nothing writes nothing
+                kube.patch_cache_status(namespace, name, patch)
         except kube.KubeError as exc:
             log.warning("Could not write the status of %s/%s: %s", namespace, name, exc)
             self._post(body, outcome.events)

@@ -20,9 +20,8 @@ import kopf
 
 from cachewarm import conditions, service
 from cachewarm import constants as c
-from cachewarm.builders.injection import INJECTED_ANNOTATION
 from cachewarm.clients import kube
-from cachewarm.reconcile import Event
+from cachewarm.events import Event
 
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
 WEBHOOK_ID = "inject-cache"
@@ -40,7 +39,7 @@ async def on_pod_event(body: kopf.Body, memo: Any, caches: kopf.Index[Any, Any],
     if kwargs.get("type") == "DELETED":
         return
     meta = body.get("metadata") or {}
-    if INJECTED_ANNOTATION in (meta.get("annotations") or {}) and meta.get("creationTimestamp"):
+    if c.INJECTED_ANNOTATION in (meta.get("annotations") or {}) and meta.get("creationTimestamp"):
         created = dt.datetime.fromisoformat(str(meta["creationTimestamp"]).replace("Z", "+00:00"))
         memo.injections.record(str(meta.get("namespace") or ""), str((meta.get("labels") or {}).get(c.CACHE_LABEL)),
                                str(meta.get("uid") or meta.get("name")), created)

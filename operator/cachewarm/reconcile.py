@@ -22,6 +22,7 @@ from cachewarm import constants as c
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsPreconditionFailed
 from cachewarm.conditions import Cond
+from cachewarm.events import Event
 from cachewarm.model import GcsStorage
 from cachewarm.warmer import key_hash
 
@@ -37,13 +38,6 @@ STAMP_LIMIT = 1000
 STAMP_SECONDS = 5.0
 
 
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
 @dataclass
 class BucketOutcome:
     """What reconcile_bucket found and did."""
@@ -51,9 +45,10 @@ class BucketOutcome:
     condition: Cond
     status: dict[str, Any] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
-    cache: dict[str, int] | None = None
-    # The key hashes (warmer.key_hash) of the entries in the bucket under the prefix.
-    entry_keys: frozenset[str] = frozenset()
+    cache: dict[str, Any] | None = None
+    # The key hashes (warmer.key_hash) of the entries in the bucket under the prefix; None
+    # when this reconcile did not list them (see `take_inventory`).
+    entry_keys: frozenset[str] | None = None
     # LifecycleReady and SoftDeleteApplied, when the bucket could be read.
     settings: list[Cond] = field(default_factory=list)
     # Rules not cachewarm's that also delete this cache's entries ("#index {condition}"),
@@ -76,7 +71,7 @@ def _claims_with(claims: Sequence[b.Claim], mine: b.Claim) -> list[b.Claim]:
 
 def reconcile_bucket(
     gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool,
-    instance: str = c.DEFAULT_INSTANCE, settings_owned_before: bool = True,
+    instance: str = c.DEFAULT_INSTANCE, settings_owned_before: bool = True, take_inventory: bool = True,
 ) -> BucketOutcome:
     """Bring the bucket to the spec. Raises GcsError for failures worth retrying.
 
@@ -87,6 +82,8 @@ def reconcile_bucket(
     `instance` names this operator on the bucket (rules other instances recorded are foreign).
     `settings_owned_before` says whether this cache owned the bucket-wide settings at its
     previous reconcile; if not, its first soft delete write is configuration, not drift.
+    `take_inventory` lists the cache's entries (cache_inventory); without it `cache` and
+    `entry_keys` are None.
     """
     namespace, name = mine.key
     claims = _claims_with(claims, mine)
@@ -109,6 +106,7 @@ def reconcile_bucket(
                                    if bucket is not None else [])],
         )
     events: list[Event] = []
+    created_now = False
     for _ in range(MERGE_ATTEMPTS):
         bucket = gcs.get_bucket(spec.bucket)
         if bucket is None:
@@ -137,6 +135,7 @@ def reconcile_bucket(
                         f"Bucket name {spec.bucket} is taken by another project; choose another name",
                     ))
             else:
+                created_now = True
                 events.append(Event("Normal", c.Reason.BUCKET_CREATED,
                                     f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class})"))
 
@@ -179,7 +178,15 @@ def reconcile_bucket(
                                     "its settings; retrying", status=412)
 
     how = "created by cachewarm" if b.created_by(bucket, namespace, name, instance) else "adopted"
-    inventory, entry_keys = cache_inventory(gcs, spec)
+    inventory: dict[str, Any] | None
+    entry_keys: frozenset[str] | None
+    if created_now:
+        # Made by this reconcile a moment ago: nothing can be in it yet, no listing needed.
+        inventory, entry_keys = {"entries": 0, "bytes": 0, "unstamped": 0}, frozenset()
+    elif take_inventory:
+        inventory, entry_keys = cache_inventory(gcs, spec)
+    else:
+        inventory, entry_keys = None, None
     lifecycle, foreign_deleting = _with_foreign_deletes(
         _lifecycle_condition(bucket, spec, mine, plan, instance), bucket, spec, plan.rule_of.get(mine.key), instance)
     return BucketOutcome(
@@ -321,7 +328,9 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
     stamped = 0
     unstamped = 0
     deadline = clock() + STAMP_SECONDS
-    for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
+    # Only names directly under the prefix (GCS's `*` stops at '/'): for a cache at the root
+    # of a bucket that also holds other data, its folders are not listed, nor billed.
+    for obj in gcs.list_objects(spec.bucket, spec.object_prefix, glob=f"{spec.object_prefix}*"):
         if not b.is_cache_entry(obj.name, spec):
             continue
         if obj.name.endswith("-cache"):

@@ -6,6 +6,8 @@ handlers.py turns these into kopf patches and errors."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,15 +16,16 @@ from typing import Any
 from cachewarm import conditions
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
-from cachewarm.builders.injection import INJECTED_ANNOTATION, env_configmap, env_configmap_name, inject_pod
+from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
 from cachewarm.clients import kube
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.conditions import Cond
+from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
 from cachewarm.model import CacheSpec, InvalidSpec, parse_spec
-from cachewarm.reconcile import BucketOutcome, Event, delete_cache_data, reconcile_bucket
-from cachewarm.warmups import (ACTIVE_STATES, WAIT_GATE, WarmRetry, WarmupOutcome, reconcile_warmup,
-                               release_waiting_pods)
+from cachewarm.reconcile import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
+from cachewarm.warmups import (ACTIVE_STATES, BUCKET_VERDICTS, WarmRetry, WarmupOutcome,
+                               reconcile_warmup, release_waiting_pods, warmed_condition)
 
 ClaimLookup = Callable[[str], Iterable[Claim]]  # bucket -> the caches on it
 CacheLookup = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, name) -> webhook index entry
@@ -162,6 +165,7 @@ def reconcile_cache(
     *, gcs: GcsClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
     meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
     now: dt.datetime, instance: str = c.DEFAULT_INSTANCE, warm_retry: WarmRetry = WarmRetry(),
+    inventory_every: dt.timedelta = dt.timedelta(hours=1),
 ) -> Outcome:
     """Bucket, then warmers, then pods waiting for the cache; one status at the end. Never
     raises: a failing step becomes a condition with a reason and a message, an Event, and
@@ -171,7 +175,8 @@ def reconcile_cache(
     try:
         return _reconcile(gcs=gcs, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
                           namespace=namespace, name=name, claims=claims, now=now, generation=generation,
-                          injection=injection, instance=instance, warm_retry=warm_retry)
+                          injection=injection, instance=instance, warm_retry=warm_retry,
+                          inventory_every=inventory_every)
     except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
         log.exception("Reconcile of %s/%s failed", namespace, name)
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
@@ -195,6 +200,7 @@ def _reconcile(
     *, gcs: GcsClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
     status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup, now: dt.datetime,
     generation: int, injection: dict[str, Any], instance: str, warm_retry: WarmRetry,
+    inventory_every: dt.timedelta,
 ) -> Outcome:
     try:
         cache = parse_spec(spec)
@@ -224,7 +230,12 @@ def _reconcile(
         seen = _Seen(reconcile_bucket(gcs, gcs_spec, mine=mine, claims=list(claims(gcs_spec.bucket)),
                                       spec_changed=status.get("observedGeneration") != generation,
                                       instance=instance,
-                                      settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED))
+                                      settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED,
+                                      take_inventory=inventory_due(status, generation, now, inventory_every)))
+        if seen.bucket.entry_keys is not None:
+            seen.bucket.cache = {**(seen.bucket.cache or {}), "listedTime": _iso(now)}
+        elif seen.bucket.ready:
+            seen.bucket.cache = dict(status.get("cache") or {}) or None  # as last listed
         events += seen.bucket.events
         events += _transition_events(status, seen.bucket)
     except GcsError as exc:
@@ -245,7 +256,8 @@ def _reconcile(
         failure = failure or RuntimeError(seen.injection.message)
     try:
         _warm(cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
-              name=name, now=now, generation=generation, retry=warm_retry)
+              name=name, now=now, generation=generation, retry=warm_retry,
+              inventory=lambda: _take_inventory(gcs, cache, seen, now))
     except Exception as exc:  # noqa: BLE001 - KubeError, or anything a library raised unexpectedly
         if isinstance(exc, kube.KubeError):
             reason, message = exc.reason, f"Warmers could not be reconciled: {exc}; retrying"
@@ -284,19 +296,66 @@ def _publish_env(cache: CacheSpec, status: Mapping[str, Any], events: list[Event
                 "their own env and envFrom values win")
 
 
+def inventory_due(status: Mapping[str, Any], generation: int, now: dt.datetime, every: dt.timedelta) -> bool:
+    """Whether this reconcile lists the cache's entries on the bucket: never listed, a new
+    spec, entries left unstamped by the last listing, or `every` passed since it. A warm
+    that finished since is checked on its own (see _warm), so a resync of a cache nothing
+    happened to costs no listing: the inventory's cost follows change, not time."""
+    listed = (status.get("cache") or {}).get("listedTime")
+    if not listed or status.get("observedGeneration") != generation or (status.get("cache") or {}).get("unstamped"):
+        return True
+    try:
+        at = dt.datetime.strptime(str(listed), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        return True
+    return now - at >= every
+
+
+def _take_inventory(gcs: GcsClient, cache: CacheSpec, seen: _Seen, now: dt.datetime) -> None:
+    counts, seen.bucket.entry_keys = cache_inventory(gcs, cache.storage.gcs)
+    seen.bucket.cache = {**counts, "listedTime": _iso(now)}
+
+
+def _iso(when: dt.datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def warmers_checked(pools: Sequence[Mapping[str, Any]]) -> str:
+    """What a Warmed verdict depends on besides the bucket (each pool's run and the keys its
+    warmer reported), as a short digest kept in status.cache.warmersChecked: the same
+    digest and no listing since means the last verdict stands."""
+    basis = [(p.get("name"), p.get("job"), p.get("state"), p.get("completionTime"), p.get("keys")) for p in pools]
+    return hashlib.sha256(json.dumps(basis, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
           meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime, generation: int,
-          retry: WarmRetry) -> None:
+          retry: WarmRetry, inventory: Callable[[], None]) -> None:
     if cache.warmup is not None:
         if seen.bucket.ready:
             seen.warmup = reconcile_warmup(
                 cache, namespace=namespace, name=name, uid=str(meta.get("uid") or ""),
                 annotations=meta.get("annotations") or {},
                 previous=(status.get("warmup") or {}).get("pools") or [],
-                cache_entries=(seen.bucket.cache or {}).get("entries", 0),
+                cache_entries=int((seen.bucket.cache or {}).get("entries", 0)),
                 warmer_image=warmer_image, now=now, generation=generation,
                 warmed_before=was_warmed(status), entry_keys=seen.bucket.entry_keys, retry=retry,
             )
+            if seen.warmup.condition.reason in BUCKET_VERDICTS:
+                checked = warmers_checked(seen.warmup.pools)
+                previous = conditions.get(status.get("conditions"), c.Condition.WARMED)
+                if seen.bucket.entry_keys is None and (status.get("cache") or {}).get("warmersChecked") == checked \
+                        and previous is not None and previous.get("reason") in BUCKET_VERDICTS:
+                    # Nothing changed since the listing that gave the last verdict.
+                    seen.warmup.condition = Cond(c.Condition.WARMED, previous.get("status") == "True",
+                                                 str(previous["reason"]), str(previous.get("message") or ""))
+                else:
+                    if seen.bucket.entry_keys is None:
+                        inventory()  # a warm finished since the last listing: check its entries now
+                        seen.warmup.condition = warmed_condition(
+                            seen.warmup.pools, int((seen.bucket.cache or {}).get("entries", 0)),
+                            was_warmed(status), seen.bucket.entry_keys)
+                    seen.bucket.cache = {**(seen.bucket.cache or {}), "warmersChecked": checked}
             seen.warm_condition = seen.warmup.condition
             events += seen.warmup.events
         else:
@@ -346,9 +405,9 @@ def release_orphaned_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Event |
     gates = [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
     namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
     cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
-    if WAIT_GATE not in gates or meta.get("deletionTimestamp") or lookup(namespace, cache_name) is not None:
+    if c.WAIT_GATE not in gates or meta.get("deletionTimestamp") or lookup(namespace, cache_name) is not None:
         return None
-    kube.remove_scheduling_gate(namespace, name, gates.index(WAIT_GATE), WAIT_GATE)
+    kube.remove_scheduling_gate(namespace, name, gates.index(c.WAIT_GATE), c.WAIT_GATE)
     return Event("Normal", c.Reason.POD_RELEASED,
                  f"Released pod {name}: its CompilationCache {cache_name} does not exist")
 
@@ -441,13 +500,13 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Admission:
         out.spec["containers"] = result.containers
         if result.init_containers is not None:
             out.spec["initContainers"] = result.init_containers
-        out.annotations[INJECTED_ANNOTATION] = result.annotation
+        out.annotations[c.INJECTED_ANNOTATION] = result.annotation
         out.injected = True
     gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
     if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \
             and not entry.get("refused"):
-        if not any(g.get("name") == WAIT_GATE for g in gates):
-            out.spec["schedulingGates"] = [*gates, {"name": WAIT_GATE}]
+        if not any(g.get("name") == c.WAIT_GATE for g in gates):
+            out.spec["schedulingGates"] = [*gates, {"name": c.WAIT_GATE}]
     for kept in result.kept:
         out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
                             f"the value from CompilationCache {cache_name!r} was not applied to it")

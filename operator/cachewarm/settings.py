@@ -56,6 +56,11 @@ class Settings(BaseSettings):
         default="cachewarm/warmer:0.1.0",
         description="Image of the warmer init container that copies the warmer into training-image pods.",
     )
+    inventory_seconds: float = Field(
+        default=3600.0, gt=0,
+        description="How often each cache's entries are listed on the bucket (status.cache) when nothing else asks "
+                    "for it; a new spec, a finished warm and entries left unstamped list them at once.",
+    )
     warm_poll_seconds: float = Field(
         default=10.0, gt=0, description="How often a cache with warmers running or pods waiting is re-checked."
     )

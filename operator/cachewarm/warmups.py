@@ -23,10 +23,9 @@ from cachewarm.builders import job as jobs
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.clients import kube
 from cachewarm.conditions import Cond
+from cachewarm.events import Event
 from cachewarm.model import CacheSpec, Pool
-from cachewarm.reconcile import Event
 
-WAIT_GATE = c.WAIT_GATE
 ACTIVE_STATES = ("Pending", "Running")
 MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
 
@@ -58,7 +57,7 @@ class WarmupOutcome:
 def rewarm_token(cache: CacheSpec, annotations: Mapping[str, str], now: dt.datetime) -> str:
     """What forces a new warm for an unchanged program: the manual annotation and the most
     recent cron slot."""
-    token = annotations.get(jobs.ANNOTATION_REWARM, "")
+    token = annotations.get(c.REWARM_ANNOTATION, "")
     if cache.warmup is not None and cache.warmup.schedule:
         # get_prev is exclusive of `now`; a slot that starts this very second counts.
         slot = croniter(cache.warmup.schedule, now + dt.timedelta(seconds=1)).get_prev(dt.datetime)
@@ -198,7 +197,7 @@ def observe(job: Mapping[str, Any], uid: str) -> ObservedJob:
     cascade=orphan: adopted, so that it is stopped like any stale warmer)."""
     meta = job.get("metadata") or {}
     try:
-        generation = int((meta.get("annotations") or {}).get(jobs.ANNOTATION_GENERATION, 0))
+        generation = int((meta.get("annotations") or {}).get(c.GENERATION_ANNOTATION, 0))
     except ValueError:
         generation = 0
     controllers = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
@@ -245,7 +244,7 @@ def services_to_delete(services: Sequence[str], keep: set[str]) -> list[str]:
 
 
 def _pool_of(obj: Mapping[str, Any]) -> str:
-    return str(((obj.get("metadata") or {}).get("labels") or {}).get(jobs.LABEL_POOL, ""))
+    return str(((obj.get("metadata") or {}).get("labels") or {}).get(c.LABEL_POOL, ""))
 
 
 def _time(value: Any) -> dt.datetime | None:
@@ -302,7 +301,7 @@ def reconcile_warmup(
     assert warmup is not None
     token = rewarm_token(cache, annotations, now)
     prev_by_pool = {p.get("name"): p for p in previous}
-    selector = f"{jobs.LABEL_WARMER_FOR}={name}"
+    selector = f"{c.LABEL_WARMER_FOR}={name}"
     observed = kube.list_jobs(namespace, selector)
     by_pool: dict[str, list[dict[str, Any]]] = {}
     for j in observed:
@@ -439,7 +438,7 @@ def reconcile_warmup(
         if _pool_of(svc) in untouchable or svc_name in keep_services:
             continue
         kube.delete_service(namespace, svc_name)
-    return WarmupOutcome(_warmed(pools, cache_entries, warmed_before, entry_keys), pools, events)
+    return WarmupOutcome(warmed_condition(pools, cache_entries, warmed_before, entry_keys), pools, events)
 
 
 def missing_entries(pools: Sequence[Mapping[str, Any]], entry_keys: frozenset[str]) -> dict[str, int]:
@@ -452,7 +451,11 @@ def missing_entries(pools: Sequence[Mapping[str, Any]], entry_keys: frozenset[st
     return out
 
 
-def _warmed(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_before: bool = False,
+# Warmed reasons that come from the bucket's listing (every pool's warmer has finished).
+BUCKET_VERDICTS = (c.Reason.WARMED, c.Reason.ENTRIES_MISSING, c.Reason.CACHE_EMPTY)
+
+
+def warmed_condition(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_before: bool = False,
             entry_keys: frozenset[str] | None = None) -> Cond:
     """Warmed once every pool succeeded and the entries their warmers reported (by key)
     are all in the bucket (`entry_keys`; a warmer too old to report keys: the bucket holds
@@ -514,12 +517,12 @@ def release_waiting_pods(cache: CacheSpec | None, *, namespace: str, name: str, 
     events: list[Event] = []
     for pod in kube.list_pods(namespace, f"{c.CACHE_LABEL}={name}"):
         gates = [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
-        if WAIT_GATE not in gates:
+        if c.WAIT_GATE not in gates:
             continue
         created = dt.datetime.fromisoformat(str(pod["metadata"]["creationTimestamp"]).replace("Z", "+00:00"))
         timed_out = now - created >= timeout
         if why or warmed or timed_out:
-            kube.remove_scheduling_gate(namespace, pod["metadata"]["name"], gates.index(WAIT_GATE), WAIT_GATE)
+            kube.remove_scheduling_gate(namespace, pod["metadata"]["name"], gates.index(c.WAIT_GATE), c.WAIT_GATE)
             said = why or ("the cache is warm" if warmed else f"it waited {int(timeout.total_seconds())}s for the cache")
             events.append(Event("Normal" if why or warmed else "Warning", c.Reason.POD_RELEASED,
                                 f"Released pod {pod['metadata']['name']}: {said}"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,8 +60,11 @@ class FakeGcs:
         self.bucket = dataclasses.replace(self.bucket, **changes)
         return self.bucket
 
-    def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
-        yield from [o for o in self.objects.values() if o.name.startswith(prefix)]
+    def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
+        # GCS matchGlob as cachewarm uses it: '*' matches anything but '/'.
+        pattern = re.compile(re.escape(glob).replace(r"\*", "[^/]*")) if glob is not None else None
+        yield from [o for o in self.objects.values()
+                    if o.name.startswith(prefix) and (pattern is None or pattern.fullmatch(o.name))]
 
     def set_custom_time(self, bucket: str, obj: ObjectInfo, when: dt.datetime) -> bool:
         self.stamps.append(obj.name)

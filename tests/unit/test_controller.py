@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cachewarm import constants as c
-from cachewarm.controller import Controller, Key, Result, wanted_finalizers, worth_reconciling
+from cachewarm.controller import Controller, Key, Result, merged, wanted_finalizers, worth_reconciling
 from cachewarm.injections import RecentInjections
 from cachewarm.settings import Settings
 
@@ -193,3 +193,19 @@ def test_a_cache_moved_to_another_bucket_leaves_the_old_buckets_claims(monkeypat
     assert controller.claims("a") == [] and [cl.key for cl in controller.claims("b")] == [("ml", "llama")]
     controller.observe("DELETED", on("b"))
     assert controller.claims("b") == []
+
+
+@pytest.mark.parametrize(("target", "patch", "result"), [
+    ({"a": 1, "b": {"c": 2, "d": 3}}, {"b": {"c": None, "e": 4}}, {"a": 1, "b": {"d": 3, "e": 4}}),
+    ({"a": [1, 2]}, {"a": [3]}, {"a": [3]}),
+    ({"a": 1}, {"b": None}, {"a": 1}),
+    ({"a": {"b": 1}}, {"a": 5}, {"a": 5}),
+    ({}, {"a": {"b": None}}, {"a": {}}),
+])
+def test_a_status_patch_is_skipped_only_when_merging_it_changes_nothing(
+    target: dict[str, Any], patch: dict[str, Any], result: dict[str, Any],
+) -> None:
+    """controller.merged is RFC 7386's merge: the reconcile writes status only when it
+    differs from what the apiserver holds."""
+    assert merged(target, patch) == result
+    assert (merged(target, patch) != target) is (result != target)

@@ -50,7 +50,7 @@ class FakeGcs:
                                           metageneration=self.bucket.metageneration + 1)
         return self.bucket
 
-    def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
+    def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
         yield ObjectInfo("p/jit_f-" + "a" * 64 + "-cache", 10, custom_time=NOW)
         yield ObjectInfo("p/jit_g-" + "b" * 64 + "-cache", 20, custom_time=NOW)
 
@@ -121,7 +121,7 @@ def test_a_kubernetes_error_is_the_warmed_condition_and_the_bucket_is_still_repo
     c = conds(outcome)
     assert c["BucketReady"]["status"] == "True" and c["Ready"]["status"] == "True"
     assert outcome.status["bucket"]["url"] == "gs://b-1/p"
-    assert outcome.status["cache"] == {"entries": 2, "bytes": 30, "unstamped": 0}
+    assert outcome.status["cache"] == {"entries": 2, "bytes": 30, "unstamped": 0, "listedTime": "2026-11-22T07:00:00Z"}
     assert c["Warmed"]["status"] == "False" and c["Warmed"]["reason"] == "KubernetesError"
     assert "jobs.batch is forbidden" in c["Warmed"]["message"]
     assert "warmup" not in outcome.status  # the last reported pools stay as they are

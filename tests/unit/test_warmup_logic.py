@@ -18,7 +18,7 @@ from cachewarm.warmups import (
     PodsView,
     PoolPlan,
     _job_state,
-    _warmed,
+    warmed_condition,
     release_waiting_pods,
     observe,
     plan_pool,
@@ -119,7 +119,7 @@ def test_unschedulable_pod_makes_the_pool_pending_with_the_schedulers_message() 
     assert status["reason"] == "Unschedulable"
     assert status["message"] == f"Unschedulable: {UNSCHEDULABLE}"
     assert status["nodes"] == ["tpu-0"]
-    cond = _warmed([status], 0)
+    cond = warmed_condition([status], 0)
     assert cond.reason == "Unschedulable" and UNSCHEDULABLE in cond.message
     # Once the Job finished, a stale scheduling condition no longer says anything.
     done = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]}}
@@ -169,27 +169,27 @@ def test_observe_reads_generation_and_deletion() -> None:
 
 def test_invalid_tpu_shape_is_its_own_warmed_reason() -> None:
     bad = {"name": "v5p", "state": "Failed", "reason": "UnknownTpuShape", "message": "No GKE machine shape ..."}
-    cond = _warmed([{"name": "a", "state": "Succeeded"}, bad], 3)
+    cond = warmed_condition([{"name": "a", "state": "Succeeded"}, bad], 3)
     assert (cond.status, cond.reason) == (False, "UnknownTpuShape")
     assert cond.message == "Cannot warm pool v5p: No GKE machine shape ..."
 
 
 def test_warmed_needs_every_pool_and_entries_on_the_bucket() -> None:
     ok = {"name": "a", "state": "Succeeded"}
-    assert _warmed([ok, {"name": "b", "state": "Running"}], 5).reason == "Warming"
-    assert _warmed([ok, {"name": "b", "state": "Failed", "lastError": "boom"}], 5).message == "Warmer failed on b: boom"
-    assert _warmed([ok], 0).reason == "CacheEmpty"
-    assert _warmed([ok], 3).status is True
+    assert warmed_condition([ok, {"name": "b", "state": "Running"}], 5).reason == "Warming"
+    assert warmed_condition([ok, {"name": "b", "state": "Failed", "lastError": "boom"}], 5).message == "Warmer failed on b: boom"
+    assert warmed_condition([ok], 0).reason == "CacheEmpty"
+    assert warmed_condition([ok], 3).status is True
 
 
 def test_a_rewarm_of_a_usable_cache_stays_warmed_and_a_first_warm_does_not() -> None:
     running = [{"name": "a", "state": "Succeeded"}, {"name": "b", "state": "Running"}]
-    rewarm = _warmed(running, 5, warmed_before=True)
+    rewarm = warmed_condition(running, 5, warmed_before=True)
     assert (rewarm.status, rewarm.reason) == (True, "Rewarming")
     assert rewarm.message == "Re-warming: b Running; the 5 entries already cached stay in use"
-    assert _warmed(running, 5, warmed_before=False).reason == "Warming"
-    assert _warmed(running, 0, warmed_before=True).status is False  # nothing left to read
-    failed = _warmed([{"name": "b", "state": "Failed", "lastError": "boom"}], 5, warmed_before=True)
+    assert warmed_condition(running, 5, warmed_before=False).reason == "Warming"
+    assert warmed_condition(running, 0, warmed_before=True).status is False  # nothing left to read
+    failed = warmed_condition([{"name": "b", "state": "Failed", "lastError": "boom"}], 5, warmed_before=True)
     assert (failed.status, failed.reason) == (False, "WarmupFailed")
 
 
@@ -321,25 +321,25 @@ def succeeded(keys: list[str] | None, not_cached: int = 0) -> dict[str, Any]:
 
 
 def test_warmed_only_when_every_reported_entry_is_in_the_bucket() -> None:
-    assert _warmed([succeeded(["aa", "bb"])], 5, entry_keys=frozenset({"aa", "bb", "cc"})).status is True
-    missing = _warmed([succeeded(["aa", "bb"])], 5, entry_keys=frozenset({"aa", "cc"}))
+    assert warmed_condition([succeeded(["aa", "bb"])], 5, entry_keys=frozenset({"aa", "bb", "cc"})).status is True
+    missing = warmed_condition([succeeded(["aa", "bb"])], 5, entry_keys=frozenset({"aa", "cc"}))
     assert (missing.status, missing.reason) == (False, "EntriesMissing")
     assert "p: 1 of 2" in missing.message
 
 
 def test_an_entry_of_another_program_does_not_make_a_new_program_warmed() -> None:
     # The bucket holds an old image's entry; the new warm reported nothing it could rely on.
-    cond = _warmed([succeeded([])], 1, entry_keys=frozenset({"old"}))
+    cond = warmed_condition([succeeded([])], 1, entry_keys=frozenset({"old"}))
     assert (cond.status, cond.reason) == (False, "CacheEmpty")
 
 
 def test_a_warmer_too_old_to_report_keys_falls_back_to_the_bucket_holding_entries() -> None:
-    assert _warmed([succeeded(None)], 3, entry_keys=frozenset({"x"})).status is True
-    assert _warmed([succeeded(None)], 0, entry_keys=frozenset()).reason == "CacheEmpty"
+    assert warmed_condition([succeeded(None)], 3, entry_keys=frozenset({"x"})).status is True
+    assert warmed_condition([succeeded(None)], 0, entry_keys=frozenset()).reason == "CacheEmpty"
 
 
 def test_programs_not_cached_are_named_in_warmed() -> None:
-    cond = _warmed([succeeded(["aa"], not_cached=2)], 1, entry_keys=frozenset({"aa"}))
+    cond = warmed_condition([succeeded(["aa"], not_cached=2)], 1, entry_keys=frozenset({"aa"}))
     assert cond.status is True and "2 programs of p" in cond.message
 
 
@@ -368,7 +368,7 @@ def test_a_failed_warmer_is_retried_after_backoff_then_left_failed(monkeypatch: 
     failed = step(first.pools, at(1))  # failed at 01:00: retry 1 due at 01:01
     [pool] = failed.pools
     assert (pool["state"], pool["attempt"], pool["nextRetryTime"]) == ("Failed", 1, "2026-11-22T01:01:00Z")
-    assert _warmed(failed.pools, 0).reason == "WarmupFailed" and "retrying at" in _warmed(failed.pools, 0).message
+    assert warmed_condition(failed.pools, 0).reason == "WarmupFailed" and "retrying at" in warmed_condition(failed.pools, 0).message
     assert step(failed.pools, at(1, 0) + dt.timedelta(seconds=59)).pools[0]["state"] == "Failed"  # not yet
     assert cluster.deleted == []
     due = step(failed.pools, at(1, 1))

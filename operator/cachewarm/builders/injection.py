@@ -18,7 +18,6 @@ from cachewarm.model import CacheSpec
 # JAX writes an entry only when a compile took at least this long: a reader with this
 # threshold reads hits and never writes (verified with jax 0.10.2, no warnings).
 READ_ONLY_MIN_COMPILE_SECS = "1e9"
-INJECTED_ANNOTATION = c.INJECTED_ANNOTATION
 
 Role = Literal["pod", "warmer"]
 
@@ -143,5 +142,5 @@ def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: 
             init_containers.append(new)
             changed |= did
     annotation = annotation_value(cache_name, generation, cache)
-    current = ((pod.get("metadata") or {}).get("annotations") or {}).get(INJECTED_ANNOTATION)
+    current = ((pod.get("metadata") or {}).get("annotations") or {}).get(c.INJECTED_ANNOTATION)
     return PodInjection(containers, init_containers, annotation, kept, changed or current != annotation)

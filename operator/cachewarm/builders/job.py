@@ -23,11 +23,6 @@ WARMER_FILE = f"{WARMER_DIR}/warm.py"
 WARMER_SOURCE = "/opt/cachewarm/warm.py"
 COORDINATOR_PORT = 8476
 GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
-LABEL_WARMER_FOR = c.LABEL_WARMER_FOR
-LABEL_POOL = c.LABEL_POOL
-LABEL_SPEC_HASH = c.LABEL_SPEC_HASH
-ANNOTATION_REWARM = c.REWARM_ANNOTATION
-ANNOTATION_GENERATION = c.GENERATION_ANNOTATION
 
 
 def pool_shape(pool: Pool) -> TpuShape:
@@ -125,7 +120,7 @@ def same_node_pool(labels: Mapping[str, str]) -> dict[str, Any]:
     for), whichever pool the first pod lands on: the first pod schedules freely, as
     Kubernetes lets a pod match its own affinity when no pod matches yet. `labels` are
     the Job's pod labels; warmer-for, pool and spec-hash name one Job per namespace."""
-    selector = {k: labels[k] for k in (LABEL_WARMER_FOR, LABEL_POOL, LABEL_SPEC_HASH)}
+    selector = {k: labels[k] for k in (c.LABEL_WARMER_FOR, c.LABEL_POOL, c.LABEL_SPEC_HASH)}
     return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
         {"labelSelector": {"matchLabels": selector}, "topologyKey": GKE_NODE_POOL_LABEL}]}}
 
@@ -143,7 +138,7 @@ def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
 
 def pool_labels(cache_name: str, pool_name: str) -> dict[str, str]:
     """Labels on every warmer Job, pod and Service of a pool (never CACHE_LABEL)."""
-    return {c.MANAGED_BY_LABEL: c.MANAGED_BY, LABEL_WARMER_FOR: cache_name, LABEL_POOL: pool_name}
+    return {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.LABEL_WARMER_FOR: cache_name, c.LABEL_POOL: pool_name}
 
 
 def headless_service(cache_name: str, namespace: str, pool: Pool, owner: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,7 +150,7 @@ def headless_service(cache_name: str, namespace: str, pool: Pool, owner: Mapping
         "metadata": {"name": service_name(cache_name, pool.name), "namespace": namespace,
                      "ownerReferences": [owner_reference(owner)], "labels": pool_labels(cache_name, pool.name)},
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": {LABEL_WARMER_FOR: cache_name, LABEL_POOL: pool.name},
+                 "selector": {c.LABEL_WARMER_FOR: cache_name, c.LABEL_POOL: pool.name},
                  "ports": [{"name": "coordinator", "port": COORDINATOR_PORT, "protocol": "TCP"}]},
     }
 
@@ -169,7 +164,7 @@ def warmer_job(
     warmup = cache.warmup
     assert warmup is not None
     name = job_name(cache_name, pool, digest)
-    labels = {**pool_labels(cache_name, pool.name), LABEL_SPEC_HASH: digest}
+    labels = {**pool_labels(cache_name, pool.name), c.LABEL_SPEC_HASH: digest}
     hosts = pool_shape(pool).hosts
     selector, tolerations, resources = placement(pool)
     env: list[dict[str, Any]] = [*cache_env(cache, "warmer"), *({"name": e.name, "value": e.value} for e in warmup.env)]
@@ -235,7 +230,7 @@ def warmer_job(
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "namespace": namespace, "labels": labels,
-                     "annotations": {ANNOTATION_GENERATION: str(generation)},
+                     "annotations": {c.GENERATION_ANNOTATION: str(generation)},
                      "ownerReferences": [owner_reference(owner)]},
         "spec": job_spec,
     }

@@ -28,6 +28,10 @@ from cachewarm.builders.bucket import BucketInfo
 T = TypeVar("T")
 
 
+# objects.list asks for these fields only: smaller pages than the full object resources.
+LIST_FIELDS = "items(name,size,timeCreated,customTime,generation,metageneration),nextPageToken"
+
+
 class GcsError(Exception):
     """A GCS call failed. `retryable` says whether the same call may work later."""
 
@@ -201,11 +205,13 @@ class GcsClient:
         )
         return _info(bucket)
 
-    def list_objects(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
-        """Objects whose names start with `prefix`. Raises GcsError."""
+    def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
+        """Objects whose names start with `prefix` (and, with `glob`, match that GCS
+        matchGlob pattern: GCS then leaves the others out of the pages it bills). Only the
+        fields ObjectInfo needs are fetched. Raises GcsError."""
         blobs = _translate(
-            lambda: list(self.client.list_blobs(bucket, prefix=prefix or None, timeout=self._timeout,
-                                                retry=self._retry)),
+            lambda: list(self.client.list_blobs(bucket, prefix=prefix or None, match_glob=glob, fields=LIST_FIELDS,
+                                                timeout=self._timeout, retry=self._retry)),
             f"listing gs://{bucket}/{prefix}",
         )
         for blob in blobs:

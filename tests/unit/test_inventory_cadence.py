@@ -1,0 +1,169 @@
+"""The inventory (a listing of the cache's entries on the bucket, billed per page) follows
+change, not time: a resync of a cache nothing happened to lists nothing and keeps the last
+verdict; a new spec, a warm that finished since, entries left unstamped or the slow cadence
+(CACHEWARM_INVENTORY_SECONDS) list once. GCS is a stand-in counting its listings; the
+warmers' outcome is given (the e2e tests run real ones)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cachewarm import service
+from cachewarm.builders.bucket import BucketInfo
+from cachewarm.clients import kube
+from cachewarm.clients.gcs import ObjectInfo
+from cachewarm.injections import RecentInjections
+from cachewarm.warmups import WarmupOutcome
+
+NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)
+HOUR = dt.timedelta(hours=1)
+META = {"generation": 3, "uid": "u-1", "creationTimestamp": "2026-11-22T00:00:00Z"}
+SPEC = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
+        "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}}
+
+
+def iso(when: dt.datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class CountingGcs:
+    """A configured bucket holding entries with the given key hashes; counts listings."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.listings = 0
+        self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD",
+                                 soft_delete_seconds=7 * 86400, metageneration=1)
+
+    def get_bucket(self, name: str) -> BucketInfo:
+        return self.bucket
+
+    def patch_bucket(self, current: BucketInfo, patch: dict[str, Any]) -> BucketInfo:
+        labels = {**self.bucket.labels, **{k: v for k, v in (patch.get("labels") or {}).items() if v is not None}}
+        rules = patch["lifecycle"]["rule"] if "lifecycle" in patch else self.bucket.lifecycle_rules
+        self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD", labels=labels,
+                                 lifecycle_rules=rules, soft_delete_seconds=self.bucket.soft_delete_seconds,
+                                 metageneration=self.bucket.metageneration + 1)
+        return self.bucket
+
+    def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
+        self.listings += 1
+        for key in self.keys:
+            yield ObjectInfo(f"p/jit_f-{key}{'0' * 48}-cache", 10, custom_time=NOW)
+
+
+@pytest.fixture(autouse=True)
+def no_apiserver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kube, "apply_configmap", lambda configmap: None)
+
+
+def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) -> None:
+    """The warmers' reconcile finds these pools (its Warmed verdict from the keys it is given)."""
+    def reconcile_warmup(cache: Any, *, cache_entries: int, warmed_before: bool,
+                         entry_keys: frozenset[str] | None, **_: Any) -> WarmupOutcome:
+        return WarmupOutcome(service.warmed_condition(pools, cache_entries, warmed_before, entry_keys),
+                             [dict(p) for p in pools])
+    monkeypatch.setattr(service, "reconcile_warmup", reconcile_warmup)
+
+
+def reconcile(gcs: CountingGcs, status: dict[str, Any], now: dt.datetime = NOW) -> service.Outcome:
+    return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60), spec=SPEC,
+                                   meta=META, status=status, namespace="ml", name="llama",
+                                   claims=lambda bucket: [], now=now, inventory_every=HOUR)
+
+
+def warmed(outcome: service.Outcome) -> dict[str, Any]:
+    return next(c for c in outcome.status["conditions"] if c["type"] == "Warmed")
+
+
+POOL = {"name": "a", "job": "llama-a-1", "state": "Succeeded", "completionTime": "2026-11-22T06:00:00Z",
+        "keys": ["1111111111111111", "2222222222222222"]}
+KEYS = ["1111111111111111", "2222222222222222"]
+
+
+def settled(gcs: CountingGcs, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The status a first reconcile (which lists) leaves, merged as the apiserver would."""
+    finished_warm(monkeypatch, [POOL])
+    first = reconcile(gcs, {})
+    assert gcs.listings == 1 and warmed(first)["reason"] == "Warmed"
+    return first.status
+
+
+@pytest.mark.parametrize(("cache", "generation", "now", "due"), [
+    (None, 3, NOW, True),                                                     # never listed
+    ({"entries": 5, "listedTime": iso(NOW)}, 2, NOW, True),                   # a new spec
+    ({"entries": 5, "listedTime": iso(NOW), "unstamped": 7}, 3, NOW, True),   # stamping left for later
+    ({"entries": 5, "listedTime": iso(NOW)}, 3, NOW + HOUR - dt.timedelta(seconds=1), False),
+    ({"entries": 5, "listedTime": iso(NOW)}, 3, NOW + HOUR, True),            # the slow cadence
+    ({"entries": 5, "listedTime": "yesterday"}, 3, NOW, True),                # unreadable: list
+])
+def test_when_the_inventory_is_due(cache: dict[str, Any] | None, generation: int, now: dt.datetime,
+                                   due: bool) -> None:
+    status = {"observedGeneration": 3, **({"cache": cache} if cache else {})}
+    assert service.inventory_due(status, generation, now, HOUR) is due
+
+
+def test_a_resync_of_an_unchanged_warm_cache_lists_nothing_and_keeps_its_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gcs = CountingGcs(KEYS)
+    status = settled(gcs, monkeypatch)
+    again = reconcile(gcs, status, NOW + dt.timedelta(minutes=5))
+    assert gcs.listings == 1
+    assert warmed(again) == warmed(reconcile(gcs, status, NOW + dt.timedelta(minutes=10)))
+    assert warmed(again)["reason"] == "Warmed" and again.status["cache"] == status["cache"]
+
+
+def test_a_warm_that_finished_since_the_last_listing_is_checked_against_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gcs = CountingGcs(KEYS)
+    status = settled(gcs, monkeypatch)
+    rewarmed = {**POOL, "job": "llama-a-2", "completionTime": "2026-11-22T07:03:00Z",
+                "keys": ["1111111111111111", "3333333333333333"]}
+    finished_warm(monkeypatch, [rewarmed])
+    outcome = reconcile(gcs, status, NOW + dt.timedelta(minutes=5))
+    assert gcs.listings == 2
+    assert warmed(outcome)["reason"] == "EntriesMissing" and "a: 1 of 2" in warmed(outcome)["message"]
+    assert outcome.status["cache"]["listedTime"] == iso(NOW + dt.timedelta(minutes=5))
+    # ...and that verdict, too, stands on the next resync without a listing.
+    merged = {**status, **outcome.status}
+    assert warmed(reconcile(gcs, merged, NOW + dt.timedelta(minutes=10)))["reason"] == "EntriesMissing"
+    assert gcs.listings == 2
+
+
+def test_an_entry_deleted_behind_the_operators_back_is_seen_at_the_slow_cadence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The price of listing by change: a deletion nothing announces waits for the cadence."""
+    gcs = CountingGcs(KEYS)
+    status = settled(gcs, monkeypatch)
+    gcs.keys = KEYS[:1]
+    assert warmed(reconcile(gcs, status, NOW + HOUR - dt.timedelta(seconds=1)))["reason"] == "Warmed"
+    assert warmed(reconcile(gcs, status, NOW + HOUR))["reason"] == "EntriesMissing"
+    assert gcs.listings == 2
+
+
+def test_a_warm_in_progress_is_polled_without_listings(monkeypatch: pytest.MonkeyPatch) -> None:
+    gcs = CountingGcs(KEYS)
+    status = settled(gcs, monkeypatch)
+    finished_warm(monkeypatch, [{**POOL, "job": "llama-a-2", "state": "Running", "completionTime": None}])
+    for minute in range(1, 6):
+        outcome = reconcile(gcs, status, NOW + dt.timedelta(minutes=minute))
+        assert warmed(outcome)["reason"] == "Rewarming"
+    assert gcs.listings == 1
+
+
+def test_the_warmed_verdict_is_not_reused_for_a_condition_that_does_not_come_from_a_listing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gcs = CountingGcs(KEYS)
+    status = settled(gcs, monkeypatch)
+    status["conditions"] = [c if c["type"] != "Warmed" else {**c, "reason": "Warming", "status": "False"}
+                            for c in status["conditions"]]
+    assert warmed(reconcile(gcs, status, NOW + dt.timedelta(minutes=5)))["reason"] == "Warmed"
+    assert gcs.listings == 2
