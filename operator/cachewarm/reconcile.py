@@ -116,11 +116,17 @@ def reconcile_bucket(
                     f"Bucket {spec.bucket} does not exist and spec.storage.gcs.create is false; "
                     "create it or set create: true",
                 ))
+            # Created with its settings (lifecycle, soft delete) in the one call, as the
+            # plan for a bucket holding nothing yet says; the loop then finds nothing to patch.
+            labels = b.owner_labels(namespace, name, instance)
+            fresh = b.BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
+                                 labels=labels, uniform_access=True, public_access_prevention="enforced")
+            settings = b.bucket_patch(
+                fresh, spec, plan=b.plan_lifecycle(claims, b.rule_budget(fresh, instance)),
+                owns_settings=b.settings_owner(claims, fresh, instance) == mine, created_by_us=True, instance=instance)
             try:
-                bucket = gcs.create_bucket(
-                    spec.bucket, location=spec.location, storage_class=spec.storage_class,
-                    labels=b.owner_labels(namespace, name, instance),
-                )
+                bucket = gcs.create_bucket(spec.bucket, location=spec.location, storage_class=spec.storage_class,
+                                           labels=labels, settings=settings)
             except GcsConflict:
                 # Either a concurrent reconcile of ours created it a moment ago (then we can
                 # read it and carry on), or another project owns the name (then reading it
@@ -136,8 +142,10 @@ def reconcile_bucket(
                     ))
             else:
                 created_now = True
+                configured = f" with {_changed_fields(settings)}" if settings else ""
                 events.append(Event("Normal", c.Reason.BUCKET_CREATED,
-                                    f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class})"))
+                                    f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class})"
+                                    f"{configured}"))
 
         if not b.location_matches(bucket, spec):
             return BucketOutcome(

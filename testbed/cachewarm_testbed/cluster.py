@@ -603,11 +603,9 @@ class Testbed:
     def _start_gcs_emulator(self) -> None:
         self.state.gcs_emulator_port = free_port()
         upstream = f"http://127.0.0.1:{self.state.gcs_emulator_port}"
-        exe = Path(sys.executable).parent / "gcp-storage-emulator"
-        argv = [str(exe)] if exe.exists() else [shutil.which("gcp-storage-emulator") or "gcp-storage-emulator"]
         proc = start(
             "gcs-emulator",
-            [*argv, "start", "--host=127.0.0.1", f"--port={self.state.gcs_emulator_port}", "--in-memory"],
+            [sys.executable, "-m", "cachewarm_testbed.gcsemulator", "start", "--host=127.0.0.1", f"--port={self.state.gcs_emulator_port}", "--in-memory"],
             self.workdir / "logs" / "gcs-emulator.log",
         )
         self._track(proc)

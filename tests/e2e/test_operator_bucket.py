@@ -73,9 +73,11 @@ def bucket_writes(proxy: ProxyControl, bucket: str) -> list[dict[str, Any]]:
 
 
 def test_sample_creates_configured_bucket_and_reaches_ready(
-    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path,
+    proxy: ProxyControl,
 ) -> None:
     sample = yaml.safe_load((repo / "manifests" / "samples" / "compilationcache.yaml").read_text())
+    proxy.clear_log()
     installed.apply(sample, namespace)
     obj = wait_condition(installed, namespace, "llama-8b", "Ready", "True")
 
@@ -102,7 +104,11 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
     assert not any(k.startswith("kopf.zalando.org") for k in obj["metadata"].get("annotations", {}))
     assert "kopf" not in status
     assert not obj["metadata"].get("finalizers")
-    assert {"BucketCreated", "BucketConfigured"} <= set(event_reasons(installed, namespace, "llama-8b"))
+    # Created with its lifecycle and soft delete in the one insert: nothing left to patch.
+    assert "BucketConfigured" not in event_reasons(installed, namespace, "llama-8b")
+    [created] = [e for e in installed.events_for("llama-8b", namespace) if e["reason"] == "BucketCreated"]
+    assert created["message"].endswith("with labels, lifecycle, softDeletePolicy"), created["message"]
+    assert [w["method"] for w in bucket_writes(proxy, "team-jax-cache")] == ["POST"], proxy.writes()
 
     # Applying the same file again changes nothing on the object, even across resyncs.
     before = installed.get_json("ccache", "llama-8b", namespace)
@@ -281,11 +287,16 @@ def test_gcs_faults_end_in_ready_without_duplicate_writes(
     try:
         installed.apply(cache("faulty", name, prefix="f"), namespace)
         obj = wait_condition(installed, namespace, "faulty", "Ready", "True", timeout=90)
+        assert obj["status"]["bucket"]["deleteAfterDays"] == 30
+        # One insert carrying the settings (plus the proxy's own completion PATCH, not logged).
+        assert [(w["method"]) for w in bucket_writes(proxy, name)] == ["POST"], bucket_writes(proxy, name)
+        # A new spec is a PATCH, which fails twice first.
+        installed.apply(cache("faulty", name, prefix="f", lifecycle={"deleteAfterDays": 12}), namespace)
+        eventually(lambda: ((installed.get_json("ccache", "faulty", namespace) or {}).get("status") or {})
+                   .get("bucket", {}).get("deleteAfterDays") == 12, timeout=90, what="the new rule")
     finally:
         proxy.clear_faults()
-    assert obj["status"]["bucket"]["deleteAfterDays"] == 30
     writes = bucket_writes(proxy, name)
-    # One insert (plus the proxy's own completion PATCH, not logged) and one configuring PATCH.
     assert [(w["method"]) for w in writes] == ["POST", "PATCH"], writes
     reasons = event_reasons(installed, namespace, "faulty")
     assert "GCSUnavailable" in reasons
@@ -443,3 +454,28 @@ def test_caches_sharing_a_bucket_report_conflicts_and_leave_it_alone(
         assert "DriftCorrected" not in reasons, (cache_name, reasons)
         assert all(reasons.count(r) <= 1 for r in ("PrefixInUse", "SoftDeleteConflict")), (cache_name, reasons)
     assert event_reasons(installed, namespace, "nested").count("SoftDeleteConflict") == 1
+
+
+def test_resyncs_of_an_unchanged_cache_list_no_objects_until_the_inventory_is_due(
+    operator: OperatorHandle, installed: Testbed, namespace: str, proxy: ProxyControl
+) -> None:
+    """A resync (3 s in the suite) reads the bucket for drift but lists no entries: the
+    inventory is taken at a new spec, after a warm, and at its own cadence
+    (CACHEWARM_INVENTORY_SECONDS, 10 s in the suite, 1 h by default)."""
+    name = unique_bucket("quiet")
+    installed.apply(cache("quiet", name, prefix="q"), namespace)
+    obj = wait_condition(installed, namespace, "quiet", "Ready", "True")
+    listed_at = obj["status"]["cache"]["listedTime"]
+    listed = dt.datetime.strptime(listed_at, "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=dt.timezone.utc)
+    proxy.clear_log()
+    # Until one second before the cadence is due (listedTime has whole seconds).
+    time.sleep(max(0.0, (listed + dt.timedelta(seconds=9) - dt.datetime.now(dt.timezone.utc)).total_seconds()))
+    quiet = [(e["method"], e["path"]) for e in proxy.log() if f"/b/{name}" in e["path"]]
+    assert ("GET", f"/storage/v1/b/{name}") in quiet  # resyncs ran and read the bucket
+    assert ("GET", f"/storage/v1/b/{name}/o") not in quiet, quiet
+    eventually(lambda: any(e["path"] == f"/storage/v1/b/{name}/o" for e in proxy.log()) or None,
+               timeout=30, what="the inventory at its cadence")
+    relisted = eventually(lambda: (lambda o: o if o["status"]["cache"]["listedTime"] > listed_at else None)(
+        installed.get_json("ccache", "quiet", namespace) or {}), timeout=15, what="a new listedTime")
+    assert relisted["status"]["cache"]["entries"] == 0
