@@ -18,6 +18,7 @@ Run: .venv/bin/python bench/scale.py [--caches 1000] [--resync 20] [--resyncs 3]
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import platform
@@ -144,11 +145,15 @@ def api_calls(bed: Testbed) -> Counter[str]:
 
 
 def fill(gcs: storage.Client, bucket: str, entries: int) -> None:
-    """A bucket holding `entries` JAX cache entries (tiny) under jax/, for a cache to adopt."""
+    """A bucket holding `entries` JAX cache entries (tiny) under jax/, for a cache to adopt,
+    each with a customTime as a warmer leaves it (so none is left to stamp)."""
     blobs = gcs.create_bucket(bucket, location="us-central1")
+    now = dt.datetime.now(dt.timezone.utc)
 
     def put(i: int) -> None:
-        blobs.blob(f"jax/jit_f{i}-{i:064x}-cache").upload_from_string(b"x")
+        blob = blobs.blob(f"jax/jit_f{i}-{i:064x}-cache")
+        blob.custom_time = now
+        blob.upload_from_string(b"x")
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(put, range(entries)))
 
@@ -206,6 +211,7 @@ def main() -> None:
                    what=f"{args.caches} caches Ready")
         t_ready = max(ready.done.values()) - t0
         cpu_after = cpu_seconds(bed)
+        result["rss_peak_mb_at_all_ready"] = round(memory.field("VmHWM") / 2**20, 1)
         result["cpu_seconds_creation"] = {k: round(v - cpu_before.get(k, 0), 1) for k, v in cpu_after.items()}
         result.update({
             "create_seconds": round(t_created, 1), "all_ready_seconds": round(t_ready, 1),
@@ -217,8 +223,11 @@ def main() -> None:
 
         report(result)
         if args.entries:
+            proxy.clear_log()
             bed.apply(cache("big", "scale-big"), NS)
             eventually(lambda: "big" in ready.done or None, timeout=300, what="the big cache Ready")
+            result["big_cache_adopted_gcs_calls"] = dict(gcs_calls([e for e in proxy.log()
+                                                                    if "/b/scale-big" in e["path"]]))
 
         # Steady state: let one resync pass settle, then count over whole resync periods.
         time.sleep(args.resync)

@@ -25,7 +25,7 @@ def _write_unless_in_memory(self: storage.Storage) -> None:
 def main() -> None:
     # An emulator release without these internals runs as it is (slower, same answers).
     if hasattr(storage.Storage, "_write_config_to_file") and "_use_memory_fs" in storage.Storage.__init__.__code__.co_names:
-        storage.Storage._write_config_to_file = _write_unless_in_memory  # type: ignore[method-assign]
+        storage.Storage._write_config_to_file = _write_unless_in_memory
     emulator.main()
 
 

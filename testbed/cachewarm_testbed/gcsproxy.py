@@ -12,6 +12,10 @@ depends on it:
   Metadata writes through the proxy are serialized, so check and write are atomic.
 - A bucket PATCH's labels replace the whole map on the emulator; GCS merges them (a null
   value removes a label). The proxy sends the merged map.
+- objects.list: the emulator answers every object in one response; GCS pages them, at most
+  1000 per page (maxResults), with a nextPageToken, and bills each page. The proxy lists
+  the emulator once per page and cuts the answer into GCS's pages (the token is opaque to
+  clients; here it carries the last name sent), so each page is one logged request.
 - customTime: the emulator silently keeps the old value when a PATCH moves it backwards;
   GCS refuses that request (400: customTime can only move forward). The proxy answers 400.
   The emulator stores and returns customTime otherwise, as GCS does.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import datetime as dt
 import json
 import re
@@ -41,6 +46,8 @@ INSERT_FIELDS = ("location", "storageClass", "labels", "iamConfiguration", "life
 PRECONDITIONS = ("ifGenerationMatch", "ifMetagenerationMatch", "ifGenerationNotMatch", "ifMetagenerationNotMatch")
 METADATA_PATH = re.compile(r"^/storage/v1/b/[^/]+(/o/.+)?/?$")
 BUCKET_PATH = re.compile(r"^/storage/v1/b/[^/]+/?$")
+LIST_PATH = re.compile(r"^/storage/v1/b/[^/]+/o/?$")
+MAX_PAGE = 1000  # GCS's largest objects.list page (and its default)
 
 
 @dataclass
@@ -100,6 +107,8 @@ class Proxy:
             )
         assert self.session is not None
         data = await request.read()
+        if request.method == "GET" and LIST_PATH.match(request.path):
+            return await self._list_page(request)
         if request.method not in ("PATCH", "PUT", "DELETE") or not METADATA_PATH.match(request.path):
             return await self._send(request, data)
         async with self.metadata_writes:
@@ -137,6 +146,27 @@ class Proxy:
         if request.method == "POST" and re.fullmatch(r"/storage/v1/b/?", request.path) and status == 200:
             payload, status = await self._complete_insert(json.loads(data or b"{}"), payload, status)
         return web.Response(body=payload, status=status, headers=out_headers)
+
+    async def _list_page(self, request: web.Request) -> web.Response:
+        """One page of an objects.list, as GCS cuts them (see the module docstring)."""
+        assert self.session is not None
+        query = {k: v for k, v in request.query.items() if k not in ("pageToken", "maxResults")}
+        async with self.session.get(self.upstream + request.path, params=query) as resp:
+            payload, status = await resp.read(), resp.status
+        self.log.append({"method": request.method, "path": request.path, "status": status})
+        if status != 200:
+            return web.Response(body=payload, status=status, content_type="application/json")
+        body = json.loads(payload)
+        after = base64.urlsafe_b64decode(request.query["pageToken"]).decode() if request.query.get("pageToken") else ""
+        items = sorted((i for i in body.get("items") or [] if i["name"] > after), key=lambda i: i["name"])
+        size = min(int(request.query.get("maxResults") or MAX_PAGE), MAX_PAGE)
+        body["items"] = items[:size]
+        body.pop("nextPageToken", None)
+        if len(items) > size:
+            body["nextPageToken"] = base64.urlsafe_b64encode(items[size - 1]["name"].encode()).decode()
+        if after:
+            body.pop("prefixes", None)  # sent with the first page
+        return web.json_response(body)
 
     async def _complete_insert(self, body: dict[str, Any], payload: bytes, status: int) -> tuple[bytes, int]:
         fields = {k: body[k] for k in INSERT_FIELDS if k in body}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from cachewarm.model import GcsStorage
 from cachewarm.reconcile import delete_cache_data, reconcile_bucket
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.gcsproxy import ProxyControl
 
 pytestmark = pytest.mark.integration
 
@@ -246,3 +248,23 @@ def test_the_rule_a_cache_needs_already_there_unrecorded_is_reported_not_copied(
     assert [dict(r) for r in storage_only.get_bucket(name).lifecycle_rules] == [THEIRS, rule]
     lifecycle = out.settings[0]
     assert (lifecycle.status, lifecycle.reason) == (False, "IdenticalForeignRule")
+
+
+def test_the_inventory_pages_like_gcs_and_lists_only_names_directly_under_the_prefix(
+    storage_only: storage.Client, storage_bed: Testbed
+) -> None:
+    """2,500 entries are three objects.list pages (GCS's at most 1000 each), read through
+    the client's own paging; objects in folders under the prefix are not in the answer
+    (matchGlob '<prefix>*' stops at '/'), so they cost no page."""
+    name = new_bucket(storage_only)
+    bucket = storage_only.bucket(name)
+    entries = [f"c/jit_f{i}-{i:064x}-cache" for i in range(2500)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: bucket.blob(n).upload_from_string(b"x"), entries + [
+            f"c/sub/jit_g{i}-{i:064x}-cache" for i in range(1200)]))
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.clear_log()
+    client = GcsClient(client=storage_only, timeout=5)
+    names = [o.name for o in client.list_objects(name, "c/", glob="c/*")]
+    assert sorted(names) == sorted(entries)
+    assert [e["path"] for e in proxy.log()] == [f"/storage/v1/b/{name}/o"] * 3

@@ -218,16 +218,19 @@ class GcsClient:
     def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
         """Objects whose names start with `prefix` (and, with `glob`, match that GCS
         matchGlob pattern: GCS then leaves the others out of the pages it bills). Only the
-        fields ObjectInfo needs are fetched. Raises GcsError."""
-        blobs = _translate(
-            lambda: list(self.client.list_blobs(bucket, prefix=prefix or None, match_glob=glob, fields=LIST_FIELDS,
-                                                timeout=self._timeout, retry=self._retry)),
-            f"listing gs://{bucket}/{prefix}",
-        )
-        for blob in blobs:
-            yield ObjectInfo(name=blob.name, size=int(blob.size or 0), created=blob.time_created,
-                             custom_time=blob.custom_time, generation=blob.generation,
-                             metageneration=blob.metageneration)
+        fields ObjectInfo needs are fetched, and one page (at most 1000) is held at a time.
+        Raises GcsError."""
+        pages = iter(self.client.list_blobs(bucket, prefix=prefix or None, match_glob=glob, fields=LIST_FIELDS,
+                                            timeout=self._timeout, retry=self._retry).pages)
+        while True:
+            # A page may be empty and still not the last (matchGlob filters after paging).
+            page = _translate(lambda: next((list(p) for p in pages), None), f"listing gs://{bucket}/{prefix}")
+            if page is None:
+                return
+            for blob in page:
+                yield ObjectInfo(name=blob.name, size=int(blob.size or 0), created=blob.time_created,
+                                 custom_time=blob.custom_time, generation=blob.generation,
+                                 metageneration=blob.metageneration)
 
     def set_custom_time(self, bucket: str, obj: ObjectInfo, when: dt.datetime) -> bool:
         """Set an object's customTime (GCS only moves it forward), if the object is still the
