@@ -69,10 +69,14 @@ class ReadyWatch:
         while not self.stop.is_set():
             stream = watch.Watch().stream(self.api.list_namespaced_custom_object, GROUP, VERSION, NS, PLURAL,
                                           timeout_seconds=30)
-            for event in stream:
-                obj = event["object"]
-                if settled(obj):
-                    self.done.setdefault(obj["metadata"]["name"], time.monotonic())
+            try:
+                for event in stream:
+                    obj = event["object"]
+                    if settled(obj):
+                        self.done.setdefault(obj["metadata"]["name"], time.monotonic())
+                    if self.stop.is_set():
+                        return
+            except Exception:  # noqa: BLE001 - the apiserver going away at the end; else watch again
                 if self.stop.is_set():
                     return
 
