@@ -102,6 +102,8 @@ def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, val
     ("CACHEWARM_WEBHOOK_CERT_SECRET", "-tls"),
     ("CACHEWARM_CERT_CHECK_SECONDS", "0"),
     ("CACHEWARM_CERT_CHECK_SECONDS", "hourly"),
+    ("CACHEWARM_INVENTORY_SECONDS", "0"),
+    ("CACHEWARM_INVENTORY_SECONDS", "hourly"),
 ])
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)
