@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from cachewarm import constants as c
 from cachewarm import service
 from cachewarm.builders.bucket import Claim
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
@@ -107,9 +107,11 @@ class Result:
 
 
 class Controller:
-    def __init__(self, settings: Settings, gcs: GcsClient, injections: RecentInjections, leader: Leader) -> None:
+    def __init__(self, settings: Settings, gcs: GcsClient, kube: KubeClient, injections: RecentInjections,
+                 leader: Leader) -> None:
         self.settings = settings
         self.gcs = gcs
+        self.kube = kube
         self.injections = injections
         self.leader = leader
         self.store: dict[Key, dict[str, Any]] = {}  # the latest body seen per cache
@@ -192,8 +194,9 @@ class Controller:
         retry = 0
         while True:
             try:
-                caches = await self._loop.run_in_executor(self._executor, kube.list_caches, self.settings.namespaces)
-            except kube.KubeError as exc:
+                caches = await self._loop.run_in_executor(self._executor, self.kube.list_caches,
+                                                          self.settings.namespaces)
+            except KubeError as exc:
                 delay = backoff(self.settings.retry_delay_seconds, retry)
                 log.warning("Could not list the caches (retrying in %.0fs): %s", delay, exc)
                 retry += 1
@@ -288,8 +291,8 @@ class Controller:
         its status. Raises nothing a retry cannot cure: API errors are retried."""
         namespace, name = key
         try:
-            body = kube.get_cache(namespace, name)
-        except kube.KubeError as exc:
+            body = self.kube.get_cache(namespace, name)
+        except KubeError as exc:
             log.warning("Could not read %s %s/%s: %s", c.KIND, namespace, name, exc)
             return Result(retry=True)
         if body is None:
@@ -300,14 +303,14 @@ class Controller:
         finalizers = wanted_finalizers(meta, spec)
         if finalizers is not None:
             try:
-                if not kube.set_cache_finalizers(namespace, name, finalizers, str(meta.get("resourceVersion"))):
+                if not self.kube.set_cache_finalizers(namespace, name, finalizers, str(meta.get("resourceVersion"))):
                     return Result(again=True)  # changed meanwhile: read it again
-            except kube.KubeError as exc:
+            except KubeError as exc:
                 log.warning("Could not set the finalizers of %s/%s: %s", namespace, name, exc)
                 return Result(retry=True)
         outcome = service.reconcile_cache(
-            gcs=self.gcs, warmer_image=self.settings.warmer_image, injections=self.injections, spec=spec,
-            meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
+            gcs=self.gcs, kube=self.kube, warmer_image=self.settings.warmer_image, injections=self.injections,
+            spec=spec, meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
             now=dt.datetime.now(dt.timezone.utc), instance=self.settings.instance,
             warm_retry=WarmRetry(self.settings.warm_retries, self.settings.warm_retry_seconds),
             inventory_every=dt.timedelta(seconds=self.settings.inventory_seconds),
@@ -321,8 +324,8 @@ class Controller:
             return Result()
         try:
             if merged(status, patch) != status:  # a resync that changed nothing writes nothing
-                kube.patch_cache_status(namespace, name, patch)
-        except kube.KubeError as exc:
+                self.kube.patch_cache_status(namespace, name, patch)
+        except KubeError as exc:
             log.warning("Could not write the status of %s/%s: %s", namespace, name, exc)
             self._post(body, outcome.events)
             return Result(retry=True)
@@ -352,9 +355,9 @@ class Controller:
                 return Result(retry=True)
         self._post(body, events)
         try:
-            done = kube.set_cache_finalizers(namespace, name, [f for f in meta.get("finalizers") or []
+            done = self.kube.set_cache_finalizers(namespace, name, [f for f in meta.get("finalizers") or []
                                                                if f != c.FINALIZER], str(meta.get("resourceVersion")))
-        except kube.KubeError as exc:
+        except KubeError as exc:
             log.warning("Could not remove the finalizer of %s/%s: %s", namespace, name, exc)
             return Result(retry=True)
         return Result(again=not done)
@@ -368,9 +371,9 @@ class Controller:
             log.info(event.message, extra={"k8s_ref": {"kind": kind, "namespace": meta.get("namespace"),
                                                        "name": meta.get("name")}, "reason": event.reason})
             try:
-                kube.post_event(ref, type=event.type, reason=event.reason, message=event.message,
+                self.kube.post_event(ref, type=event.type, reason=event.reason, message=event.message,
                                 now=dt.datetime.now(dt.timezone.utc))
-            except kube.KubeError as exc:
+            except KubeError as exc:
                 log.warning("Could not post event %s: %s", event.reason, exc)
 
     # --- pods held for caches that are gone (leader only) ---
@@ -383,9 +386,9 @@ class Controller:
 
         def release() -> None:
             try:
-                events = service.release_pods_of_deleted_cache(namespace=namespace, name=name,
+                events = service.release_pods_of_deleted_cache(self.kube, namespace=namespace, name=name,
                                                                now=dt.datetime.now(dt.timezone.utc))
-            except kube.KubeError as exc:
+            except KubeError as exc:
                 log.warning("Could not release the pods of deleted cache %s/%s: %s", namespace, name, exc)
                 return
             self._post(body, events)
@@ -400,9 +403,9 @@ class Controller:
         if not self.leader.is_leader:
             return
         try:
-            pods = kube.list_labelled_pods(self.settings.namespaces, c.CACHE_LABEL)
-            caches = kube.list_caches(self.settings.namespaces)
-        except kube.KubeError as exc:
+            pods = self.kube.list_labelled_pods(self.settings.namespaces, c.CACHE_LABEL)
+            caches = self.kube.list_caches(self.settings.namespaces)
+        except KubeError as exc:
             log.warning("Could not look for pods held for deleted caches: %s", exc)
             return
         existing = {((b.get("metadata") or {}).get("namespace"), (b.get("metadata") or {}).get("name"))
@@ -416,8 +419,8 @@ class Controller:
             return None
         meta = pod.get("metadata") or {}
         try:
-            event = service.release_orphaned_pod(pod, lookup)
-        except kube.KubeError as exc:
+            event = service.release_orphaned_pod(self.kube, pod, lookup)
+        except KubeError as exc:
             log.warning("Could not release pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
             return None
         if event is not None:

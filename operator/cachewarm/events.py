@@ -1,5 +1,5 @@
 """What a reconcile or an admission has to say, as a Kubernetes Event on the object it
-concerns: the type every step returns and the controller posts (clients/kube.post_event)."""
+concerns: the type every step returns and the controller posts (KubeClient.post_event)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import kopf
 
 from cachewarm import conditions, service
 from cachewarm import constants as c
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.events import Event
 
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
@@ -64,7 +64,7 @@ def index_caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.M
 
 
 async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun: bool,
-                 caches: kopf.Index[Any, Any], **_: Any) -> None:
+                 caches: kopf.Index[Any, Any], memo: Any, **_: Any) -> None:
     """The mutating webhook: the cache's env (and wait-for-warm gate) into a labelled pod."""
     meta = body.get("metadata") or {}
     try:
@@ -82,20 +82,20 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
         patch.metadata.setdefault("annotations", {}).update(answer.annotations)
     warnings.extend(answer.warnings)
     if not dryrun and answer.event is not None:
-        _post_in_background(*answer.event)
+        _post_in_background(memo.kube, *answer.event)
 
 
 _background: set[asyncio.Future[None]] = set()
 
 
-def _post_in_background(ref: dict[str, Any], event: Event) -> None:
+def _post_in_background(kube: KubeClient, ref: dict[str, Any], event: Event) -> None:
     """Post an Event without holding up the admission response."""
 
     def post() -> None:
         try:
             kube.post_event(ref, type=event.type, reason=event.reason, message=event.message,
                             now=dt.datetime.now(dt.timezone.utc))
-        except kube.KubeError as exc:
+        except KubeError as exc:
             log.warning("Could not post event %s: %s", event.reason, exc)
 
     future = asyncio.get_running_loop().run_in_executor(None, post)

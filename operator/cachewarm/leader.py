@@ -18,10 +18,11 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 
 # client-go's defaults (kube-controller-manager and kube-scheduler use the same).
 LEASE_DURATION = 15
@@ -44,8 +45,10 @@ class _FencedLeaseLock(LeaseLock):
     renew loop then fails its next renewal and stops leading, instead of taking the Lease
     back after `release` gave it up."""
 
-    def __init__(self, name: str, namespace: str, identity: str, stopping: threading.Event) -> None:
+    def __init__(self, name: str, namespace: str, identity: str, stopping: threading.Event,
+                 kube: KubeClient) -> None:
         super().__init__(name, namespace, identity)  # type: ignore[no-untyped-call]
+        self.api_instance = client.CoordinationV1Api(kube.api_client)  # the operator's connection, not the default
         self._stopping = stopping
 
     def create(self, name: str, namespace: str, election_record: object) -> bool:
@@ -59,7 +62,8 @@ class Leadership:
     """Whether this replica leads. `on_change(True|False)`, given to `start`, is called
     from the election's thread on every change; the caller hops to its own loop."""
 
-    def __init__(self, namespace: str, name: str, identity: str) -> None:
+    def __init__(self, kube: KubeClient, namespace: str, name: str, identity: str) -> None:
+        self.kube = kube
         self.namespace, self.name, self.identity = namespace, name, identity
         self._on_change: Callable[[bool], None] = lambda leading: None
         self._leading = threading.Event()
@@ -78,7 +82,7 @@ class Leadership:
     def _elect_forever(self) -> None:
         while not self._stopping.is_set():
             config = electionconfig.Config(  # type: ignore[no-untyped-call]
-                _FencedLeaseLock(self.name, self.namespace, self.identity, self._stopping),
+                _FencedLeaseLock(self.name, self.namespace, self.identity, self._stopping, self.kube),
                 lease_duration=LEASE_DURATION, renew_deadline=RENEW_DEADLINE, retry_period=RETRY_PERIOD,
                 onstarted_leading=self._started, onstopped_leading=self._stopped,
             )
@@ -118,8 +122,8 @@ class Leadership:
         """At shutdown, once reconciles in flight are done: clear the Lease's holder (best
         effort) so another replica takes over at its next try."""
         try:
-            kube.release_lease(self.namespace, self.name, self.identity)
-        except kube.KubeError as exc:
+            self.kube.release_lease(self.namespace, self.name, self.identity)
+        except KubeError as exc:
             log.warning("Could not release the Lease: %s", exc)
 
 

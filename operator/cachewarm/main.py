@@ -14,7 +14,7 @@ import kopf
 
 from cachewarm import constants as c
 from cachewarm import handlers, logs, servingcert
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient
 from cachewarm.controller import Controller, backoff
 from cachewarm.injections import RecentInjections
@@ -34,7 +34,8 @@ def run(settings: Settings) -> None:
     logs.configure(settings.log_format, settings.log_level)
     log = logs.get("cachewarm.operator")
     liveness = _liveness(settings.liveness_endpoint)
-    kube.load_config()  # everything outside kopf's watches goes through the official client
+    # Everything outside kopf's watches goes through this one client, as GCS through GcsClient.
+    kube = KubeClient.from_environment(timeout=settings.kube_timeout_seconds)
     registry = kopf.OperatorRegistry()
     handlers.register(registry, webhook=settings.webhook_enabled)
     kopf.on.login(registry=registry)(login)
@@ -43,6 +44,7 @@ def run(settings: Settings) -> None:
     memo = kopf.Memo(
         settings=settings,
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
+        kube=kube,
         injections=RecentInjections(settings.injection_window_seconds),
         tasks=[],
     )
@@ -74,7 +76,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     handlers.configure_kopf(settings)
     if ours.webhook_enabled:
         tls = ServingTls()
-        material, authoritative = await _first_material(ours)
+        material, authoritative = await _first_material(ours, memo.kube)
         try:
             tls.load(material)
         except Exception as exc:  # noqa: BLE001 - e.g. cert-manager's tls.crt and tls.key not a pair (yet)
@@ -84,18 +86,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             authoritative = False
         settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
                                                     url=ours.webhook_url)
-        keeper = WebhookKeeper(ours, tls, authoritative)
+        keeper = WebhookKeeper(ours, memo.kube, tls, authoritative)
         await keeper.point_configuration()
         memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
         memo.keeper = keeper
     if ours.leader_election and ours.pod_namespace:
-        leadership: Leadership | AlwaysLeader = Leadership(ours.pod_namespace, ours.leader_election_lease,
+        leadership: Leadership | AlwaysLeader = Leadership(memo.kube, ours.pod_namespace, ours.leader_election_lease,
                                                           identity(ours.pod_name))
     else:
         log.info("Leader election is off: this process reconciles", reason="disabled" if not ours.leader_election
                  else "CACHEWARM_POD_NAMESPACE is not set")
         leadership = AlwaysLeader()
-    controller = Controller(ours, memo.gcs, memo.injections, leadership)
+    controller = Controller(ours, memo.gcs, memo.kube, memo.injections, leadership)
     memo.controller, memo.leadership = controller, leadership
     task = asyncio.create_task(controller.run(), name="controller")
     task.add_done_callback(_controller_ended)
@@ -142,25 +144,25 @@ def webhook_hosts(settings: Settings) -> list[str]:
     return hosts
 
 
-def _material(settings: Settings) -> tuple[servingcert.TlsMaterial, str] | None:
+def _material(settings: Settings, kube: KubeClient) -> tuple[servingcert.TlsMaterial, str] | None:
     """The certificate from where settings say it lives (None: nowhere to look again, the
     in-memory one stays). Raises KubeError, OSError."""
     now = dt.datetime.now(dt.timezone.utc)
     if settings.webhook_cert_dir:
         return servingcert.from_dir(settings.webhook_cert_dir), ""
     if settings.webhook_cert_secret and settings.pod_namespace:
-        return servingcert.from_secret(settings.pod_namespace, settings.webhook_cert_secret,
+        return servingcert.from_secret(kube, settings.pod_namespace, settings.webhook_cert_secret,
                                        webhook_hosts(settings), now)
     return None
 
 
-async def _first_material(settings: Settings) -> tuple[servingcert.TlsMaterial, bool]:
+async def _first_material(settings: Settings, kube: KubeClient) -> tuple[servingcert.TlsMaterial, bool]:
     """The certificate to start serving with, and whether it is the real one (from its
     source). When the source cannot be read yet, an in-memory one that the webhook
     configuration is never pointed at (its CA would flip the caBundle away from the one
     the other replicas serve): the webhook listens, the keeper swaps in the real one."""
     try:
-        found = await asyncio.to_thread(_material, settings)
+        found = await asyncio.to_thread(_material, settings, kube)
     except Exception as exc:  # noqa: BLE001 - KubeError, OSError, a corrupt Secret: serve, and say so
         logs.get("cachewarm.webhook").warning(
             "Could not read the webhook's certificate; serving a temporary one until it can be read",
@@ -177,8 +179,8 @@ class WebhookKeeper:
     in place when it changed) and the webhook configuration's caBundle on its CA (checked
     at each round too, so a bundle changed by someone else is put back)."""
 
-    def __init__(self, settings: Settings, tls: ServingTls, authoritative: bool) -> None:
-        self.settings, self.tls = settings, tls
+    def __init__(self, settings: Settings, kube: KubeClient, tls: ServingTls, authoritative: bool) -> None:
+        self.settings, self.kube, self.tls = settings, kube, tls
         self.authoritative = authoritative  # False: a stand-in, never published
         self._configuring: asyncio.Task[None] | None = None
         self._ca = b""
@@ -195,7 +197,8 @@ class WebhookKeeper:
             self._configuring.cancel()
         self._ca = material.ca_pem
         first_attempt = asyncio.Event()
-        self._configuring = asyncio.create_task(_keep_webhook_configuration(self.settings, self._ca, first_attempt))
+        self._configuring = asyncio.create_task(
+            _keep_webhook_configuration(self.settings, self.kube, self._ca, first_attempt))
         await first_attempt.wait()
 
     async def watch(self) -> None:
@@ -203,7 +206,7 @@ class WebhookKeeper:
         while True:
             await asyncio.sleep(self.settings.cert_check_seconds)
             try:
-                found = await asyncio.to_thread(_material, self.settings)
+                found = await asyncio.to_thread(_material, self.settings, self.kube)
                 if found is not None:
                     material, why = found
                     if self.tls.load(material):
@@ -221,7 +224,8 @@ class WebhookKeeper:
             self._configuring.cancel()
 
 
-async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_attempt: asyncio.Event) -> None:
+async def _keep_webhook_configuration(settings: Settings, kube: KubeClient, ca_pem: bytes,
+                                      first_attempt: asyncio.Event) -> None:
     """Point our MutatingWebhookConfiguration at this operator, retrying until it works.
 
     Runs beside reconciliation, never in its way: while the configuration is missing or
@@ -243,7 +247,7 @@ async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_a
             log.warning("Failed to point webhook configuration at this operator; pods are admitted without "
                         "the cache env until it is", configuration=name, error=error, retry_in_seconds=delay)
             if error != last_error:
-                await _operator_event(settings, "Warning", c.Reason.WEBHOOK_NOT_CONFIGURED,
+                await _operator_event(settings, kube, "Warning", c.Reason.WEBHOOK_NOT_CONFIGURED,
                                       f"MutatingWebhookConfiguration {name} could not be pointed at this operator "
                                       f"({error}); pods are admitted without the cache env; retrying")
             retry, last_error = retry + 1, error
@@ -253,13 +257,13 @@ async def _keep_webhook_configuration(settings: Settings, ca_pem: bytes, first_a
             log.info("Pointed webhook configuration at this operator", configuration=name,
                      webhooks_changed=changed, url=url or "(service)")
         if last_error:
-            await _operator_event(settings, "Normal", c.Reason.WEBHOOK_CONFIGURED,
+            await _operator_event(settings, kube, "Normal", c.Reason.WEBHOOK_CONFIGURED,
                                   f"Pointed MutatingWebhookConfiguration {name} at this operator")
         first_attempt.set()
         return
 
 
-async def _operator_event(settings: Settings, type_: str, reason: str, message: str) -> None:
+async def _operator_event(settings: Settings, kube: KubeClient, type_: str, reason: str, message: str) -> None:
     """An Event on the operator's own Pod; none when the Pod is not known (the caller's
     log line is then all there is)."""
     if not (settings.pod_name and settings.pod_namespace):
@@ -268,7 +272,7 @@ async def _operator_event(settings: Settings, type_: str, reason: str, message: 
     try:
         await asyncio.to_thread(kube.post_event, pod, type=type_, reason=reason, message=message,
                                 now=dt.datetime.now(dt.timezone.utc))
-    except kube.KubeError as exc:
+    except KubeError as exc:
         logs.get("cachewarm.webhook").warning("Failed to post event on the operator's Pod", reason=reason, error=str(exc))
 
 

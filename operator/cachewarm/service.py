@@ -17,7 +17,7 @@ from cachewarm import conditions
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.conditions import Cond
 from cachewarm.events import Event
@@ -162,7 +162,7 @@ def _transition_events(status: Mapping[str, Any], bucket: BucketOutcome) -> list
 
 
 def reconcile_cache(
-    *, gcs: GcsClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
+    *, gcs: GcsClient, kube: KubeClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
     meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
     now: dt.datetime, instance: str = c.DEFAULT_INSTANCE, warm_retry: WarmRetry = WarmRetry(),
     inventory_every: dt.timedelta = dt.timedelta(hours=1),
@@ -173,7 +173,7 @@ def reconcile_cache(
     generation = int(meta.get("generation") or 0)
     injection = injections.summary(namespace, name, now)
     try:
-        return _reconcile(gcs=gcs, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
+        return _reconcile(gcs=gcs, kube=kube, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
                           namespace=namespace, name=name, claims=claims, now=now, generation=generation,
                           injection=injection, instance=instance, warm_retry=warm_retry,
                           inventory_every=inventory_every)
@@ -197,7 +197,7 @@ def _changed(status: Mapping[str, Any], cond: Cond) -> bool:
 
 
 def _reconcile(
-    *, gcs: GcsClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
+    *, gcs: GcsClient, kube: KubeClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
     status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup, now: dt.datetime,
     generation: int, injection: dict[str, Any], instance: str, warm_retry: WarmRetry,
     inventory_every: dt.timedelta,
@@ -212,9 +212,9 @@ def _reconcile(
         unreleased: Exception | None = None
         try:
             seen.waiting_pods, released = release_waiting_pods(
-                None, namespace=namespace, name=name, warmed=False, now=now,
+                kube, None, namespace=namespace, name=name, warmed=False, now=now,
                 why=f"the cache's spec is invalid ({exc})"[:500])
-        except kube.KubeError as kube_exc:
+        except KubeError as kube_exc:
             log.warning("Could not release the pods held for %s/%s: %s", namespace, name, kube_exc)
             unreleased = kube_exc
         return Outcome(_status(status, generation, seen, injection, False, now, unreleased is not None), released,
@@ -250,16 +250,16 @@ def _reconcile(
         if _changed(status, seen.bucket.condition):
             events.append(Event("Warning", c.Reason.RECONCILE_ERROR, seen.bucket.condition.message))
         failure = exc
-    seen.injection = _publish_env(cache, status, events, namespace=namespace, name=name,
+    seen.injection = _publish_env(kube, cache, status, events, namespace=namespace, name=name,
                                   uid=str(meta.get("uid") or ""))
     if not seen.injection.status:
         failure = failure or RuntimeError(seen.injection.message)
     try:
-        _warm(cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
+        _warm(kube, cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
               name=name, now=now, generation=generation, retry=warm_retry,
               inventory=lambda: _take_inventory(gcs, cache, seen, now))
     except Exception as exc:  # noqa: BLE001 - KubeError, or anything a library raised unexpectedly
-        if isinstance(exc, kube.KubeError):
+        if isinstance(exc, KubeError):
             reason, message = exc.reason, f"Warmers could not be reconciled: {exc}; retrying"
         else:
             log.exception("Warmup reconcile of %s/%s failed", namespace, name)
@@ -276,7 +276,7 @@ def _reconcile(
                    events, failure)
 
 
-def _publish_env(cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *, namespace: str, name: str,
+def _publish_env(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *, namespace: str, name: str,
                  uid: str) -> Cond:
     """The ConfigMap containers with envFrom sources read the cache env from, applied
     (created, or restored if someone changed it) on every reconcile. Its condition; a
@@ -284,7 +284,7 @@ def _publish_env(cache: CacheSpec, status: Mapping[str, Any], events: list[Event
     configmap = env_configmap_name(name)
     try:
         kube.apply_configmap(env_configmap(cache, name, namespace, {"name": name, "uid": uid}))
-    except kube.KubeError as exc:
+    except KubeError as exc:
         cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
                     f"ConfigMap {configmap} with the cache env could not be applied: {exc}; pods whose containers "
                     "have envFrom sources may start without the cache env; retrying"[:1000])
@@ -328,13 +328,13 @@ def warmers_checked(pools: Sequence[Mapping[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(basis, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
+def _warm(kube: KubeClient, cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
           meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime, generation: int,
           retry: WarmRetry, inventory: Callable[[], None]) -> None:
     if cache.warmup is not None:
         if seen.bucket.ready:
             seen.warmup = reconcile_warmup(
-                cache, namespace=namespace, name=name, uid=str(meta.get("uid") or ""),
+                kube, cache, namespace=namespace, name=name, uid=str(meta.get("uid") or ""),
                 annotations=meta.get("annotations") or {},
                 previous=(status.get("warmup") or {}).get("pools") or [],
                 cache_entries=int((seen.bucket.cache or {}).get("entries", 0)),
@@ -363,13 +363,14 @@ def _warm(cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: s
                                        "Warmers wait for the bucket to be ready")
     why = release_all_because(cache, seen.bucket.condition, status)
     if why:
-        _, released = release_waiting_pods(cache, namespace=namespace, name=name, warmed=False, now=now, why=why)
+        _, released = release_waiting_pods(kube, cache, namespace=namespace, name=name, warmed=False, now=now,
+                                           why=why)
         events += released
         if cache.injection.wait_for_warm.enabled:
             seen.waiting_pods = 0
     elif cache.injection.wait_for_warm.enabled:
         warmed = cache.warmup is None or bool(seen.warm_condition and seen.warm_condition.status)
-        seen.waiting_pods, released = release_waiting_pods(cache, namespace=namespace, name=name,
+        seen.waiting_pods, released = release_waiting_pods(kube, cache, namespace=namespace, name=name,
                                                            warmed=warmed, now=now)
         events += released
 
@@ -397,7 +398,7 @@ def release_all_because(cache: CacheSpec, bucket: Cond, status: Mapping[str, Any
     return ""
 
 
-def release_orphaned_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Event | None:
+def release_orphaned_pod(kube: KubeClient, pod: Mapping[str, Any], lookup: CacheLookup) -> Event | None:
     """Release one labelled pod held by our gate for a cache that does not exist (deleted,
     also while the operator was down, or in the instant the webhook admitted the pod).
     The Event is the pod's: its cache is gone. Raises KubeError."""
@@ -412,9 +413,9 @@ def release_orphaned_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Event |
                  f"Released pod {name}: its CompilationCache {cache_name} does not exist")
 
 
-def release_pods_of_deleted_cache(*, namespace: str, name: str, now: dt.datetime) -> list[Event]:
+def release_pods_of_deleted_cache(kube: KubeClient, *, namespace: str, name: str, now: dt.datetime) -> list[Event]:
     """Release every pod still held for a cache that no longer exists. Raises KubeError."""
-    _, events = release_waiting_pods(None, namespace=namespace, name=name, warmed=False, now=now,
+    _, events = release_waiting_pods(kube, None, namespace=namespace, name=name, warmed=False, now=now,
                                      why="the cache was deleted")
     return events
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cachewarm import certs
 from cachewarm import constants as c
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 
 CA_DAYS = 3650
 SERVING_DAYS = 365
@@ -85,7 +85,7 @@ def plan_secret(data: dict[str, bytes] | None, hosts: list[str], now: dt.datetim
     return {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.cert_pem, "ca.key": ca.key_pem}, why
 
 
-def from_secret(namespace: str, name: str, hosts: list[str], now: dt.datetime) -> tuple[TlsMaterial, str]:
+def from_secret(kube: KubeClient, namespace: str, name: str, hosts: list[str], now: dt.datetime) -> tuple[TlsMaterial, str]:
     """The shared certificate, created or renewed first when needed. Returns it and what
     this replica changed ('' when nothing). Raises KubeError."""
     for _ in range(WRITE_ATTEMPTS):
@@ -98,4 +98,4 @@ def from_secret(namespace: str, name: str, hosts: list[str], now: dt.datetime) -
         if kube.write_secret(namespace, name, wanted, version, {c.MANAGED_BY_LABEL: c.MANAGED_BY}):
             return _material(wanted), why
         # Another replica wrote it first: read theirs.
-    raise kube.KubeError(f"Secret {namespace}/{name} kept changing while this replica wrote it")
+    raise KubeError(f"Secret {namespace}/{name} kept changing while this replica wrote it")

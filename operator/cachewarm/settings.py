@@ -48,6 +48,9 @@ class Settings(BaseSettings):
         default=15.0, gt=0, description="First delay before retrying a failed GCS call; doubles up to 10 minutes."
     )
     gcs_timeout_seconds: float = Field(default=30.0, gt=0, description="Timeout of one GCS request.")
+    kube_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="Timeout of one Kubernetes API request the operator makes outside its watches."
+    )
     liveness_endpoint: str = Field(
         default="http://0.0.0.0:8080/healthz", description="Where kopf serves the liveness probe; empty turns it off."
     )

@@ -21,7 +21,7 @@ from croniter import croniter
 from cachewarm import constants as c
 from cachewarm.builders import job as jobs
 from cachewarm.builders.tpu import TpuShapeError
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient
 from cachewarm.conditions import Cond
 from cachewarm.events import Event
 from cachewarm.model import CacheSpec, Pool
@@ -288,7 +288,7 @@ def _retried(pool: str, job: str, attempt: int, retry: WarmRetry, prev: Mapping[
 
 
 def reconcile_warmup(
-    cache: CacheSpec, *, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
+    kube: KubeClient, cache: CacheSpec, *, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
     previous: Sequence[Mapping[str, Any]], cache_entries: int, warmer_image: str, now: dt.datetime,
     generation: int = 0, warmed_before: bool = False, entry_keys: frozenset[str] | None = None,
     retry: WarmRetry = WarmRetry(),
@@ -504,7 +504,7 @@ def warmed_condition(pools: Sequence[Mapping[str, Any]], cache_entries: int, war
     return Cond(c.Condition.WARMED, True, c.Reason.WARMED, message[:1000])
 
 
-def release_waiting_pods(cache: CacheSpec | None, *, namespace: str, name: str, warmed: bool,
+def release_waiting_pods(kube: KubeClient, cache: CacheSpec | None, *, namespace: str, name: str, warmed: bool,
                          now: dt.datetime, why: str = "") -> tuple[int, list[Event]]:
     """Remove our scheduling gate from this cache's pods once it is Warmed or a pod has
     waited timeoutSeconds; with `why` (the cache was deleted, refused, or no longer waits

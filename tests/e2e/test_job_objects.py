@@ -1,5 +1,5 @@
 """Every warmer Job and Service the builders make, for every pool kind, sent through the
-same clients/kube.py function the operator uses (so the kubernetes client's own argument
+same KubeClient method the operator uses (so the kubernetes client's own argument
 validation runs) to the real kube-apiserver in a server-side dry run. This checks the
 objects' schema and the client's validation for every shape; what the operator itself
 creates, and that it runs, is proven through the operator in test_accelerator_pools.py."""
@@ -16,7 +16,7 @@ from kubernetes import client, config
 
 from cachewarm.builders import job as jb
 from cachewarm.builders.tpu import TPU_SHAPES, tpu_shape
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.model import parse_spec
 from cachewarm_testbed.cluster import Testbed
 
@@ -50,11 +50,14 @@ POOLS: list[tuple[str, dict[str, Any], int, dict[str, Any] | None]] = [
 
 
 @pytest.fixture(scope="module")
-def admin_client(installed: Testbed) -> Iterator[None]:
-    """clients/kube.py talks to the testbed as admin (the default client configuration)."""
-    config.load_kube_config(config_file=str(installed.kubeconfig))  # type: ignore[no-untyped-call]
-    yield
-    client.Configuration.set_default(None)
+def admin_client(installed: Testbed) -> Iterator[KubeClient]:
+    """The operator's KubeClient, talking to the testbed as admin."""
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(installed.kubeconfig),  # type: ignore[no-untyped-call]
+                            client_configuration=configuration)
+    api = client.ApiClient(configuration)
+    yield KubeClient(api)
+    api.close()
 
 
 def objects(namespace: str, pool: dict[str, Any], mode: dict[str, Any]) -> list[dict[str, Any]]:
@@ -76,14 +79,14 @@ def objects(namespace: str, pool: dict[str, Any], mode: dict[str, Any]) -> list[
                          ids=["targets", "command"])
 @pytest.mark.parametrize(("pool", "hosts", "resources"), [pytest.param(p, h, r, id=i) for i, p, h, r in POOLS])
 def test_builder_objects_pass_the_client_and_the_apiserver(
-    admin_client: None, namespace: str, pool: dict[str, Any], hosts: int, resources: dict[str, Any] | None,
+    admin_client: KubeClient, namespace: str, pool: dict[str, Any], hosts: int, resources: dict[str, Any] | None,
     mode: dict[str, Any],
 ) -> None:
     built = objects(namespace, pool, mode)
     assert [o["kind"] for o in built] == (["Service", "Job"] if hosts > 1 else ["Job"])
     stored = {}
     for obj in built:
-        answer = kube.create(obj, dry_run=True)
+        answer = admin_client.create(obj, dry_run=True)
         assert answer is not None, f"{obj['kind']} {obj['metadata']['name']} reported as existing"
         assert answer["kind"] == obj["kind"] and answer["metadata"]["name"] == obj["metadata"]["name"]
         stored[obj["kind"]] = answer
@@ -119,7 +122,7 @@ def test_builder_objects_pass_the_client_and_the_apiserver(
         assert toleration in pod["tolerations"]
 
 
-def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: None, namespace: str) -> None:
+def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: KubeClient, namespace: str) -> None:
     # The CRD's longest cache (52) and pool (20) names, and the most hosts a pool can have:
     # the table's largest slice, or the CRD's maximum for an explicit hosts.
     cache_name, pool_name = "c" * 52, "p" * 20
@@ -136,7 +139,7 @@ def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: No
     for obj in [jb.headless_service(cache_name, namespace, pool, OWNER),
                 jb.warmer_job(spec, cache_name=cache_name, namespace=namespace, pool=pool,
                               digest=jb.spec_hash(spec, pool), owner=OWNER, warmer_image="w:1")]:
-        answer = kube.create(obj, dry_run=True)
+        answer = admin_client.create(obj, dry_run=True)
         assert answer is not None
         if answer["kind"] == "Job":
             job = answer["metadata"]["name"]
@@ -147,12 +150,12 @@ def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: No
             assert len(answer["metadata"]["name"]) <= 63
 
 
-def test_an_object_the_client_would_refuse_is_a_kube_error(admin_client: None, namespace: str) -> None:
+def test_an_object_the_client_would_refuse_is_a_kube_error(admin_client: KubeClient, namespace: str) -> None:
     [job] = objects(namespace, {"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
                     {"targets": ["train.warm:targets"]})
     job["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 8}}
-    with pytest.raises(kube.KubeError) as refused:
-        kube.create(job, dry_run=True)
+    with pytest.raises(KubeError) as refused:
+        admin_client.create(job, dry_run=True)
     assert refused.value.reason == "InvalidObject"
     assert "nvidia.com/gpu" in str(refused.value)
 

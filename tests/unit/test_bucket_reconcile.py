@@ -15,20 +15,12 @@ import pytest
 from cachewarm import reconcile as r
 from cachewarm import service
 from cachewarm.builders import bucket as b
-from cachewarm.clients import kube
 from cachewarm.clients.gcs import ObjectInfo
 from cachewarm.injections import RecentInjections
 from cachewarm.model import GcsStorage
+from memkube import MemoryKube
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
-
-
-@pytest.fixture(autouse=True)
-def applied_configmaps(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """The env ConfigMaps reconciles apply (no apiserver here)."""
-    applied: list[dict[str, Any]] = []
-    monkeypatch.setattr(kube, "apply_configmap", applied.append)
-    return applied
 
 
 def entry(i: int, prefix: str = "jax/") -> str:
@@ -131,7 +123,8 @@ def reconcile_cache(gcs: FakeGcs, status: dict[str, Any], others: list[b.Claim] 
     body = {"storage": {"gcs": {"bucket": "bk", "location": "US", "create": False, "prefix": "jax",
                                 "lifecycle": {"deleteAfterDays": 10}}}}
     meta = {"generation": 1, "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
+    return service.reconcile_cache(gcs=gcs, kube=MemoryKube(), warmer_image="w",  # type: ignore[arg-type]
+                                   injections=RecentInjections(60),
                                    spec=body, meta=meta, status=status, namespace="ns", name="c",
                                    claims=lambda bucket: others or [], now=T0)
 

@@ -87,6 +87,8 @@ def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, val
     ("CACHEWARM_RESYNC_SECONDS", "0"),
     ("CACHEWARM_RESYNC_SECONDS", "soon"),
     ("CACHEWARM_GCS_TIMEOUT_SECONDS", "-1"),
+    ("CACHEWARM_KUBE_TIMEOUT_SECONDS", "0"),
+    ("CACHEWARM_KUBE_TIMEOUT_SECONDS", "a minute"),
     ("CACHEWARM_INSTANCE", "Prod"),  # GCS label values are lowercase
     ("CACHEWARM_INSTANCE", "1"),  # the record of rules written before instances
     ("CACHEWARM_INSTANCE", "a" * 64),

@@ -15,6 +15,7 @@ from cachewarm import constants as c
 from cachewarm.controller import Controller, Key, Result, merged, wanted_finalizers, worth_reconciling
 from cachewarm.injections import RecentInjections
 from cachewarm.settings import Settings
+from memkube import MemoryKube
 
 
 def body(generation: int = 1, **meta: Any) -> dict[str, Any]:
@@ -61,8 +62,7 @@ class Lead:
 
 def _controller(monkeypatch: pytest.MonkeyPatch, reconcile: Any, leading: bool = True) -> Controller:
     settings = Settings(workers=4, resync_seconds=3600, warm_poll_seconds=3600, retry_delay_seconds=0.05)
-    monkeypatch.setattr("cachewarm.controller.kube.list_caches", lambda namespaces: [])
-    controller = Controller(settings, None, RecentInjections(60), Lead(leading))  # type: ignore[arg-type]
+    controller = Controller(settings, None, MemoryKube(), RecentInjections(60), Lead(leading))  # type: ignore[arg-type]
     monkeypatch.setattr(controller, "reconcile_one", reconcile)
     monkeypatch.setattr(controller, "release_orphans", lambda: None)
     return controller

@@ -14,10 +14,10 @@ import pytest
 
 from cachewarm import service
 from cachewarm.builders.bucket import BucketInfo
-from cachewarm.clients import kube
 from cachewarm.clients.gcs import ObjectInfo
 from cachewarm.injections import RecentInjections
 from cachewarm.warmups import WarmupOutcome
+from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)
 HOUR = dt.timedelta(hours=1)
@@ -56,14 +56,9 @@ class CountingGcs:
             yield ObjectInfo(f"p/jit_f-{key}{'0' * 48}-cache", 10, custom_time=NOW)
 
 
-@pytest.fixture(autouse=True)
-def no_apiserver(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kube, "apply_configmap", lambda configmap: None)
-
-
 def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) -> None:
     """The warmers' reconcile finds these pools (its Warmed verdict from the keys it is given)."""
-    def reconcile_warmup(cache: Any, *, cache_entries: int, warmed_before: bool,
+    def reconcile_warmup(kube: Any, cache: Any, *, cache_entries: int, warmed_before: bool,
                          entry_keys: frozenset[str] | None, **_: Any) -> WarmupOutcome:
         return WarmupOutcome(service.warmed_condition(pools, cache_entries, warmed_before, entry_keys),
                              [dict(p) for p in pools])
@@ -71,7 +66,7 @@ def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) 
 
 
 def reconcile(gcs: CountingGcs, status: dict[str, Any], now: dt.datetime = NOW) -> service.Outcome:
-    return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60), spec=SPEC,
+    return service.reconcile_cache(gcs=gcs, kube=MemoryKube(), warmer_image="w", injections=RecentInjections(60), spec=SPEC,
                                    meta=META, status=status, namespace="ml", name="llama",
                                    claims=lambda bucket: [], now=now, inventory_every=HOUR)
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from cachewarm import service
-from cachewarm.clients import kube
 from cachewarm.conditions import Cond
 from cachewarm.model import parse_spec
+from memkube import MemoryKube
 
 SPEC: dict[str, Any] = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}}
 WARMUP = {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}
@@ -116,16 +116,15 @@ def test_a_warmed_cache_is_rewarmed_not_first_warmed() -> None:
     assert not service.was_warmed({})
 
 
-def test_a_pod_held_for_a_cache_that_does_not_exist_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
-    removed: list[tuple[str, str, int]] = []
-    monkeypatch.setattr(kube, "remove_scheduling_gate", lambda ns, name, i, gate: removed.append((ns, name, i)))
+def test_a_pod_held_for_a_cache_that_does_not_exist_is_released() -> None:
     held = pod(schedulingGates=[{"name": "other"}, {"name": "cachewarm.dev/wait-for-warm"}])
-    event = service.release_orphaned_pod(held, lookup(None))
-    assert removed == [("ml", "trainer", 1)]
+    kube = MemoryKube(pods=[held])
+    event = service.release_orphaned_pod(kube, held, lookup(None))
+    assert kube.released == [("ml", "trainer", 1)]
     assert event is not None and event.reason == "PodReleased"
     assert event.message == "Released pod trainer: its CompilationCache llama does not exist"
-    removed.clear()
     # The cache exists: its own reconcile decides. Not held by us: nothing to do.
-    assert service.release_orphaned_pod(held, lookup(entry(SPEC))) is None
-    assert service.release_orphaned_pod(pod(schedulingGates=[{"name": "other"}]), lookup(None)) is None
-    assert removed == []
+    kube = MemoryKube(pods=[pod(schedulingGates=[{"name": "cachewarm.dev/wait-for-warm"}])])
+    assert service.release_orphaned_pod(kube, kube.pods[0], lookup(entry(SPEC))) is None
+    assert service.release_orphaned_pod(kube, pod(schedulingGates=[{"name": "other"}]), lookup(None)) is None
+    assert kube.released == [] and kube.calls == []

@@ -1,7 +1,7 @@
 """service.reconcile_cache never leaves a blank status: every failing step becomes a
 condition with a reason and a message and an Event, and what did succeed (the bucket) is
-still reported. GCS is a stand-in object here and the Kubernetes calls are replaced by
-ones that fail the way the client does; the e2e tests cover the real thing."""
+still reported. GCS is a stand-in object here and Kubernetes an in-memory KubeClient
+whose calls fail the way the client does; the e2e tests cover the real thing."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import pytest
 
 from cachewarm import service
 from cachewarm.builders.bucket import BucketInfo
-from cachewarm.clients import kube
+from cachewarm.clients.kube import KubeError
 from cachewarm.clients.gcs import GcsUnavailable, ObjectInfo
 from cachewarm.injections import RecentInjections
+from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)
 META = {"generation": 3, "uid": "u-1", "creationTimestamp": "2026-11-22T00:00:00Z"}
@@ -56,11 +57,9 @@ class FakeGcs:
 
 
 @pytest.fixture(autouse=True)
-def applied_configmaps(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """The env ConfigMaps reconciles apply (no apiserver here)."""
-    applied: list[dict[str, Any]] = []
-    monkeypatch.setattr(kube, "apply_configmap", applied.append)
-    return applied
+def kube() -> MemoryKube:
+    """The cluster every reconcile of a test talks to."""
+    return MemoryKube()
 
 
 def spec(pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -68,8 +67,9 @@ def spec(pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
             "warmup": {"image": "i", "targets": ["m:f"], "pools": pools or [{"name": "a"}]}}
 
 
-def reconcile(gcs: Any, body: dict[str, Any], status: dict[str, Any] | None = None) -> service.Outcome:
-    return service.reconcile_cache(gcs=gcs, warmer_image="w", injections=RecentInjections(60), spec=body, meta=META,
+def reconcile(kube: MemoryKube, gcs: Any, body: dict[str, Any], status: dict[str, Any] | None = None
+              ) -> service.Outcome:
+    return service.reconcile_cache(gcs=gcs, kube=kube, warmer_image="w", injections=RecentInjections(60), spec=body, meta=META,
                                    status=status or {}, namespace="ml", name="llama",
                                    claims=lambda bucket: [], now=NOW)
 
@@ -78,8 +78,8 @@ def conds(outcome: service.Outcome) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in outcome.status["conditions"]}
 
 
-def test_gcs_unavailable_is_a_condition_and_an_event() -> None:
-    outcome = reconcile(FakeGcs(GcsUnavailable("reading bucket b-1: GCS answered 503 (busy)", status=503)), spec())
+def test_gcs_unavailable_is_a_condition_and_an_event(kube: MemoryKube) -> None:
+    outcome = reconcile(kube, FakeGcs(GcsUnavailable("reading bucket b-1: GCS answered 503 (busy)", status=503)), spec())
     c = conds(outcome)
     assert c["BucketReady"]["status"] == "False" and c["BucketReady"]["reason"] == "GCSUnavailable"
     assert "503" in c["BucketReady"]["message"]
@@ -90,8 +90,8 @@ def test_gcs_unavailable_is_a_condition_and_an_event() -> None:
     assert isinstance(outcome.failure, GcsUnavailable)
 
 
-def test_an_unexpected_exception_from_the_gcs_library_is_reported_too() -> None:
-    outcome = reconcile(FakeGcs(KeyError("softDeletePolicy")), spec())
+def test_an_unexpected_exception_from_the_gcs_library_is_reported_too(kube: MemoryKube) -> None:
+    outcome = reconcile(kube, FakeGcs(KeyError("softDeletePolicy")), spec())
     c = conds(outcome)
     assert c["BucketReady"]["reason"] == "ReconcileError"
     assert c["BucketReady"]["message"].startswith("Bucket reconcile failed: KeyError: 'softDeletePolicy'")
@@ -99,25 +99,11 @@ def test_an_unexpected_exception_from_the_gcs_library_is_reported_too() -> None:
     assert outcome.failure is not None
 
 
-@pytest.fixture
-def kube_fails(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Exception]]:
-    """kube.list_jobs raises the exception the test puts in the list."""
-    errors: list[Exception] = []
-
-    def list_jobs(namespace: str, selector: str) -> list[dict[str, Any]]:
-        raise errors[0]
-
-    monkeypatch.setattr(kube, "list_jobs", list_jobs)
-    yield errors
-
-
-def test_a_kubernetes_error_is_the_warmed_condition_and_the_bucket_is_still_reported(
-    kube_fails: list[Exception],
-) -> None:
-    kube_fails.append(kube.KubeError("listing Jobs in ml: 403 Forbidden: jobs.batch is forbidden", 403))
+def test_a_kubernetes_error_is_the_warmed_condition_and_the_bucket_is_still_reported(kube: MemoryKube) -> None:
+    kube.fail["list_jobs"] = KubeError("listing Jobs in ml: 403 Forbidden: jobs.batch is forbidden", 403)
     previous = {"warmup": {"pools": [{"name": "a", "state": "Running"}]}}
     gcs = FakeGcs()
-    outcome = reconcile(gcs, spec(), previous)
+    outcome = reconcile(kube, gcs, spec(), previous)
     c = conds(outcome)
     assert c["BucketReady"]["status"] == "True" and c["Ready"]["status"] == "True"
     assert outcome.status["bucket"]["url"] == "gs://b-1/p"
@@ -128,110 +114,97 @@ def test_a_kubernetes_error_is_the_warmed_condition_and_the_bucket_is_still_repo
     # (The bucket step may also report configuring the stand-in bucket: a Normal event.)
     assert [(e.type, e.reason) for e in outcome.events if e.type == "Warning"] == [("Warning", "KubernetesError")]
     # The same error again changes nothing and says nothing new.
-    again = reconcile(gcs, spec(), {**previous, "conditions": outcome.status["conditions"]})
+    again = reconcile(kube, gcs, spec(), {**previous, "conditions": outcome.status["conditions"]})
     assert again.events == [] and conds(again)["Warmed"] == c["Warmed"]
 
 
-def test_a_client_validation_error_becomes_a_condition(kube_fails: list[Exception]) -> None:
+def test_a_client_validation_error_becomes_a_condition(kube: MemoryKube) -> None:
     class Quantity(pydantic.BaseModel):
         value: str
 
     try:
         Quantity.model_validate({"value": 8})
     except pydantic.ValidationError as exc:
-        kube_fails.append(exc)
-    outcome = reconcile(FakeGcs(), spec())
+        kube.fail["list_jobs"] = exc
+    outcome = reconcile(kube, FakeGcs(), spec())
     warmed = conds(outcome)["Warmed"]
     assert warmed["reason"] == "ReconcileError"
     assert "ValidationError" in warmed["message"] and "valid string" in warmed["message"]
     assert outcome.status["bucket"]["url"] == "gs://b-1/p"
 
 
-def test_unknown_tpu_shape_is_a_clear_condition_not_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    created: list[dict[str, Any]] = []
-    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: created.append(body))
-    outcome = reconcile(FakeGcs(), spec([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x3"}}]))
+def test_unknown_tpu_shape_is_a_clear_condition_not_a_job(kube: MemoryKube) -> None:
+    outcome = reconcile(kube, FakeGcs(), spec([{"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x3"}}]))
     warmed = conds(outcome)["Warmed"]
     assert (warmed["status"], warmed["reason"]) == ("False", "UnknownTpuShape")
     assert "known topologies of tpu-v5p-slice: 2x2x1, 2x2x2" in warmed["message"]
     [pool] = outcome.status["warmup"]["pools"]
     assert pool["state"] == "Failed" and pool["reason"] == "UnknownTpuShape"
-    assert created == []
+    assert kube.created == []
     assert [e.reason for e in outcome.events if e.type == "Warning"] == ["UnknownTpuShape"]
 
 
-def test_a_bug_anywhere_still_writes_a_condition(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bug_anywhere_still_writes_a_condition(monkeypatch: pytest.MonkeyPatch, kube: MemoryKube) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise AttributeError("'NoneType' object has no attribute 'get'")
 
     monkeypatch.setattr(service.Claim, "of", broken)  # outside every step's own error handling
-    outcome = reconcile(FakeGcs(), spec())
+    outcome = reconcile(kube, FakeGcs(), spec())
     ready = conds(outcome)["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "ReconcileError")
     assert "AttributeError" in ready["message"]
     assert outcome.status["observedGeneration"] == 3 and outcome.failure is not None
     assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "ReconcileError")]
     # The same failure on the next reconcile is still in status, but no new Event.
-    again = reconcile(FakeGcs(), spec(), {"conditions": outcome.status["conditions"]})
+    again = reconcile(kube, FakeGcs(), spec(), {"conditions": outcome.status["conditions"]})
     assert conds(again)["Ready"]["message"] == ready["message"] and again.failure is not None
     assert again.events == []
 
 
-@pytest.fixture
-def held_pods(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """One pod held by the wait-for-warm gate; returns the names released."""
-    released: list[str] = []
-    pod = {"metadata": {"name": "held", "creationTimestamp": "2026-11-22T06:59:00Z"},
-           "spec": {"schedulingGates": [{"name": "cachewarm.dev/wait-for-warm"}]}}
-    monkeypatch.setattr(kube, "list_pods", lambda namespace, selector: [pod] if "cachewarm.dev/cache" in selector else [])
-    monkeypatch.setattr(kube, "remove_scheduling_gate", lambda ns, name, i, gate: released.append(name))
-    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: body)
-    return released
+def held(kube: MemoryKube) -> MemoryKube:
+    """One pod of the cache held by the wait-for-warm gate."""
+    kube.pods = [{"metadata": {"name": "held", "namespace": "ml", "creationTimestamp": "2026-11-22T06:59:00Z",
+                               "labels": {"cachewarm.dev/cache": "llama"}},
+                  "spec": {"schedulingGates": [{"name": "cachewarm.dev/wait-for-warm"}]}}]
+    return kube
 
 
-def test_an_invalid_spec_releases_the_pods_held_for_it(held_pods: list[str]) -> None:
-    outcome = reconcile(FakeGcs(), {"storage": {"gcs": {"location": "US"}}})
-    assert outcome.invalid is not None and held_pods == ["held"]
+def released(kube: MemoryKube) -> list[str]:
+    return [name for _, name, _ in kube.released]
+
+
+def test_an_invalid_spec_releases_the_pods_held_for_it(kube: MemoryKube) -> None:
+    outcome = reconcile(held(kube), FakeGcs(), {"storage": {"gcs": {"location": "US"}}})
+    assert outcome.invalid is not None and released(kube) == ["held"]
     assert [e.reason for e in outcome.events] == ["PodReleased"]
     assert outcome.events[0].message.startswith("Released pod held: the cache's spec is invalid")
 
 
-def test_wait_for_warm_turned_off_releases_held_pods_once(held_pods: list[str]) -> None:
+def test_wait_for_warm_turned_off_releases_held_pods_once(kube: MemoryKube) -> None:
     was = {"observedGeneration": 2, "injection": {"waitingPods": 1}}
-    outcome = reconcile(FakeGcs(), spec(), was)
-    assert held_pods == ["held"]
+    outcome = reconcile(held(kube), FakeGcs(), spec(), was)
+    assert released(kube) == ["held"]
     assert [e.message for e in outcome.events if e.reason == "PodReleased"] == [
         "Released pod held: the cache no longer waits for warm (waitForWarm is off)"]
     assert outcome.status["injection"]["waitingPods"] is None  # removed: the next reconcile lists no pods
-    held_pods.clear()
-    reconcile(FakeGcs(), spec(), {**was, "injection": {}})
-    assert held_pods == []
+    reconcile(held(kube), FakeGcs(), spec(), {**was, "injection": {}})
+    assert released(kube) == ["held"]  # the pod held again is not released a second time
 
 
-def test_a_warm_cache_that_rewarms_stays_warmed(held_pods: list[str]) -> None:
+def test_a_warm_cache_that_rewarms_stays_warmed(kube: MemoryKube) -> None:
     was = {"conditions": [{"type": "Warmed", "status": "True", "reason": "Warmed", "message": "",
                            "lastTransitionTime": "2026-11-22T06:00:00Z"}]}
     waiting = {**spec(), "injection": {"waitForWarm": {"enabled": True}}}
-    warmed = conds(reconcile(FakeGcs(), waiting, was))["Warmed"]
+    warmed = conds(reconcile(held(kube), FakeGcs(), waiting, was))["Warmed"]
     assert (warmed["status"], warmed["reason"]) == ("True", "Rewarming")
-    assert held_pods == ["held"]  # Warmed: pods held from before are released as for a warm cache
-    first = conds(reconcile(FakeGcs(), waiting))["Warmed"]
+    assert released(kube) == ["held"]  # Warmed: pods held from before are released as for a warm cache
+    first = conds(reconcile(MemoryKube(), FakeGcs(), waiting))["Warmed"]
     assert (first["status"], first["reason"]) == ("False", "Warming")
 
 
-def test_an_env_configmap_that_cannot_be_applied_is_a_condition_and_the_rest_is_reported(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(body: dict[str, Any]) -> None:
-        raise kube.KubeError("applying ConfigMap ml/cachewarm-llama-env: 403 Forbidden", 403)
-    monkeypatch.setattr(kube, "apply_configmap", refuse)
-    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: body)
-    outcome = reconcile(FakeGcs(), spec())
+def test_an_env_configmap_that_cannot_be_applied_is_a_condition_and_the_rest_is_reported(kube: MemoryKube) -> None:
+    kube.fail["apply_configmap"] = KubeError("applying ConfigMap ml/cachewarm-llama-env: 403 Forbidden", 403)
+    outcome = reconcile(kube, FakeGcs(), spec())
     c = conds(outcome)
     assert c["InjectionReady"]["status"] == "False" and "403" in c["InjectionReady"]["message"]
     assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == c["InjectionReady"]["reason"]
@@ -239,17 +212,13 @@ def test_an_env_configmap_that_cannot_be_applied_is_a_condition_and_the_rest_is_
     assert outcome.failure is not None
     assert [e.reason for e in outcome.events if e.type == "Warning"] == ["KubernetesError"]
     # The same failure again: no second Event.
-    again = reconcile(FakeGcs(), spec(), status=outcome.status)
+    again = reconcile(kube, FakeGcs(), spec(), status=outcome.status)
     assert [e for e in again.events if e.type == "Warning"] == []
 
 
-def test_the_env_configmap_holds_the_pod_env_and_is_owned_by_the_cache(applied_configmaps: list[dict[str, Any]],
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "list_services", lambda namespace, selector: [])
-    monkeypatch.setattr(kube, "create", lambda body, dry_run=False: body)
-    outcome = reconcile(FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly"}})
-    [cm] = applied_configmaps
+def test_the_env_configmap_holds_the_pod_env_and_is_owned_by_the_cache(kube: MemoryKube) -> None:
+    outcome = reconcile(kube, FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly"}})
+    [cm] = kube.configmaps.values()
     assert cm["metadata"]["name"] == "cachewarm-llama-env" and cm["metadata"]["namespace"] == "ml"
     assert cm["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert cm["data"]["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p"

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from cachewarm.builders.job import service_name
-from cachewarm.clients import kube
 from cachewarm.model import parse_spec
 from cachewarm.warmups import (
     ObservedJob,
@@ -28,6 +27,7 @@ from cachewarm.warmups import (
     reconcile_warmup,
     rewarm_token,
 )
+from memkube import MemoryKube
 
 
 def spec(schedule: str | None = None) -> Any:
@@ -193,27 +193,39 @@ def test_a_rewarm_of_a_usable_cache_stays_warmed_and_a_first_warm_does_not() -> 
     assert (failed.status, failed.reason) == (False, "WarmupFailed")
 
 
-def gated_pod(name: str, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
-    return {"metadata": {"name": name, "creationTimestamp": created},
+def gated_pod(name: str, created: str = "2026-01-01T00:00:00Z", cache: str = "llama") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ml", "creationTimestamp": created,
+                         "labels": {"cachewarm.dev/cache": cache}},
             "spec": {"schedulingGates": [{"name": "other"}, {"name": "cachewarm.dev/wait-for-warm"}]}}
 
 
-def test_a_release_with_a_reason_frees_every_held_pod(monkeypatch: pytest.MonkeyPatch) -> None:
-    removed: list[tuple[str, int]] = []
-    pods = [gated_pod("p1"), gated_pod("p2"), {"metadata": {"name": "free"}, "spec": {}}]
-    monkeypatch.setattr(kube, "list_pods", lambda ns, sel: pods)
-    monkeypatch.setattr(kube, "remove_scheduling_gate", lambda ns, name, i, gate: removed.append((name, i)))
-    waiting, events = release_waiting_pods(None, namespace="ml", name="llama", warmed=False,
+def test_a_release_with_a_reason_frees_every_held_pod_of_that_cache_only() -> None:
+    kube = MemoryKube(pods=[gated_pod("p1"), gated_pod("p2"), gated_pod("theirs", cache="other"),
+                            {"metadata": {"name": "free", "namespace": "ml", "labels": {"cachewarm.dev/cache": "llama"}},
+                             "spec": {}}])
+    waiting, events = release_waiting_pods(kube, None, namespace="ml", name="llama", warmed=False,
                                            now=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
                                            why="the cache was deleted")
-    assert waiting == 0 and removed == [("p1", 1), ("p2", 1)]
+    assert waiting == 0 and kube.released == [("ml", "p1", 1), ("ml", "p2", 1)]
     assert [(e.reason, e.message) for e in events] == [
         ("PodReleased", "Released pod p1: the cache was deleted"), ("PodReleased", "Released pod p2: the cache was deleted")]
-    held, _ = release_waiting_pods(parse_spec({"storage": {"gcs": {"bucket": "b", "location": "US"}},
-                                               "injection": {"waitForWarm": {"enabled": True}}}),
-                                   namespace="ml", name="llama", warmed=False,
-                                   now=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))
-    assert held == 2  # without a reason, not yet warm and not timed out: still held
+    assert [g["name"] for g in kube.pods[2]["spec"]["schedulingGates"]] == ["other", "cachewarm.dev/wait-for-warm"]
+
+
+def test_a_pod_is_held_until_warm_or_timed_out() -> None:
+    kube = MemoryKube(pods=[gated_pod("p1"), gated_pod("p2", created="2026-01-01T00:09:00Z")])
+    cache = parse_spec({"storage": {"gcs": {"bucket": "b", "location": "US"}},
+                        "injection": {"waitForWarm": {"enabled": True, "timeoutSeconds": 600}}})
+    held, events = release_waiting_pods(kube, cache, namespace="ml", name="llama", warmed=False,
+                                        now=dt.datetime(2026, 1, 1, 0, 9, 59, tzinfo=dt.timezone.utc))
+    assert held == 2 and events == [] and kube.released == []  # not yet warm and not timed out: still held
+    held, events = release_waiting_pods(kube, cache, namespace="ml", name="llama", warmed=False,
+                                        now=dt.datetime(2026, 1, 1, 0, 10, tzinfo=dt.timezone.utc))
+    assert held == 1 and [n for _, n, _ in kube.released] == ["p1"]  # p1 waited its 600 s
+    assert [(e.type, e.message) for e in events] == [("Warning", "Released pod p1: it waited 600s for the cache")]
+    held, events = release_waiting_pods(kube, cache, namespace="ml", name="llama", warmed=True,
+                                        now=dt.datetime(2026, 1, 1, 0, 10, tzinfo=dt.timezone.utc))
+    assert held == 0 and [e.message for e in events] == ["Released pod p2: the cache is warm"]
 
 
 @pytest.mark.parametrize("interim", ["FailureTarget", "SuccessCriteriaMet"])
@@ -250,49 +262,35 @@ def test_a_job_is_this_caches_by_controller_uid_or_when_orphaned() -> None:
         PoolPlan(delete=("j",), waiting_for=("j",))
 
 
-class FakeCluster:
-    """kube.* for reconcile_warmup: Jobs and Services as listed, and what it did."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, jobs: list[dict[str, Any]],
-                 services: tuple[str, ...] = ()) -> None:
-        self.jobs = jobs
-        self.created: list[dict[str, Any]] = []
-        self.deleted: list[tuple[str, str]] = []
-        self.services = [{"metadata": {"name": s, "labels": {"cachewarm.dev/pool": "p"}}} for s in services]
-        monkeypatch.setattr(kube, "list_jobs", lambda namespace, selector: self.jobs)
-        monkeypatch.setattr(kube, "list_services", lambda namespace, selector: self.services)
-        monkeypatch.setattr(kube, "list_pods", lambda namespace, selector: [])
-        monkeypatch.setattr(kube, "create", self.create)
-        monkeypatch.setattr(kube, "delete_job", lambda namespace, name: self.deleted.append(("Job", name)))
-        monkeypatch.setattr(kube, "delete_service", lambda namespace, name: self.deleted.append(("Service", name)))
+WARMER_LABELS = {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": "p"}
 
 
-    def create(self, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
-        self.created.append(body)
-        return body
+def cluster_of(jobs: list[dict[str, Any]], services: tuple[str, ...] = ()) -> MemoryKube:
+    """This cache's warmer Jobs and Services as an apiserver would list them."""
+    return MemoryKube(jobs=jobs, services=[{"metadata": {"name": s, "labels": dict(WARMER_LABELS)}} for s in services])
 
 
-def warm(cache: Any, generation: int = 2) -> WarmupOutcome:
-    return reconcile_warmup(cache, namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+def warm(kube: MemoryKube, cache: Any, generation: int = 2) -> WarmupOutcome:
+    return reconcile_warmup(kube, cache, namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
                             cache_entries=0, warmer_image="w", now=at(1), generation=generation)
 
 
-def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
-    left = {"metadata": {"name": "llama-p-0123456789", "labels": {"cachewarm.dev/pool": "p"},
+def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted() -> None:
+    left = {"metadata": {"name": "llama-p-0123456789", "labels": dict(WARMER_LABELS),
                          "annotations": {"cachewarm.dev/generation": "7"},
                          "ownerReferences": [{"kind": "CompilationCache", "name": "llama", "uid": "u-0",
                                               "controller": True}]},
             "status": {"active": 1, "startTime": "s"}}
-    cluster = FakeCluster(monkeypatch, [left])
-    outcome = warm(spec())
+    cluster = cluster_of([left])
+    outcome = warm(cluster, spec())
     assert cluster.deleted == []
     assert [o["kind"] for o in cluster.created] == ["Job"]
     assert outcome.pools[0]["state"] == "Pending"
 
 
-def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop() -> None:
     old: dict[str, Any] = {
-        "metadata": {"name": "llama-p-0123456789", "labels": {"cachewarm.dev/pool": "p"},
+        "metadata": {"name": "llama-p-0123456789", "labels": dict(WARMER_LABELS),
                      "annotations": {"cachewarm.dev/generation": "1"},
                      "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
         "status": {"active": 2, "startTime": "s"}}
@@ -300,15 +298,15 @@ def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop(monkeypatch: 
     invalid = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
         "image": "i", "targets": ["m:f"], "pools": [{"name": "p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"},
                                                      "hosts": 3}]}})
-    cluster = FakeCluster(monkeypatch, [old], (service,))
-    assert warm(invalid).pools[0]["reason"] == "InvalidTpuShape"
+    cluster = cluster_of([old], (service,))
+    assert warm(cluster, invalid).pools[0]["reason"] == "InvalidTpuShape"
     assert cluster.deleted == [("Job", "llama-p-0123456789")]  # the Service stays: its pods may still run
-    old["metadata"]["deletionTimestamp"] = "t"
-    warm(invalid)
+    assert old["metadata"]["deletionTimestamp"]  # foreground: still listed while its pods stop
+    warm(cluster, invalid)
     assert ("Service", service) not in cluster.deleted
     cluster.jobs = []  # gone: now the Service goes too
-    warm(invalid)
-    assert cluster.deleted[-1] == ("Service", service)
+    warm(cluster, invalid)
+    assert cluster.deleted[-1] == ("Service", service) and cluster.services == []
 
 
 def succeeded(keys: list[str] | None, not_cached: int = 0) -> dict[str, Any]:
@@ -344,25 +342,26 @@ def test_programs_not_cached_are_named_in_warmed() -> None:
 
 
 def failed_job(name: str, when: str = "2026-11-22T01:00:00Z") -> dict[str, Any]:
-    return {"metadata": {"name": name, "labels": {"cachewarm.dev/pool": "p"},
+    return {"metadata": {"name": name, "labels": dict(WARMER_LABELS),
                          "annotations": {"cachewarm.dev/generation": "2"},
                          "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
             "status": {"startTime": "s", "conditions": [
                 {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": when}]}}
 
 
-def test_a_failed_warmer_is_retried_after_backoff_then_left_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_warmer_is_retried_after_backoff_then_left_failed() -> None:
     from cachewarm.warmups import WarmRetry
     retry = WarmRetry(retries=2, delay_seconds=60)
-    cluster = FakeCluster(monkeypatch, [])
-    first = reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+    cluster = cluster_of([])
+    first = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
                              cache_entries=0, warmer_image="w", now=at(1), generation=2, retry=retry)
     job = first.pools[0]["job"]
     assert first.pools[0]["attempt"] == 1
     cluster.jobs = [failed_job(job)]
 
     def step(previous: list[dict[str, Any]], now: dt.datetime) -> WarmupOutcome:
-        return reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=previous,
+        return reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
+                                previous=previous,
                                 cache_entries=0, warmer_image="w", now=now, generation=2, retry=retry)
 
     failed = step(first.pools, at(1))  # failed at 01:00: retry 1 due at 01:01
@@ -393,14 +392,15 @@ def test_a_failed_warmer_is_retried_after_backoff_then_left_failed(monkeypatch: 
     assert step(last.pools, at(5)).pools[0]["state"] == "Failed" and len(cluster.created) == 3
 
 
-def test_a_failed_pool_whose_job_expired_is_still_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_pool_whose_job_expired_is_still_retried() -> None:
     from cachewarm.warmups import WarmRetry
-    cluster = FakeCluster(monkeypatch, [])
-    first = reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+    cluster = cluster_of([])
+    first = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
                              cache_entries=0, warmer_image="w", now=at(1), generation=2)
     previous = [{**first.pools[0], "state": "Failed", "attempt": 1, "failedTime": "2026-11-22T01:00:00Z",
                  "lastError": "boom"}]
-    out = reconcile_warmup(spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=previous,
+    cluster.jobs = []  # expired by its TTL
+    out = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=previous,
                            cache_entries=0, warmer_image="w", now=at(2), generation=2, retry=WarmRetry(1, 60))
     assert [o["kind"] for o in cluster.created] == ["Job", "Job"]
     assert (out.pools[0]["state"], out.pools[0]["attempt"]) == ("Pending", 2)
@@ -418,3 +418,41 @@ def test_a_summary_with_more_keys_than_fit_keeps_the_count_and_says_it_was_cut(
     assert len(text) <= warmer.SUMMARY_LIMIT
     assert summary["keysTruncated"] is True and summary["keyCount"] == 400
     assert 100 < len(summary["keys"]) < 400 and set(summary["keys"]) <= set(keys)
+
+
+def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_warmed() -> None:
+    """reconcile_warmup against an in-memory cluster: the Job is created once, its pods'
+    results are read when it finishes, and a later reconcile of the finished Job lists no
+    pods again."""
+    cluster = cluster_of([])
+    first = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+                             cache_entries=0, warmer_image="w", now=at(1), generation=2)
+    [job] = cluster.created
+    assert job["kind"] == "Job" and job["metadata"]["labels"]["cachewarm.dev/warmer-for"] == "llama"
+    assert first.pools[0]["state"] == "Pending" and [e.reason for e in first.events] == ["WarmerCreated"]
+    again = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
+                             previous=first.pools, cache_entries=0, warmer_image="w", now=at(1), generation=2)
+    assert len(cluster.created) == 1 and again.events == []  # the same program: no second warmer
+    job["status"] = {"startTime": "2026-11-22T01:00:00Z", "completionTime": "2026-11-22T01:03:00Z",
+                     "conditions": [{"type": "Complete", "status": "True"}]}
+    summary = {"entriesFound": 0, "entriesWritten": 2, "bytesWritten": 30, "compileSeconds": 4.0,
+               "keys": ["aa", "bb"], "errors": []}
+    cluster.pods = [{"metadata": {"name": "warm-0", "namespace": "ml",
+                                  "labels": {"job-name": job["metadata"]["name"]}},
+                     "spec": {"nodeName": "node-a"},
+                     "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {
+                         "message": json.dumps(summary)}}}]}}]
+    done = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
+                            previous=again.pools, cache_entries=2, warmer_image="w", now=at(2), generation=2,
+                            entry_keys=frozenset({"aa", "bb"}))
+    [pool] = done.pools
+    assert (pool["state"], pool["entriesWritten"], pool["keys"], pool["nodes"]) == ("Succeeded", 2, ["aa", "bb"],
+                                                                                    ["node-a"])
+    assert (done.condition.status, done.condition.reason) == (True, "Warmed")
+    assert [e.reason for e in done.events] == ["WarmerSucceeded"]
+    cluster.calls.clear()
+    later = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
+                             previous=done.pools, cache_entries=2, warmer_image="w", now=at(3), generation=2,
+                             entry_keys=frozenset({"aa", "bb"}))
+    assert later.pools == done.pools and later.events == []
+    assert "list_pods" not in cluster.calls and cluster.calls == ["list_jobs", "list_services"]

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cachewarm import certs, servingcert
 from cachewarm.servingcert import plan_secret
 from cachewarm.webhook import ServingTls, check_review
+from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
 HOSTS = ["cachewarm-webhook.cachewarm-system.svc", "127.0.0.1"]
@@ -134,7 +135,7 @@ def test_a_renewed_cert_manager_certificate_is_loaded_by_the_keeper_without_a_re
     async def scenario() -> list[servingcert.TlsMaterial | None]:
         tls = ServingTls()
         tls.load(servingcert.from_dir(str(tmp_path)))
-        keeper = WebhookKeeper(settings, tls, True)
+        keeper = WebhookKeeper(settings, MemoryKube(), tls, True)
         task = asyncio.create_task(keeper.watch())
         seen = [tls.material]
         write(renewed)  # as the kubelet updates a mounted Secret
@@ -160,21 +161,20 @@ def test_a_corrupt_secret_is_made_again_rather_than_failing_the_operator() -> No
             x509.load_pem_x509_certificate(renewed["ca.crt"]))
 
 
-def test_a_stand_in_certificate_is_never_published_as_the_ca_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stand_in_certificate_is_never_published_as_the_ca_bundle() -> None:
     """A replica that could not read the shared Secret serves a stand-in, but never points
     the webhook configuration at the stand-in's CA (the other replicas serve the Secret's)."""
-    from cachewarm.clients import kube
     from cachewarm.main import WebhookKeeper
     from cachewarm.settings import Settings
 
-    pointed: list[bytes] = []
-    monkeypatch.setattr(kube, "set_webhook_client_config", lambda name, ca, url: pointed.append(ca) or 0)
+    kube = MemoryKube()
+    pointed = kube.webhook_bundles
     settings = Settings(webhook_configuration="cachewarm-pod-injector")
 
     async def scenario(authoritative: bool) -> None:
         tls = ServingTls()
         tls.load(servingcert.in_memory(["svc"], NOW))
-        await WebhookKeeper(settings, tls, authoritative).point_configuration()
+        await WebhookKeeper(settings, kube, tls, authoritative).point_configuration()
 
     asyncio.run(scenario(False))
     assert pointed == []

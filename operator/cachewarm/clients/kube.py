@@ -1,7 +1,10 @@
 """Kubernetes API calls the operator makes outside kopf's own machinery.
 
-kopf watches, patches status and posts events; this module does the rest with the
-official client. ApiException becomes KubeError here and nowhere else.
+kopf watches; everything else goes through one `KubeClient` (the official client, one
+connection pool, a timeout on every request), made once at startup and handed to the
+controller, the warm-up logic, the certificate keeper and the election the way the
+`GcsClient` is, so each can be given another in tests. ApiException becomes KubeError
+here and nowhere else.
 """
 
 from __future__ import annotations
@@ -56,90 +59,14 @@ def _api_message(exc: ApiException) -> str:
         return ""
 
 
-def load_config() -> None:
-    """In a pod: its ServiceAccount; elsewhere: $KUBECONFIG. Raises KubeError."""
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        try:
-            config.load_kube_config()  # type: ignore[no-untyped-call]
-        except (config.ConfigException, FileNotFoundError) as exc:
-            raise KubeError(f"no Kubernetes credentials: {exc}") from exc
-
-
-def set_webhook_client_config(configuration: str, ca_pem: bytes, url: str | None) -> int:
-    """Point every webhook of MutatingWebhookConfiguration `configuration` at our endpoint:
-    the CA bundle, and the URL when given (else its Service stays). Returns how many
-    webhooks were changed; 0 means it already pointed at us.
-    Raises KubeError (404 when the configuration is not installed)."""
-    api = client.AdmissionregistrationV1Api()
-    try:
-        current: Any = api.read_mutating_webhook_configuration(configuration)
-    except ApiException as exc:
-        raise KubeError(f"reading MutatingWebhookConfiguration {configuration}: {exc.reason}", exc.status) from exc
-    bundle = base64.b64encode(ca_pem).decode()
-    changed = 0
-    for hook in current.webhooks or []:
-        cc = hook.client_config
-        wanted_url = url if url else cc.url
-        if cc.ca_bundle != bundle or cc.url != wanted_url:
-            cc.ca_bundle = bundle
-            if url:
-                cc.url = url
-                cc.service = None
-            changed += 1
-    if changed:
-        try:
-            api.replace_mutating_webhook_configuration(configuration, current)
-        except ApiException as exc:
-            raise KubeError(f"updating MutatingWebhookConfiguration {configuration}: {exc.reason}", exc.status) from exc
-    return changed
-
-
-def post_event(involved: dict[str, Any], *, type: str, reason: str, message: str, now: dt.datetime) -> None:
-    """Create a core/v1 Event about `involved` (apiVersion, kind, metadata name/namespace/uid).
-    Used where kopf's own event queue is not available (the admission path).
-    Raises KubeError."""
-    meta = involved["metadata"]
-    event = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
-        involved_object=client.V1ObjectReference(
-            api_version=involved["apiVersion"], kind=involved["kind"], name=meta["name"],
-            namespace=meta["namespace"], uid=meta.get("uid"),
-        ),
-        type=type, reason=reason, message=message[:1024],
-        first_timestamp=now, last_timestamp=now, count=1,
-        source=client.V1EventSource(component="cachewarm"),
-        reporting_component="cachewarm", reporting_instance="cachewarm-operator",
-    )
-    try:
-        client.CoreV1Api().create_namespaced_event(meta["namespace"], event)
-    except ApiException as exc:
-        raise KubeError(f"posting event {reason}: {exc.reason}", exc.status) from exc
+_TYPED: dict[str, Any] = {"Job": client.V1Job, "Service": client.V1Service}
+# Turns the client's models into plain dicts; it only serializes and never connects.
+_SERIALIZER = client.ApiClient(client.Configuration())
 
 
 def _dict(obj: Any) -> dict[str, Any]:
-    out: dict[str, Any] = client.ApiClient().sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
+    out: dict[str, Any] = _SERIALIZER.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
     return out
-
-
-def _list(call: Any, what: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-    with _errors(f"listing {what} in {namespace}"):
-        found = call(namespace, label_selector=selector)
-    return [_dict(item) for item in found.items]
-
-
-def list_jobs(namespace: str, selector: str) -> list[dict[str, Any]]:
-    """Jobs matching a label selector, as plain dicts. Raises KubeError."""
-    return _list(client.BatchV1Api().list_namespaced_job, "Jobs", namespace, selector)
-
-
-def list_services(namespace: str, selector: str) -> list[dict[str, Any]]:
-    """Services matching a label selector, as plain dicts. Raises KubeError."""
-    return _list(client.CoreV1Api().list_namespaced_service, "Services", namespace, selector)
-
-
-_TYPED: dict[str, Any] = {"Job": client.V1Job, "Service": client.V1Service}
 
 
 def typed(body: dict[str, Any]) -> Any:
@@ -159,167 +86,264 @@ def typed(body: dict[str, Any]) -> Any:
     return obj
 
 
-def create(body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
-    """Create a namespaced Job or Service through the typed client (what it validates is
-    what we send). Returns the object as the apiserver stored it (with `dry_run`, as it
-    would store it: a server-side dry run, every admission and validation step, nothing
-    persisted), or None when one of that name already exists.
-    Raises KubeError (reason InvalidObject when the client refuses the object)."""
-    namespace = body["metadata"]["namespace"]
-    obj = typed(body)
-    mode = "All" if dry_run else None
-    created: Any = None
-    with _errors(f"creating {body['kind']} {namespace}/{body['metadata']['name']}", ok=(409,)):
-        if body["kind"] == "Job":
-            created = client.BatchV1Api().create_namespaced_job(namespace, obj, dry_run=mode)
-        else:
-            created = client.CoreV1Api().create_namespaced_service(namespace, obj, dry_run=mode)
-    return None if created is None else _dict(created)
+class KubeClient:
+    """Every Kubernetes API call of the operator outside kopf's watches. Thread-safe (the
+    reconcile workers share it). Each request gives up after `timeout` seconds (KubeError),
+    so a hung connection never keeps a cache's reconcile busy."""
 
+    def __init__(self, api: client.ApiClient | None = None, *, timeout: float = 30.0) -> None:
+        self._api = api
+        self.timeout = timeout
 
-def delete_job(namespace: str, name: str) -> None:
-    """Delete a Job with foreground propagation: the Job stays (with deletionTimestamp)
-    until its pods are gone, so "no unfinished Job left" means no warmer pod is left
-    either. A Job already gone is fine. Raises KubeError."""
-    with _errors(f"deleting Job {namespace}/{name}", ok=(404,)):
-        client.BatchV1Api().delete_namespaced_job(name, namespace, propagation_policy="Foreground")
+    @classmethod
+    def from_environment(cls, *, timeout: float = 30.0) -> KubeClient:
+        """In a pod: its ServiceAccount; elsewhere: $KUBECONFIG. Raises KubeError."""
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            try:
+                config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            except (config.ConfigException, FileNotFoundError) as exc:
+                raise KubeError(f"no Kubernetes credentials: {exc}") from exc
+        return cls(client.ApiClient(configuration), timeout=timeout)
 
+    @property
+    def api_client(self) -> client.ApiClient:
+        if self._api is None:
+            raise KubeError("this KubeClient has no connection (made without an ApiClient)")
+        return self._api
 
-def delete_service(namespace: str, name: str) -> None:
-    """Delete a Service; one already gone is fine. Raises KubeError."""
-    with _errors(f"deleting Service {namespace}/{name}", ok=(404,)):
-        client.CoreV1Api().delete_namespaced_service(name, namespace)
+    def _core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client)
 
+    def _batch(self) -> client.BatchV1Api:
+        return client.BatchV1Api(self.api_client)
 
-def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
-    """Pods matching a label selector, as plain dicts. Raises KubeError."""
-    return _list(client.CoreV1Api().list_namespaced_pod, "Pods", namespace, selector)
+    def _custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api_client)
 
-
-def remove_scheduling_gate(namespace: str, name: str, index: int, gate: str) -> None:
-    """Remove scheduling gate `gate` at `index` of a pod (a JSON patch that first tests the
-    name, so a concurrent change fails instead of removing another gate). A pod already gone
-    or already released is fine. Raises KubeError."""
-    patch = [
-        {"op": "test", "path": f"/spec/schedulingGates/{index}/name", "value": gate},
-        {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
-    ]
-    with _errors(f"releasing Pod {namespace}/{name}", ok=(404, 422)):
-        client.CoreV1Api().patch_namespaced_pod(name, namespace, patch)
-
-
-# --- CompilationCaches, read and written by the operator's own controller (not kopf) ---
-
-def get_cache(namespace: str, name: str) -> dict[str, Any] | None:
-    """The CompilationCache as stored now (None when it is gone). Raises KubeError."""
-    found: Any = None
-    with _errors(f"reading {c.KIND} {namespace}/{name}", ok=(404,)):
-        found = client.CustomObjectsApi().get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name)
-    return None if found is None else dict(found)
-
-
-def patch_cache_status(namespace: str, name: str, status: dict[str, Any]) -> None:
-    """A JSON merge patch of the cache's status subresource (a None value removes the key).
-    A cache already gone is fine. Raises KubeError."""
-    with _errors(f"writing the status of {c.KIND} {namespace}/{name}", ok=(404,)):
-        client.CustomObjectsApi().patch_namespaced_custom_object_status(
-            c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"status": status},
-            _content_type="application/merge-patch+json")
-
-
-def set_cache_finalizers(namespace: str, name: str, finalizers: list[str], resource_version: str) -> bool:
-    """Replace the cache's finalizers, only if it is still at `resource_version` (the merge
-    patch carries it as a precondition, so someone else's finalizer added meanwhile is never
-    dropped). Returns False on a conflict or when the cache is gone. Raises KubeError."""
-    patch = {"metadata": {"finalizers": finalizers or None, "resourceVersion": resource_version}}
-    done: Any = None
-    with _errors(f"setting the finalizers of {c.KIND} {namespace}/{name}", ok=(404, 409)):
-        done = client.CustomObjectsApi().patch_namespaced_custom_object(
-            c.GROUP, c.VERSION, namespace, c.PLURAL, name, patch, _content_type="application/merge-patch+json")
-    return done is not None
-
-
-def list_labelled_pods(namespaces: list[str], selector: str) -> list[dict[str, Any]]:
-    """Pods matching `selector` in `namespaces` (every namespace when empty). Raises KubeError."""
-    api = client.CoreV1Api()
-    if not namespaces:
-        with _errors("listing Pods in all namespaces"):
-            found = api.list_pod_for_all_namespaces(label_selector=selector)
+    def _list(self, call: Any, what: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        with _errors(f"listing {what} in {namespace}"):
+            found = call(namespace, label_selector=selector, _request_timeout=self.timeout)
         return [_dict(item) for item in found.items]
-    return [pod for ns in namespaces for pod in _list(api.list_namespaced_pod, "Pods", ns, selector)]
 
+    # --- the webhook configuration and Events ---
 
-# --- The webhook's serving certificate, shared by every replica through one Secret ---
+    def set_webhook_client_config(self, configuration: str, ca_pem: bytes, url: str | None) -> int:
+        """Point every webhook of MutatingWebhookConfiguration `configuration` at our
+        endpoint: the CA bundle, and the URL when given (else its Service stays). Returns
+        how many webhooks were changed; 0 means it already pointed at us.
+        Raises KubeError (404 when the configuration is not installed)."""
+        api = client.AdmissionregistrationV1Api(self.api_client)
+        current: Any = None
+        with _errors(f"reading MutatingWebhookConfiguration {configuration}"):
+            current = api.read_mutating_webhook_configuration(configuration, _request_timeout=self.timeout)
+        bundle = base64.b64encode(ca_pem).decode()
+        changed = 0
+        for hook in current.webhooks or []:
+            cc = hook.client_config
+            wanted_url = url if url else cc.url
+            if cc.ca_bundle != bundle or cc.url != wanted_url:
+                cc.ca_bundle = bundle
+                if url:
+                    cc.url = url
+                    cc.service = None
+                changed += 1
+        if changed:
+            with _errors(f"updating MutatingWebhookConfiguration {configuration}"):
+                api.replace_mutating_webhook_configuration(configuration, current, _request_timeout=self.timeout)
+        return changed
 
-def read_secret(namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
-    """A Secret's data (decoded) and resourceVersion; None when it does not exist.
-    Raises KubeError."""
-    found: Any = None
-    with _errors(f"reading Secret {namespace}/{name}", ok=(404,)):
-        found = client.CoreV1Api().read_namespaced_secret(name, namespace)
-    if found is None:
-        return None
-    data = {key: base64.b64decode(value) for key, value in (found.data or {}).items()}
-    return data, str(found.metadata.resource_version)
+    def post_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str,
+                   now: dt.datetime) -> None:
+        """Create a core/v1 Event about `involved` (apiVersion, kind, metadata
+        name/namespace/uid). Raises KubeError."""
+        meta = involved["metadata"]
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+            involved_object=client.V1ObjectReference(
+                api_version=involved["apiVersion"], kind=involved["kind"], name=meta["name"],
+                namespace=meta["namespace"], uid=meta.get("uid"),
+            ),
+            type=type, reason=reason, message=message[:1024],
+            first_timestamp=now, last_timestamp=now, count=1,
+            source=client.V1EventSource(component="cachewarm"),
+            reporting_component="cachewarm", reporting_instance="cachewarm-operator",
+        )
+        with _errors(f"posting event {reason}"):
+            self._core().create_namespaced_event(meta["namespace"], event, _request_timeout=self.timeout)
 
+    # --- warmer Jobs, their Services and pods ---
 
-def write_secret(namespace: str, name: str, data: dict[str, bytes], resource_version: str | None,
-                 labels: dict[str, str]) -> bool:
-    """Create the Secret (`resource_version` None) or replace it if it is still at
-    `resource_version`. Returns False when another writer got there first (409), so the
-    caller reads what that writer wrote. Raises KubeError."""
-    body = client.V1Secret(
-        metadata=client.V1ObjectMeta(name=name, namespace=namespace, labels=labels,
-                                     resource_version=resource_version),
-        type="kubernetes.io/tls",
-        data={key: base64.b64encode(value).decode() for key, value in data.items()},
-    )
-    done: Any = None
-    with _errors(f"writing Secret {namespace}/{name}", ok=(409,)):
-        api = client.CoreV1Api()
-        done = (api.create_namespaced_secret(namespace, body) if resource_version is None
-                else api.replace_namespaced_secret(name, namespace, body))
-    return done is not None
+    def list_jobs(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Jobs matching a label selector, as plain dicts. Raises KubeError."""
+        return self._list(self._batch().list_namespaced_job, "Jobs", namespace, selector)
 
+    def list_services(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Services matching a label selector, as plain dicts. Raises KubeError."""
+        return self._list(self._core().list_namespaced_service, "Services", namespace, selector)
 
-def release_lease(namespace: str, name: str, identity: str) -> bool:
-    """Give up a Lease this process holds (holder cleared, so another replica takes it at
-    its next try instead of waiting out the lease). Returns False when someone else holds
-    it. Raises KubeError."""
-    api = client.CoordinationV1Api()
-    with _errors(f"releasing Lease {namespace}/{name}"):
-        lease: Any = api.read_namespaced_lease(name, namespace)
-        if lease.spec is None or lease.spec.holder_identity != identity:
-            return False
-        lease.spec.holder_identity = None
-        lease.spec.lease_duration_seconds = 1
-        api.replace_namespaced_lease(name, namespace, lease)
-    return True
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Pods matching a label selector, as plain dicts. Raises KubeError."""
+        return self._list(self._core().list_namespaced_pod, "Pods", namespace, selector)
 
-
-
-def list_caches(namespaces: list[str]) -> list[dict[str, Any]]:
-    """Every CompilationCache in `namespaces` (every namespace when empty). Raises KubeError."""
-    api = client.CustomObjectsApi()
-    found: list[dict[str, Any]] = []
-    for ns in namespaces or [""]:
-        with _errors(f"listing {c.KIND}s in {ns or 'all namespaces'}"):
-            if not ns:
-                answer: Any = api.list_cluster_custom_object(c.GROUP, c.VERSION, c.PLURAL)
+    def create(self, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
+        """Create a namespaced Job or Service through the typed client (what it validates
+        is what we send). Returns the object as the apiserver stored it (with `dry_run`, as
+        it would store it: a server-side dry run, every admission and validation step,
+        nothing persisted), or None when one of that name already exists.
+        Raises KubeError (reason InvalidObject when the client refuses the object)."""
+        namespace = body["metadata"]["namespace"]
+        obj = typed(body)
+        mode = "All" if dry_run else None
+        created: Any = None
+        with _errors(f"creating {body['kind']} {namespace}/{body['metadata']['name']}", ok=(409,)):
+            if body["kind"] == "Job":
+                created = self._batch().create_namespaced_job(namespace, obj, dry_run=mode,
+                                                              _request_timeout=self.timeout)
             else:
-                answer = api.list_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL)
-        found.extend(dict(item) for item in answer.get("items") or [])
-    return found
+                created = self._core().create_namespaced_service(namespace, obj, dry_run=mode,
+                                                                 _request_timeout=self.timeout)
+        return None if created is None else _dict(created)
 
+    def delete_job(self, namespace: str, name: str) -> None:
+        """Delete a Job with foreground propagation: the Job stays (with
+        deletionTimestamp) until its pods are gone, so "no unfinished Job left" means no
+        warmer pod is left either. A Job already gone is fine. Raises KubeError."""
+        with _errors(f"deleting Job {namespace}/{name}", ok=(404,)):
+            self._batch().delete_namespaced_job(name, namespace, propagation_policy="Foreground",
+                                                _request_timeout=self.timeout)
 
-def apply_configmap(body: dict[str, Any]) -> None:
-    """Server-side apply of a ConfigMap we own (field manager cachewarm): created when
-    missing, an unchanged apply writes nothing. Not forced: a field someone else set to
-    another value is a conflict (409, KubeError), never taken over, so a ConfigMap of the
-    same name that is not ours is not adopted. Needs only create and patch, never read
-    access to ConfigMaps. Raises KubeError."""
-    meta = body["metadata"]
-    with _errors(f"applying ConfigMap {meta['namespace']}/{meta['name']}"):
-        client.CoreV1Api().patch_namespaced_config_map(
-            meta["name"], meta["namespace"], body, field_manager="cachewarm", force=False,
-            _content_type="application/apply-patch+yaml")
+    def delete_service(self, namespace: str, name: str) -> None:
+        """Delete a Service; one already gone is fine. Raises KubeError."""
+        with _errors(f"deleting Service {namespace}/{name}", ok=(404,)):
+            self._core().delete_namespaced_service(name, namespace, _request_timeout=self.timeout)
+
+    def remove_scheduling_gate(self, namespace: str, name: str, index: int, gate: str) -> None:
+        """Remove scheduling gate `gate` at `index` of a pod (a JSON patch that first tests
+        the name, so a concurrent change fails instead of removing another gate). A pod
+        already gone or already released is fine. Raises KubeError."""
+        patch = [
+            {"op": "test", "path": f"/spec/schedulingGates/{index}/name", "value": gate},
+            {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
+        ]
+        with _errors(f"releasing Pod {namespace}/{name}", ok=(404, 422)):
+            self._core().patch_namespaced_pod(name, namespace, patch, _request_timeout=self.timeout)
+
+    def list_labelled_pods(self, namespaces: list[str], selector: str) -> list[dict[str, Any]]:
+        """Pods matching `selector` in `namespaces` (every namespace when empty).
+        Raises KubeError."""
+        api = self._core()
+        if not namespaces:
+            with _errors("listing Pods in all namespaces"):
+                found = api.list_pod_for_all_namespaces(label_selector=selector, _request_timeout=self.timeout)
+            return [_dict(item) for item in found.items]
+        return [pod for ns in namespaces for pod in self._list(api.list_namespaced_pod, "Pods", ns, selector)]
+
+    def apply_configmap(self, body: dict[str, Any]) -> None:
+        """Server-side apply of a ConfigMap we own (field manager cachewarm): created when
+        missing, an unchanged apply writes nothing. Not forced: a field someone else set
+        to another value is a conflict (409, KubeError), never taken over, so a ConfigMap
+        of the same name that is not ours is not adopted. Needs only create and patch,
+        never read access to ConfigMaps. Raises KubeError."""
+        meta = body["metadata"]
+        with _errors(f"applying ConfigMap {meta['namespace']}/{meta['name']}"):
+            self._core().patch_namespaced_config_map(
+                meta["name"], meta["namespace"], body, field_manager="cachewarm", force=False,
+                _content_type="application/apply-patch+yaml", _request_timeout=self.timeout)
+
+    # --- CompilationCaches, read and written by the operator's own controller (not kopf) ---
+
+    def get_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The CompilationCache as stored now (None when it is gone). Raises KubeError."""
+        found: Any = None
+        with _errors(f"reading {c.KIND} {namespace}/{name}", ok=(404,)):
+            found = self._custom().get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name,
+                                                                _request_timeout=self.timeout)
+        return None if found is None else dict(found)
+
+    def list_caches(self, namespaces: list[str]) -> list[dict[str, Any]]:
+        """Every CompilationCache in `namespaces` (every namespace when empty).
+        Raises KubeError."""
+        api = self._custom()
+        found: list[dict[str, Any]] = []
+        for ns in namespaces or [""]:
+            with _errors(f"listing {c.KIND}s in {ns or 'all namespaces'}"):
+                if not ns:
+                    answer: Any = api.list_cluster_custom_object(c.GROUP, c.VERSION, c.PLURAL,
+                                                                 _request_timeout=self.timeout)
+                else:
+                    answer = api.list_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL,
+                                                               _request_timeout=self.timeout)
+            found.extend(dict(item) for item in answer.get("items") or [])
+        return found
+
+    def patch_cache_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """A JSON merge patch of the cache's status subresource (a None value removes the
+        key). A cache already gone is fine. Raises KubeError."""
+        with _errors(f"writing the status of {c.KIND} {namespace}/{name}", ok=(404,)):
+            self._custom().patch_namespaced_custom_object_status(
+                c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"status": status},
+                _content_type="application/merge-patch+json", _request_timeout=self.timeout)
+
+    def set_cache_finalizers(self, namespace: str, name: str, finalizers: list[str], resource_version: str) -> bool:
+        """Replace the cache's finalizers, only if it is still at `resource_version` (the
+        merge patch carries it as a precondition, so someone else's finalizer added
+        meanwhile is never dropped). Returns False on a conflict or when the cache is gone.
+        Raises KubeError."""
+        patch = {"metadata": {"finalizers": finalizers or None, "resourceVersion": resource_version}}
+        done: Any = None
+        with _errors(f"setting the finalizers of {c.KIND} {namespace}/{name}", ok=(404, 409)):
+            done = self._custom().patch_namespaced_custom_object(
+                c.GROUP, c.VERSION, namespace, c.PLURAL, name, patch,
+                _content_type="application/merge-patch+json", _request_timeout=self.timeout)
+        return done is not None
+
+    # --- the webhook's serving certificate, shared by every replica through one Secret ---
+
+    def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
+        """A Secret's data (decoded) and resourceVersion; None when it does not exist.
+        Raises KubeError."""
+        found: Any = None
+        with _errors(f"reading Secret {namespace}/{name}", ok=(404,)):
+            found = self._core().read_namespaced_secret(name, namespace, _request_timeout=self.timeout)
+        if found is None:
+            return None
+        data = {key: base64.b64decode(value) for key, value in (found.data or {}).items()}
+        return data, str(found.metadata.resource_version)
+
+    def write_secret(self, namespace: str, name: str, data: dict[str, bytes], resource_version: str | None,
+                     labels: dict[str, str]) -> bool:
+        """Create the Secret (`resource_version` None) or replace it if it is still at
+        `resource_version`. Returns False when another writer got there first (409), so
+        the caller reads what that writer wrote. Raises KubeError."""
+        body = client.V1Secret(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace, labels=labels,
+                                         resource_version=resource_version),
+            type="kubernetes.io/tls",
+            data={key: base64.b64encode(value).decode() for key, value in data.items()},
+        )
+        done: Any = None
+        with _errors(f"writing Secret {namespace}/{name}", ok=(409,)):
+            api = self._core()
+            done = (api.create_namespaced_secret(namespace, body, _request_timeout=self.timeout)
+                    if resource_version is None
+                    else api.replace_namespaced_secret(name, namespace, body, _request_timeout=self.timeout))
+        return done is not None
+
+    # --- leader election ---
+
+    def release_lease(self, namespace: str, name: str, identity: str) -> bool:
+        """Give up a Lease this process holds (holder cleared, so another replica takes it
+        at its next try instead of waiting out the lease). Returns False when someone else
+        holds it. Raises KubeError."""
+        api = client.CoordinationV1Api(self.api_client)
+        with _errors(f"releasing Lease {namespace}/{name}"):
+            lease: Any = api.read_namespaced_lease(name, namespace, _request_timeout=self.timeout)
+            if lease.spec is None or lease.spec.holder_identity != identity:
+                return False
+            lease.spec.holder_identity = None
+            lease.spec.lease_duration_seconds = 1
+            api.replace_namespaced_lease(name, namespace, lease, _request_timeout=self.timeout)
+        return True
