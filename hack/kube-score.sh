@@ -19,3 +19,10 @@ for tree in manifests manifests/cert-manager; do
   echo "kube-score: $tree"
   "$kubectl" kustomize "$root/$tree" | "$bin/kube-score" score --output-format ci -
 done
+# The optional metrics component, as a user's overlay adds it.
+overlay="$(mktemp -d)"
+trap 'rm -rf "$overlay"' EXIT
+cp -r "$root/manifests" "$root/crds" "$overlay/"
+printf 'resources: [manifests]\ncomponents: [manifests/prometheus]\n' >"$overlay/kustomization.yaml"
+echo "kube-score: manifests + manifests/prometheus"
+"$kubectl" kustomize "$overlay" | "$bin/kube-score" score --output-format ci -

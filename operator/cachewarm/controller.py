@@ -38,6 +38,7 @@ from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
+from cachewarm.metrics import Metrics
 from cachewarm.model import InvalidSpec
 from cachewarm.settings import Settings
 from cachewarm.warmups import WarmRetry
@@ -108,8 +109,9 @@ class Result:
 
 class Controller:
     def __init__(self, settings: Settings, gcs: GcsClient, kube: KubeClient, injections: RecentInjections,
-                 leader: Leader) -> None:
+                 leader: Leader, metrics: Metrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or Metrics()
         self.gcs = gcs
         self.kube = kube
         self.injections = injections
@@ -294,6 +296,7 @@ class Controller:
             body = self.kube.get_cache(namespace, name)
         except KubeError as exc:
             log.warning("Could not read %s %s/%s: %s", c.KIND, namespace, name, exc)
+            self.metrics.reconcile_errors.labels(exc.reason).inc()
             return Result(retry=True)
         if body is None:
             return Result()
@@ -322,13 +325,18 @@ class Controller:
             # Leadership went during this reconcile: the new leader writes status now.
             log.warning("Lost the lead while reconciling %s/%s; its status is left to the new leader", namespace, name)
             return Result()
+        after = merged(status, patch)
         try:
-            if merged(status, patch) != status:  # a resync that changed nothing writes nothing
+            if after != status:  # a resync that changed nothing writes nothing
                 self.kube.patch_cache_status(namespace, name, patch)
         except KubeError as exc:
             log.warning("Could not write the status of %s/%s: %s", namespace, name, exc)
+            self.metrics.reconcile_errors.labels(exc.reason).inc()
             self._post(body, outcome.events)
             return Result(retry=True)
+        failure = outcome.failure
+        self.metrics.record_reconcile(namespace, name, status, after, None if failure is None else
+                                      str(getattr(failure, "reason", None) or c.Reason.RECONCILE_ERROR))
         self._post(body, outcome.events)
         if outcome.invalid is not None:
             log.warning("%s %s/%s cannot be acted on: %s", c.KIND, namespace, name, outcome.invalid)

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import datetime as dt
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -67,10 +68,12 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
                  caches: kopf.Index[Any, Any], memo: Any, **_: Any) -> None:
     """The mutating webhook: the cache's env (and wait-for-warm gate) into a labelled pod."""
     meta = body.get("metadata") or {}
+    started = time.perf_counter()
     try:
         answer = service.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None))
     except Exception as exc:  # noqa: BLE001 - a pod is never refused on our account
         warnings.append(f"cachewarm could not inject this pod ({type(exc).__name__}: {exc}); admitted unchanged")
+        _count_admission(memo, "error", started)
         return
     log.info("Admitted pod %s", "with the cache" if answer.injected else "unchanged",
              extra={"k8s_ref": {"kind": "Pod", "namespace": meta.get("namespace"),
@@ -83,6 +86,14 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
     warnings.extend(answer.warnings)
     if not dryrun and answer.event is not None:
         _post_in_background(memo.kube, *answer.event)
+    _count_admission(memo, "injected" if answer.injected else "unchanged", started)
+
+
+def _count_admission(memo: Any, outcome: str, started: float) -> None:
+    metrics = memo.get("metrics")
+    if metrics is not None:
+        metrics.admissions.labels(outcome).inc()
+        metrics.admission_seconds.labels(outcome).observe(time.perf_counter() - started)
 
 
 _background: set[asyncio.Future[None]] = set()

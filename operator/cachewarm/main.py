@@ -19,6 +19,7 @@ from cachewarm.clients.gcs import GcsClient
 from cachewarm.controller import Controller, backoff
 from cachewarm.injections import RecentInjections
 from cachewarm.leader import AlwaysLeader, Leadership, identity
+from cachewarm.metrics import Metrics
 from cachewarm.settings import Settings
 from cachewarm.webhook import AdmissionServer, ServingTls
 
@@ -41,8 +42,14 @@ def run(settings: Settings) -> None:
     kopf.on.login(registry=registry)(login)
     kopf.on.startup(registry=registry)(startup)
     kopf.on.cleanup(registry=registry)(cleanup)
-    memo = kopf.Memo(
+    memo = kopf.Memo()
+    # Every replica watches the caches: any of them reports their entries and bytes.
+    metrics = Metrics(lambda: memo.controller.store.values() if "controller" in memo else ())
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port)  # OSError (port taken) stops the start, with its message
+    memo.update(
         settings=settings,
+        metrics=metrics,
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
         kube=kube,
         injections=RecentInjections(settings.injection_window_seconds),
@@ -97,7 +104,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         log.info("Leader election is off: this process reconciles", reason="disabled" if not ours.leader_election
                  else "CACHEWARM_POD_NAMESPACE is not set")
         leadership = AlwaysLeader()
-    controller = Controller(ours, memo.gcs, memo.kube, memo.injections, leadership)
+    controller = Controller(ours, memo.gcs, memo.kube, memo.injections, leadership, memo.metrics)
     memo.controller, memo.leadership = controller, leadership
     task = asyncio.create_task(controller.run(), name="controller")
     task.add_done_callback(_controller_ended)

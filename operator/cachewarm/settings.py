@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     kube_timeout_seconds: float = Field(
         default=30.0, gt=0, description="Timeout of one Kubernetes API request the operator makes outside its watches."
     )
+    metrics_port: int = Field(
+        default=8383, ge=0, le=65535,
+        description="Port of the Prometheus metrics (GET /metrics, plain HTTP, every address); 0 turns them off.",
+    )
     liveness_endpoint: str = Field(
         default="http://0.0.0.0:8080/healthz", description="Where kopf serves the liveness probe; empty turns it off."
     )

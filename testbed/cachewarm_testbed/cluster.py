@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachewarm import certs
 from cachewarm_testbed import nodes
@@ -153,6 +154,15 @@ def eventually(check: Callable[[], T | None], *, timeout: float = 60.0, what: st
             last = exc
         time.sleep(0.25)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last}" if last else ""))
+
+
+def scrape(url: str, name: str, **labels: str) -> float:
+    """The sum of metric samples `name` whose labels include `labels`, read from a
+    Prometheus text endpoint (0.0 when none has been recorded yet)."""
+    with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 - our own loopback endpoint
+        text = answer.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 @dataclass
@@ -393,6 +403,7 @@ class Testbed:
         (Proc.stop); `proc.webhook_url` is where its webhook listens."""
         port = free_port()
         webhook_port = free_port()
+        metrics_port = free_port()
         full_env = {
             **os.environ,
             **self.env(),
@@ -404,6 +415,7 @@ class Testbed:
             "CACHEWARM_WEBHOOK_ADDRESS": "127.0.0.1",
             "CACHEWARM_WEBHOOK_PORT": str(webhook_port),
             "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{webhook_port}",
+            "CACHEWARM_METRICS_PORT": str(metrics_port),
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
@@ -412,6 +424,7 @@ class Testbed:
                      self.workdir / "logs" / f"operator-{n}.log", env=full_env)
         self.procs[proc.name] = proc
         proc.webhook_url = full_env["CACHEWARM_WEBHOOK_URL"]
+        proc.metrics_url = f"http://127.0.0.1:{full_env['CACHEWARM_METRICS_PORT']}/metrics"
         wait_until(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="live (/healthz)")
         return proc
 
@@ -661,6 +674,10 @@ class OperatorHandle:
     @property
     def webhook_url(self) -> str:
         return self.proc.webhook_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.proc.metrics_url
 
     def restart(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)

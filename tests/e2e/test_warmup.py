@@ -17,7 +17,7 @@ import pytest
 import yaml
 from google.cloud import storage
 
-from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 from cachewarm_testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
@@ -97,8 +97,16 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     assert job["metadata"]["ownerReferences"][0]["kind"] == "CompilationCache"
     reasons = [e["reason"] for e in controller_manager.events_for("llama", namespace)]
     assert "WarmerCreated" in reasons and "WarmerSucceeded" in reasons
+    # /metrics: the run, once, and the cache's size as its status says.
+    this = {"namespace": namespace, "cache": "llama"}
+    assert scrape(operator.metrics_url, "cachewarm_warmer_runs_total", **this, outcome="Succeeded") == 1
+    assert scrape(operator.metrics_url, "cachewarm_warmer_runs_total", **this, outcome="Failed") == 0
+    assert scrape(operator.metrics_url, "cachewarm_cache_entries", **this) == len(entries)
+    assert scrape(operator.metrics_url, "cachewarm_cache_bytes", **this) == sum(b.size or 0 for b in entries)
+    injected = scrape(operator.metrics_url, "cachewarm_webhook_admissions_total", outcome="injected")
 
     run = train_in_pod(controller_manager, namespace, "llama")
+    assert scrape(operator.metrics_url, "cachewarm_webhook_admissions_total", outcome="injected") == injected + 1
     assert run["cache_dir"] == f"gs://{bucket}/jax"
     assert run["cache_hits"] >= 1
     assert run["compiled"] == 0, run["log"][-3000:]
@@ -187,6 +195,10 @@ def test_warmer_that_compiles_nothing_or_fails_leaves_warmed_false(
     reasons = [e["reason"] for e in controller_manager.events_for("bad", namespace)]
     assert reasons.count("WarmerRetried") == 1 and reasons.count("WarmerCreated") == 2
     assert reasons.count("WarmerFailed") >= 1
+    # Both attempts are runs that failed, each counted once.
+    runs = {"namespace": namespace, "cache": "bad", "pool": "cpu"}
+    assert scrape(operator.metrics_url, "cachewarm_warmer_runs_total", **runs, outcome="Failed") == 2
+    assert scrape(operator.metrics_url, "cachewarm_warmer_runs_total", **runs, outcome="Succeeded") == 0
 
 
 def test_image_change_rewarms_and_same_spec_does_not(

@@ -1,0 +1,113 @@
+"""Prometheus metrics of the operator (prometheus_client), served on their own port.
+
+What each replica can know is exported by that replica: admissions by the replica that
+served them; warmer runs and reconcile errors by the leader (the only one reconciling);
+cache entries and bytes by every replica, read from the caches' status at scrape time
+(every replica watches the caches). Counters restart at 0 with the process, as Prometheus
+counters do; `rate()` and `increase()` handle that.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Warmer runs last from seconds (a small program on CPU) to hours (a large model's first
+# compile on a big slice).
+WARMER_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
+# The apiserver gives the webhook at most 10 s (our configuration's timeoutSeconds).
+ADMISSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5, 10.0)
+FINISHED = ("Succeeded", "Failed")
+
+
+class Metrics:
+    """The operator's metrics in a registry of their own (no process or platform
+    collectors mixed in from elsewhere)."""
+
+    def __init__(self, caches: Callable[[], Iterable[Mapping[str, Any]]] = lambda: ()) -> None:
+        self.registry = CollectorRegistry()
+        self.warmer_runs = Counter(
+            "cachewarm_warmer_runs", "Warmer Jobs that finished, by pool and outcome (Succeeded or Failed).",
+            ["namespace", "cache", "pool", "outcome"], registry=self.registry)
+        self.warmer_duration = Histogram(
+            "cachewarm_warmer_duration_seconds", "How long finished warmer Jobs ran (start to completion).",
+            ["pool", "outcome"], buckets=WARMER_BUCKETS, registry=self.registry)
+        self.reconcile_errors = Counter(
+            "cachewarm_reconcile_errors", "Reconciles that ended in an error worth a retry, by reason.",
+            ["reason"], registry=self.registry)
+        self.admissions = Counter(
+            "cachewarm_webhook_admissions", "Labelled pods admitted by this replica's webhook, by outcome "
+            "(injected, unchanged, error; a pod is admitted in every case).", ["outcome"], registry=self.registry)
+        self.admission_seconds = Histogram(
+            "cachewarm_webhook_admission_duration_seconds", "Time cachewarm's admission handler took, by outcome.",
+            ["outcome"], buckets=ADMISSION_BUCKETS, registry=self.registry)
+        self.registry.register(_CacheCollector(caches))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve /metrics over HTTP from a daemon thread. Raises OSError (port taken)."""
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def record_reconcile(self, namespace: str, name: str, before: Mapping[str, Any], after: Mapping[str, Any],
+                         failure_reason: str | None) -> None:
+        """After a reconcile whose status was written: the warmer runs that finished in it
+        (a pool whose Job is now Succeeded or Failed and was not, for that Job, in the
+        status before), and the error it ended with, if any."""
+        for pool, seconds in finished_runs(before, after):
+            outcome = str(pool["state"])
+            self.warmer_runs.labels(namespace, name, str(pool.get("name")), outcome).inc()
+            if seconds is not None:
+                self.warmer_duration.labels(str(pool.get("name")), outcome).observe(seconds)
+        if failure_reason:
+            self.reconcile_errors.labels(failure_reason).inc()
+
+
+def finished_runs(before: Mapping[str, Any], after: Mapping[str, Any]
+                  ) -> Iterator[tuple[Mapping[str, Any], float | None]]:
+    """Pools of `after` whose warmer finished since `before`, with how long it ran (None
+    when the Job's times are not known). A pool that was already finished for the same
+    Job and attempt is not counted again, so a resync counts nothing."""
+    old = {p.get("name"): p for p in (before.get("warmup") or {}).get("pools") or []}
+    for pool in (after.get("warmup") or {}).get("pools") or []:
+        if pool.get("state") not in FINISHED or not pool.get("job"):
+            continue
+        prev = old.get(pool.get("name")) or {}
+        if (prev.get("state"), prev.get("job"), prev.get("attempt")) == \
+                (pool.get("state"), pool.get("job"), pool.get("attempt")):
+            continue
+        yield pool, _seconds(pool.get("startTime"), pool.get("completionTime") or pool.get("failedTime"))
+
+
+def _seconds(start: Any, end: Any) -> float | None:
+    try:
+        began = dt.datetime.fromisoformat(str(start).replace("Z", "+00:00"))
+        ended = dt.datetime.fromisoformat(str(end).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return max((ended - began).total_seconds(), 0.0)
+
+
+class _CacheCollector(Collector):
+    """Entries and bytes of each cache as its status last reported them (the inventory)."""
+
+    def __init__(self, caches: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        self._caches = caches
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        entries = GaugeMetricFamily("cachewarm_cache_entries", "JAX cache entries under the cache's prefix, "
+                                    "as last listed.", labels=["namespace", "cache"])
+        size = GaugeMetricFamily("cachewarm_cache_bytes", "Bytes of those entries, as last listed.",
+                                 labels=["namespace", "cache"])
+        for body in list(self._caches()):
+            meta, cache = body.get("metadata") or {}, (body.get("status") or {}).get("cache") or {}
+            if "entries" not in cache:
+                continue
+            labels = [str(meta.get("namespace") or ""), str(meta.get("name") or "")]
+            entries.add_metric(labels, float(cache.get("entries") or 0))
+            size.add_metric(labels, float(cache.get("bytes") or 0))
+        yield entries
+        yield size
