@@ -12,6 +12,7 @@ after a whole lease.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -28,6 +29,9 @@ from cachewarm.clients.kube import KubeClient, KubeError
 LEASE_DURATION = 15
 RENEW_DEADLINE = 10
 RETRY_PERIOD = 2
+# Each Lease request gives up well inside the renew deadline: a renewal stuck on a dead
+# connection would otherwise keep this replica leading after another took the Lease.
+LEASE_REQUEST_TIMEOUT = RENEW_DEADLINE / 2
 log = logging.getLogger("cachewarm.leader")
 # The library logs every retry of a follower at INFO ("yet to finish lease_duration"):
 # every 2 s, forever. Our own lines say when leadership changes.
@@ -48,7 +52,8 @@ class _FencedLeaseLock(LeaseLock):
     def __init__(self, name: str, namespace: str, identity: str, stopping: threading.Event,
                  kube: KubeClient) -> None:
         super().__init__(name, namespace, identity)  # type: ignore[no-untyped-call]
-        self.api_instance = client.CoordinationV1Api(kube.api_client)  # the operator's connection, not the default
+        self.api_instance = _TimedLeases(client.CoordinationV1Api(kube.api_client),
+                                         min(kube.timeout, LEASE_REQUEST_TIMEOUT))  # type: ignore[assignment]
         self._stopping = stopping
 
     def create(self, name: str, namespace: str, election_record: object) -> bool:
@@ -56,6 +61,16 @@ class _FencedLeaseLock(LeaseLock):
 
     def update(self, name: str, namespace: str, updated_record: object) -> bool:
         return False if self._stopping.is_set() else bool(super().update(name, namespace, updated_record))  # type: ignore[no-untyped-call]
+
+
+class _TimedLeases:
+    """The three Lease calls the library's lock makes, on the operator's connection, each
+    with a timeout (the library passes none)."""
+
+    def __init__(self, api: client.CoordinationV1Api, timeout: float) -> None:
+        self.read_namespaced_lease = functools.partial(api.read_namespaced_lease, _request_timeout=timeout)
+        self.create_namespaced_lease = functools.partial(api.create_namespaced_lease, _request_timeout=timeout)
+        self.replace_namespaced_lease = functools.partial(api.replace_namespaced_lease, _request_timeout=timeout)
 
 
 class Leadership:

@@ -182,7 +182,10 @@ def reconcile_cache(
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
         cond = Cond(c.Condition.READY, False, c.Reason.RECONCILE_ERROR, message)
         retrying = Cond(c.Condition.RECONCILING, True, c.Reason.RECONCILE_ERROR, message)
-        out = {"conditions": conditions.merge(status.get("conditions"), [cond, retrying], generation=generation,
+        # Retried, so not Stalled (a Stalled left from before would contradict Reconciling).
+        not_stalled = Cond(c.Condition.STALLED, False, c.Reason.RECONCILE_ERROR, "A reconcile failed; retrying")
+        out = {"conditions": conditions.merge(status.get("conditions"), [cond, retrying, not_stalled],
+                                              generation=generation,
                                               now=now),
                "observedGeneration": generation, "injection": injection}
         # The same error on every resync is said once, as the steps' own errors are.
@@ -226,12 +229,15 @@ def _reconcile(
     failure: Exception | None = None
     # SoftDeleteApplied Reconciled is said only to the cache that owns the bucket-wide settings.
     soft = conditions.get(status.get("conditions"), c.Condition.SOFT_DELETE_APPLIED)
+    # A cache with warmers lists its entries after their Jobs were read (see _warm): a
+    # listing taken before could miss the last entries of a warmer that finished meanwhile.
+    listing_due = inventory_due(status, generation, now, inventory_every)
     try:
         seen = _Seen(reconcile_bucket(gcs, gcs_spec, mine=mine, claims=list(claims(gcs_spec.bucket)),
                                       spec_changed=status.get("observedGeneration") != generation,
                                       instance=instance,
                                       settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED,
-                                      take_inventory=inventory_due(status, generation, now, inventory_every)))
+                                      take_inventory=listing_due and cache.warmup is None))
         if seen.bucket.entry_keys is not None:
             seen.bucket.cache = {**(seen.bucket.cache or {}), "listedTime": _iso(now)}
         elif seen.bucket.ready:
@@ -256,18 +262,20 @@ def _reconcile(
         failure = failure or RuntimeError(seen.injection.message)
     try:
         _warm(kube, cache, seen, events, warmer_image=warmer_image, status=status, meta=meta, namespace=namespace,
-              name=name, now=now, generation=generation, retry=warm_retry,
+              name=name, now=now, generation=generation, retry=warm_retry, listing_due=listing_due,
               inventory=lambda: _take_inventory(gcs, cache, seen, now))
-    except Exception as exc:  # noqa: BLE001 - KubeError, or anything a library raised unexpectedly
+    except Exception as exc:  # noqa: BLE001 - KubeError, GcsError, or anything a library raised unexpectedly
         if isinstance(exc, KubeError):
             reason, message = exc.reason, f"Warmers could not be reconciled: {exc}; retrying"
+        elif isinstance(exc, GcsError):  # the listing of the entries the warmers wrote
+            reason, message = exc.reason, f"The cache's entries could not be listed: {exc}; retrying"
         else:
             log.exception("Warmup reconcile of %s/%s failed", namespace, name)
             reason, message = c.Reason.RECONCILE_ERROR, f"Warmers could not be reconciled: {type(exc).__name__}: {exc}; retrying"
         error = Cond(c.Condition.WARMED, False, reason, message[:1000])
-        if cache.warmup is not None and seen.warmup is None:
-            # What the warmers last reported stays in status.warmup (not rewritten); the
-            # condition says why it is not current.
+        if cache.warmup is not None and seen.warm_condition is None:
+            # What the warmers last reported stays in status.warmup (rewritten only when they
+            # were read in this reconcile); the condition says why it is not current.
             seen.warm_condition = error
         if _changed(status, error):
             events.append(Event("Warning", reason, message[:1000]))
@@ -330,7 +338,7 @@ def warmers_checked(pools: Sequence[Mapping[str, Any]]) -> str:
 
 def _warm(kube: KubeClient, cache: CacheSpec, seen: _Seen, events: list[Event], *, warmer_image: str, status: Mapping[str, Any],
           meta: Mapping[str, Any], namespace: str, name: str, now: dt.datetime, generation: int,
-          retry: WarmRetry, inventory: Callable[[], None]) -> None:
+          retry: WarmRetry, listing_due: bool, inventory: Callable[[], None]) -> None:
     if cache.warmup is not None:
         if seen.bucket.ready:
             seen.warmup = reconcile_warmup(
@@ -341,6 +349,11 @@ def _warm(kube: KubeClient, cache: CacheSpec, seen: _Seen, events: list[Event], 
                 warmer_image=warmer_image, now=now, generation=generation,
                 warmed_before=was_warmed(status), entry_keys=seen.bucket.entry_keys, retry=retry,
             )
+            if listing_due and seen.bucket.entry_keys is None:
+                inventory()  # due, and taken now that the warmers' Jobs have been read
+                seen.warmup.condition = warmed_condition(
+                    seen.warmup.pools, int((seen.bucket.cache or {}).get("entries", 0)),
+                    was_warmed(status), seen.bucket.entry_keys)
             if seen.warmup.condition.reason in BUCKET_VERDICTS:
                 checked = warmers_checked(seen.warmup.pools)
                 previous = conditions.get(status.get("conditions"), c.Condition.WARMED)

@@ -131,6 +131,27 @@ def test_a_warm_that_finished_since_the_last_listing_is_checked_against_a_new_on
     assert gcs.listings == 2
 
 
+def test_a_warm_that_finishes_after_a_due_listing_is_checked_against_a_listing_taken_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listing due anyway (here: a new spec) runs before the Jobs are read; a warmer that
+    writes its last entry and finishes in between must not be judged by that listing."""
+    gcs = CountingGcs(KEYS)
+    status = settled(gcs, monkeypatch)
+    rewarmed = {**POOL, "job": "llama-a-2", "completionTime": "2026-11-22T07:03:00Z",
+                "keys": ["1111111111111111", "3333333333333333"]}
+
+    def finishes_now(kube: Any, cache: Any, *, cache_entries: int, warmed_before: bool,
+                     entry_keys: frozenset[str] | None, **_: Any) -> WarmupOutcome:
+        gcs.keys = [*KEYS, "3333333333333333"]  # its last entry landed after the listing
+        return WarmupOutcome(service.warmed_condition([rewarmed], cache_entries, warmed_before, entry_keys),
+                             [dict(rewarmed)])
+    monkeypatch.setattr(service, "reconcile_warmup", finishes_now)
+    outcome = reconcile(gcs, {**status, "observedGeneration": 2}, NOW + dt.timedelta(minutes=5))
+    assert gcs.listings == 2  # the one due is taken after the Jobs were read: once, and late enough
+    assert warmed(outcome)["reason"] == "Warmed" and outcome.status["cache"]["entries"] == 3
+
+
 def test_an_entry_deleted_behind_the_operators_back_is_seen_at_the_slow_cadence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

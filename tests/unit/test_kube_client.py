@@ -14,8 +14,9 @@ from cachewarm.clients.kube import KubeClient, KubeError
 
 
 @pytest.fixture
-def silent_server() -> Iterator[str]:
-    """An HTTP endpoint that accepts connections and never answers (a hung apiserver)."""
+def silent_server() -> Iterator[tuple[str, list[socket.socket]]]:
+    """An HTTP endpoint that accepts connections and never answers (a hung apiserver), and
+    the connections it accepted."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -33,7 +34,7 @@ def silent_server() -> Iterator[str]:
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}", held
     stop.set()
     thread.join()
     for conn in held:
@@ -41,16 +42,35 @@ def silent_server() -> Iterator[str]:
     listener.close()
 
 
-def test_a_request_to_a_hung_apiserver_ends_in_a_kube_error(silent_server: str) -> None:
-    configuration = client.Configuration(host=silent_server)
-    configuration.retries = False
-    kube = KubeClient(client.ApiClient(configuration), timeout=0.3)
+def test_a_request_to_a_hung_apiserver_ends_in_a_kube_error_without_being_sent_again(
+        silent_server: tuple[str, list[socket.socket]]) -> None:
+    url, connections = silent_server
+    kube = KubeClient.for_configuration(client.Configuration(host=url), timeout=0.3)
     with pytest.raises(KubeError, match="reading CompilationCache ml/llama: .*Timeout"):
         kube.get_cache("ml", "llama")
     with pytest.raises(KubeError, match="listing Jobs in ml"):
         kube.list_jobs("ml", "cachewarm.dev/warmer-for=llama")
+    # One connection per call: a GET that timed out is not repeated (the reconcile retries).
+    assert len(connections) == 2
 
 
 def test_a_client_without_a_connection_refuses_every_call() -> None:
     with pytest.raises(KubeError, match="no connection"):
         KubeClient().list_pods("ml", "cachewarm.dev/cache=llama")
+
+
+def test_the_lease_lock_gives_up_on_a_hung_apiserver(silent_server: tuple[str, list[socket.socket]]) -> None:
+    """The election library passes no timeout; ours does, so a renewal stuck on a dead
+    connection fails (and the replica stops leading) instead of waiting forever."""
+    import threading as th
+
+    import urllib3
+
+    from cachewarm.leader import _FencedLeaseLock
+
+    url, connections = silent_server
+    kube = KubeClient.for_configuration(client.Configuration(host=url), timeout=0.3)
+    lock = _FencedLeaseLock("cachewarm-operator", "cachewarm-system", "me", th.Event(), kube)
+    with pytest.raises(urllib3.exceptions.MaxRetryError, match="Read timed out"):
+        lock.get("cachewarm-operator", "cachewarm-system")
+    assert len(connections) == 1  # through the operator's client, once

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pydantic
+import urllib3
 import urllib3.exceptions
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -106,6 +107,16 @@ class KubeClient:
                 config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             except (config.ConfigException, FileNotFoundError) as exc:
                 raise KubeError(f"no Kubernetes credentials: {exc}") from exc
+        return cls.for_configuration(configuration, timeout=timeout)
+
+    @classmethod
+    def for_configuration(cls, configuration: client.Configuration, *, timeout: float = 30.0) -> KubeClient:
+        """A client for `configuration`, with the operator's retry policy: a connection
+        that could not be made is tried again (twice), a request that was sent is not
+        (urllib3 would repeat a GET after a read timeout three times, so a hung apiserver
+        would hold a call for four timeouts; the reconcile's own backoff retries instead)."""
+        configuration.retries = urllib3.Retry(total=2, connect=2, read=0, status=0, other=0, redirect=0,
+                                              raise_on_status=False)
         return cls(client.ApiClient(configuration), timeout=timeout)
 
     @property
