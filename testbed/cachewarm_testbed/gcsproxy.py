@@ -16,6 +16,12 @@ depends on it:
   1000 per page (maxResults), with a nextPageToken, and bills each page. The proxy lists
   the emulator once per page and cuts the answer into GCS's pages (the token is opaque to
   clients; here it carries the last name sent), so each page is one logged request.
+  With matchGlob, the proxy cuts the page from every name under the prefix first and then
+  keeps the matching ones: a page may be empty and still not the last, and names that do
+  not match still cost pages. That is the costlier of the two readings of GCS's docs (which
+  do not say whether the glob is applied before or after a page is cut), so nothing here
+  looks cheaper than GCS may be. `fields` is applied as a partial response (top-level
+  keys and `items(...)`), so a field the client did not ask for is not in the answer.
 - customTime: the emulator silently keeps the old value when a PATCH moves it backwards;
   GCS refuses that request (400: customTime can only move forward). The proxy answers 400.
   The emulator stores and returns customTime otherwise, as GCS does.
@@ -150,7 +156,7 @@ class Proxy:
     async def _list_page(self, request: web.Request) -> web.Response:
         """One page of an objects.list, as GCS cuts them (see the module docstring)."""
         assert self.session is not None
-        query = {k: v for k, v in request.query.items() if k not in ("pageToken", "maxResults")}
+        query = {k: v for k, v in request.query.items() if k not in ("pageToken", "maxResults", "matchGlob", "fields")}
         async with self.session.get(self.upstream + request.path, params=query) as resp:
             payload, status = await resp.read(), resp.status
         self.log.append({"method": request.method, "path": request.path, "status": status})
@@ -160,12 +166,15 @@ class Proxy:
         after = base64.urlsafe_b64decode(request.query["pageToken"]).decode() if request.query.get("pageToken") else ""
         items = sorted((i for i in body.get("items") or [] if i["name"] > after), key=lambda i: i["name"])
         size = min(int(request.query.get("maxResults") or MAX_PAGE), MAX_PAGE)
-        body["items"] = items[:size]
+        glob = glob_regex(request.query["matchGlob"]) if request.query.get("matchGlob") else None
+        body["items"] = [i for i in items[:size] if glob is None or glob.fullmatch(i["name"])]
         body.pop("nextPageToken", None)
         if len(items) > size:
             body["nextPageToken"] = base64.urlsafe_b64encode(items[size - 1]["name"].encode()).decode()
         if after:
             body.pop("prefixes", None)  # sent with the first page
+        if request.query.get("fields"):
+            body = partial_response(body, request.query["fields"])
         return web.json_response(body)
 
     async def _complete_insert(self, body: dict[str, Any], payload: bytes, status: int) -> tuple[bytes, int]:
@@ -178,6 +187,53 @@ class Proxy:
         name = json.loads(payload)["name"]
         async with self.session.patch(f"{self.upstream}/storage/v1/b/{name}", json=fields) as resp:
             return await resp.read(), resp.status
+
+
+def glob_regex(glob: str) -> re.Pattern[str]:
+    """GCS's matchGlob syntax as a regex: `**` any characters, `*` any but `/`, `?` one
+    character but `/`, `[...]` a class, `{a,b}` alternatives."""
+    out, i = [], 0
+    while i < len(glob):
+        ch = glob[i]
+        if glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if ch == "*":
+            out.append("[^/]*")
+        elif ch == "?":
+            out.append("[^/]")
+        elif ch == "[":
+            end = glob.index("]", i + 1)
+            body = glob[i + 1:end]
+            body = body.replace("\\", "\\\\")  # ranges stay ranges; a backslash is literal
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end
+        elif ch == "{":
+            end = glob.index("}", i + 1)
+            out.append("(?:" + "|".join(re.escape(a) for a in glob[i + 1:end].split(",")) + ")")
+            i = end
+        else:
+            out.append(re.escape(ch))
+        i += 1
+    return re.compile("".join(out))
+
+
+def partial_response(body: dict[str, Any], fields: str) -> dict[str, Any]:
+    """The `fields` selector of a list answer, as GCS applies it: `a,b,items(c,d)`."""
+    wanted: dict[str, list[str] | None] = {}
+    for part in re.findall(r"[^,(]+(?:\([^)]*\))?", fields):
+        name, _, inner = part.strip().partition("(")
+        wanted[name] = [f.strip() for f in inner.rstrip(")").split(",")] if inner else None
+    out: dict[str, Any] = {}
+    for key, sub in wanted.items():
+        if key not in body:
+            continue
+        if sub is not None and isinstance(body[key], list):
+            out[key] = [{k: v for k, v in item.items() if k in sub} for item in body[key]]
+        else:
+            out[key] = body[key]
+    return out
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -253,9 +253,11 @@ def test_the_rule_a_cache_needs_already_there_unrecorded_is_reported_not_copied(
 def test_the_inventory_pages_like_gcs_and_lists_only_names_directly_under_the_prefix(
     storage_only: storage.Client, storage_bed: Testbed
 ) -> None:
-    """2,500 entries are three objects.list pages (GCS's at most 1000 each), read through
-    the client's own paging; objects in folders under the prefix are not in the answer
-    (matchGlob '<prefix>*' stops at '/'), so they cost no page."""
+    """2,500 entries and 1,200 objects in a folder under the prefix are four objects.list
+    pages (GCS's at most 1000 each, cut before matchGlob filters them: the costlier reading
+    of GCS's docs), read through the client's own paging, one of them with no match at all;
+    the folder's objects are not in the answer (matchGlob '<prefix>*' stops at '/'), and
+    each item carries only the fields asked for."""
     name = new_bucket(storage_only)
     bucket = storage_only.bucket(name)
     entries = [f"c/jit_f{i}-{i:064x}-cache" for i in range(2500)]
@@ -265,6 +267,7 @@ def test_the_inventory_pages_like_gcs_and_lists_only_names_directly_under_the_pr
     proxy = ProxyControl(storage_bed.storage_emulator_host)
     proxy.clear_log()
     client = GcsClient(client=storage_only, timeout=5)
-    names = [o.name for o in client.list_objects(name, "c/", glob="c/*")]
-    assert sorted(names) == sorted(entries)
-    assert [e["path"] for e in proxy.log()] == [f"/storage/v1/b/{name}/o"] * 3
+    listed = list(client.list_objects(name, "c/", glob="c/*"))
+    assert sorted(o.name for o in listed) == sorted(entries)
+    assert [e["path"] for e in proxy.log()] == [f"/storage/v1/b/{name}/o"] * 4  # pages of all 3,700 names
+    assert all(o.size == 1 and o.generation and o.created for o in listed)  # the fields it asked for arrived

@@ -217,13 +217,13 @@ class GcsClient:
 
     def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
         """Objects whose names start with `prefix` (and, with `glob`, match that GCS
-        matchGlob pattern: GCS then leaves the others out of the pages it bills). Only the
-        fields ObjectInfo needs are fetched, and one page (at most 1000) is held at a time.
-        Raises GcsError."""
+        matchGlob pattern; the others are left out of the answer, though their pages may
+        still be cut and billed). Only the fields ObjectInfo needs are fetched, and one page
+        (at most 1000) is held at a time. Raises GcsError."""
         pages = iter(self.client.list_blobs(bucket, prefix=prefix or None, match_glob=glob, fields=LIST_FIELDS,
                                             timeout=self._timeout, retry=self._retry).pages)
         while True:
-            # A page may be empty and still not the last (matchGlob filters after paging).
+            # A page may be empty and still not the last (if matchGlob filters after paging).
             page = _translate(lambda: next((list(p) for p in pages), None), f"listing gs://{bucket}/{prefix}")
             if page is None:
                 return
