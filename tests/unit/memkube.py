@@ -11,6 +11,7 @@ call raise what the test puts there, the way the real client raises KubeError.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 from typing import Any
 
@@ -30,6 +31,10 @@ def _labels(obj: dict[str, Any]) -> dict[str, str]:
     return dict((obj.get("metadata") or {}).get("labels") or {})
 
 
+def _namespace(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("namespace") or "")
+
+
 class MemoryKube(KubeClient):
     """Objects per kind in lists the test may read and replace; every write is recorded."""
 
@@ -40,6 +45,8 @@ class MemoryKube(KubeClient):
         self.services: list[dict[str, Any]] = services if services is not None else []
         self.pods: list[dict[str, Any]] = pods if pods is not None else []
         self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}
+        self.caches: dict[tuple[str, str], dict[str, Any]] = {}
+        self.status_patches: list[tuple[str, str, dict[str, Any]]] = []
         self.created: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str]] = []
         self.released: list[tuple[str, str, int]] = []  # (namespace, pod, gate index)
@@ -54,8 +61,8 @@ class MemoryKube(KubeClient):
             raise self.fail[method]
 
     def _select(self, objs: list[dict[str, Any]], namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [o for o in objs if (o.get("metadata") or {}).get("namespace", namespace) == namespace
-                and matches(_labels(o), selector)]
+        """Copies, as an apiserver's answer is: a caller changing them changes nothing here."""
+        return [copy.deepcopy(o) for o in objs if _namespace(o) == namespace and matches(_labels(o), selector)]
 
     def list_jobs(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self._check("list_jobs")
@@ -71,36 +78,36 @@ class MemoryKube(KubeClient):
 
     def list_labelled_pods(self, namespaces: list[str], selector: str) -> list[dict[str, Any]]:
         self._check("list_labelled_pods")
-        return [p for p in self.pods if matches(_labels(p), selector)
-                and (not namespaces or (p.get("metadata") or {}).get("namespace") in namespaces)]
+        return [copy.deepcopy(p) for p in self.pods if matches(_labels(p), selector)
+                and (not namespaces or _namespace(p) in namespaces)]
 
     def create(self, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
         self._check("create")
         store = self.jobs if body["kind"] == "Job" else self.services
-        name = body["metadata"]["name"]
-        if any(o["metadata"]["name"] == name for o in store):
+        name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+        if any(o["metadata"]["name"] == name and _namespace(o) == namespace for o in store):
             return None
         if not dry_run:
-            self.created.append(body)
-            store.append(body)
-        return body
+            self.created.append(copy.deepcopy(body))
+            store.append(copy.deepcopy(body))
+        return copy.deepcopy(body)
 
     def delete_job(self, namespace: str, name: str) -> None:
         self._check("delete_job")
         self.deleted.append(("Job", name))
         for job in self.jobs:
-            if job["metadata"]["name"] == name:  # foreground: listed until its pods are gone
+            if job["metadata"]["name"] == name and _namespace(job) == namespace:  # foreground: listed until gone
                 job["metadata"].setdefault("deletionTimestamp", "2026-01-01T00:00:00Z")
 
     def delete_service(self, namespace: str, name: str) -> None:
         self._check("delete_service")
         self.deleted.append(("Service", name))
-        self.services = [s for s in self.services if s["metadata"]["name"] != name]
+        self.services = [s for s in self.services if (s["metadata"]["name"], _namespace(s)) != (name, namespace)]
 
     def remove_scheduling_gate(self, namespace: str, name: str, index: int, gate: str) -> None:
         self._check("remove_scheduling_gate")
         for pod in self.pods:
-            if pod["metadata"]["name"] != name:
+            if pod["metadata"]["name"] != name or _namespace(pod) != namespace:
                 continue
             gates = pod.get("spec", {}).get("schedulingGates") or []
             if index < len(gates) and gates[index].get("name") == gate:  # the patch's test op
@@ -124,4 +131,13 @@ class MemoryKube(KubeClient):
 
     def list_caches(self, namespaces: list[str]) -> list[dict[str, Any]]:
         self._check("list_caches")
-        return []
+        return [copy.deepcopy(b) for (ns, _), b in self.caches.items() if not namespaces or ns in namespaces]
+
+    def get_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._check("get_cache")
+        found = self.caches.get((namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    def patch_cache_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self._check("patch_cache_status")
+        self.status_patches.append((namespace, name, copy.deepcopy(status)))

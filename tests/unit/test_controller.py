@@ -209,3 +209,24 @@ def test_a_status_patch_is_skipped_only_when_merging_it_changes_nothing(
     differs from what the apiserver holds."""
     assert merged(target, patch) == result
     assert (merged(target, patch) != target) is (result != target)
+
+
+def test_a_reconcile_whose_status_would_not_change_writes_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reconcile_one compares the merged patch with the stored status: the same status is
+    no PATCH (and posts nothing), a changed one is one PATCH of the patch itself."""
+    from cachewarm import service
+
+    kube = MemoryKube()
+    stored = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True"}], "cache": {"entries": 2}}
+    kube.caches[("ml", "llama")] = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
+                                    "metadata": {"namespace": "ml", "name": "llama", "generation": 1, "uid": "u"},
+                                    "spec": {}, "status": stored}
+    patch: dict[str, Any] = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True"}]}
+    monkeypatch.setattr(service, "reconcile_cache", lambda **_: service.Outcome(dict(patch), []))
+    settings = Settings(workers=1, resync_seconds=3600, warm_poll_seconds=3600)
+    controller = Controller(settings, None, kube, RecentInjections(60), Lead())  # type: ignore[arg-type]
+    assert controller.reconcile_one(("ml", "llama")) == Result()
+    assert kube.status_patches == [] and kube.events == []
+    patch["cache"] = {"entries": 3}
+    controller.reconcile_one(("ml", "llama"))
+    assert kube.status_patches == [("ml", "llama", patch)]

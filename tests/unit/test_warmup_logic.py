@@ -267,7 +267,8 @@ WARMER_LABELS = {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": "p"}
 
 def cluster_of(jobs: list[dict[str, Any]], services: tuple[str, ...] = ()) -> MemoryKube:
     """This cache's warmer Jobs and Services as an apiserver would list them."""
-    return MemoryKube(jobs=jobs, services=[{"metadata": {"name": s, "labels": dict(WARMER_LABELS)}} for s in services])
+    return MemoryKube(jobs=jobs, services=[{"metadata": {"name": s, "namespace": "ml", "labels": dict(WARMER_LABELS)}}
+                                           for s in services])
 
 
 def warm(kube: MemoryKube, cache: Any, generation: int = 2) -> WarmupOutcome:
@@ -276,7 +277,7 @@ def warm(kube: MemoryKube, cache: Any, generation: int = 2) -> WarmupOutcome:
 
 
 def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted() -> None:
-    left = {"metadata": {"name": "llama-p-0123456789", "labels": dict(WARMER_LABELS),
+    left = {"metadata": {"name": "llama-p-0123456789", "namespace": "ml", "labels": dict(WARMER_LABELS),
                          "annotations": {"cachewarm.dev/generation": "7"},
                          "ownerReferences": [{"kind": "CompilationCache", "name": "llama", "uid": "u-0",
                                               "controller": True}]},
@@ -290,7 +291,7 @@ def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted() -> None:
 
 def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop() -> None:
     old: dict[str, Any] = {
-        "metadata": {"name": "llama-p-0123456789", "labels": dict(WARMER_LABELS),
+        "metadata": {"name": "llama-p-0123456789", "namespace": "ml", "labels": dict(WARMER_LABELS),
                      "annotations": {"cachewarm.dev/generation": "1"},
                      "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
         "status": {"active": 2, "startTime": "s"}}
@@ -301,7 +302,7 @@ def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop() -> None:
     cluster = cluster_of([old], (service,))
     assert warm(cluster, invalid).pools[0]["reason"] == "InvalidTpuShape"
     assert cluster.deleted == [("Job", "llama-p-0123456789")]  # the Service stays: its pods may still run
-    assert old["metadata"]["deletionTimestamp"]  # foreground: still listed while its pods stop
+    assert cluster.jobs[0]["metadata"]["deletionTimestamp"]  # foreground: still listed while its pods stop
     warm(cluster, invalid)
     assert ("Service", service) not in cluster.deleted
     cluster.jobs = []  # gone: now the Service goes too
@@ -342,7 +343,7 @@ def test_programs_not_cached_are_named_in_warmed() -> None:
 
 
 def failed_job(name: str, when: str = "2026-11-22T01:00:00Z") -> dict[str, Any]:
-    return {"metadata": {"name": name, "labels": dict(WARMER_LABELS),
+    return {"metadata": {"name": name, "namespace": "ml", "labels": dict(WARMER_LABELS),
                          "annotations": {"cachewarm.dev/generation": "2"},
                          "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
             "status": {"startTime": "s", "conditions": [
@@ -427,7 +428,7 @@ def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_
     cluster = cluster_of([])
     first = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
                              cache_entries=0, warmer_image="w", now=at(1), generation=2)
-    [job] = cluster.created
+    [job] = cluster.jobs
     assert job["kind"] == "Job" and job["metadata"]["labels"]["cachewarm.dev/warmer-for"] == "llama"
     assert first.pools[0]["state"] == "Pending" and [e.reason for e in first.events] == ["WarmerCreated"]
     again = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
