@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -48,6 +50,14 @@ KEY_HASH_CHARS = 16
 SUMMARY_LIMIT = 4000  # the kubelet keeps at most 4096 bytes of a termination message
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
+# PJRT plugins whose version goes into a compiled program's key, as jaxlib's does.
+PLUGIN_DISTRIBUTIONS = ("libtpu", "libtpu-nightly", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
+                        "jax-cuda13-pjrt", "jax-rocm7-plugin", "jax-rocm7-pjrt")
+# XLA flags JAX leaves out of its cache key (jax/_src/cache_key.py, as of jax 0.10): used
+# when the running jax does not have the list itself.
+KEY_EXCLUDED_FLAGS = ("--xla_dump_to", "--xla_dump_hlo_as_text", "--xla_dump_hlo_as_proto", "--xla_dump_hlo_pass_re",
+                      "--xla_dump_hlo_module_re", "--xla_force_host_platform_device_count", "--xla_gpu_cuda_data_dir",
+                      "--xla_gpu_experimental_autotune_cache_mode")
 
 
 def log(message: str, **fields: Any) -> None:
@@ -308,6 +318,49 @@ def run_command(argv: list[str]) -> int:
     return subprocess.call(argv)
 
 
+def key_flags() -> list[str]:
+    """The XLA flags that go into this process's cache keys, as JAX gathers them: XLA_FLAGS,
+    LIBTPU_INIT_ARGS and --xla arguments, sorted, without the ones JAX leaves out."""
+    flags = [*(os.environ.get("XLA_FLAGS") or "").split(), *(os.environ.get("LIBTPU_INIT_ARGS") or "").split(),
+             *(a for a in sys.argv if a.startswith("--xla"))]
+    excluded = getattr(sys.modules.get("jax._src.cache_key"), "xla_flags_to_exclude_from_cache_key", None)
+    skip = set(excluded) if isinstance(excluded, (list, tuple, set)) else set(KEY_EXCLUDED_FLAGS)
+    return sorted(f for f in flags if f.split("=")[0] not in skip)
+
+
+def fingerprint() -> dict[str, Any]:
+    """What this process's cache keys depend on besides the program itself: versions of
+    jax, jaxlib and the PJRT plugins, the platform and device kind, device and process
+    counts, the TPU topology, the XLA flags (a hash), and the cache directory JAX uses. A
+    pod whose fingerprint differs from the warmer's computes other keys. Empty when jax was
+    never imported here; never raises (a part it could not read becomes `error`)."""
+    jax: Any = sys.modules.get("jax")
+    if jax is None:
+        return {}
+    out: dict[str, Any] = {"jax": str(getattr(jax, "__version__", ""))}
+    try:
+        for dist in ("jaxlib", *PLUGIN_DISTRIBUTIONS):
+            try:
+                out.setdefault("versions", {})[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        flags = key_flags()
+        out["flagsHash"] = hashlib.sha256("\n".join(flags).encode()).hexdigest()[:12]
+        out["flagCount"] = len(flags)
+        out["cacheDir"] = str(jax.config.jax_compilation_cache_dir or "")
+        devices = jax.devices()
+        out["platform"] = str(devices[0].platform)
+        out["deviceKind"] = str(devices[0].device_kind)
+        out["devices"] = int(jax.device_count())
+        out["processes"] = int(jax.process_count())
+        coords: list[Any] = [getattr(d, "coords", None) for d in devices]
+        if coords and all(isinstance(c, (list, tuple)) and c for c in coords):  # TPU devices have coordinates
+            out["topology"] = "x".join(str(max(int(c[i]) for c in coords) + 1) for i in range(len(coords[0])))
+    except Exception as exc:  # noqa: BLE001 - a fingerprint is a report, never a reason to fail
+        out["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
 def key_hash(key: str) -> str:
     """How a summary names a cache entry: the first 16 hex digits of the hash its key ends
     in (`jit_step-<sha256>`), enough to tell a prefix's entries apart, short enough for
@@ -450,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "targets": results,
     }
+    if index == 0 and counted:
+        summary["fingerprint"] = fingerprint()
     cached = (found + len(written)) if counted else len(after)
     if index != 0:
         # Processes other than 0 never write: they succeed when they compiled everything

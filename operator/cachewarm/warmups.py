@@ -109,6 +109,7 @@ class PodsView:
 
     nodes: tuple[str, ...] = ()
     unschedulable: str = ""  # the scheduler's message, verbatim
+    image: str = ""  # the image the warm container ran, by digest (its imageID), as the kubelet reports it
 
 
 def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
@@ -119,7 +120,31 @@ def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
             if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
                     and cond.get("reason") == "Unschedulable" and not unschedulable):
                 unschedulable = str(cond.get("message") or "no node fits the pod")
-    return PodsView(tuple(nodes), unschedulable)
+    # Every host runs the same image; a tag may have moved, the digest the kubelet pulled not.
+    image = next((str(s["imageID"]) for p in pods for s in (p.get("status") or {}).get("containerStatuses") or []
+                  if s.get("name") == "warm" and s.get("imageID")), "")
+    return PodsView(tuple(nodes), unschedulable, image)
+
+
+FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "deviceKind", "topology", "error")
+FINGERPRINT_COUNTS = ("flagCount", "devices", "processes")
+
+
+def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any]:
+    """A warmer's fingerprint as status keeps it: the known fields only, typed and bounded
+    (the summary is the warmer's, run in the user's image, so not trusted to be tidy)."""
+    out: dict[str, Any] = {k: str(reported[k])[:300] for k in FINGERPRINT_TEXT if reported.get(k) not in (None, "")}
+    for key in FINGERPRINT_COUNTS:
+        try:
+            out[key] = int(reported[key])
+        except (KeyError, TypeError, ValueError):
+            continue
+    versions = reported.get("versions")
+    if isinstance(versions, Mapping):
+        out["versions"] = {str(k)[:100]: str(v)[:100] for k, v in list(versions.items())[:16]}
+    if image:
+        out["image"] = image[:300]
+    return out
 
 
 def _process_index(summary: Mapping[str, Any]) -> int:
@@ -168,6 +193,11 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         if reported is not None:
             out["keys"] = sorted({str(k) for k in reported["keys"]})[:MAX_KEYS]
             out["keyCount"] = int(reported.get("keyCount", len(out["keys"])) or 0)
+        # What the keys were computed with (process 0's view), and the image by digest.
+        found = next((s["fingerprint"] for s in writers if isinstance(s.get("fingerprint"), Mapping)
+                      and s["fingerprint"]), None)
+        if found is not None:
+            out["fingerprint"] = fingerprint_status(found, pods.image if pods is not None else "")
     errors = [e for s in summaries for e in s.get("errors", [])]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"

@@ -179,6 +179,12 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     [main] = warmer["status"]["containerStatuses"]
     summary = json.loads(main["state"]["terminated"]["message"])
     assert summary["entriesWritten"] == pool["entriesWritten"]
+    # The fingerprint of the keys: what the warmer's jax saw, and the image by the digest
+    # the kubelet reports (not the tag).
+    fingerprint = pool["fingerprint"]
+    assert fingerprint["image"] == main["imageID"] and "sha256:" in fingerprint["image"]
+    assert (fingerprint["platform"], fingerprint["devices"], fingerprint["processes"]) == ("cpu", 1, 1)
+    assert fingerprint["jax"] == summary["fingerprint"]["jax"] and fingerprint["cacheDir"].startswith("gs://")
     assert obj["status"]["cache"]["entries"] >= pool["entriesWritten"]
 
     # A training pod created through the apiserver: the in-cluster webhook adds the env.

@@ -89,6 +89,11 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     [pool] = obj["status"]["warmup"]["pools"]
     assert pool["state"] == "Succeeded" and pool["name"] == "cpu"
     assert pool["entriesWritten"] >= 1 and pool["bytesWritten"] > 0
+    # What the keys were computed with, kept through the CRD's schema (the node agent runs
+    # no image, so it reports no imageID: the real node's test checks the digest).
+    fingerprint = pool["fingerprint"]
+    assert (fingerprint["platform"], fingerprint["devices"], fingerprint["cacheDir"]) == ("cpu", 1, f"gs://{bucket}/jax")
+    assert fingerprint["versions"]["jaxlib"] and "image" not in fingerprint
     entries = [b for b in gcs.list_blobs(bucket, prefix="jax/") if b.name.endswith("-cache")]
     assert len(entries) == pool["entriesWritten"] == obj["status"]["cache"]["entries"]
     assert any("jit_train_step" in b.name for b in entries)

@@ -19,9 +19,10 @@ WARMER = Path(__file__).resolve().parents[2] / "operator" / "cachewarm" / "warme
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-def warm(tmp_path: Path, *args: str, cache: Path | None = None, min_compile: str = "0") -> tuple[int, dict[str, Any], str]:
+def warm(tmp_path: Path, *args: str, cache: Path | None = None, min_compile: str = "0",
+         env_extra: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
     summary = tmp_path / "termination-log"
-    env = {**os.environ, "CACHEWARM_SUMMARY_FILE": str(summary),
+    env = {**os.environ, **(env_extra or {}), "CACHEWARM_SUMMARY_FILE": str(summary),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": min_compile,
            "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
     if cache is not None:
@@ -55,6 +56,28 @@ def test_the_summary_names_by_key_the_entries_the_warm_wrote_and_then_found(tmp_
     code, again, _ = warm(tmp_path, "targets", "warm_targets:slow_targets", cache=cache)
     assert code == 0 and again["entriesFound"] == 1
     assert again["keys"] == on_disk  # found, not written: still what pods will read
+
+
+def test_the_fingerprint_names_what_the_keys_depend_on(tmp_path: Path) -> None:
+    """Versions, platform, device count and the flags JAX hashes: a device-count flag
+    changes the devices (and so the keys) but not the flags' hash, a dump flag changes
+    neither (JAX leaves both out of its flags), an optimization flag changes the hash."""
+    import jax
+
+    def fingerprint(flags: str) -> dict[str, Any]:
+        code, summary, log = warm(tmp_path, "targets", "warm_targets:slow_targets", cache=tmp_path / "cache",
+                                  env_extra={"XLA_FLAGS": flags})
+        assert code == 0, log
+        return dict(summary["fingerprint"])
+
+    plain = fingerprint("")
+    assert plain["jax"] == jax.__version__ and plain["versions"]["jaxlib"] == jax.__version__
+    assert (plain["platform"], plain["deviceKind"], plain["devices"], plain["processes"]) == ("cpu", "cpu", 1, 1)
+    assert plain["cacheDir"] == str(tmp_path / "cache") and plain["flagCount"] == 0
+    two = fingerprint("--xla_force_host_platform_device_count=2 --xla_dump_to=/tmp/dump")
+    assert two["devices"] == 2 and (two["flagsHash"], two["flagCount"]) == (plain["flagsHash"], 0)
+    tuned = fingerprint("--xla_cpu_enable_fast_math=true")
+    assert tuned["flagsHash"] != plain["flagsHash"] and tuned["flagCount"] == 1 and tuned["devices"] == 1
 
 
 def test_failing_target_exits_1_with_the_error(tmp_path: Path) -> None:

@@ -457,3 +457,25 @@ def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_
                              entry_keys=frozenset({"aa", "bb"}))
     assert later.pools == done.pools and later.events == []
     assert "list_pods" not in cluster.calls and cluster.calls == ["list_jobs", "list_services"]
+
+
+def test_the_pool_keeps_process_0s_fingerprint_typed_and_bounded_with_the_image_digest() -> None:
+    from cachewarm.warmups import fingerprint_status
+
+    job = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    zero = {"processIndex": 0, "entriesWritten": 1, "fingerprint": {
+        "jax": "0.10.2", "versions": {"jaxlib": "0.10.2", "libtpu": "0.0.30"}, "platform": "tpu",
+        "deviceKind": "TPU v5p", "devices": "8", "processes": 2, "topology": "2x2x2", "flagsHash": "abc",
+        "flagCount": 3, "cacheDir": "gs://b/p", "unexpected": {"big": "x" * 5000}}}
+    one = {"processIndex": 1, "fingerprint": {"jax": "0.9.0", "devices": 8}}
+    pods = [{"spec": {"nodeName": "n"}, "status": {"containerStatuses": [
+        {"name": "warm", "imageID": "us-docker.pkg.dev/team/train@sha256:" + "a" * 64}]}}]
+    status = pool_status("j", spec().warmup.pools[0], "h", job, [one, zero], read_pods(pods))
+    assert status["fingerprint"] == {
+        "jax": "0.10.2", "versions": {"jaxlib": "0.10.2", "libtpu": "0.0.30"}, "platform": "tpu",
+        "deviceKind": "TPU v5p", "devices": 8, "processes": 2, "topology": "2x2x2", "flagsHash": "abc",
+        "flagCount": 3, "cacheDir": "gs://b/p", "image": "us-docker.pkg.dev/team/train@sha256:" + "a" * 64}
+    assert fingerprint_status({"jax": "x" * 1000, "devices": "many"}, "")["jax"] == "x" * 300
+    assert "devices" not in fingerprint_status({"devices": "many"}, "")
+    # A warmer too old to report one (or an entrypoint in a child process): no fingerprint.
+    assert "fingerprint" not in pool_status("j", spec().warmup.pools[0], "h", job, [{"entriesWritten": 1}])
