@@ -1,4 +1,5 @@
-"""The `cachewarm` command line: `run` (the operator) and `warm` (the warmer)."""
+"""The `cachewarm` command line: `run` (the operator), `warm` (the warmer) and `inspect`
+(what a cache holds)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,52 @@ def warm(ctx: click.Context) -> None:
     from cachewarm import warmer  # the same single file the warmer init container ships
 
     sys.exit(warmer.main(list(ctx.args)))
+
+
+@cli.command(name="inspect")
+@click.argument("cache", required=False, metavar="[NAMESPACE/NAME]")
+@click.option("--bucket", "url", metavar="gs://BUCKET[/PREFIX]",
+              help="Inspect a bucket (and prefix) directly instead of a CompilationCache.")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
+    """Show what a cache holds, by program: entries, size, when written and last used
+    (customTime), and which warmer pools reported them, with the fingerprint (versions,
+    devices, flags, image) their keys were computed with.
+
+    NAMESPACE/NAME reads the CompilationCache (and its warmers' status) with $KUBECONFIG or
+    the in-cluster ServiceAccount; --bucket reads only the bucket. GCS is read with
+    Application Default Credentials (or $STORAGE_EMULATOR_HOST). Exit status 1 when the
+    cache or bucket cannot be read, 2 for a usage error.
+    """
+    from cachewarm import inspection
+    from cachewarm.clients.gcs import GcsClient, GcsError
+    from cachewarm.clients.kube import KubeClient, KubeError
+    from cachewarm.model import InvalidSpec, parse_spec
+
+    if bool(cache) == bool(url):
+        raise click.UsageError("give either NAMESPACE/NAME or --bucket gs://BUCKET[/PREFIX]")
+    pools: list[dict[str, object]] = []
+    try:
+        if cache:
+            namespace, _, name = cache.partition("/")
+            if not namespace or not name or "/" in name:
+                raise click.UsageError(f"expected NAMESPACE/NAME, got {cache!r}")
+            body = KubeClient.from_environment().get_cache(namespace, name)
+            if body is None:
+                raise inspection.InspectError(f"CompilationCache {namespace}/{name} not found")
+            storage = parse_spec(body.get("spec") or {}).storage.gcs
+            bucket, prefix, url = storage.bucket, storage.object_prefix, storage.url
+            pools = list(((body.get("status") or {}).get("warmup") or {}).get("pools") or [])
+        else:
+            assert url is not None
+            bucket, prefix = inspection.parse_url(url)
+        objects = GcsClient().list_objects(bucket, prefix, glob=f"{prefix}*")
+        progs = inspection.programs(objects, prefix, pools)
+    except (KubeError, GcsError, InvalidSpec, inspection.InspectError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    render = inspection.as_json if output == "json" else inspection.as_table
+    click.echo(render(url, progs, pools), nl=False)
 
 
 def main() -> None:

@@ -337,7 +337,8 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
     unstamped = 0
     deadline = clock() + STAMP_SECONDS
     # Only names directly under the prefix (GCS's `*` stops at '/'): for a cache at the root
-    # of a bucket that also holds other data, its folders are not listed, nor billed.
+    # of a bucket that also holds other data, its folders are not in the answer (their
+    # pages may still be cut and billed: GCS does not say whether it globs before paging).
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix, glob=f"{spec.object_prefix}*"):
         if not b.is_cache_entry(obj.name, spec):
             continue

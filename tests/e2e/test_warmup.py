@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -75,6 +77,14 @@ def train_in_pod(bed: Testbed, ns: str, cache: str, name: str = "trainer") -> di
     return {**json.loads(log.strip().splitlines()[-1]), "log": log}
 
 
+def inspect(bed: Testbed, *args: str) -> dict[str, Any]:
+    """`cachewarm inspect ... -o json` as a user runs it, with the admin kubeconfig."""
+    out = subprocess.run([sys.executable, "-m", "cachewarm", "inspect", *args, "-o", "json"],
+                         env={**os.environ, **bed.env()}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
 @pytest.mark.parametrize("mode", ["targets", "command"])
 def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
@@ -109,6 +119,19 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     assert scrape(operator.metrics_url, "cachewarm_cache_entries", **this) == len(entries)
     assert scrape(operator.metrics_url, "cachewarm_cache_bytes", **this) == sum(b.size or 0 for b in entries)
     injected = scrape(operator.metrics_url, "cachewarm_webhook_admissions_total", outcome="injected")
+
+    # `cachewarm inspect` lists, by program, what the warmer wrote, and says which pool
+    # reported each entry and with what fingerprint; --bucket the same entries without them.
+    report = inspect(controller_manager, f"{namespace}/llama")
+    by_program = {p["name"]: p for p in report["programs"]}
+    assert sum(p["entries"] for p in report["programs"]) == len(entries)
+    assert by_program["jit_train_step"]["pools"] == ["cpu"]
+    assert sorted(k["key"] for p in report["programs"] for k in p["keys"]) == \
+        sorted(b.name.removesuffix("-cache").rsplit("-", 1)[1] for b in entries)
+    assert report["pools"][0]["fingerprint"] == pool["fingerprint"]
+    direct = inspect(controller_manager, "--bucket", f"gs://{bucket}/jax")
+    assert [(p["name"], p["entries"], p["bytes"]) for p in direct["programs"]] == \
+        [(p["name"], p["entries"], p["bytes"]) for p in report["programs"]] and direct["pools"] == []
 
     run = train_in_pod(controller_manager, namespace, "llama")
     assert scrape(operator.metrics_url, "cachewarm_webhook_admissions_total", outcome="injected") == injected + 1

@@ -1,0 +1,140 @@
+"""`cachewarm inspect`: what a cache holds, program by program.
+
+Pure: the caller lists the bucket (GcsClient) and reads the cache (KubeClient); this
+module groups the entries by program, matches them to the warmer pools that reported
+their keys (with the fingerprint those were computed with), and renders a table or JSON.
+Which training pods hit an entry is not known yet: that needs reports from the pods.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachewarm.builders.bucket import ENTRY_NAME
+from cachewarm.clients.gcs import ObjectInfo
+
+KEY_HASH_CHARS = 16  # how warmers name entries in their summaries (warmer.key_hash)
+URL = re.compile(r"^gs://(?P<bucket>[a-z0-9][a-z0-9._-]{1,220}[a-z0-9])(?:/(?P<prefix>.*?))?/?$")
+
+
+class InspectError(Exception):
+    """What to inspect cannot be found or read; the message says why."""
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """(bucket, object-name prefix) of gs://bucket[/prefix]. Raises InspectError."""
+    found = URL.match(url)
+    if found is None:
+        raise InspectError(f"not a gs://BUCKET[/PREFIX] URL: {url!r}")
+    prefix = (found.group("prefix") or "").strip("/")
+    return found.group("bucket"), f"{prefix}/" if prefix else ""
+
+
+@dataclass
+class Entry:
+    key: str  # the hash in the entry's name, 64 hex digits
+    size: int
+    written: dt.datetime | None
+    last_used: dt.datetime | None  # customTime: refreshed by warmers, the lifecycle's clock
+    pools: list[str] = field(default_factory=list)  # warmer pools that reported relying on it
+
+
+@dataclass
+class Program:
+    name: str  # JAX's module name, e.g. jit_train_step
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    @property
+    def written(self) -> dt.datetime | None:
+        return max((e.written for e in self.entries if e.written), default=None)
+
+    @property
+    def last_used(self) -> dt.datetime | None:
+        return max((e.last_used for e in self.entries if e.last_used), default=None)
+
+    @property
+    def pools(self) -> list[str]:
+        return sorted({p for e in self.entries for p in e.pools})
+
+
+def programs(objects: Iterable[ObjectInfo], object_prefix: str,
+             pools: Sequence[Mapping[str, Any]] = ()) -> list[Program]:
+    """The JAX cache entries (`<program>-<sha256>-cache`) directly under `object_prefix`,
+    grouped by program (sorted by name, newest entry first); each entry names the pools
+    of `pools` (status.warmup.pools) whose warmer reported its key. Other objects are not
+    entries and are left out."""
+    reported: dict[str, list[str]] = {}
+    for pool in pools:
+        for key in pool.get("keys") or []:
+            reported.setdefault(str(key), []).append(str(pool.get("name")))
+    grouped: dict[str, Program] = {}
+    for obj in objects:
+        rest = obj.name[len(object_prefix):] if obj.name.startswith(object_prefix) else None
+        if rest is None or not rest.endswith("-cache") or ENTRY_NAME.match(rest) is None:
+            continue
+        program, key = rest.removesuffix("-cache").rsplit("-", 1)
+        grouped.setdefault(program, Program(program)).entries.append(
+            Entry(key, obj.size, obj.created, obj.custom_time, sorted(reported.get(key[:KEY_HASH_CHARS], []))))
+    for prog in grouped.values():
+        prog.entries.sort(key=lambda e: e.written or dt.datetime.min.replace(tzinfo=dt.timezone.utc), reverse=True)
+    return [grouped[name] for name in sorted(grouped)]
+
+
+def _iso(when: dt.datetime | None) -> str | None:
+    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
+
+
+def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The report for scripts: every entry, and each pool's fingerprint."""
+    return json.dumps({
+        "url": url,
+        "programs": [{"name": p.name, "entries": len(p.entries), "bytes": p.size, "written": _iso(p.written),
+                      "lastUsed": _iso(p.last_used), "pools": p.pools,
+                      "keys": [{"key": e.key, "bytes": e.size, "written": _iso(e.written), "lastUsed": _iso(e.last_used),
+                                "pools": e.pools} for e in p.entries]} for p in progs],
+        "pools": [{"name": pool.get("name"), "state": pool.get("state"), "job": pool.get("job"),
+                   "fingerprint": pool.get("fingerprint") or {}} for pool in pools],
+    }, indent=2)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def describe(fingerprint: Mapping[str, Any]) -> str:
+    """A fingerprint in a few words: jax 0.10.2, tpu TPU v5p x8 (2 processes), flags abc123."""
+    if not fingerprint:
+        return "-"
+    devices = f"{fingerprint.get('platform', '?')} {fingerprint.get('deviceKind', '')} x{fingerprint.get('devices', '?')}"
+    processes = f" ({fingerprint['processes']} processes)" if int(fingerprint.get("processes") or 1) > 1 else ""
+    return f"jax {fingerprint.get('jax', '?')}, {' '.join(devices.split())}{processes}, flags {fingerprint.get('flagsHash', '?')}"
+
+
+def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The report for people: one row per program, then the pools' fingerprints."""
+    rows = [("PROGRAM", "ENTRIES", "SIZE", "WRITTEN", "LAST USED", "WARMED BY")]
+    rows += [(p.name, str(len(p.entries)), _size(p.size), _iso(p.written) or "-", _iso(p.last_used) or "-",
+              ",".join(p.pools) or "-") for p in progs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [url, ""] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    if not progs:
+        lines.append("(no JAX cache entries)")
+    if pools:
+        lines += ["", "POOL  STATE  KEYS COMPUTED WITH"]
+        lines += [f"{pool.get('name')}  {pool.get('state', '-')}  {describe(pool.get('fingerprint') or {})}"
+                  + (f", image {pool['fingerprint']['image']}" if (pool.get("fingerprint") or {}).get("image") else "")
+                  for pool in pools]
+    return "\n".join(lines) + "\n"
