@@ -317,6 +317,26 @@ def busybox_images(busybox: Path = BUSYBOX) -> dict[str, tuple[bytes, dict[str, 
     }
 
 
+def _index_image_names(archive: Path) -> set[str]:
+    """The names `ctr images import` (no --base-name) gives the manifests of an OCI archive's
+    index.json by itself: io.containerd.image.name, else org.opencontainers.image.ref.name
+    when it is a full reference (a bare tag becomes import-<date>:<tag>, never one of ours)."""
+    index: dict[str, Any] = {}
+    with tarfile.open(archive) as tar:
+        for member in tar:
+            if member.isfile() and os.path.normpath(member.name) == "index.json":
+                data = tar.extractfile(member)
+                index = json.load(data) if data is not None else {}
+                break
+    names: set[str] = set()
+    for manifest in index.get("manifests", []):
+        annotations = manifest.get("annotations") or {}
+        name = annotations.get("io.containerd.image.name") or annotations.get("org.opencontainers.image.ref.name", "")
+        if any(c in name for c in "/:@"):
+            names.add(name)
+    return names
+
+
 # -- the node -----------------------------------------------------------------------------
 
 class RealNode:
@@ -557,15 +577,22 @@ state = "{state}"
 
     def import_images(self, archives: dict[str, Path]) -> None:
         """Import OCI archives (image ref -> path, e.g. from cachewarm_testbed.images) into
-        the node's containerd, under those refs. Raises StartError."""
+        the node's containerd, under those refs, unpacked. Raises StartError.
+
+        `--index-name ref` only when the archive's index.json does not name a manifest `ref`
+        itself (ctr names a manifest by its io.containerd.image.name annotation, as
+        oci_archive() writes, else by a full org.opencontainers.image.ref.name, as buildah
+        writes). With both, ctr 1.6 records `ref` -> index and then re-points the same record
+        at the manifest, releases its import lease, and still unpacks the first record by its
+        stale index target: the index is then referenced by nothing, so containerd's GC (a
+        pass every ~0.1 s just after boot) can remove it while the layer is applied, and the
+        import fails with "content digest <index.json's digest>: not found". It passed only
+        when the CRI plugin handled the ImageCreate event before ctr re-pointed the name (its
+        image-id record then kept the index); a retry of the same import loses the same way.
+        """
         for ref, archive in archives.items():
-            result = self.ctr("images", "import", "--index-name", ref, str(archive), check=False)
-            if result.returncode != 0 and "not found" in result.stderr:
-                # Seen once in a full suite run ("content digest ... not found" for an
-                # archive that imported before and after): containerd's content store
-                # was not ready; a second import of the same archive is idempotent.
-                time.sleep(1)
-                result = self.ctr("images", "import", "--index-name", ref, str(archive), check=False)
+            name_flags = [] if ref in _index_image_names(archive) else ["--index-name", ref]
+            result = self.ctr("images", "import", *name_flags, str(archive), check=False)
             if result.returncode != 0:
                 raise StartError(f"ctr images import {archive} failed: {result.stderr.strip()}\n"
                                  f"--- containerd log ---\n{log_tail(self.log_dir / 'containerd.log')}")
