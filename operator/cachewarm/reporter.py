@@ -1,0 +1,339 @@
+"""The reporter: what a training process's JAX persistent cache did, told to cachewarm.
+
+It runs inside the user's training image with that image's own python, so it uses nothing
+but the standard library (and jax, once the process imports it). It is shipped like the
+warmer: an init container copies it, `sitecustomize.py` and the warmer into an emptyDir
+whose path starts the pod's PYTHONPATH, so python imports it at start-up and the training
+code does not change. Until the process imports jax it does nothing but wait for that
+import; from then on it counts JAX's own cache events from the very first compile:
+
+- compile requests that used the cache, hits, misses (requests that did not hit), compile
+  seconds saved by hits and spent compiling, and the names and keys of the last programs
+  that missed (from JAX's own log records, as the warmer reads keys);
+- the process's key fingerprint (the warmer's own code, so the two compare like for like).
+
+A small JSON report goes to $CACHEWARM_REPORT_URL (HTTPS, the CA in
+$CACHEWARM_REPORT_CA_FILE) with the pod's ServiceAccount token for audience `cachewarm`
+($CACHEWARM_REPORT_TOKEN_FILE, re-read for every report since the kubelet rotates it):
+shortly after the first compiles, then every $CACHEWARM_REPORT_SECONDS while anything
+changed, and once at exit.
+
+It must never break or slow the training process: every hook swallows its own errors;
+memory is bounded (the last MAX_MISSES misses, counters); reports are sent from a daemon
+thread with a timeout, and the one at exit waits at most EXIT_SECONDS; a report that cannot
+be delivered is dropped (the next one carries the totals).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import ssl
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ENV_URL = "CACHEWARM_REPORT_URL"
+ENV_TOKEN_FILE = "CACHEWARM_REPORT_TOKEN_FILE"
+ENV_CA_FILE = "CACHEWARM_REPORT_CA_FILE"
+ENV_SECONDS = "CACHEWARM_REPORT_SECONDS"
+ENV_CACHE = "CACHEWARM_CACHE"
+ENV_POD = ("CACHEWARM_POD_NAMESPACE", "CACHEWARM_POD_NAME", "CACHEWARM_POD_UID")
+IMAGE_PYTHONPATH = "image-pythonpath"  # in the reporter's directory, written by an init container
+
+EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+EVENT_HITS = "/jax/compilation_cache/cache_hits"
+DURATION_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
+DURATION_COMPILE = "/jax/core/compile/backend_compile_duration"
+MISS_LOG = "PERSISTENT COMPILATION CACHE MISS for"
+HIT_LOG = "Persistent compilation cache hit for"
+
+MAX_MISSES = 20  # the last programs that missed, with their keys
+FIRST_REPORT_SECONDS = 5.0  # after the first compile: the first steps' compiles are in it
+DEFAULT_PERIOD_SECONDS = 60.0
+SEND_TIMEOUT_SECONDS = 5.0
+EXIT_SECONDS = 2.0  # the most the process waits at exit for the last report
+REPORT_VERSION = 1
+
+
+def _warn(message: str) -> None:
+    try:
+        print(f"cachewarm reporter: {message}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - stderr closed: nothing to say it on
+        pass
+
+
+class Tally(logging.Filter):
+    """JAX's cache events in this process; thread-safe, bounded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.hits = 0
+        self.saved_seconds = 0.0
+        self.compile_seconds = 0.0
+        self.compiles = 0
+        self.misses: collections.deque[dict[str, str]] = collections.deque(maxlen=MAX_MISSES)
+        self.changed = threading.Event()
+        self.first = threading.Event()
+        self.quiet_below = logging.WARNING
+
+    def on_event(self, event: str, **_: Any) -> None:
+        try:
+            if event not in (EVENT_REQUESTS, EVENT_HITS):
+                return
+            with self.lock:
+                if event == EVENT_REQUESTS:
+                    self.requests += 1
+                else:
+                    self.hits += 1
+            self.first.set()
+            self.changed.set()
+        except Exception:  # noqa: BLE001 - never into JAX's compile path
+            pass
+
+    def on_duration(self, event: str, duration: float, **_: Any) -> None:
+        try:
+            if event == DURATION_SAVED:
+                with self.lock:
+                    self.saved_seconds += float(duration)
+            elif event == DURATION_COMPILE:
+                with self.lock:
+                    self.compile_seconds += float(duration)
+                    self.compiles += 1
+                self.first.set()
+            else:
+                return
+            self.changed.set()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Reads the program name and key of a miss from JAX's DEBUG record; the record
+        goes on only at the level the logger had before (the process's logs stay as they were)."""
+        try:
+            args = record.args if isinstance(record.args, tuple) else ()
+            if str(record.msg).startswith(MISS_LOG) and len(args) >= 2:
+                with self.lock:
+                    self.misses.append({"program": str(args[0])[:200], "key": str(args[1])[:200]})
+            return record.levelno >= self.quiet_below
+        except Exception:  # noqa: BLE001
+            return True
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"requests": self.requests, "hits": self.hits, "misses": max(self.requests - self.hits, 0),
+                    "compileSecondsSaved": round(self.saved_seconds, 3),
+                    "compileSecondsSpent": round(self.compile_seconds, 3), "compiles": self.compiles,
+                    "lastMisses": list(self.misses)}
+
+
+def _load_fingerprint(here: Path) -> Callable[[], dict[str, Any]]:
+    """The warmer's fingerprint(), from the warmer file shipped beside this one."""
+    for name in ("warm.py", "warmer.py"):
+        path = here / name
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location("_cachewarm_warmer", path)
+            if spec is not None and spec.loader is not None:
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                found: Callable[[], dict[str, Any]] = module.fingerprint
+                return found
+    return lambda: {}
+
+
+class Reporter:
+    """Sends the tally: soon after the first compiles, then periodically, and at exit."""
+
+    def __init__(self, tally: Tally, env: dict[str, str], here: Path) -> None:
+        self.tally = tally
+        self.url = env.get(ENV_URL, "")
+        self.token_file = env.get(ENV_TOKEN_FILE, "")
+        self.ca_file = env.get(ENV_CA_FILE, "")
+        try:
+            self.period = max(float(env.get(ENV_SECONDS) or DEFAULT_PERIOD_SECONDS), 1.0)
+        except ValueError:
+            self.period = DEFAULT_PERIOD_SECONDS
+        self.pod = dict(zip(("namespace", "name", "uid"), (env.get(k, "") for k in ENV_POD)))
+        self.cache = env.get(ENV_CACHE, "")
+        self.here = here
+        self.sequence = 0
+        self.failures = 0
+        self.sent = 0
+        self.fingerprint: dict[str, Any] | None = None
+        self.started = time.time()
+        self._send_lock = threading.Lock()
+        self._context: ssl.SSLContext | None = None
+
+    def report(self) -> dict[str, Any]:
+        if self.fingerprint is None:
+            try:
+                self.fingerprint = _load_fingerprint(self.here)()
+            except Exception as exc:  # noqa: BLE001
+                self.fingerprint = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        self.sequence += 1
+        process: dict[str, Any] = {"pid": os.getpid(), "started": int(self.started)}
+        jax = sys.modules.get("jax")
+        try:
+            process["index"] = int(jax.process_index()) if jax is not None else 0
+        except Exception:  # noqa: BLE001
+            process["index"] = 0
+        return {"version": REPORT_VERSION, "pod": self.pod, "cache": self.cache, "process": process,
+                "sequence": self.sequence, "counts": self.tally.snapshot(), "fingerprint": self.fingerprint}
+
+    def send(self, timeout: float = SEND_TIMEOUT_SECONDS) -> bool:
+        """One report; True when the operator took it. Never raises."""
+        if not self.url:
+            return False
+        with self._send_lock:
+            try:
+                self.tally.changed.clear()
+                body = json.dumps(self.report(), separators=(",", ":")).encode()
+                request = urllib.request.Request(self.url, data=body, method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                if self.token_file:
+                    request.add_header("Authorization", "Bearer " + Path(self.token_file).read_text().strip())
+                if self._context is None and self.url.startswith("https:"):
+                    self._context = ssl.create_default_context(cafile=self.ca_file or None)
+                with urllib.request.urlopen(request, timeout=timeout, context=self._context) as answer:  # noqa: S310
+                    answer.read(4096)
+                self.sent += 1
+                return True
+            except Exception as exc:  # noqa: BLE001 - the operator down, slow, refusing: training goes on
+                self.failures += 1
+                if self.failures == 1:
+                    _warn(f"could not send a report to {self.url} ({type(exc).__name__}: {exc}); "
+                          "training is not affected")
+                return False
+
+    def loop(self) -> None:
+        try:
+            self.tally.first.wait()
+            time.sleep(FIRST_REPORT_SECONDS)
+            while True:
+                self.send()
+                time.sleep(self.period)
+                self.tally.changed.wait()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def at_exit(self) -> None:
+        """The last report, waited for at most EXIT_SECONDS (from a thread: a hung
+        connection cannot hold the process longer)."""
+        try:
+            if not self.tally.first.is_set():
+                return  # no compile used the cache: nothing to tell
+            done = threading.Thread(target=self.send, kwargs={"timeout": EXIT_SECONDS}, daemon=True)
+            done.start()
+            done.join(EXIT_SECONDS)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
+    """Listen to JAX's cache events and miss records; start the report thread."""
+    try:
+        jax.monitoring.register_event_listener(tally.on_event)
+        jax.monitoring.register_event_duration_secs_listener(tally.on_duration)
+        logger = logging.getLogger("jax._src.compiler")
+        tally.quiet_below = logger.getEffectiveLevel()
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(tally)
+        threading.Thread(target=reporter.loop, name="cachewarm-reporter", daemon=True).start()
+        atexit.register(reporter.at_exit)
+    except Exception as exc:  # noqa: BLE001
+        _warn(f"not counting cache use ({type(exc).__name__}: {exc})")
+
+
+class _JaxWatch(importlib.abc.MetaPathFinder):
+    """Runs `then(jax)` right after `import jax` finishes, whoever imports it first."""
+
+    def __init__(self, then: Callable[[ModuleType], None]) -> None:
+        self.then = then
+        self.done = False
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "jax" or self.done:
+            return None
+        self.done = True
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = importlib.util.find_spec("jax")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, then = spec.loader, self.then
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                loader.exec_module(module)  # the import itself: its errors are the importer's
+                try:
+                    then(module)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        spec.loader = _Loader()
+        return spec
+
+
+def restore_image_pythonpath(here: Path) -> list[str]:
+    """The pod's PYTHONPATH replaced the one the image sets with ENV (the webhook cannot see
+    it); an init container running the training image wrote that value next to this file.
+    Its entries go right after this directory, in their order, as they would have been."""
+    try:
+        recorded = (here / IMAGE_PYTHONPATH).read_text().strip()
+    except OSError:
+        return []
+    entries = [p for p in recorded.split(os.pathsep) if p and p not in sys.path]
+    at = sys.path.index(str(here)) + 1 if str(here) in sys.path else 0
+    sys.path[at:at] = entries
+    return entries
+
+
+def chain_sitecustomize(here: Path) -> None:
+    """Run the sitecustomize ours shadows (the image's or the environment's), as python
+    would have, and leave it as `sitecustomize`; its errors are reported as python does."""
+    try:
+        others = [p for p in sys.path if p and Path(p).resolve() != here.resolve()]
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
+        if spec is None or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - as site.py: say so, go on
+        _warn(f"Error in the image's sitecustomize ({type(exc).__name__}: {exc})")
+
+
+def start(here: Path | None = None, env: dict[str, str] | None = None) -> None:
+    """From sitecustomize, at interpreter start. Never raises."""
+    try:
+        where = here or Path(__file__).resolve().parent
+        restore_image_pythonpath(where)
+        chain_sitecustomize(where)
+        tally = Tally()
+        reporter = Reporter(tally, dict(os.environ) if env is None else env, where)
+        then: Callable[[ModuleType], None] = lambda jax: on_jax_imported(jax, tally, reporter)  # noqa: E731
+        if "jax" in sys.modules:
+            then(sys.modules["jax"])
+        else:
+            sys.meta_path.insert(0, _JaxWatch(then))
+    except Exception as exc:  # noqa: BLE001
+        _warn(f"not started ({type(exc).__name__}: {exc})")
