@@ -101,6 +101,8 @@ OPERATOR_ENV = {
     # short enough for test_warmup's deleted entry, long enough for test_operator_bucket to
     # show resyncs that list nothing.
     "CACHEWARM_INVENTORY_SECONDS": "10",
+    # status.usage is written every 30 s in a cluster; test_reports reads it sooner.
+    "CACHEWARM_USAGE_FLUSH_SECONDS": "1",
 }
 
 

@@ -67,6 +67,9 @@ class Condition:
     # person can move the cache on. kstatus reads them as InProgress and Failed.
     RECONCILING: Final = "Reconciling"
     STALLED: Final = "Stalled"
+    # Whether the training pods that reported compute their keys as the warmers did
+    # (versions, devices, flags, cache dir); Unknown until both have reported.
+    KEYS_MATCH: Final = "KeysMatch"
 
 
 class Reason:

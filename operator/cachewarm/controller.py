@@ -39,6 +39,7 @@ from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
 from cachewarm.metrics import Metrics
+from cachewarm.reports import Store
 from cachewarm.model import InvalidSpec
 from cachewarm.settings import Settings
 from cachewarm.warmups import WarmRetry
@@ -109,9 +110,11 @@ class Result:
 
 class Controller:
     def __init__(self, settings: Settings, gcs: GcsClient, kube: KubeClient, injections: RecentInjections,
-                 leader: Leader, metrics: Metrics | None = None) -> None:
+                 leader: Leader, metrics: Metrics | None = None, reports: Store | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.reports = reports or Store(dt.timedelta(seconds=settings.report_window_seconds))
+        self._fingerprints_seen: dict[Key, str] = {}  # what the last reconcile compared with the warmers
         self.gcs = gcs
         self.kube = kube
         self.injections = injections
@@ -219,6 +222,8 @@ class Controller:
                        for i in range(self.settings.workers)]
         self._tasks.append(asyncio.create_task(self._every(self.settings.resync_seconds, self._resync), name="resync"))
         self._tasks.append(asyncio.create_task(self._every(self.settings.warm_poll_seconds, self._poll), name="poll"))
+        self._tasks.append(asyncio.create_task(self._every(self.settings.usage_flush_seconds, self._flush_usage),
+                                               name="usage"))
         if self.leader.is_leader:
             self._on_lead()
         try:
@@ -250,6 +255,34 @@ class Controller:
         self.enqueue_all()
         if self.leader.is_leader and self._loop is not None:
             self._loop.run_in_executor(self._executor, self.release_orphans)
+
+    def has_cache(self, namespace: str, name: str) -> bool:
+        return (namespace, name) in self.store
+
+    def _flush_usage(self) -> None:
+        """Leader only: write status.usage of each cache pods reported for (or whose window
+        emptied), when it differs from what status holds; a cache whose pods' fingerprints
+        changed is reconciled (KeysMatch)."""
+        if not self.leader.is_leader or self._loop is None:
+            return
+        now = dt.datetime.now(dt.timezone.utc)
+        for key in self.reports.caches():
+            body = self.store.get(key)
+            if body is None:
+                continue
+            usage = self.reports.usage(*key, now)
+            if usage != (body.get("status") or {}).get("usage"):
+                self._loop.run_in_executor(self._executor, self._write_usage, key, usage)
+            seen = repr(sorted(repr(sorted(f.items())) for _, f in self.reports.fingerprints(*key, now)))
+            if self._fingerprints_seen.get(key) != seen:
+                self._fingerprints_seen[key] = seen
+                self.enqueue(key)
+
+    def _write_usage(self, key: Key, usage: dict[str, Any] | None) -> None:
+        try:
+            self.kube.patch_cache_status(*key, {"usage": usage})
+        except KubeError as exc:
+            log.warning("Could not write the usage of %s/%s: %s", *key, exc)
 
     def _poll(self) -> None:
         for key, body in list(self.store.items()):
@@ -317,6 +350,7 @@ class Controller:
             now=dt.datetime.now(dt.timezone.utc), instance=self.settings.instance,
             warm_retry=WarmRetry(self.settings.warm_retries, self.settings.warm_retry_seconds),
             inventory_every=dt.timedelta(seconds=self.settings.inventory_seconds),
+            pod_fingerprints=self.reports.fingerprints(namespace, name, dt.datetime.now(dt.timezone.utc)),
         )
         patch = dict(outcome.status)
         if "kopf" in status:

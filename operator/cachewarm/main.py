@@ -20,6 +20,9 @@ from cachewarm.controller import Controller, backoff
 from cachewarm.injections import RecentInjections
 from cachewarm.leader import AlwaysLeader, Leadership, identity
 from cachewarm.metrics import Metrics
+from cachewarm.receiver import PATH as REPORT_PATH
+from cachewarm.receiver import Receiver
+from cachewarm.reports import Store
 from cachewarm.settings import Settings
 from cachewarm.webhook import AdmissionServer, ServingTls
 
@@ -50,6 +53,7 @@ def run(settings: Settings) -> None:
     memo.update(
         settings=settings,
         metrics=metrics,
+        reports=Store(dt.timedelta(seconds=settings.report_window_seconds)),
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
         kube=kube,
         injections=RecentInjections(settings.injection_window_seconds),
@@ -91,8 +95,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
                         error=f"{type(exc).__name__}: {exc}")
             tls.load(servingcert.in_memory(webhook_hosts(ours), dt.datetime.now(dt.timezone.utc)))
             authoritative = False
+        # Reports from training pods arrive on the same HTTPS server (and certificate).
+        receiver = Receiver(
+            kube=memo.kube, store=memo.reports, metrics=memo.metrics,
+            leading=lambda: "controller" in memo and memo.controller.leader.is_leader,
+            cache_exists=lambda ns, name: "controller" in memo and memo.controller.has_cache(ns, name))
         settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
-                                                    url=ours.webhook_url)
+                                                    url=ours.webhook_url, routes={REPORT_PATH: receiver.handle})
         keeper = WebhookKeeper(ours, memo.kube, tls, authoritative)
         await keeper.point_configuration()
         memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
@@ -104,7 +113,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         log.info("Leader election is off: this process reconciles", reason="disabled" if not ours.leader_election
                  else "CACHEWARM_POD_NAMESPACE is not set")
         leadership = AlwaysLeader()
-    controller = Controller(ours, memo.gcs, memo.kube, memo.injections, leadership, memo.metrics)
+    controller = Controller(ours, memo.gcs, memo.kube, memo.injections, leadership, memo.metrics, memo.reports)
     memo.controller, memo.leadership = controller, leadership
     task = asyncio.create_task(controller.run(), name="controller")
     task.add_done_callback(_controller_ended)

@@ -46,6 +46,19 @@ class Metrics:
         self.admission_seconds = Histogram(
             "cachewarm_webhook_admission_duration_seconds", "Time cachewarm's admission handler took, by outcome.",
             ["outcome"], buckets=ADMISSION_BUCKETS, registry=self.registry)
+        self.reports = Counter(
+            "cachewarm_reports", "Reports from training pods by the HTTP status answered (202 taken; 400, 401, 403, "
+            "404, 413, 429 refused; 503 not the leader or the token could not be reviewed).", ["code"],
+            registry=self.registry)
+        self.cache_hits = Counter(
+            "cachewarm_cache_hits", "Persistent-cache hits training pods reported (the leader's count).",
+            ["namespace", "cache"], registry=self.registry)
+        self.cache_misses = Counter(
+            "cachewarm_cache_misses", "Compile requests training pods reported that did not hit the cache.",
+            ["namespace", "cache"], registry=self.registry)
+        self.seconds_saved = Counter(
+            "cachewarm_compile_seconds_saved", "Compile seconds JAX estimates its cache hits saved in training pods.",
+            ["namespace", "cache"], registry=self.registry)
         self.registry.register(_CacheCollector(caches))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:

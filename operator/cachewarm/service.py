@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachewarm import conditions
+from cachewarm import conditions, reports
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
@@ -50,6 +50,7 @@ class _Seen:
     warm_condition: Cond | None = None
     waiting_pods: int | None = None
     injection: Cond | None = None
+    keys_match: Cond | None = None
 
 
 # What only a person can fix: the bucket (BucketReady) or the warm (Warmed) stays as it is
@@ -102,8 +103,10 @@ def _status(status: Mapping[str, Any], generation: int, seen: _Seen, injection: 
     else:
         ready = Cond(c.Condition.READY, True, c.Reason.RECONCILED, "The cache is ready for warmers and training pods")
     updates = [bucket.condition, ready, reconciling, stalled, *bucket.settings,
-               *([seen.warm_condition] if seen.warm_condition else []), *([seen.injection] if seen.injection else [])]
-    existing = [cd for cd in status.get("conditions") or [] if has_warmup or cd.get("type") != c.Condition.WARMED]
+               *([seen.warm_condition] if seen.warm_condition else []), *([seen.injection] if seen.injection else []),
+               *([seen.keys_match] if seen.keys_match else [])]
+    existing = [cd for cd in status.get("conditions") or []
+                if has_warmup or cd.get("type") not in (c.Condition.WARMED, c.Condition.KEYS_MATCH)]
     out: dict[str, Any] = {
         "conditions": conditions.merge(existing, updates, generation=generation, now=now),
         "observedGeneration": generation,
@@ -166,6 +169,7 @@ def reconcile_cache(
     meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
     now: dt.datetime, instance: str = c.DEFAULT_INSTANCE, warm_retry: WarmRetry = WarmRetry(),
     inventory_every: dt.timedelta = dt.timedelta(hours=1),
+    pod_fingerprints: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> Outcome:
     """Bucket, then warmers, then pods waiting for the cache; one status at the end. Never
     raises: a failing step becomes a condition with a reason and a message, an Event, and
@@ -176,7 +180,7 @@ def reconcile_cache(
         return _reconcile(gcs=gcs, kube=kube, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
                           namespace=namespace, name=name, claims=claims, now=now, generation=generation,
                           injection=injection, instance=instance, warm_retry=warm_retry,
-                          inventory_every=inventory_every)
+                          inventory_every=inventory_every, pod_fingerprints=pod_fingerprints)
     except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
         log.exception("Reconcile of %s/%s failed", namespace, name)
         message = f"Reconcile failed: {type(exc).__name__}: {exc}"[:1000]
@@ -203,7 +207,7 @@ def _reconcile(
     *, gcs: GcsClient, kube: KubeClient, warmer_image: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
     status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup, now: dt.datetime,
     generation: int, injection: dict[str, Any], instance: str, warm_retry: WarmRetry,
-    inventory_every: dt.timedelta,
+    inventory_every: dt.timedelta, pod_fingerprints: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> Outcome:
     try:
         cache = parse_spec(spec)
@@ -280,6 +284,12 @@ def _reconcile(
         if _changed(status, error):
             events.append(Event("Warning", reason, message[:1000]))
         failure = failure or exc
+    if cache.warmup is not None:
+        pools = seen.warmup.pools if seen.warmup is not None else (status.get("warmup") or {}).get("pools") or []
+        matched, reason, message = reports.keys_match(list(pools), list(pod_fingerprints))
+        seen.keys_match = Cond(c.Condition.KEYS_MATCH, matched, reason, message)
+        if matched is False and _changed(status, seen.keys_match):
+            events.append(Event("Warning", reason, message))
     return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now, failure is not None),
                    events, failure)
 

@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     kube_timeout_seconds: float = Field(
         default=30.0, gt=0, description="Timeout of one Kubernetes API request the operator makes outside its watches."
     )
+    report_window_seconds: float = Field(
+        default=3600.0, gt=0, description="status.usage sums the reports of training pods from this long back."
+    )
+    usage_flush_seconds: float = Field(
+        default=30.0, gt=0, description="How often the leader writes the usage pods reported into status.usage."
+    )
     metrics_port: int = Field(
         default=8383, ge=0, le=65535,
         description="Port of the Prometheus metrics (GET /metrics, plain HTTP, every address); 0 turns them off.",

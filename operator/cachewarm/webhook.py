@@ -18,7 +18,7 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -136,15 +136,19 @@ class ServingTls:
 class AdmissionServer:
     """A kopf webhook server (kopf.WebhookServerProtocol) on `addr`:`port` with `tls`."""
 
-    def __init__(self, *, addr: str, port: int, tls: ServingTls, url: str = "") -> None:
+    def __init__(self, *, addr: str, port: int, tls: ServingTls, url: str = "",
+                 routes: Mapping[str, Callable[[aiohttp.web.Request], Awaitable[aiohttp.web.StreamResponse]]]
+                 | None = None) -> None:
         self.addr, self.port, self.tls, self.url = addr, port, tls, url
+        self.routes = dict(routes or {})  # POST paths served beside the admission webhook (reports)
 
     async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
         async def handle(request: aiohttp.web.Request) -> aiohttp.web.Response:
             return await serve(fn, request)
 
         app = aiohttp.web.Application()
-        app.add_routes([aiohttp.web.post("/{id:.*}", handle)])
+        app.add_routes([*(aiohttp.web.post(path, fn) for path, fn in self.routes.items()),
+                        aiohttp.web.post("/{id:.*}", handle)])
         runner = aiohttp.web.AppRunner(app, handle_signals=False)
         await runner.setup()
         try:

@@ -88,6 +88,11 @@ def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, val
     ("CACHEWARM_RESYNC_SECONDS", "soon"),
     ("CACHEWARM_GCS_TIMEOUT_SECONDS", "-1"),
     ("CACHEWARM_KUBE_TIMEOUT_SECONDS", "0"),
+    ("CACHEWARM_REPORT_WINDOW_SECONDS", "-5"),
+    ("CACHEWARM_REPORT_WINDOW_SECONDS", "an hour"),
+    ("CACHEWARM_USAGE_FLUSH_SECONDS", "0"),
+    ("CACHEWARM_METRICS_PORT", "70000"),
+    ("CACHEWARM_METRICS_PORT", "metrics"),
     ("CACHEWARM_KUBE_TIMEOUT_SECONDS", "a minute"),
     ("CACHEWARM_INSTANCE", "Prod"),  # GCS label values are lowercase
     ("CACHEWARM_INSTANCE", "1"),  # the record of rules written before instances

@@ -343,6 +343,19 @@ class KubeClient:
                     else api.replace_namespaced_secret(name, namespace, body, _request_timeout=self.timeout))
         return done is not None
 
+    # --- reports from training pods ---
+
+    def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
+        """What the apiserver says of a bearer token for `audiences` (a TokenReview's
+        status: authenticated, user with the bound pod in its extra, audiences, error).
+        Raises KubeError when the review itself could not be made."""
+        review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=audiences))
+        answer: Any = None
+        with _errors("reviewing a report's token"):
+            answer = client.AuthenticationV1Api(self.api_client).create_token_review(
+                review, _request_timeout=self.timeout)
+        return _dict(answer.status) if answer is not None and answer.status is not None else {}
+
     # --- leader election ---
 
     def release_lease(self, namespace: str, name: str, identity: str) -> bool:

@@ -1,0 +1,248 @@
+"""Reports from training pods (cachewarm.reporter): checked, kept, and summed per cache.
+
+The HTTP side (webhook.AdmissionServer's /report/v1) hands a report here only after the
+apiserver vouched for its token (a TokenReview, audience `cachewarm`) and the token's pod
+is the pod the report names; what is checked here is the report itself. Kept in memory by
+the replica that leads (the others refuse reports, so one replica holds every cache's
+view); a new leader starts empty and fills up as pods report again (every minute).
+Counts in a report are the process's totals so far: the latest report of each process
+replaces its previous one, so a lost or repeated report never counts twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_BODY_BYTES = 16 * 1024
+AUDIENCE = "cachewarm"
+MIN_SECONDS_BETWEEN = 5.0  # per pod: the reporter sends every minute, and once at exit
+MAX_PROCESSES_PER_CACHE = 2000  # the oldest are forgotten first
+LAST_MISSES = 10  # per cache, in status
+
+
+class ReportError(Exception):
+    """A report refused; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class PodRef(_Strict):
+    namespace: str = Field(min_length=1, max_length=63)
+    name: str = Field(min_length=1, max_length=253)
+    uid: str = Field(min_length=1, max_length=64)
+
+
+class Miss(_Strict):
+    program: str = Field(max_length=200)
+    key: str = Field(max_length=200)
+
+
+class Counts(_Strict):
+    requests: int = Field(ge=0, le=10**9)
+    hits: int = Field(ge=0, le=10**9)
+    misses: int = Field(ge=0, le=10**9)
+    compile_seconds_saved: float = Field(alias="compileSecondsSaved", ge=-1e9, le=1e9)
+    compile_seconds_spent: float = Field(alias="compileSecondsSpent", ge=0, le=1e9)
+    last_misses: list[Miss] = Field(alias="lastMisses", default_factory=list, max_length=50)
+
+
+class Process(_Strict):
+    pid: int = Field(ge=0)
+    started: int = Field(ge=0)
+    index: int = Field(default=0, ge=0)
+
+
+class Report(_Strict):
+    version: Literal[1]
+    pod: PodRef
+    cache: str = Field(min_length=1, max_length=253)
+    process: Process
+    sequence: int = Field(ge=1)
+    counts: Counts
+    fingerprint: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse(body: bytes) -> Report:
+    """A report from its JSON body. Raises ReportError (413 too large, 400 malformed)."""
+    if len(body) > MAX_BODY_BYTES:
+        raise ReportError(f"report is larger than {MAX_BODY_BYTES} bytes", 413)
+    try:
+        report = Report.model_validate_json(body)
+    except ValidationError as exc:
+        raise ReportError(f"not a cachewarm report: {exc.errors()[0].get('loc')}: {exc.errors()[0].get('msg')}") \
+            from None
+    if report.counts.hits > report.counts.requests:
+        raise ReportError("not a cachewarm report: more hits than compile requests")
+    return report
+
+
+def check_identity(report: Report, reviewed: Mapping[str, Any]) -> None:
+    """The token's pod (a TokenReview's status.user, audience checked by the apiserver) must
+    be the report's pod, and the cache must be in that pod's namespace. Raises ReportError
+    (403)."""
+    user = reviewed.get("user") or {}
+    extra = user.get("extra") or {}
+    username = str(user.get("username") or "")
+    parts = username.split(":")
+    namespace = parts[2] if len(parts) == 4 and parts[:2] == ["system", "serviceaccount"] else ""
+    pod_name = next(iter(extra.get("authentication.kubernetes.io/pod-name") or []), "")
+    pod_uid = next(iter(extra.get("authentication.kubernetes.io/pod-uid") or []), "")
+    if not namespace or not pod_name or not pod_uid:
+        raise ReportError("the token is not bound to a pod (a projected ServiceAccount token is needed)", 403)
+    if (namespace, pod_name, pod_uid) != (report.pod.namespace, report.pod.name, report.pod.uid):
+        raise ReportError(f"the token belongs to pod {namespace}/{pod_name}, not to the pod the report names", 403)
+    if "/" in report.cache:
+        raise ReportError("a pod reports only for a cache in its own namespace", 403)
+
+
+@dataclasses.dataclass
+class _Latest:
+    report: Report
+    at: dt.datetime
+
+
+class Store:
+    """The latest report of every process, per cache; thread-safe and bounded."""
+
+    def __init__(self, window: dt.timedelta = dt.timedelta(hours=1)) -> None:
+        self.window = window
+        self._lock = threading.Lock()
+        self._by_cache: dict[tuple[str, str], dict[tuple[str, int, int], _Latest]] = {}
+        self._last_seen: dict[str, dt.datetime] = {}  # pod uid -> last accepted
+
+    def record(self, report: Report, now: dt.datetime) -> dict[str, float]:
+        """Keep `report`; returns how much it adds to the cache's totals (hits, misses,
+        seconds saved), from the process's previous report. Raises ReportError (429) when
+        the pod reported less than MIN_SECONDS_BETWEEN ago."""
+        key = (report.pod.namespace, report.cache)
+        proc = (report.pod.uid, report.process.pid, report.process.started)
+        with self._lock:
+            last = self._last_seen.get(report.pod.uid)
+            if last is not None and (now - last).total_seconds() < MIN_SECONDS_BETWEEN:
+                raise ReportError(f"pod reported {int((now - last).total_seconds())}s ago; at most one report "
+                                  f"every {int(MIN_SECONDS_BETWEEN)}s", 429)
+            self._last_seen[report.pod.uid] = now
+            processes = self._by_cache.setdefault(key, {})
+            before = processes.get(proc)
+            if before is not None and before.report.sequence >= report.sequence:
+                return {"hits": 0.0, "misses": 0.0, "saved": 0.0}  # older than what is kept
+            processes[proc] = _Latest(report, now)
+            if len(processes) > MAX_PROCESSES_PER_CACHE:
+                oldest = min(processes, key=lambda p: processes[p].at)
+                processes.pop(oldest)
+            old = before.report.counts if before is not None else None
+            new = report.counts
+            return {"hits": float(max(new.hits - (old.hits if old else 0), 0)),
+                    "misses": float(max(new.misses - (old.misses if old else 0), 0)),
+                    "saved": max(new.compile_seconds_saved - (old.compile_seconds_saved if old else 0.0), 0.0)}
+
+    def usage(self, namespace: str, cache: str, now: dt.datetime) -> dict[str, Any] | None:
+        """status.usage of a cache: pods and processes that reported in the window, their
+        hits, misses, hit ratio, compile seconds saved and spent, and the last misses
+        (pod, program, key). None when no pod reported in the window."""
+        with self._lock:
+            processes = [latest for latest in (self._by_cache.get((namespace, cache)) or {}).values()
+                         if now - latest.at <= self.window]
+            if not processes:
+                return None
+            requests = sum(p.report.counts.requests for p in processes)
+            hits = sum(p.report.counts.hits for p in processes)
+            misses: list[tuple[dt.datetime, dict[str, str]]] = []
+            for latest in processes:
+                for miss in latest.report.counts.last_misses:
+                    misses.append((latest.at, {"pod": latest.report.pod.name, "program": miss.program,
+                                               "key": miss.key}))
+            misses.sort(key=lambda m: m[0], reverse=True)
+            return {
+                "windowSeconds": int(self.window.total_seconds()),
+                "pods": len({p.report.pod.uid for p in processes}),
+                "processes": len(processes),
+                "compileRequests": requests,
+                "hits": hits,
+                "misses": sum(p.report.counts.misses for p in processes),
+                "hitRatio": round(hits / requests, 3) if requests else None,
+                "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes), 3),
+                "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
+                "lastReportTime": max(p.at for p in processes).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "lastMisses": [m for _, m in misses[:LAST_MISSES]],
+            }
+
+    def fingerprints(self, namespace: str, cache: str, now: dt.datetime) -> list[tuple[str, dict[str, Any]]]:
+        """(pod name, fingerprint) of every process that reported in the window."""
+        with self._lock:
+            return [(latest.report.pod.name, dict(latest.report.fingerprint))
+                    for latest in (self._by_cache.get((namespace, cache)) or {}).values()
+                    if now - latest.at <= self.window and latest.report.fingerprint]
+
+    def caches(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._by_cache)
+
+
+# What a fingerprint says, in the words a difference is told in; the image is known only
+# for warmers (a pod's own digest is not in its report), so it is not compared.
+_COMPARED = ("jax", "platform", "deviceKind", "devices", "processes", "topology", "flagsHash", "cacheDir")
+
+
+def _describe(fp: Mapping[str, Any], fields: list[str]) -> str:
+    words = []
+    for f in fields:
+        if f.startswith("versions."):
+            words.append(f"{f.removeprefix('versions.')} {(fp.get('versions') or {}).get(f.removeprefix('versions.'), 'none')}")
+        elif f == "devices":
+            words.append(f"{fp.get('devices', '?')} devices")
+        elif f == "processes":
+            words.append(f"{fp.get('processes', '?')} processes")
+        elif f == "flagsHash":
+            words.append(f"XLA flags {fp.get('flagsHash', '?')}")
+        elif f == "cacheDir":
+            words.append(f"cache dir {fp.get('cacheDir') or '(none)'}")
+        elif f == "deviceKind":
+            words.append(str(fp.get("deviceKind", "?")))
+        else:
+            words.append(f"{f} {fp.get(f, '?')}")
+    return ", ".join(words)
+
+
+def differences(warmed: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
+    """The fingerprint fields (versions.<dist> for jaxlib and plugins) that differ."""
+    fields = [f for f in _COMPARED if (f in warmed or f in pod) and warmed.get(f) != pod.get(f)]
+    versions_w, versions_p = dict(warmed.get("versions") or {}), dict(pod.get("versions") or {})
+    fields += [f"versions.{d}" for d in sorted(set(versions_w) | set(versions_p)) if versions_w.get(d) != versions_p.get(d)]
+    return fields
+
+
+def keys_match(pools: list[Mapping[str, Any]], pods: list[tuple[str, dict[str, Any]]]
+               ) -> tuple[bool | None, str, str]:
+    """KeysMatch of a cache: (status, reason, message). A pod matches when its fingerprint
+    equals some pool's in everything keys depend on; the message names, for the first pod
+    that matches no pool, what differs from the closest pool, in words ("pods run jaxlib
+    0.10.1 on 4 devices; the cache was warmed with jaxlib 0.10.2 on 8 devices"). None
+    (Unknown) while no pool or no pod has a fingerprint."""
+    warmed = [(str(p.get("name")), dict(p["fingerprint"])) for p in pools if p.get("fingerprint")]
+    if not warmed:
+        return None, "NotWarmed", "No warmer has reported a fingerprint yet"
+    if not pods:
+        return None, "NoReports", "No training pod reported in the window"
+    for pod_name, fp in pods:
+        diffs = sorted(((differences(w, fp), name, w) for name, w in warmed), key=lambda d: len(d[0]))
+        fields, pool_name, closest = diffs[0]
+        if fields:
+            mismatched = sum(1 for _, f in pods if all(differences(w, f) for _, w in warmed))
+            return False, "FingerprintsDiffer", (
+                f"{mismatched} of {len(pods)} reporting processes compute other keys than the warmers: pod {pod_name} "
+                f"runs {_describe(fp, fields)}; pool {pool_name} was warmed with {_describe(closest, fields)}")[:1000]
+    return True, "FingerprintsMatch", (f"The {len(pods)} reporting processes compute their keys as the warmers did "
+                                       "(versions, devices, flags, cache dir)")

@@ -1,0 +1,123 @@
+"""Reports from training pods: what a report must look like, whose token may send it, how
+the latest report of each process makes the cache's usage, and KeysMatch in words."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import pytest
+
+from cachewarm.reports import MAX_BODY_BYTES, ReportError, Store, check_identity, keys_match, parse
+
+NOW = dt.datetime(2026, 11, 23, 12, tzinfo=dt.timezone.utc)
+
+
+def report(**changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "version": 1, "pod": {"namespace": "ml", "name": "trainer", "uid": "u-1"}, "cache": "llama",
+        "process": {"pid": 7, "started": 1_700_000_000, "index": 0}, "sequence": 1,
+        "counts": {"requests": 4, "hits": 3, "misses": 1, "compileSecondsSaved": 12.5, "compileSecondsSpent": 2.0,
+                   "compiles": 1, "lastMisses": [{"program": "jit_eval", "key": "jit_eval-" + "a" * 64}]},
+        "fingerprint": {"jax": "0.10.2", "devices": 8}}
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        node = body
+        for p in parents:
+            node = node[p]
+        if value is None:
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    return body
+
+
+def raw(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+REVIEWED = {"authenticated": True, "audiences": ["cachewarm"], "user": {
+    "username": "system:serviceaccount:ml:trainer",
+    "extra": {"authentication.kubernetes.io/pod-name": ["trainer"], "authentication.kubernetes.io/pod-uid": ["u-1"]}}}
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    (b"{not json", 400, "not a cachewarm report"),
+    (raw(report(version=2)), 400, "version"),
+    (raw(report(pod__uid=None)), 400, "uid"),
+    (raw(report(counts__hits=-1)), 400, "hits"),
+    (raw(report(counts__hits=9)), 400, "more hits than compile requests"),
+    (raw(report(cache="")), 400, "cache"),
+    (raw(report(counts__lastMisses=[{"program": "p", "key": "k"}] * 51)), 400, "lastMisses"),
+    (b" " * (MAX_BODY_BYTES + 1), 413, "larger than"),
+])
+def test_a_malformed_or_oversized_report_is_refused_with_what_is_wrong(body: bytes, status: int, message: str) -> None:
+    with pytest.raises(ReportError, match=message) as refused:
+        parse(body)
+    assert refused.value.status == status
+
+
+@pytest.mark.parametrize(("reviewed", "body", "message"), [
+    ({**REVIEWED, "user": {"username": "system:serviceaccount:ml:trainer", "extra": {}}}, report(),
+     "not bound to a pod"),
+    ({**REVIEWED, "user": {"username": "alice", "extra": REVIEWED["user"]["extra"]}}, report(), "not bound to a pod"),
+    (REVIEWED, report(pod__name="someone-else"), "belongs to pod ml/trainer"),
+    (REVIEWED, report(pod__uid="u-2"), "belongs to pod ml/trainer"),
+    (REVIEWED, report(pod__namespace="other"), "belongs to pod ml/trainer"),
+    (REVIEWED, report(cache="other/llama"), "own namespace"),
+])
+def test_only_the_pod_the_token_is_bound_to_reports_and_only_for_its_namespace(
+        reviewed: dict[str, Any], body: dict[str, Any], message: str) -> None:
+    with pytest.raises(ReportError, match=message) as refused:
+        check_identity(parse(raw(body)), reviewed)
+    assert refused.value.status == 403
+
+
+def test_the_latest_report_of_each_process_makes_the_usage_and_counts_once() -> None:
+    store = Store(dt.timedelta(hours=1))
+    assert store.record(parse(raw(report())), NOW) == {"hits": 3.0, "misses": 1.0, "saved": 12.5}
+    later = report(sequence=2, counts__requests=10, counts__hits=8, counts__misses=2, counts__compileSecondsSaved=40.0)
+    assert store.record(parse(raw(later)), NOW + dt.timedelta(seconds=60)) == {"hits": 5.0, "misses": 1.0,
+                                                                                 "saved": 27.5}
+    # A repeated or late report changes nothing.
+    assert store.record(parse(raw(report())), NOW + dt.timedelta(seconds=120)) == {"hits": 0.0, "misses": 0.0,
+                                                                                     "saved": 0.0}
+    other = report(pod__name="trainer-2", pod__uid="u-2", counts__requests=2, counts__hits=0, counts__misses=2,
+                   counts__compileSecondsSaved=0.0)
+    store.record(parse(raw(other)), NOW + dt.timedelta(seconds=130))
+    usage = store.usage("ml", "llama", NOW + dt.timedelta(seconds=130))
+    assert usage is not None
+    assert (usage["pods"], usage["processes"], usage["compileRequests"], usage["hits"], usage["misses"]) == \
+        (2, 2, 12, 8, 4)
+    assert usage["hitRatio"] == 0.667 and usage["compileSecondsSaved"] == 40.0
+    assert usage["lastMisses"][0]["pod"] == "trainer-2"
+    assert store.usage("ml", "llama", NOW + dt.timedelta(hours=2)) is None  # the window passed
+    assert store.usage("ml", "other", NOW) is None
+
+
+def test_a_pod_reporting_too_often_is_told_to_wait() -> None:
+    store = Store()
+    store.record(parse(raw(report())), NOW)
+    with pytest.raises(ReportError, match="at most one report every 5s") as refused:
+        store.record(parse(raw(report(sequence=2))), NOW + dt.timedelta(seconds=1))
+    assert refused.value.status == 429
+
+
+WARMED = {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "platform": "tpu", "deviceKind": "TPU v5p",
+          "devices": 8, "processes": 2, "topology": "2x2x2", "flagsHash": "abc", "cacheDir": "gs://b/p",
+          "image": "train@sha256:" + "a" * 64}
+
+
+def test_keys_match_says_in_words_what_differs() -> None:
+    pools = [{"name": "v5p", "fingerprint": WARMED}]
+    same = {k: v for k, v in WARMED.items() if k != "image"}  # a pod does not report its image
+    assert keys_match(pools, [("trainer", same)])[0] is True
+    other = {**same, "versions": {"jaxlib": "0.10.1"}, "devices": 4, "topology": "2x2x1"}
+    matched, reason, message = keys_match(pools, [("trainer", same), ("trainer-2", other)])
+    assert (matched, reason) == (False, "FingerprintsDiffer")
+    assert message == ("1 of 2 reporting processes compute other keys than the warmers: pod trainer-2 runs "
+                       "4 devices, topology 2x2x1, jaxlib 0.10.1; pool v5p was warmed with 8 devices, topology 2x2x2, "
+                       "jaxlib 0.10.2")
+    assert keys_match(pools, [])[:2] == (None, "NoReports")
+    assert keys_match([{"name": "v5p"}], [("trainer", same)])[:2] == (None, "NotWarmed")
