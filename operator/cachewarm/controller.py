@@ -266,6 +266,7 @@ class Controller:
         if not self.leader.is_leader or self._loop is None:
             return
         now = dt.datetime.now(dt.timezone.utc)
+        self.reports.prune(now, set(self.store))
         for key in self.reports.caches():
             body = self.store.get(key)
             if body is None:

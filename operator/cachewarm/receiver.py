@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +26,12 @@ from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.metrics import Metrics
 
 PATH = "/report/v1"
+# TokenReviews in flight at once: a flood of reports waits here, not in the apiserver.
+MAX_REVIEWS = 4
+# An accepted token is taken again for this long without another review (the kubelet
+# rotates projected tokens well before they expire; a pod deleted meanwhile reports nothing).
+REVIEW_CACHE_SECONDS = 300.0
+REVIEW_CACHE_SIZE = 10_000
 log = logging.getLogger("cachewarm.reports")
 
 
@@ -32,6 +40,8 @@ class Receiver:
                  leading: Callable[[], bool], cache_exists: Callable[[str, str], bool]) -> None:
         self.kube, self.store, self.metrics = kube, store, metrics
         self.leading, self.cache_exists = leading, cache_exists
+        self._reviews = asyncio.Semaphore(MAX_REVIEWS)
+        self._accepted: dict[str, tuple[float, Mapping[str, Any]]] = {}  # sha256(token) -> (until, review)
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
         try:
@@ -53,13 +63,7 @@ class Receiver:
         if scheme.lower() != "bearer" or not token.strip():
             raise reports.ReportError("a report needs the pod's ServiceAccount token (Authorization: Bearer)", 401)
         report = reports.parse(body)
-        try:
-            reviewed: Mapping[str, Any] = await asyncio.to_thread(self.kube.review_token, token.strip(),
-                                                                  [reports.AUDIENCE])
-        except KubeError as exc:
-            raise reports.ReportError(f"the token could not be reviewed: {exc}", 503) from None
-        if not reviewed.get("authenticated") or reports.AUDIENCE not in (reviewed.get("audiences") or []):
-            raise reports.ReportError("the apiserver does not accept this token for audience cachewarm", 401)
+        reviewed = await self._review(token.strip())
         reports.check_identity(report, reviewed)
         if not self.cache_exists(report.pod.namespace, report.cache):
             raise reports.ReportError(f"no CompilationCache {report.pod.namespace}/{report.cache}", 404)
@@ -69,6 +73,30 @@ class Receiver:
         self.metrics.cache_misses.labels(*labels).inc(delta["misses"])
         self.metrics.seconds_saved.labels(*labels).inc(delta["saved"])
         return report
+
+    async def _review(self, token: str) -> Mapping[str, Any]:
+        """The apiserver's review of `token` for audience cachewarm, from the cache of
+        accepted ones when it is there. Raises ReportError (401 not accepted, 503 the
+        review could not be made)."""
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        cached = self._accepted.get(digest)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        async with self._reviews:
+            try:
+                reviewed: Mapping[str, Any] = await asyncio.to_thread(self.kube.review_token, token,
+                                                                      [reports.AUDIENCE])
+            except KubeError as exc:
+                raise reports.ReportError(f"the token could not be reviewed: {exc}", 503) from None
+        if not reviewed.get("authenticated") or reports.AUDIENCE not in (reviewed.get("audiences") or []):
+            raise reports.ReportError("the apiserver does not accept this token for audience cachewarm", 401)
+        if len(self._accepted) >= REVIEW_CACHE_SIZE:
+            now = time.monotonic()
+            self._accepted = {d: v for d, v in self._accepted.items() if v[0] > now}
+            if len(self._accepted) >= REVIEW_CACHE_SIZE:
+                self._accepted.clear()
+        self._accepted[digest] = (time.monotonic() + REVIEW_CACHE_SECONDS, reviewed)
+        return reviewed
 
 
 async def _body(request: aiohttp.web.Request) -> bytes:

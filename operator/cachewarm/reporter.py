@@ -64,6 +64,7 @@ FIRST_REPORT_SECONDS = 5.0  # after the first compile: the first steps' compiles
 DEFAULT_PERIOD_SECONDS = 60.0
 SEND_TIMEOUT_SECONDS = 5.0
 EXIT_SECONDS = 2.0  # the most the process waits at exit for the last report
+EXIT_SEND_SECONDS = 1.5  # the last report's own timeout: it gives up (and says so) inside that wait
 REPORT_VERSION = 1
 
 
@@ -88,7 +89,7 @@ class Tally(logging.Filter):
         self.misses: collections.deque[dict[str, str]] = collections.deque(maxlen=MAX_MISSES)
         self.changed = threading.Event()
         self.first = threading.Event()
-        self.quiet_below = logging.WARNING
+        self.logger: logging.Logger | None = None
 
     def on_event(self, event: str, **_: Any) -> None:
         try:
@@ -121,14 +122,21 @@ class Tally(logging.Filter):
             pass
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Reads the program name and key of a miss from JAX's DEBUG record; the record
-        goes on only at the level the logger had before (the process's logs stay as they were)."""
+        """Reads the program name and key of a miss from JAX's DEBUG record. The record goes
+        on only if the process's own logging would have let it through: the level its
+        parents have now (so a level the user sets later on `jax` still counts), or DEBUG
+        when the user asked for this module's debug logs (jax_debug_log_modules)."""
         try:
             args = record.args if isinstance(record.args, tuple) else ()
             if str(record.msg).startswith(MISS_LOG) and len(args) >= 2:
                 with self.lock:
                     self.misses.append({"program": str(args[0])[:200], "key": str(args[1])[:200]})
-            return record.levelno >= self.quiet_below
+            parent = self.logger.parent if self.logger is not None else None
+            if parent is None or record.levelno >= parent.getEffectiveLevel():
+                return True
+            jax = sys.modules.get("jax")
+            wanted = str(getattr(getattr(jax, "config", None), "jax_debug_log_modules", "") or "")
+            return any(m.strip() and record.name.startswith(m.strip()) for m in wanted.split(","))
         except Exception:  # noqa: BLE001
             return True
 
@@ -174,8 +182,18 @@ class Reporter:
         self.sent = 0
         self.fingerprint: dict[str, Any] | None = None
         self.started = time.time()
+        self.disabled = False
+        self.final = False
         self._send_lock = threading.Lock()
         self._context: ssl.SSLContext | None = None
+
+    def forked(self) -> None:
+        """In a forked child (a data loader worker, say): it has none of the parent's threads
+        and may hold a copy of a lock the parent held; it reports nothing (the parent's
+        counts are the parent's) and must never wait on those locks."""
+        self.disabled = True
+        self._send_lock = threading.Lock()
+        self.tally.lock = threading.Lock()
 
     def report(self) -> dict[str, Any]:
         if self.fingerprint is None:
@@ -191,11 +209,12 @@ class Reporter:
         except Exception:  # noqa: BLE001
             process["index"] = 0
         return {"version": REPORT_VERSION, "pod": self.pod, "cache": self.cache, "process": process,
-                "sequence": self.sequence, "counts": self.tally.snapshot(), "fingerprint": self.fingerprint}
+                "sequence": self.sequence, "final": self.final, "counts": self.tally.snapshot(),
+                "fingerprint": self.fingerprint}
 
     def send(self, timeout: float = SEND_TIMEOUT_SECONDS) -> bool:
         """One report; True when the operator took it. Never raises."""
-        if not self.url:
+        if not self.url or self.disabled:
             return False
         with self._send_lock:
             try:
@@ -233,9 +252,10 @@ class Reporter:
         """The last report, waited for at most EXIT_SECONDS (from a thread: a hung
         connection cannot hold the process longer)."""
         try:
-            if not self.tally.first.is_set():
+            if not self.tally.first.is_set() or self.disabled:
                 return  # no compile used the cache: nothing to tell
-            done = threading.Thread(target=self.send, kwargs={"timeout": EXIT_SECONDS}, daemon=True)
+            self.final = True
+            done = threading.Thread(target=self.send, kwargs={"timeout": EXIT_SEND_SECONDS}, daemon=True)
             done.start()
             done.join(EXIT_SECONDS)
         except Exception:  # noqa: BLE001
@@ -248,9 +268,11 @@ def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
         jax.monitoring.register_event_listener(tally.on_event)
         jax.monitoring.register_event_duration_secs_listener(tally.on_duration)
         logger = logging.getLogger("jax._src.compiler")
-        tally.quiet_below = logger.getEffectiveLevel()
-        logger.setLevel(logging.DEBUG)
-        logger.addFilter(tally)
+        tally.logger = logger
+        if logger.level == logging.NOTSET:  # one the user set stays theirs (and then so are its records)
+            logger.setLevel(logging.DEBUG)
+            logger.addFilter(tally)
+        os.register_at_fork(after_in_child=reporter.forked)
         threading.Thread(target=reporter.loop, name="cachewarm-reporter", daemon=True).start()
         atexit.register(reporter.at_exit)
     except Exception as exc:  # noqa: BLE001
@@ -283,6 +305,10 @@ class _JaxWatch(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module: ModuleType) -> None:
+                # jax's own loader again, for whatever reads it later (importlib.resources).
+                module.__loader__ = loader
+                if module.__spec__ is not None:
+                    module.__spec__.loader = loader
                 loader.exec_module(module)  # the import itself: its errors are the importer's
                 try:
                     then(module)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_BODY_BYTES = 16 * 1024
 AUDIENCE = "cachewarm"
-MIN_SECONDS_BETWEEN = 5.0  # per pod: the reporter sends every minute, and once at exit
+MIN_SECONDS_BETWEEN = 5.0  # per process: the reporter sends every minute, and once at exit
 MAX_PROCESSES_PER_CACHE = 2000  # the oldest are forgotten first
 LAST_MISSES = 10  # per cache, in status
 
@@ -70,6 +70,7 @@ class Report(_Strict):
     cache: str = Field(min_length=1, max_length=253)
     process: Process
     sequence: int = Field(ge=1)
+    final: bool = False  # the process's last report, at exit
     counts: Counts
     fingerprint: dict[str, Any] = Field(default_factory=dict)
 
@@ -120,33 +121,53 @@ class Store:
         self.window = window
         self._lock = threading.Lock()
         self._by_cache: dict[tuple[str, str], dict[tuple[str, int, int], _Latest]] = {}
-        self._last_seen: dict[str, dt.datetime] = {}  # pod uid -> last accepted
+        self._last_seen: dict[tuple[str, int, int], dt.datetime] = {}  # process -> its last accepted report
 
     def record(self, report: Report, now: dt.datetime) -> dict[str, float]:
         """Keep `report`; returns how much it adds to the cache's totals (hits, misses,
-        seconds saved), from the process's previous report. Raises ReportError (429) when
-        the pod reported less than MIN_SECONDS_BETWEEN ago."""
+        seconds saved; increases only), from the process's previous report. A process not
+        seen before counts in full only with its first report: a later one (after a leader
+        change, or once it was forgotten) was counted, up to some point, before, so it only
+        sets the baseline. Raises ReportError (429) when the process reported less than
+        MIN_SECONDS_BETWEEN ago (its one final report, at exit, is always taken)."""
         key = (report.pod.namespace, report.cache)
         proc = (report.pod.uid, report.process.pid, report.process.started)
+        none = {"hits": 0.0, "misses": 0.0, "saved": 0.0}
         with self._lock:
-            last = self._last_seen.get(report.pod.uid)
-            if last is not None and (now - last).total_seconds() < MIN_SECONDS_BETWEEN:
-                raise ReportError(f"pod reported {int((now - last).total_seconds())}s ago; at most one report "
-                                  f"every {int(MIN_SECONDS_BETWEEN)}s", 429)
-            self._last_seen[report.pod.uid] = now
+            last = self._last_seen.get(proc)
             processes = self._by_cache.setdefault(key, {})
             before = processes.get(proc)
+            final_again = report.final and before is not None and before.report.final
+            if last is not None and (now - last).total_seconds() < MIN_SECONDS_BETWEEN and \
+                    (not report.final or final_again):
+                raise ReportError(f"this process reported {int((now - last).total_seconds())}s ago; at most one "
+                                  f"report every {int(MIN_SECONDS_BETWEEN)}s", 429)
+            self._last_seen[proc] = now
             if before is not None and before.report.sequence >= report.sequence:
-                return {"hits": 0.0, "misses": 0.0, "saved": 0.0}  # older than what is kept
+                return none  # older than what is kept
             processes[proc] = _Latest(report, now)
             if len(processes) > MAX_PROCESSES_PER_CACHE:
                 oldest = min(processes, key=lambda p: processes[p].at)
                 processes.pop(oldest)
+            if before is None and report.sequence > 1:
+                return none
             old = before.report.counts if before is not None else None
             new = report.counts
             return {"hits": float(max(new.hits - (old.hits if old else 0), 0)),
                     "misses": float(max(new.misses - (old.misses if old else 0), 0)),
                     "saved": max(new.compile_seconds_saved - (old.compile_seconds_saved if old else 0.0), 0.0)}
+
+    def prune(self, now: dt.datetime, caches: set[tuple[str, str]] | None = None) -> None:
+        """Forget processes that last reported before the window, and caches not in
+        `caches` (deleted), so memory follows what is reported now."""
+        with self._lock:
+            for key in list(self._by_cache):
+                kept = {p: latest for p, latest in self._by_cache[key].items() if now - latest.at <= self.window}
+                if kept and (caches is None or key in caches):
+                    self._by_cache[key] = kept
+                else:
+                    del self._by_cache[key]
+            self._last_seen = {p: at for p, at in self._last_seen.items() if now - at <= self.window}
 
     def usage(self, namespace: str, cache: str, now: dt.datetime) -> dict[str, Any] | None:
         """status.usage of a cache: pods and processes that reported in the window, their
@@ -165,19 +186,21 @@ class Store:
                     misses.append((latest.at, {"pod": latest.report.pod.name, "program": miss.program,
                                                "key": miss.key}))
             misses.sort(key=lambda m: m[0], reverse=True)
-            return {
+            usage: dict[str, Any] = {
                 "windowSeconds": int(self.window.total_seconds()),
                 "pods": len({p.report.pod.uid for p in processes}),
                 "processes": len(processes),
                 "compileRequests": requests,
                 "hits": hits,
                 "misses": sum(p.report.counts.misses for p in processes),
-                "hitRatio": round(hits / requests, 3) if requests else None,
                 "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes), 3),
                 "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
                 "lastReportTime": max(p.at for p in processes).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "lastMisses": [m for _, m in misses[:LAST_MISSES]],
             }
+            if requests:  # absent rather than null: a merge patch would remove a null again and again
+                usage["hitRatio"] = round(hits / requests, 3)
+            return usage
 
     def fingerprints(self, namespace: str, cache: str, now: dt.datetime) -> list[tuple[str, dict[str, Any]]]:
         """(pod name, fingerprint) of every process that reported in the window."""
@@ -191,9 +214,12 @@ class Store:
             return list(self._by_cache)
 
 
-# What a fingerprint says, in the words a difference is told in; the image is known only
-# for warmers (a pod's own digest is not in its report), so it is not compared.
-_COMPARED = ("jax", "platform", "deviceKind", "devices", "processes", "topology", "flagsHash", "cacheDir")
+# What JAX puts in a key and a fingerprint shows: jaxlib and plugin versions (below), the
+# backend's platform and its version (the CUDA or libtpu build), the device kind, count and
+# topology, the XLA flags it hashes. Not compared: jax's own version, the process count, the
+# image (a pod's report does not know its digest) and the cache dir (in keys only while
+# XLA's GPU caches are on; the webhook gives pods and warmers the same string anyway).
+_COMPARED = ("platform", "platformVersion", "deviceKind", "devices", "topology", "flagsHash")
 
 
 def _describe(fp: Mapping[str, Any], fields: list[str]) -> str:
@@ -231,18 +257,24 @@ def keys_match(pools: list[Mapping[str, Any]], pods: list[tuple[str, dict[str, A
     that matches no pool, what differs from the closest pool, in words ("pods run jaxlib
     0.10.1 on 4 devices; the cache was warmed with jaxlib 0.10.2 on 8 devices"). None
     (Unknown) while no pool or no pod has a fingerprint."""
-    warmed = [(str(p.get("name")), dict(p["fingerprint"])) for p in pools if p.get("fingerprint")]
+    warmed = [(str(p.get("name")), dict(p["fingerprint"])) for p in pools
+              if p.get("fingerprint") and p.get("state") == "Succeeded"]
     if not warmed:
-        return None, "NotWarmed", "No warmer has reported a fingerprint yet"
+        return None, "NotWarmed", ("No warmer of this cache has succeeded with a fingerprint (targets and python "
+                                   "command warmers report one)")
     if not pods:
         return None, "NoReports", "No training pod reported in the window"
-    for pod_name, fp in pods:
-        diffs = sorted(((differences(w, fp), name, w) for name, w in warmed), key=lambda d: len(d[0]))
-        fields, pool_name, closest = diffs[0]
+    found = []
+    for _, fp in sorted(pods, key=lambda p: p[0]):
+        fields, pool_name, closest = min(((differences(w, fp), name, w) for name, w in warmed),
+                                         key=lambda d: len(d[0]))
         if fields:
-            mismatched = sum(1 for _, f in pods if all(differences(w, f) for _, w in warmed))
-            return False, "FingerprintsDiffer", (
-                f"{mismatched} of {len(pods)} reporting processes compute other keys than the warmers: pod {pod_name} "
-                f"runs {_describe(fp, fields)}; pool {pool_name} was warmed with {_describe(closest, fields)}")[:1000]
-    return True, "FingerprintsMatch", (f"The {len(pods)} reporting processes compute their keys as the warmers did "
-                                       "(versions, devices, flags, cache dir)")
+            found.append((fields, pool_name, closest, fp))
+    if found:
+        # Said the same way while the difference stays the same (one Event, not one per pod).
+        fields, pool_name, closest, fp = found[0]
+        return False, "FingerprintsDiffer", (
+            f"Training pods compute other keys than the warmers and miss: they run {_describe(fp, fields)}; pool "
+            f"{pool_name} was warmed with {_describe(closest, fields)}")[:1000]
+    return True, "FingerprintsMatch", ("The training pods that reported compute their keys as the warmers did "
+                                       "(versions, platform, devices, topology, XLA flags)")

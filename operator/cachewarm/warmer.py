@@ -350,6 +350,9 @@ def fingerprint() -> dict[str, Any]:
         out["cacheDir"] = str(jax.config.jax_compilation_cache_dir or "")
         devices = jax.devices()
         out["platform"] = str(devices[0].platform)
+        version = getattr(getattr(devices[0], "client", None), "platform_version", None)
+        if version:
+            out["platformVersion"] = str(version)[:200]  # the CUDA or libtpu build, as keys have it
         out["deviceKind"] = str(devices[0].device_kind)
         out["devices"] = int(jax.device_count())
         out["processes"] = int(jax.process_count())
@@ -481,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         errors.append(f"{type(exc).__name__}: {exc}")
         traceback.print_exc(file=sys.stderr)
+    # While the runtime is up (a multi-host warmer's devices are the whole slice's).
+    fp = fingerprint() if index == 0 and counted else None
     if distributed or distributed_by_entrypoint():
         shutdown_distributed()
     after = cache.entries()
@@ -503,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "targets": results,
     }
-    if index == 0 and counted:
-        summary["fingerprint"] = fingerprint()
+    if fp is not None:
+        summary["fingerprint"] = fp
     cached = (found + len(written)) if counted else len(after)
     if index != 0:
         # Processes other than 0 never write: they succeed when they compiled everything

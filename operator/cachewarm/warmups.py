@@ -126,7 +126,7 @@ def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
     return PodsView(tuple(nodes), unschedulable, image)
 
 
-FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "deviceKind", "topology", "error")
+FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "platformVersion", "deviceKind", "topology", "error")
 FINGERPRINT_COUNTS = ("flagCount", "devices", "processes")
 
 

@@ -153,6 +153,6 @@ def test_keys_match_compares_the_pods_fingerprints_with_the_warmers_and_names_th
     differ = eventually(lambda: conditions().get("KeysMatch", {}).get("status") == "False" and conditions()["KeysMatch"],
                         timeout=30, what="KeysMatch False")
     assert differ["reason"] == "FingerprintsDiffer"
-    assert "pod two-devices runs 2 devices; pool cpu was warmed with 1 devices" in differ["message"]
+    assert "they run 2 devices; pool cpu was warmed with 1 devices" in differ["message"]
     events = [e for e in bed.events_for("llama", namespace) if e["reason"] == "FingerprintsDiffer"]
     assert len(events) == 1 and events[0]["type"] == "Warning" and "2 devices" in events[0]["message"]

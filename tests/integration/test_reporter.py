@@ -197,3 +197,32 @@ def test_a_process_without_jax_does_not_import_it(tmp_path: Path, endpoint: Endp
     out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps('jax' in sys.modules))"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "false" and out.stderr == ""
+
+
+def test_the_processs_logging_and_jaxs_loader_stay_as_they_were(tmp_path: Path, endpoint: Endpoint) -> None:
+    """The reporter reads JAX's miss records without changing what the process logs (a level
+    the user sets on `jax` after importing it still silences them) and leaves jax's module
+    loader as it was (importlib.resources still lists the package's files)."""
+    where = site(tmp_path)
+    script = tmp_path / "quiet.py"
+    script.write_text(
+        "import logging, importlib.resources, json\n"
+        "import jax, jax.numpy as jnp\n"
+        "logging.basicConfig(level=logging.DEBUG)\n"
+        "logging.getLogger('jax').setLevel(logging.ERROR)\n"
+        "jax.jit(lambda x: x * 2)(jnp.ones(4)).block_until_ready()\n"
+        "print(json.dumps(len(list(importlib.resources.files('jax').iterdir())) > 10))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "CACHEWARM_", "PYTHONPATH"))}
+    env.update({"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_EXPLAIN_CACHE_MISSES": "1", "CACHEWARM_REPORT_URL": endpoint.url})
+    runs = {}
+    for label, path in (("on", str(where)), ("off", "")):
+        out = subprocess.run([sys.executable, str(script)], env={**env, "PYTHONPATH": path}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs[label] = out
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+    assert runs["on"].stdout.strip() == runs["off"].stdout.strip() == "true"
+    assert "jax._src.compiler" not in runs["off"].stderr and "jax._src.compiler" not in runs["on"].stderr
+    [report] = endpoint.reports
+    assert "jit__lambda" in {m["program"] for m in report["counts"]["lastMisses"]}  # read all the same

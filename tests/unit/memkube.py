@@ -47,6 +47,7 @@ class MemoryKube(KubeClient):
         self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}
         self.caches: dict[tuple[str, str], dict[str, Any]] = {}
         self.status_patches: list[tuple[str, str, dict[str, Any]]] = []
+        self.reviews: dict[str, dict[str, Any]] = {}  # token -> TokenReview status
         self.created: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str]] = []
         self.released: list[tuple[str, str, int]] = []  # (namespace, pod, gate index)
@@ -128,6 +129,12 @@ class MemoryKube(KubeClient):
         self._check("set_webhook_client_config")
         self.webhook_bundles.append(ca_pem)
         return 0
+
+    def review_token(self, token: str, audiences: list[str]) -> dict[str, Any]:
+        """What `reviews` holds for the token (the apiserver's TokenReview status), else not
+        authenticated, as the apiserver answers for a token it does not know."""
+        self._check("review_token")
+        return copy.deepcopy(self.reviews.get(token, {"authenticated": False, "error": "invalid bearer token"}))
 
     def list_caches(self, namespaces: list[str]) -> list[dict[str, Any]]:
         self._check("list_caches")

@@ -110,14 +110,50 @@ WARMED = {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "platform": "tpu", 
 
 
 def test_keys_match_says_in_words_what_differs() -> None:
-    pools = [{"name": "v5p", "fingerprint": WARMED}]
+    pools = [{"name": "v5p", "state": "Succeeded", "fingerprint": WARMED}]
     same = {k: v for k, v in WARMED.items() if k != "image"}  # a pod does not report its image
     assert keys_match(pools, [("trainer", same)])[0] is True
+    # Not in JAX's keys: jax's own version, the process count, the cache dir.
+    assert keys_match(pools, [("trainer", {**same, "jax": "0.10.3", "processes": 1, "cacheDir": "/x"})])[0] is True
     other = {**same, "versions": {"jaxlib": "0.10.1"}, "devices": 4, "topology": "2x2x1"}
     matched, reason, message = keys_match(pools, [("trainer", same), ("trainer-2", other)])
     assert (matched, reason) == (False, "FingerprintsDiffer")
-    assert message == ("1 of 2 reporting processes compute other keys than the warmers: pod trainer-2 runs "
-                       "4 devices, topology 2x2x1, jaxlib 0.10.1; pool v5p was warmed with 8 devices, topology 2x2x2, "
-                       "jaxlib 0.10.2")
+    assert message == ("Training pods compute other keys than the warmers and miss: they run 4 devices, topology "
+                       "2x2x1, jaxlib 0.10.1; pool v5p was warmed with 8 devices, topology 2x2x2, jaxlib 0.10.2")
+    # The same difference from another pod reads the same (one Event, not one per pod).
+    assert keys_match(pools, [("trainer-3", other), ("trainer", same)])[2] == message
     assert keys_match(pools, [])[:2] == (None, "NoReports")
-    assert keys_match([{"name": "v5p"}], [("trainer", same)])[:2] == (None, "NotWarmed")
+    assert keys_match([{"name": "v5p", "state": "Succeeded"}], [("trainer", same)])[:2] == (None, "NotWarmed")
+    failed = [{"name": "v5p", "state": "Failed", "fingerprint": WARMED}]
+    assert keys_match(failed, [("trainer", same)])[:2] == (None, "NotWarmed")  # a failed warm warmed nothing
+
+
+def test_a_process_first_seen_after_a_leader_change_sets_a_baseline_and_is_not_counted_again() -> None:
+    store = Store()
+    assert store.record(parse(raw(report(sequence=7))), NOW) == {"hits": 0.0, "misses": 0.0, "saved": 0.0}
+    later = report(sequence=8, counts__requests=6, counts__hits=5, counts__compileSecondsSaved=20.0)
+    assert store.record(parse(raw(later)), NOW + dt.timedelta(seconds=60)) == {"hits": 2.0, "misses": 0.0,
+                                                                                 "saved": 7.5}
+
+
+def test_processes_of_one_pod_report_apart_and_a_final_report_is_always_taken() -> None:
+    store = Store()
+    store.record(parse(raw(report())), NOW)
+    store.record(parse(raw(report(process__pid=8))), NOW)  # another process of the same pod
+    final = report(sequence=2, final=True, counts__requests=5, counts__hits=4)
+    assert store.record(parse(raw(final)), NOW + dt.timedelta(seconds=1))["hits"] == 1.0
+    with pytest.raises(ReportError) as again:
+        store.record(parse(raw(report(sequence=3, final=True))), NOW + dt.timedelta(seconds=2))
+    assert again.value.status == 429
+
+
+def test_usage_without_compile_requests_has_no_hit_ratio_and_old_processes_are_forgotten() -> None:
+    store = Store(dt.timedelta(minutes=10))
+    store.record(parse(raw(report(counts__requests=0, counts__hits=0, counts__misses=0))), NOW)
+    usage = store.usage("ml", "llama", NOW)
+    assert usage is not None and "hitRatio" not in usage
+    store.prune(NOW + dt.timedelta(minutes=11))
+    assert store.caches() == []
+    store.record(parse(raw(report(pod__uid="u-9"))), NOW)
+    store.prune(NOW, caches=set())  # the cache was deleted
+    assert store.caches() == []
