@@ -26,23 +26,22 @@ be delivered is dropped (the next one carries the totals).
 
 from __future__ import annotations
 
-import atexit
-import collections
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import json
-import logging
+# Only what every python start-up has loaded anyway: this module is imported by every
+# python process of the pod, with or without jax. The rest (logging, json, ssl, urllib) is
+# imported once jax is, or when a report is sent.
 import os
-import ssl
 import sys
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import importlib.machinery
+    import logging
+    import ssl
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+    from types import ModuleType
 
 ENV_URL = "CACHEWARM_REPORT_URL"
 ENV_TOKEN_FILE = "CACHEWARM_REPORT_TOKEN_FILE"
@@ -75,11 +74,13 @@ def _warn(message: str) -> None:
         pass
 
 
-class Tally(logging.Filter):
-    """JAX's cache events in this process; thread-safe, bounded."""
+class Tally:
+    """JAX's cache events in this process; thread-safe, bounded. Also a logging filter
+    (logging takes any object with a `filter` method)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        import collections  # noqa: PLC0415
+
         self.lock = threading.Lock()
         self.requests = 0
         self.hits = 0
@@ -121,7 +122,7 @@ class Tally(logging.Filter):
         except Exception:  # noqa: BLE001
             pass
 
-    def filter(self, record: logging.LogRecord) -> bool:
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: A003 - logging's name
         """Reads the program name and key of a miss from JAX's DEBUG record. The record goes
         on only if the process's own logging would have let it through: the level its
         parents have now (so a level the user sets later on `jax` still counts), or DEBUG
@@ -150,6 +151,8 @@ class Tally(logging.Filter):
 
 def _load_fingerprint(here: Path) -> Callable[[], dict[str, Any]]:
     """The warmer's fingerprint(), from the warmer file shipped beside this one."""
+    import importlib.util  # noqa: PLC0415
+
     for name in ("warm.py", "warmer.py"):
         path = here / name
         if path.is_file():
@@ -218,6 +221,11 @@ class Reporter:
             return False
         with self._send_lock:
             try:
+                import json  # noqa: PLC0415
+                import ssl  # noqa: PLC0415
+                import urllib.request  # noqa: PLC0415
+                from pathlib import Path  # noqa: PLC0415
+
                 self.tally.changed.clear()
                 body = json.dumps(self.report(), separators=(",", ":")).encode()
                 request = urllib.request.Request(self.url, data=body, method="POST",
@@ -265,6 +273,9 @@ class Reporter:
 def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
     """Listen to JAX's cache events and miss records; start the report thread."""
     try:
+        import atexit  # noqa: PLC0415
+        import logging  # noqa: PLC0415
+
         jax.monitoring.register_event_listener(tally.on_event)
         jax.monitoring.register_event_duration_secs_listener(tally.on_duration)
         logger = logging.getLogger("jax._src.compiler")
@@ -279,8 +290,9 @@ def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
         _warn(f"not counting cache use ({type(exc).__name__}: {exc})")
 
 
-class _JaxWatch(importlib.abc.MetaPathFinder):
-    """Runs `then(jax)` right after `import jax` finishes, whoever imports it first."""
+class _JaxWatch:
+    """Runs `then(jax)` right after `import jax` finishes, whoever imports it first (a
+    meta path finder: sys.meta_path takes any object with find_spec)."""
 
     def __init__(self, then: Callable[[ModuleType], None]) -> None:
         self.then = then
@@ -295,12 +307,14 @@ class _JaxWatch(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)
         except ValueError:
             pass
+        import importlib.util  # noqa: PLC0415
+
         spec = importlib.util.find_spec("jax")
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, then = spec.loader, self.then
 
-        class _Loader(importlib.abc.Loader):
+        class _Loader:
             def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
                 return loader.create_module(spec)
 
@@ -315,7 +329,7 @@ class _JaxWatch(importlib.abc.MetaPathFinder):
                 except Exception:  # noqa: BLE001
                     pass
 
-        spec.loader = _Loader()
+        spec.loader = _Loader()  # type: ignore[assignment]
         return spec
 
 
@@ -337,6 +351,10 @@ def chain_sitecustomize(here: Path) -> None:
     """Run the sitecustomize ours shadows (the image's or the environment's), as python
     would have, and leave it as `sitecustomize`; its errors are reported as python does."""
     try:
+        import importlib.machinery  # noqa: PLC0415
+        import importlib.util  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
+
         others = [p for p in sys.path if p and Path(p).resolve() != here.resolve()]
         spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
         if spec is None or spec.loader is None:
@@ -351,6 +369,8 @@ def chain_sitecustomize(here: Path) -> None:
 def start(here: Path | None = None, env: dict[str, str] | None = None) -> None:
     """From sitecustomize, at interpreter start. Never raises."""
     try:
+        from pathlib import Path  # noqa: PLC0415
+
         where = here or Path(__file__).resolve().parent
         restore_image_pythonpath(where)
         chain_sitecustomize(where)
