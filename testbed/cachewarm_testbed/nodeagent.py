@@ -29,12 +29,17 @@ capacity), and the agent runs only what is bound to its nodes. What it does like
 What it is not (said here so no test leans on it): an image is a local directory
 (`--image-map`: working directory, path rewrites for files the image would contain, which
 python `python` means, and its env); pods of unknown images wait with ErrImageNeverPull;
-volume mount paths in arguments are rewritten to per-pod directories; every pod shares the
+volume mount paths in arguments and env values are rewritten to per-pod directories; a
+projected serviceAccountToken volume gets a token the apiserver issues for the pod
+(TokenRequest with the volume's audience and expiry, bound to the Pod, as a kubelet asks for
+it; never refreshed, since pods here live minutes); the other projected sources (the CA
+bundle and namespace of the automounted kube-api-access volume) are left out, which no
+test reads; every pod shares the
 host's network (pod IPs are loopback addresses, so two pods cannot listen on one port, and a
 server listening on all addresses, like JAX's coordinator, answers on every pod IP: the
 testbed proves that a pod's name resolves, not which pod answers);
 JAX runs on the CPU where a GPU or TPU would be; pods get no KUBERNETES_SERVICE_* env and no
-ServiceAccount token (nothing in a pod can reach the apiserver); containers are not restarted
+automounted ServiceAccount token (nothing in a pod can reach the apiserver); containers are not restarted
 (restartPolicy is treated as Never); no probes run (a pod with a readinessProbe never turns
 Ready); resource limits are not enforced.
 
@@ -83,6 +88,14 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # what runc puts
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KUBELET_VERSION = "v0.0.0-cachewarm-testbed"
 HEARTBEAT_SECONDS = 10.0
+
+
+def _rewrite(value: str, rewrites: dict[str, str]) -> str:
+    """`value` with a leading container path (an argument, an env value) made the local one."""
+    for path, local in sorted(rewrites.items(), key=lambda kv: -len(kv[0])):
+        if value == path or value.startswith(path.rstrip("/") + "/"):
+            return local + value[len(path):]
+    return value
 
 
 def now() -> str:
@@ -262,6 +275,11 @@ class Agent:
                              f'Container image "{missing[0]}" is not present with pull policy of Never')
                 return
             try:
+                self.project_tokens(pod, root)
+            except ContainerConfigError as exc:
+                self.waiting(pod, base, "ContainerCreating", f"MountVolume.SetUp failed: {exc}")
+                return
+            try:
                 plans = {c.name: self.plan(pod, c, root, hostname) for c in
                          [*(pod.spec.init_containers or []), *pod.spec.containers]}
             except ContainerConfigError as exc:
@@ -341,6 +359,34 @@ class Agent:
 
     # -- one container -------------------------------------------------------------------
 
+    def project_tokens(self, pod: Any, root: Path) -> None:
+        """Write each projected serviceAccountToken the pod's volumes ask for, from the
+        TokenRequest API, bound to this pod (what the kubelet does before it starts the
+        containers). Raises ContainerConfigError (a token the apiserver would not issue)."""
+        for volume in pod.spec.volumes or []:
+            if volume.projected is None:
+                continue
+            for source in volume.projected.sources or []:
+                token = source.service_account_token
+                if token is None:
+                    continue  # configMap / downwardAPI sources: not written (see the module docstring)
+                request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+                    audiences=[token.audience] if token.audience else [],
+                    expiration_seconds=token.expiration_seconds or 3600,
+                    bound_object_ref=client.V1BoundObjectReference(
+                        kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)))
+                try:
+                    issued = self.api.create_namespaced_service_account_token(
+                        pod.spec.service_account_name or "default", pod.metadata.namespace, request)
+                except ApiException as exc:
+                    raise ContainerConfigError(f"volume {volume.name}: failed to fetch token: {exc.reason}") from exc
+                path = root / "volumes" / volume.name / token.path
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if issued.status is None or not issued.status.token:
+                    raise ContainerConfigError(f"volume {volume.name}: the apiserver issued no token")
+                path.write_text(issued.status.token)
+                path.chmod(0o600)
+
     def plan(self, pod: Any, container: Any, root: Path, hostname: str) -> dict[str, Any]:
         if (container.termination_message_path or TERMINATION_LOG) != TERMINATION_LOG:
             raise ContainerConfigError(f"container {container.name}: the node agent supports only "
@@ -348,8 +394,9 @@ class Agent:
         argv, cwd = self.argv_of(container, root)
         image = self.images[container.image]
         # containerd sets PATH and HOME when the image does not; the kubelet sets HOSTNAME.
+        rewrites = self.mount_paths(container, root)
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **image.get("env", {}), "HOSTNAME": hostname, **self.node_env,
-               **self.env_of(pod, container)}
+               **{k: _rewrite(v, rewrites) for k, v in self.env_of(pod, container).items()}}
         return {"argv": argv, "cwd": cwd, "env": env, "root": root, "policy": container.termination_message_policy}
 
     def run_container(self, key: tuple[str, str], plan: dict[str, Any], container: Any) -> tuple[int, str]:
@@ -451,23 +498,23 @@ class Agent:
                 return str((values or {}).get(path[len(prefix) + 2:-2], ""))
         raise ContainerConfigError(f"fieldRef {path} is not supported by the node agent")
 
-    def argv_of(self, container: Any, root: Path) -> tuple[list[str], Path]:
-        image = self.images[container.image]
-        rewrites: dict[str, str] = dict(image.get("paths", {}))
+    def mount_paths(self, container: Any, root: Path) -> dict[str, str]:
+        """Where the container's paths are here: the image's own files, and each volume
+        mount's directory (made if missing)."""
+        rewrites: dict[str, str] = dict(self.images[container.image].get("paths", {}))
         for mount in container.volume_mounts or []:
             rewrites[mount.mount_path] = str(root / "volumes" / mount.name)
             (root / "volumes" / mount.name).mkdir(parents=True, exist_ok=True)
+        return rewrites
+
+    def argv_of(self, container: Any, root: Path) -> tuple[list[str], Path]:
+        image = self.images[container.image]
+        rewrites = self.mount_paths(container, root)
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
             raise ContainerConfigError(f"container {container.name} has no command; the node agent cannot run "
                                        "image defaults")
-        out = []
-        for arg in argv:
-            for path, local in sorted(rewrites.items(), key=lambda kv: -len(kv[0])):
-                if arg == path or arg.startswith(path.rstrip("/") + "/"):
-                    arg = local + arg[len(path):]
-                    break
-            out.append(arg)
+        out = [_rewrite(arg, rewrites) for arg in argv]
         if out[0] in ("python", "python3") and image.get("python"):
             out[0] = image["python"]
         cwd = Path(image.get("root", root))

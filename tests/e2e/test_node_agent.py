@@ -84,3 +84,38 @@ def test_a_pod_the_node_cannot_start_waits_with_the_kubelets_reason(
     state = eventually(waiting, timeout=60, what=f"{name} waiting")
     assert state["reason"] == reason
     assert (bed.get_json("pod", name, namespace) or {})["status"]["phase"] == "Pending"
+
+
+def test_a_projected_token_is_one_the_apiserver_issued_for_that_pod(
+    node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """As a kubelet does: the token in a projected serviceAccountToken volume comes from the
+    TokenRequest API with the volume's audience, bound to the pod, and the container finds
+    it under the mount path (here through an env value naming it)."""
+    bed = controller_manager
+    assert bed.kubectl_run("create", "serviceaccount", "trainer", "-n", namespace).returncode == 0
+    spec = pod("token", {
+        "image": "test/targets:1",
+        "command": ["python", "-c", "import os; print(open(os.environ['TOKEN_FILE']).read())"],
+        "env": [{"name": "TOKEN_FILE", "value": "/var/run/secrets/cachewarm/token"}],
+        "volumeMounts": [{"name": "cachewarm-token", "mountPath": "/var/run/secrets/cachewarm", "readOnly": True}]})
+    spec["spec"]["serviceAccountName"] = "trainer"
+    spec["spec"]["volumes"] = [{"name": "cachewarm-token", "projected": {"sources": [{"serviceAccountToken": {
+        "audience": "cachewarm", "expirationSeconds": 600, "path": "token"}}]}}]
+    create(bed, namespace, spec)
+
+    def done() -> dict[str, Any] | None:
+        obj = bed.get_json("pod", "token", namespace) or {}
+        return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+    obj = eventually(done, timeout=120, what="the token pod to finish")
+    assert obj["status"]["phase"] == "Succeeded", bed.pod_log(namespace, "token", "c")
+    token = bed.pod_log(namespace, "token", "c").strip().splitlines()[-1]
+    review = bed.kubectl_run("create", "-o", "json", "-f", "-", input=json.dumps({
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+        "spec": {"token": token, "audiences": ["cachewarm"]}}))
+    assert review.returncode == 0, review.stderr
+    status = json.loads(review.stdout)["status"]
+    assert status["authenticated"] is True and status["audiences"] == ["cachewarm"]
+    assert status["user"]["username"] == f"system:serviceaccount:{namespace}:trainer"
+    assert status["user"]["extra"]["authentication.kubernetes.io/pod-name"] == ["token"]
+    assert status["user"]["extra"]["authentication.kubernetes.io/pod-uid"] == [obj["metadata"]["uid"]]
