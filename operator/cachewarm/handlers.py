@@ -21,6 +21,7 @@ import kopf
 
 from cachewarm import conditions, service
 from cachewarm import constants as c
+from cachewarm.builders.reporter import Reporting
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.events import Event
 
@@ -70,7 +71,8 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
     meta = body.get("metadata") or {}
     started = time.perf_counter()
     try:
-        answer = service.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None))
+        answer = service.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None),
+                                   _reporting(memo))
     except Exception as exc:  # noqa: BLE001 - a pod is never refused on our account
         warnings.append(f"cachewarm could not inject this pod ({type(exc).__name__}: {exc}); admitted unchanged")
         _count_admission(memo, "error", started)
@@ -87,6 +89,17 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
     if not dryrun and answer.event is not None:
         _post_in_background(memo.kube, *answer.event)
     _count_admission(memo, "injected" if answer.injected else "unchanged", started)
+
+
+def _reporting(memo: Any) -> Reporting | None:
+    """Where pods report and the CA they trust: the certificate this replica serves (all
+    replicas serve one CA). None while no real certificate is served (a stand-in's CA
+    would not be trusted for long): pods then get no reporter."""
+    keeper, settings = memo.get("keeper"), memo.get("settings")
+    material = keeper.tls.material if keeper is not None and keeper.authoritative else None
+    if settings is None or material is None or not material.ca_pem or not settings.report_url:
+        return None
+    return Reporting(image=settings.warmer_image, url=settings.report_url, ca_pem=material.ca_pem.decode())
 
 
 def _count_admission(memo: Any, outcome: str, started: float) -> None:

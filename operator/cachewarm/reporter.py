@@ -13,7 +13,7 @@ import; from then on it counts JAX's own cache events from the very first compil
 - the process's key fingerprint (the warmer's own code, so the two compare like for like).
 
 A small JSON report goes to $CACHEWARM_REPORT_URL (HTTPS, the CA in
-$CACHEWARM_REPORT_CA_FILE) with the pod's ServiceAccount token for audience `cachewarm`
+$CACHEWARM_REPORT_CA, or a file in $CACHEWARM_REPORT_CA_FILE) with the pod's ServiceAccount token for audience `cachewarm`
 ($CACHEWARM_REPORT_TOKEN_FILE, re-read for every report since the kubelet rotates it):
 shortly after the first compiles, then every $CACHEWARM_REPORT_SECONDS while anything
 changed, and once at exit.
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 ENV_URL = "CACHEWARM_REPORT_URL"
 ENV_TOKEN_FILE = "CACHEWARM_REPORT_TOKEN_FILE"
 ENV_CA_FILE = "CACHEWARM_REPORT_CA_FILE"
+ENV_CA = "CACHEWARM_REPORT_CA"  # the PEM itself, as the webhook gives it
 ENV_SECONDS = "CACHEWARM_REPORT_SECONDS"
 ENV_CACHE = "CACHEWARM_CACHE"
 ENV_POD = ("CACHEWARM_POD_NAMESPACE", "CACHEWARM_POD_NAME", "CACHEWARM_POD_UID")
@@ -173,6 +174,7 @@ class Reporter:
         self.url = env.get(ENV_URL, "")
         self.token_file = env.get(ENV_TOKEN_FILE, "")
         self.ca_file = env.get(ENV_CA_FILE, "")
+        self.ca_pem = env.get(ENV_CA, "")
         try:
             self.period = max(float(env.get(ENV_SECONDS) or DEFAULT_PERIOD_SECONDS), 1.0)
         except ValueError:
@@ -233,7 +235,8 @@ class Reporter:
                 if self.token_file:
                     request.add_header("Authorization", "Bearer " + Path(self.token_file).read_text().strip())
                 if self._context is None and self.url.startswith("https:"):
-                    self._context = ssl.create_default_context(cafile=self.ca_file or None)
+                    self._context = ssl.create_default_context(cafile=self.ca_file or None,
+                                                               cadata=self.ca_pem or None)
                 with urllib.request.urlopen(request, timeout=timeout, context=self._context) as answer:  # noqa: S310
                     answer.read(4096)
                 self.sent += 1

@@ -17,6 +17,7 @@ from cachewarm import conditions, reports
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
+from cachewarm.builders.reporter import Reporting, add_reporter
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.conditions import Cond
@@ -501,9 +502,10 @@ class Admission:
     injected: bool = False
 
 
-def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Admission:
-    """Add the named cache's env (and, with waitForWarm, a scheduling gate) to a pod being
-    created, or say in a warning why not. Raises only on a bug; the caller admits anyway."""
+def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting | None = None) -> Admission:
+    """Add the named cache's env (and, with waitForWarm, a scheduling gate; with
+    `reporting` and spec.injection.report, the reporter) to a pod being created, or say in
+    a warning why not. Raises only on a bug; the caller admits anyway."""
     meta = pod.get("metadata") or {}
     namespace = str(meta.get("namespace") or "")
     cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
@@ -526,6 +528,13 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup) -> Admission:
             out.spec["initContainers"] = result.init_containers
         out.annotations[c.INJECTED_ANNOTATION] = result.annotation
         out.injected = True
+    if reporting is not None and cache.injection.report:
+        added = add_reporter(pod.get("spec") or {}, result.containers,
+                             result.init_containers if result.init_containers is not None
+                             else (pod.get("spec") or {}).get("initContainers") or [], cache_name, reporting)
+        if added is not None:
+            out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = added
+            out.injected = True
     gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
     if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \
             and not entry.get("refused"):

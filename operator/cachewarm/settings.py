@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     kube_timeout_seconds: float = Field(
         default=30.0, gt=0, description="Timeout of one Kubernetes API request the operator makes outside its watches."
     )
+    report_url: str = Field(
+        default="https://cachewarm-webhook.cachewarm-system.svc/report/v1",
+        description="Where training pods send their reports (the operator's HTTPS server, through its Service).",
+    )
     report_window_seconds: float = Field(
         default=3600.0, gt=0, description="status.usage sums the reports of training pods from this long back."
     )

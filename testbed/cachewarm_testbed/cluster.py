@@ -11,6 +11,7 @@ real kubelet with containerd (cachewarm_testbed.realnode). The state is written 
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import json
 import os
@@ -99,8 +100,20 @@ def local_images() -> dict[str, dict[str, Any]]:
     `python` is this environment's interpreter."""
     repo = repo_root()
     trainer = {"root": str(repo / "demo"), "python": sys.executable}
+    # The warmer image's /opt/cachewarm, as warmer_image/Dockerfile lays it out (the file
+    # names matter: `cp A B DIR` keeps them), linked to this checkout's files.
+    stage = Path(tempfile.gettempdir()) / f"cachewarm-warmer-image-{uuid.uuid5(uuid.NAMESPACE_URL, str(repo)).hex[:12]}"
+    stage.mkdir(exist_ok=True)
+    for name, source in (("warm.py", repo / "operator" / "cachewarm" / "warmer.py"),
+                         ("cachewarm_reporter.py", repo / "operator" / "cachewarm" / "reporter.py"),
+                         ("sitecustomize.py", repo / "warmer_image" / "sitecustomize.py")):
+        link = stage / name
+        if not (link.is_symlink() and link.resolve() == source.resolve()):
+            link.unlink(missing_ok=True)
+            with contextlib.suppress(FileExistsError):  # another process of this run made it
+                link.symlink_to(source)
     return {
-        "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm/warm.py": str(repo / "operator" / "cachewarm" / "warmer.py")}},
+        "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm": str(stage)}},
         "demo/train:1": trainer,
         # The name of the image demo/Dockerfile builds for the real node (cachewarm_testbed.images).
         "cachewarm/demo-train:0.1.0": dict(trainer),
@@ -416,6 +429,8 @@ class Testbed:
             "CACHEWARM_WEBHOOK_PORT": str(webhook_port),
             "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{webhook_port}",
             "CACHEWARM_METRICS_PORT": str(metrics_port),
+            # Pods of the node agent share the host's network: they reach the operator here.
+            "CACHEWARM_REPORT_URL": f"https://127.0.0.1:{webhook_port}/report/v1",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }

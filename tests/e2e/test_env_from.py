@@ -76,7 +76,12 @@ def test_values_set_through_env_from_win_and_other_containers_get_the_cache_env(
     assert from_configmap["spec"]["containers"][0]["envFrom"][0] == {
         "configMapRef": {"name": "cachewarm-llama-env", "optional": True}}
     assert "env" not in from_secret["spec"]["containers"][0]  # no env entry to override their sources
-    assert {e["name"]: e["value"] for e in plain["spec"]["containers"][0]["env"]} == ours  # visible in the spec
+    plain_env = {e["name"]: e.get("value") for e in plain["spec"]["containers"][0]["env"]}
+    assert {k: plain_env[k] for k in ours} == ours  # visible in the spec
+    # The reporter goes to containers without envFrom sources only (their PYTHONPATH may come
+    # from a source an env entry would override).
+    assert plain_env["PYTHONPATH"] == "/cachewarm-reporter"
+    assert "PYTHONPATH" not in {e["name"] for e in from_configmap["spec"]["containers"][0].get("env") or []}
 
     env = running_env(bed, namespace, "from-configmap")
     assert env["JAX_COMPILATION_CACHE_DIR"] == "/mnt/team-cache"  # theirs

@@ -57,14 +57,15 @@ def jobs(bed: Testbed, ns: str, cache: str) -> list[dict[str, Any]]:
     return list(json.loads(out.stdout)["items"])
 
 
-def train_in_pod(bed: Testbed, ns: str, cache: str, name: str = "trainer") -> dict[str, Any]:
+def train_in_pod(bed: Testbed, ns: str, cache: str, name: str = "trainer",
+                 env: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """Create an ordinary training pod through the webhook, let the node agent run it,
     and return the training script's report plus its log."""
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
            "spec": {"restartPolicy": "Never", "containers": [{
                "name": "train", "image": "demo/train:1", "command": ["python", "train.py", "--steps", "2"],
-               "env": [{"name": "JAX_LOG_COMPILES", "value": "1"}]}]}}
+               "env": [{"name": "JAX_LOG_COMPILES", "value": "1"}, *(env or [])]}]}}
     created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(pod))
     assert created.returncode == 0, created.stderr
 
@@ -133,6 +134,7 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     assert [(p["name"], p["entries"], p["bytes"]) for p in direct["programs"]] == \
         [(p["name"], p["entries"], p["bytes"]) for p in report["programs"]] and direct["pools"] == []
 
+    hits_before = scrape(operator.metrics_url, "cachewarm_cache_hits_total", **this)
     run = train_in_pod(controller_manager, namespace, "llama")
     assert scrape(operator.metrics_url, "cachewarm_webhook_admissions_total", outcome="injected") == injected + 1
     assert run["cache_dir"] == f"gs://{bucket}/jax"
@@ -141,6 +143,35 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     assert "Persistent compilation cache hit for 'jit_train_step'" in run["log"]
     # Nothing new was written by the training run.
     assert len([b for b in gcs.list_blobs(bucket, prefix="jax/") if b.name.endswith("-cache")]) == len(entries)
+
+    # The pod's reporter (added by the webhook, its token projected for the pod) told the
+    # operator: its hits are in status.usage and /metrics, and its keys match the warmer's.
+    def usage() -> dict[str, Any] | None:
+        return ((controller_manager.get_json("ccache", "llama", namespace) or {}).get("status") or {}).get("usage")
+    got = eventually(usage, timeout=60, what="status.usage from the training pod's report")
+    assert (got["pods"], got["hits"], got["misses"]) == (1, run["cache_hits"], 0)
+    assert got["compileRequests"] == run["cache_hits"] and got["hitRatio"] == 1.0
+    assert scrape(operator.metrics_url, "cachewarm_cache_hits_total", **this) == hits_before + run["cache_hits"]
+    matched = eventually(lambda: conditions(controller_manager.get_json("ccache", "llama", namespace)).get(
+        "KeysMatch", {}).get("status") == "True", timeout=60, what="KeysMatch True")
+    assert matched
+
+    # A pod on two devices computes other keys: it misses, and the cache says why.
+    other = train_in_pod(controller_manager, namespace, "llama", name="two-devices", env=[
+        {"name": "XLA_FLAGS", "value": "--xla_force_host_platform_device_count=2"}])
+    assert other["cache_hits"] == 0 and other["compiled"] >= 1
+
+    def differs() -> dict[str, Any] | None:
+        cond = conditions(controller_manager.get_json("ccache", "llama", namespace)).get("KeysMatch") or {}
+        return cond if cond.get("status") == "False" else None
+    cond = eventually(differs, timeout=60, what="KeysMatch False for the two-device pod")
+    assert cond["reason"] == "FingerprintsDiffer"
+    assert "they run 2 devices; pool cpu was warmed with 1 devices" in cond["message"]
+    warnings = [e for e in controller_manager.events_for("llama", namespace) if e["reason"] == "FingerprintsDiffer"]
+    assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
+    last = usage() or {}
+    assert last["pods"] == 2 and last["misses"] >= 1
+    assert any(m["pod"] == "two-devices" and m["program"] == "jit_train_step" for m in last["lastMisses"])
 
 
 def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(

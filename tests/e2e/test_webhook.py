@@ -36,6 +36,10 @@ TRAIN = Path(__file__).parent.parent / "data" / "jax_train.py"
 
 
 def make_cache(bed: Testbed, ns: str, name: str, **spec: Any) -> dict[str, Any]:
+    """A Ready cache. Its pods get the cache env only (injection.report false) unless the
+    test asks for the reporter: test_reporter_is_added_to_every_container_that_can_take_it
+    shows that part of the patch."""
+    spec = {**spec, "injection": {"report": False, **(spec.get("injection") or {})}}
     bucket = f"wh-{uuid.uuid4().hex[:10]}"
     obj = {
         "apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
@@ -288,3 +292,61 @@ def test_malformed_reviews_get_well_formed_answers(
     ok_status, ok = post_webhook(installed, operator, json.dumps(review(
         {"metadata": {"name": "ok", "namespace": "default"}, "spec": {"containers": [{"name": "c"}]}})).encode())
     assert ok_status == 200 and ok["response"]["allowed"] is True
+
+
+def test_reporter_is_added_to_every_container_that_can_take_it(
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
+) -> None:
+    """With injection.report (the default), the pod gets the reporter: its init containers,
+    the emptyDir and a projected token for audience cachewarm, and PYTHONPATH (ours first,
+    then the container's own), where to report and the CA the operator serves. A container
+    with envFrom sources is left without it. In a namespace that enforces PodSecurity
+    'restricted', the patched pod is still admitted."""
+    bed = controller_manager
+    assert bed.kubectl_run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+                           ).returncode == 0
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
+               "spec": {"storage": {"gcs": {"bucket": f"wh-{uuid.uuid4().hex[:10]}", "location": "us-central1"}}}},
+              namespace)
+    eventually(lambda: (bed.get_json("ccache", "llama", namespace) or {}).get("status", {}).get("bucket"),
+               what="the cache reconciled")
+    restricted = {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
+                  "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    obj = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "labels": {"cachewarm.dev/cache": "llama"}},
+           "spec": {"restartPolicy": "Never", "nodeSelector": {"cachewarm.test/nowhere": "true"}, "containers": [
+               {"name": "train", "image": "demo/train:1", "command": ["python", "train.py"],
+                "env": [{"name": "PYTHONPATH", "value": "/app/lib"}], "securityContext": restricted},
+               {"name": "sidecar", "image": "demo/train:1", "command": ["python", "-c", "pass"],
+                "envFrom": [{"configMapRef": {"name": "team", "optional": True}}], "securityContext": restricted}]}}
+    stored, _ = create_pod(bed, namespace, obj)
+    spec = stored["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["cachewarm-reporter", "cachewarm-pythonpath"]
+    assert spec["initContainers"][0]["image"] == "cachewarm/warmer:0.1.0"
+    assert spec["initContainers"][1]["image"] == "demo/train:1"  # the training image's own python
+    assert spec["initContainers"][1]["securityContext"]["runAsUser"] == 1000
+    token = next(v for v in spec["volumes"] if v["name"] == "cachewarm-report-token")
+    assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "cachewarm"
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["PYTHONPATH"]["value"] == "/cachewarm-reporter:/app/lib"
+    assert env["CACHEWARM_REPORT_URL"]["value"] == f"{operator.webhook_url}/report/v1"
+    assert env["CACHEWARM_POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    config = json.loads(bed.kubectl_run("get", "mutatingwebhookconfiguration", "cachewarm-pod-injector", "-o",
+                                        "json").stdout)
+    assert env["CACHEWARM_REPORT_CA"]["value"].encode() == base64.b64decode(
+        config["webhooks"][0]["clientConfig"]["caBundle"])
+    assert {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]} >= {
+        "/cachewarm-reporter", "/var/run/secrets/cachewarm"}
+    sidecar = spec["containers"][1]
+    assert "PYTHONPATH" not in {e["name"] for e in sidecar.get("env") or []}
+    assert "/cachewarm-reporter" not in {m["mountPath"] for m in sidecar.get("volumeMounts") or []}
+
+    # injection.report false: the cache env only.
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "quiet"},
+               "spec": {"storage": {"gcs": {"bucket": f"wh-{uuid.uuid4().hex[:10]}", "location": "us-central1"}},
+                        "injection": {"report": False}}}, namespace)
+    eventually(lambda: (bed.get_json("ccache", "quiet", namespace) or {}).get("status", {}).get("bucket"),
+               what="the quiet cache reconciled")
+    quiet = {**obj, "metadata": {"name": "quiet", "labels": {"cachewarm.dev/cache": "quiet"}}}
+    stored, _ = create_pod(bed, namespace, quiet)
+    assert "initContainers" not in stored["spec"] and env_of(stored)["PYTHONPATH"] == "/app/lib"
+    assert "cachewarm-reporter" not in {v["name"] for v in stored["spec"].get("volumes") or []}

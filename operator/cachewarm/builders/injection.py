@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cachewarm import constants as c
+from cachewarm.builders.reporter import COPY_CONTAINER, PATH_CONTAINER
 from cachewarm.model import CacheSpec
 
 # JAX writes an entry only when a compile took at least this long: a reader with this
 # threshold reads hits and never writes (verified with jax 0.10.2, no warnings).
 READ_ONLY_MIN_COMPILE_SECS = "1e9"
+# The reporter's init containers (builders/reporter.py) compile nothing: no cache env.
+OWN_INIT_CONTAINERS = (COPY_CONTAINER, PATH_CONTAINER)
 
 Role = Literal["pod", "warmer"]
 
@@ -138,6 +141,9 @@ def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: 
     if spec.get("initContainers"):
         init_containers = []
         for container in spec["initContainers"]:
+            if container.get("name") in OWN_INIT_CONTAINERS:  # the reporter's, on reinvocation
+                init_containers.append(copy.deepcopy(dict(container)))
+                continue
             new, did = _inject(container, env, configmap, kept)
             init_containers.append(new)
             changed |= did

@@ -1,0 +1,43 @@
+"""The reporter's part of the pod patch: what each container gets, who is left alone, and
+that patching again changes nothing (webhook reinvocation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachewarm.builders.reporter import Reporting, add_reporter
+
+REPORTING = Reporting(image="cachewarm/warmer:0.1.0", url="https://op/report/v1", ca_pem="-----BEGIN CERTIFICATE-----")
+
+
+def spec(**extra: Any) -> dict[str, Any]:
+    return {"containers": [{"name": "train", "image": "train:1", "env": [{"name": "PYTHONPATH", "value": "/app"}]},
+                           {"name": "side", "image": "train:1", "envFrom": [{"configMapRef": {"name": "x"}}]},
+                           {"name": "ref", "image": "train:1", "env": [{"name": "PYTHONPATH", "valueFrom": {
+                               "configMapKeyRef": {"name": "x", "key": "p"}}}]}],
+            "initContainers": [{"name": "setup", "image": "train:1"}], **extra}
+
+
+def test_containers_that_can_take_it_get_the_reporter_and_the_others_stay_as_they_were() -> None:
+    s = spec()
+    added = add_reporter(s, s["containers"], s["initContainers"], "llama", REPORTING)
+    assert added is not None
+    containers, init, volumes = added
+    env = {e["name"]: e for e in containers[0]["env"]}
+    assert env["PYTHONPATH"] == {"name": "PYTHONPATH", "value": "/cachewarm-reporter:/app"}
+    assert env["CACHEWARM_CACHE"]["value"] == "llama" and env["CACHEWARM_REPORT_CA"]["value"] == REPORTING.ca_pem
+    assert containers[1] == s["containers"][1]  # envFrom: its PYTHONPATH may come from there
+    assert containers[2] == s["containers"][2]  # PYTHONPATH from a reference the webhook cannot read
+    assert [c["name"] for c in init] == ["cachewarm-reporter", "cachewarm-pythonpath", "setup"]
+    assert init[1]["command"][-1] == "/cachewarm-reporter/image-pythonpath"
+    assert [v["name"] for v in volumes] == ["cachewarm-reporter", "cachewarm-report-token"]
+
+
+def test_a_pod_patched_already_is_not_patched_again_and_one_with_no_taker_is_not_patched() -> None:
+    s = spec()
+    added = add_reporter(s, s["containers"], s["initContainers"], "llama", REPORTING)
+    assert added is not None
+    again = {"containers": added[0], "initContainers": added[1], "volumes": added[2]}
+    assert add_reporter(again, again["containers"], again["initContainers"], "llama", REPORTING) is None
+    only_env_from = {"containers": [spec()["containers"][1]]}
+    assert add_reporter(only_env_from, only_env_from["containers"], [], "llama", REPORTING) is None
