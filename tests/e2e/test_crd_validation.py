@@ -122,6 +122,8 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
      'supported values: "NoSchedule", "PreferNoSchedule", "NoExecute"'),
     ("wait-enabled-type", with_change("spec.injection", {"waitForWarm": {"enabled": "yes"}}),
      "spec.injection.waitForWarm.enabled: Invalid value"),
+    ("report-type", with_change("spec.injection", {"report": "yes"}),
+     "spec.injection.report: Invalid value"),
     ("hosts-too-many", with_change("spec.warmup.pools.0.hosts", 257), "spec.warmup.pools[0].hosts"),
     ("hosts-string", with_change("spec.warmup.pools.0.hosts", "two"), "spec.warmup.pools[0].hosts"),
     ("chips-too-many", with_change("spec.warmup.pools.0.chipsPerHost", 17), "spec.warmup.pools[0].chipsPerHost"),
