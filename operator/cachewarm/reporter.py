@@ -339,7 +339,11 @@ class _JaxWatch:
 def restore_image_pythonpath(here: Path) -> list[str]:
     """The pod's PYTHONPATH replaced the one the image sets with ENV (the webhook cannot see
     it); an init container running the training image wrote that value next to this file.
-    Its entries go right after this directory, in their order, as they would have been."""
+    Its entries go right after this directory, in their order, as they would have been:
+    only where the webhook says the container's spec set no PYTHONPATH of its own
+    (CACHEWARM_RESTORE_IMAGE_PYTHONPATH), since one the spec sets had replaced the image's."""
+    if os.environ.get("CACHEWARM_RESTORE_IMAGE_PYTHONPATH") != "1":
+        return []
     try:
         recorded = (here / IMAGE_PYTHONPATH).read_text().strip()
     except OSError:

@@ -69,7 +69,8 @@ class Build:
 
 BUILDS = (
     Build(OPERATOR_IMAGE, "Dockerfile", ("pyproject.toml", "README.md", "operator"), "PYTHON_IMAGE", "python"),
-    Build(WARMER_IMAGE, "warmer_image/Dockerfile", ("operator/cachewarm/warmer.py",), "BUSYBOX_IMAGE", "busybox"),
+    Build(WARMER_IMAGE, "warmer_image/Dockerfile", ("operator/cachewarm/warmer.py", "operator/cachewarm/reporter.py",
+                                                    "warmer_image/sitecustomize.py"), "BUSYBOX_IMAGE", "busybox"),
     Build(f"docker.io/{TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py",), "PYTHON_IMAGE", "python"),
 )
 

@@ -55,7 +55,8 @@ def test_values_set_through_env_from_win_and_other_containers_get_the_cache_env(
 ) -> None:
     bed = controller_manager
     bucket = f"ef-{uuid.uuid4().hex[:10]}"
-    spec = {"storage": {"gcs": {"bucket": bucket, "prefix": "jax", "location": "us-central1"}}}
+    spec = {"storage": {"gcs": {"bucket": bucket, "prefix": "jax", "location": "us-central1"}},
+            "injection": {"report": True}}
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
                "spec": spec}, namespace)
     ours = {e["name"]: e["value"] for e in cache_env(parse_spec(spec), "pod")}

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.e2e
 
 
 def warm_cache(name: str, bucket: str, warmup: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """A cache that warms on the cpu pool; its pods get the reporter (injection.report)."""
+    spec = {**spec, "injection": {"report": True, **(spec.get("injection") or {})}}
     return {
         "apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
         "spec": {

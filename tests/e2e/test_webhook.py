@@ -297,7 +297,7 @@ def test_malformed_reviews_get_well_formed_answers(
 def test_reporter_is_added_to_every_container_that_can_take_it(
     operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
-    """With injection.report (the default), the pod gets the reporter: its init containers,
+    """With injection.report, the pod gets the reporter: its init containers,
     the emptyDir and a projected token for audience cachewarm, and PYTHONPATH (ours first,
     then the container's own), where to report and the CA the operator serves. A container
     with envFrom sources is left without it. In a namespace that enforces PodSecurity
@@ -306,8 +306,8 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
     assert bed.kubectl_run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
                            ).returncode == 0
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
-               "spec": {"storage": {"gcs": {"bucket": f"wh-{uuid.uuid4().hex[:10]}", "location": "us-central1"}}}},
-              namespace)
+               "spec": {"storage": {"gcs": {"bucket": f"wh-{uuid.uuid4().hex[:10]}", "location": "us-central1"}},
+                        "injection": {"report": True}}}, namespace)
     eventually(lambda: (bed.get_json("ccache", "llama", namespace) or {}).get("status", {}).get("bucket"),
                what="the cache reconciled")
     restricted = {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
@@ -323,7 +323,7 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
     assert [c["name"] for c in spec["initContainers"]] == ["cachewarm-reporter", "cachewarm-pythonpath"]
     assert spec["initContainers"][0]["image"] == "cachewarm/warmer:0.1.0"
     assert spec["initContainers"][1]["image"] == "demo/train:1"  # the training image's own python
-    assert spec["initContainers"][1]["securityContext"]["runAsUser"] == 1000
+    assert spec["initContainers"][1]["securityContext"] == restricted  # exactly the training container's
     token = next(v for v in spec["volumes"] if v["name"] == "cachewarm-report-token")
     assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "cachewarm"
     env = {e["name"]: e for e in spec["containers"][0]["env"]}
@@ -340,7 +340,7 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
     assert "PYTHONPATH" not in {e["name"] for e in sidecar.get("env") or []}
     assert "/cachewarm-reporter" not in {m["mountPath"] for m in sidecar.get("volumeMounts") or []}
 
-    # injection.report false: the cache env only.
+    # injection.report false (the default for now): the cache env only.
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "quiet"},
                "spec": {"storage": {"gcs": {"bucket": f"wh-{uuid.uuid4().hex[:10]}", "location": "us-central1"}},
                         "injection": {"report": False}}}, namespace)

@@ -183,12 +183,17 @@ def test_the_images_pythonpath_and_sitecustomize_still_work(tmp_path: Path, endp
     script.write_text("import sys, teamlib\nprint(teamlib.VALUE)\nprint(sys.path.index(%r) < sys.path.index(%r))\n"
                       % (str(where), str(image_lib)))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CACHEWARM_", "JAX_"))},
-           "PYTHONPATH": str(where), "MARK": str(tmp_path / "mark"), "CACHEWARM_REPORT_URL": endpoint.url}
+           "PYTHONPATH": str(where), "MARK": str(tmp_path / "mark"), "CACHEWARM_REPORT_URL": endpoint.url,
+           "CACHEWARM_RESTORE_IMAGE_PYTHONPATH": "1"}  # the webhook's word: the spec set no PYTHONPATH
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["from", "the", "image", "True"]
     assert (tmp_path / "mark").read_text() == "image sitecustomize ran"
     assert endpoint.reports == []  # no jax: nothing counted, nothing sent
+    # A container whose spec set its own PYTHONPATH had the image's replaced: not restored.
+    env.pop("CACHEWARM_RESTORE_IMAGE_PYTHONPATH")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "No module named 'teamlib'" in out.stderr
 
 
 def test_a_process_without_jax_does_not_import_it(tmp_path: Path, endpoint: Endpoint) -> None:

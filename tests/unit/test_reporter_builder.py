@@ -41,3 +41,32 @@ def test_a_pod_patched_already_is_not_patched_again_and_one_with_no_taker_is_not
     assert add_reporter(again, again["containers"], again["initContainers"], "llama", REPORTING) is None
     only_env_from = {"containers": [spec()["containers"][1]]}
     assert add_reporter(only_env_from, only_env_from["containers"], [], "llama", REPORTING) is None
+
+
+def test_the_recorder_runs_exactly_as_the_training_container_and_windows_pods_are_left_alone() -> None:
+    privileged = {"containers": [{"name": "train", "image": "tpu:1", "imagePullPolicy": "Never",
+                                  "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}}]}
+    added = add_reporter(privileged, privileged["containers"], [], "llama", REPORTING)
+    assert added is not None
+    recorder = added[1][1]
+    assert recorder["securityContext"] == privileged["containers"][0]["securityContext"]  # nothing the API refuses
+    assert recorder["imagePullPolicy"] == "Never" and recorder["resources"]["limits"]["cpu"] == "200m"
+    windows = {**privileged, "os": {"name": "windows"}}
+    assert add_reporter(windows, windows["containers"], [], "llama", REPORTING) is None
+
+
+def test_pythonpath_stays_in_place_and_the_images_is_restored_only_where_the_spec_set_none() -> None:
+    s = {"containers": [
+        {"name": "train", "image": "train:1", "env": [{"name": "APP", "value": "/app"},
+                                                      {"name": "PYTHONPATH", "value": "$(APP)/lib"}]},
+        {"name": "eval", "image": "train:1"},
+        {"name": "proxy", "image": "envoy:1"}]}  # another image: its ENV PYTHONPATH is not the recorded one
+    added = add_reporter(s, s["containers"], [], "llama", REPORTING)
+    assert added is not None
+    train, evaluate, proxy = added[0]
+    names = [e["name"] for e in train["env"]]
+    assert names.index("APP") < names.index("PYTHONPATH")  # $(APP) still expands
+    assert train["env"][1] == {"name": "PYTHONPATH", "value": "/cachewarm-reporter:$(APP)/lib"}
+    assert "CACHEWARM_RESTORE_IMAGE_PYTHONPATH" not in names
+    assert {e["name"]: e.get("value") for e in evaluate["env"]}["CACHEWARM_RESTORE_IMAGE_PYTHONPATH"] == "1"
+    assert proxy == s["containers"][2]

@@ -31,8 +31,9 @@ PATH_CONTAINER = "cachewarm-pythonpath"
 SOURCE_DIR = "/opt/cachewarm"  # in the warmer image (warmer_image/Dockerfile)
 TOKEN_SECONDS = 3600  # the kubelet renews it before it expires
 RECORD_PYTHONPATH = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('PYTHONPATH', ''))"
-# What PodSecurity "restricted" asks of every container; the copy runs as the warmer
-# image's user, the recorder as the training container does (its own securityContext).
+# What PodSecurity "restricted" asks of a container; the copy runs as the warmer image's
+# user, the recorder as the training container does (its own securityContext).
+RESTORE_ENV = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
 RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
               "seccompProfile": {"type": "RuntimeDefault"}}
 
@@ -47,17 +48,27 @@ class Reporting:
     ca_pem: str
 
 
-def _env(cache_name: str, reporting: Reporting, pythonpath: str) -> list[dict[str, Any]]:
+def _env(cache_name: str, reporting: Reporting, restore: bool) -> list[dict[str, Any]]:
     field = [("CACHEWARM_POD_NAMESPACE", "metadata.namespace"), ("CACHEWARM_POD_NAME", "metadata.name"),
              ("CACHEWARM_POD_UID", "metadata.uid")]
     return [
-        {"name": "PYTHONPATH", "value": f"{DIR}:{pythonpath}" if pythonpath else DIR},
         {"name": "CACHEWARM_REPORT_URL", "value": reporting.url},
         {"name": "CACHEWARM_REPORT_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
         {"name": "CACHEWARM_REPORT_CA", "value": reporting.ca_pem},
         {"name": "CACHEWARM_CACHE", "value": cache_name},
+        # Only where the spec set no PYTHONPATH: the image's (recorded) is what python would
+        # have had; where the spec set one, that one replaced the image's and stays alone.
+        *([{"name": RESTORE_ENV, "value": "1"}] if restore else []),
         *({"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in field),
     ]
+
+
+def _own_pythonpath(container: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """(set in the spec, its literal value: None when it comes from a reference)."""
+    own = next((e for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
+    if own is None:
+        return False, ""
+    return True, None if "valueFrom" in own else str(own.get("value") or "")
 
 
 def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
@@ -65,44 +76,56 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the reporter added to `containers` and
     its init containers ahead of `init_containers` (both as the rest of the patch leaves
-    them), or None when there is nothing to add: already added (webhook reinvocation), or
-    no container can take it."""
+    them), or None when there is nothing to add: already added (webhook reinvocation), a
+    Windows pod, or no container can take it.
+
+    A container takes it when it has no envFrom sources, its PYTHONPATH (if any) is a
+    literal value, and it runs the first such container's image (the one whose PYTHONPATH
+    the recorder reads) or sets its own PYTHONPATH."""
     volumes = list(spec.get("volumes") or [])
-    if any(v.get("name") == VOLUME for v in volumes):
+    if any(v.get("name") == VOLUME for v in volumes) or (spec.get("os") or {}).get("name") == "windows":
         return None
-    takers = [c for c in containers if not c.get("envFrom") and c.get("image")]
-    if not takers:
+    eligible = [c for c in containers if not c.get("envFrom") and c.get("image") and _own_pythonpath(c)[1] is not None]
+    if not eligible:
         return None
+    first = eligible[0]
+    takers = [c for c in eligible if c.get("image") == first.get("image") or _own_pythonpath(c)[0]]
     mounts = [{"name": VOLUME, "mountPath": DIR, "readOnly": True},
               {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
     out = []
     for container in containers:
         new = copy.deepcopy(dict(container))
-        if container in takers:
+        if any(container is t for t in takers):
+            has_own, value = _own_pythonpath(container)
             env = list(new.get("env") or [])
-            own = next((e for e in env if e.get("name") == "PYTHONPATH"), None)
-            pythonpath = str(own.get("value") or "") if own is not None and "valueFrom" not in own else ""
-            if own is not None and "valueFrom" in own:
-                out.append(new)  # its PYTHONPATH comes from a reference the webhook cannot read
-                continue
-            ours = _env(cache_name, reporting, pythonpath)
+            if has_own:
+                # In place: $(VAR) references in it still see the variables defined before it.
+                env = [{"name": "PYTHONPATH", "value": f"{DIR}:{value}" if value else DIR}
+                       if e.get("name") == "PYTHONPATH" else e for e in env]
+            else:
+                env.append({"name": "PYTHONPATH", "value": DIR})
+            ours = _env(cache_name, reporting, restore=not has_own)
             names = {e["name"] for e in ours}
-            new["env"] = [*ours, *(e for e in env if e.get("name") not in names)]
+            new["env"] = [*(e for e in env if e.get("name") not in names), *ours]
             new["volumeMounts"] = [*(new.get("volumeMounts") or []), *mounts]
         out.append(new)
-    first = next(c for c in takers)
+    resources = {"requests": {"cpu": "10m", "memory": "32Mi", "ephemeral-storage": "1Mi"},
+                 "limits": {"cpu": "200m", "memory": "256Mi", "ephemeral-storage": "16Mi"}}
     init = [
         {"name": COPY_CONTAINER, "image": reporting.image,
          "command": ["cp", f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
                      f"{SOURCE_DIR}/warm.py", DIR],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
          "securityContext": {**RESTRICTED, "runAsNonRoot": True, "runAsUser": 65532},
-         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}},
+         "resources": resources},
         {"name": PATH_CONTAINER, "image": first["image"],
+         **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
          "command": ["python3", "-c", RECORD_PYTHONPATH, f"{DIR}/image-pythonpath"],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
-         "securityContext": {**RESTRICTED, **copy.deepcopy(first.get("securityContext") or {})},
-         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "256Mi"}}},
+         # Exactly the training container's: it runs its image, as its user, and whatever
+         # the namespace's PodSecurity admits for that container it admits for this one.
+         **({"securityContext": copy.deepcopy(first["securityContext"])} if first.get("securityContext") else {}),
+         "resources": resources},
     ]
     volumes += [{"name": VOLUME, "emptyDir": {"sizeLimit": "10Mi"}},
                 {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
