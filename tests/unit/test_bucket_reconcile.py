@@ -10,7 +10,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 
 from cachewarm import reconcile as r
 from cachewarm import service

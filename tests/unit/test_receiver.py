@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from typing import Any
 
 import aiohttp.web
 from aiohttp.test_utils import TestClient, TestServer

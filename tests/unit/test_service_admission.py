@@ -6,7 +6,6 @@ import datetime as dt
 
 from typing import Any
 
-import pytest
 
 from cachewarm import service
 from cachewarm.conditions import Cond

@@ -7,7 +7,6 @@ import datetime as dt
 import ssl
 from pathlib import Path
 
-import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
