@@ -8,6 +8,10 @@ runs in a daemon thread of its own; the controller asks `is_leader` before each 
 and is told (on its event loop) when leadership is won or lost. A replica that stops
 cleanly clears the Lease's holder, so the next one takes over at its next try instead of
 after a whole lease.
+
+The holder's identity also says where it takes reports (`pod@host:port`): followers read
+the Lease anyway (every RETRY_PERIOD), so they learn where to forward a report without a
+call of their own (receiver.Forwarder).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
@@ -38,29 +43,69 @@ log = logging.getLogger("cachewarm.leader")
 logging.getLogger("leaderelection").setLevel(logging.WARNING)
 
 
-def identity(pod_name: str) -> str:
+def address(host: str, port: int) -> str:
+    """`host:port` as a URL's authority wants it (an IPv6 host in brackets); '' without a
+    host."""
+    if not host:
+        return ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def identity(pod_name: str, where: str = "") -> str:
     """This replica's name in the Lease: its Pod's name (stable across container restarts,
-    so a restarted leader takes its own Lease back at once), else host, pid and a nonce."""
-    return pod_name or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    so a restarted leader takes its own Lease back at once), else host and a nonce; then,
+    when known, `@host:port` where it takes reports (the Pod's IP, as stable as its name),
+    so followers know where to forward them."""
+    name = pod_name or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    return f"{name}@{where}" if where else name
+
+
+def parse_identity(holder: str | None) -> tuple[str, str | None]:
+    """(name, address or None) of a Lease holder's identity as `identity` builds it: the
+    address follows the last '@' (a Pod name has none) and ends in a port. An identity
+    without one (a replica that knew no address, another client's) is all name."""
+    name, _, where = (holder or "").rpartition("@")
+    host, colon, port = where.rpartition(":")
+    if name and host and colon and port.isdigit():
+        return name, where
+    return holder or "", None
 
 
 class _FencedLeaseLock(LeaseLock):
     """The Lease lock, which refuses to write once this replica is stopping: the library's
     renew loop then fails its next renewal and stops leading, instead of taking the Lease
-    back after `release` gave it up."""
+    back after `release` gave it up. It tells `seen` the holder's identity each time it
+    reads or writes the Lease (None: the Lease is gone or has no holder)."""
 
     def __init__(self, name: str, namespace: str, identity: str, stopping: threading.Event,
-                 kube: KubeClient) -> None:
+                 kube: KubeClient, seen: Callable[[str | None], None] = lambda holder: None) -> None:
         super().__init__(name, namespace, identity)  # type: ignore[no-untyped-call]
         self.api_instance = _TimedLeases(client.CoordinationV1Api(kube.api_client),
                                          min(kube.timeout, LEASE_REQUEST_TIMEOUT))  # type: ignore[assignment]
         self._stopping = stopping
+        self._seen = seen
+
+    def get(self, name: str, namespace: str) -> tuple[bool, Any]:
+        """The library's (found, election record or the ApiException). A failure other
+        than a missing Lease keeps what was seen last: the holder is likely the same."""
+        found, record = super().get(name, namespace)  # type: ignore[no-untyped-call]
+        if found:
+            self._seen(getattr(record, "holder_identity", None) or None)
+        elif getattr(record, "status", None) == 404:
+            self._seen(None)
+        return bool(found), record
 
     def create(self, name: str, namespace: str, election_record: object) -> bool:
-        return False if self._stopping.is_set() else bool(super().create(name, namespace, election_record))  # type: ignore[no-untyped-call]
+        if self._stopping.is_set() or not super().create(name, namespace, election_record):  # type: ignore[no-untyped-call]
+            return False
+        self._seen(getattr(election_record, "holder_identity", None))
+        return True
 
     def update(self, name: str, namespace: str, updated_record: object) -> bool:
-        return False if self._stopping.is_set() else bool(super().update(name, namespace, updated_record))  # type: ignore[no-untyped-call]
+        if self._stopping.is_set() or not super().update(name, namespace, updated_record):  # type: ignore[no-untyped-call]
+            return False
+        self._seen(getattr(updated_record, "holder_identity", None))
+        return True
 
 
 class _TimedLeases:
@@ -84,10 +129,21 @@ class Leadership:
         self._leading = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._holder: str | None = None
 
     @property
     def is_leader(self) -> bool:
         return self._leading.is_set()
+
+    @property
+    def holder(self) -> str | None:
+        """The Lease's holder identity as this replica last read or wrote it (at most
+        RETRY_PERIOD old while the apiserver answers); None before the first read or when
+        nobody holds the Lease."""
+        return self._holder
+
+    def _seen(self, holder: str | None) -> None:
+        self._holder = holder  # one reference written by the election's thread, read anywhere
 
     def start(self, on_change: Callable[[bool], None]) -> None:
         self._on_change = on_change
@@ -97,7 +153,7 @@ class Leadership:
     def _elect_forever(self) -> None:
         while not self._stopping.is_set():
             config = electionconfig.Config(  # type: ignore[no-untyped-call]
-                _FencedLeaseLock(self.name, self.namespace, self.identity, self._stopping, self.kube),
+                _FencedLeaseLock(self.name, self.namespace, self.identity, self._stopping, self.kube, self._seen),
                 lease_duration=LEASE_DURATION, renew_deadline=RENEW_DEADLINE, retry_period=RETRY_PERIOD,
                 onstarted_leading=self._started, onstopped_leading=self._stopped,
             )
@@ -151,6 +207,11 @@ class AlwaysLeader:
     @property
     def is_leader(self) -> bool:
         return True
+
+    @property
+    def holder(self) -> str:
+        """Itself: there is no Lease, and no other replica to forward reports to it."""
+        return self.identity
 
     def start(self, on_change: Callable[[bool], None]) -> None:
         on_change(True)

@@ -18,10 +18,10 @@ from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient
 from cachewarm.controller import Controller, backoff
 from cachewarm.injections import RecentInjections
-from cachewarm.leader import AlwaysLeader, Leadership, identity
+from cachewarm.leader import AlwaysLeader, Leadership, address, identity, parse_identity
 from cachewarm.metrics import Metrics
 from cachewarm.receiver import PATH as REPORT_PATH
-from cachewarm.receiver import Receiver
+from cachewarm.receiver import Forwarder, Receiver
 from cachewarm.reports import Store
 from cachewarm.settings import Settings
 from cachewarm.webhook import AdmissionServer, ServingTls
@@ -85,6 +85,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     ours: Settings = memo.settings
     log = logs.get("cachewarm.operator")
     handlers.configure_kopf(settings)
+    # Where this replica takes reports; named in the Lease while it leads.
+    reports_at = address(ours.pod_ip, ours.webhook_port) if ours.webhook_enabled else ""
     if ours.webhook_enabled:
         tls = ServingTls()
         material, authoritative = await _first_material(ours, memo.kube)
@@ -95,11 +97,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
                         error=f"{type(exc).__name__}: {exc}")
             tls.load(servingcert.in_memory(webhook_hosts(ours), dt.datetime.now(dt.timezone.utc)))
             authoritative = False
-        # Reports from training pods arrive on the same HTTPS server (and certificate).
+        # Reports from training pods arrive on the same HTTPS server (and certificate); a
+        # follower forwards them to the leader, trusting what it serves itself.
+        memo.forwarder = Forwarder(
+            leader_address=lambda: parse_identity(memo.leadership.holder)[1] if "leadership" in memo else None,
+            own_address=reports_at,
+            ca=lambda: tls.material.ca_pem if tls.material is not None else b"",
+            server_hostname=urllib.parse.urlparse(ours.report_url).hostname or "", metrics=memo.metrics)
         receiver = Receiver(
             kube=memo.kube, store=memo.reports, metrics=memo.metrics,
             leading=lambda: "controller" in memo and memo.controller.leader.is_leader,
-            cache_exists=lambda ns, name: "controller" in memo and memo.controller.has_cache(ns, name))
+            cache_exists=lambda ns, name: "controller" in memo and memo.controller.has_cache(ns, name),
+            forwarder=memo.forwarder)
         settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
                                                     url=ours.webhook_url, routes={REPORT_PATH: receiver.handle})
         keeper = WebhookKeeper(ours, memo.kube, tls, authoritative)
@@ -108,7 +117,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         memo.keeper = keeper
     if ours.leader_election and ours.pod_namespace:
         leadership: Leadership | AlwaysLeader = Leadership(memo.kube, ours.pod_namespace, ours.leader_election_lease,
-                                                          identity(ours.pod_name))
+                                                          identity(ours.pod_name, reports_at))
     else:
         log.info("Leader election is off: this process reconciles", reason="disabled" if not ours.leader_election
                  else "CACHEWARM_POD_NAMESPACE is not set")
@@ -147,6 +156,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     keeper = memo.get("keeper")
     if keeper is not None:
         keeper.stop()
+    forwarder = memo.get("forwarder")
+    if forwarder is not None:
+        await forwarder.close()
     if leadership is not None:
         await asyncio.to_thread(leadership.release)
 

@@ -1,9 +1,10 @@
 """Prometheus metrics of the operator (prometheus_client), served on their own port.
 
 What each replica can know is exported by that replica: admissions by the replica that
-served them; warmer runs and reconcile errors by the leader (the only one reconciling);
-cache entries and bytes by every replica, read from the caches' status at scrape time
-(every replica watches the caches). Counters restart at 0 with the process, as Prometheus
+served them; reports by the replica that answered them (one a follower forwarded by the
+leader, and by the follower as forwarded); warmer runs and reconcile errors by the leader
+(the only one reconciling); cache entries and bytes by every replica, read from the
+caches' status at scrape time (every replica watches the caches). Counters restart at 0 with the process, as Prometheus
 counters do; `rate()` and `increase()` handle that.
 """
 
@@ -48,7 +49,12 @@ class Metrics:
             ["outcome"], buckets=ADMISSION_BUCKETS, registry=self.registry)
         self.reports = Counter(
             "cachewarm_reports", "Reports from training pods by the HTTP status answered (202 taken; 400, 401, 403, "
-            "404, 413, 429 refused; 503 not the leader or the token could not be reviewed).", ["code"],
+            "404, 413, 429 refused; 503 not the leader or the token could not be reviewed). A report a follower "
+            "forwarded is counted by the leader only.", ["code"],
+            registry=self.registry)
+        self.reports_forwarded = Counter(
+            "cachewarm_reports_forwarded", "Reports this follower forwarded to the leader, by the leader's HTTP status "
+            "(relayed to the pod), or failed when the leader could not be reached.", ["code"],
             registry=self.registry)
         self.cache_hits = Counter(
             "cachewarm_cache_hits", "Persistent-cache hits training pods reported (the leader's count).",

@@ -3,7 +3,7 @@
 The HTTP side (webhook.AdmissionServer's /report/v1) hands a report here only after the
 apiserver vouched for its token (a TokenReview, audience `cachewarm`) and the token's pod
 is the pod the report names; what is checked here is the report itself. Kept in memory by
-the replica that leads (the others refuse reports, so one replica holds every cache's
+the replica that leads (the others forward reports to it, receiver.Forwarder, so one replica holds every cache's
 view); a new leader starts empty and fills up as pods report again (every minute).
 Counts in a report are the process's totals so far: the latest report of each process
 replaces its previous one, so a lost or repeated report never counts twice.

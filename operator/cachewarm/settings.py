@@ -112,6 +112,11 @@ class Settings(BaseSettings):
                                 "empty logs them only.",
     )
     pod_namespace: str = Field(default="", description="Namespace of pod_name (from the downward API).")
+    pod_ip: str = Field(
+        default="", description="This operator's Pod IP (from the downward API, status.podIP): the leader names it, "
+                                "with webhook_port, in the Lease, and the other replicas forward the reports that "
+                                "reach them there; empty, they refuse them (503) instead.",
+    )
     workers: int = Field(default=4, ge=1, le=64, description="Caches reconciled at once (threads of the leader).")
     leader_election: bool = Field(
         default=True,

@@ -106,7 +106,9 @@ def local_images() -> dict[str, dict[str, Any]]:
     stage.mkdir(exist_ok=True)
     for name, source in (("warm.py", repo / "operator" / "cachewarm" / "warmer.py"),
                          ("cachewarm_reporter.py", repo / "operator" / "cachewarm" / "reporter.py"),
-                         ("sitecustomize.py", repo / "warmer_image" / "sitecustomize.py")):
+                         ("sitecustomize.py", repo / "warmer_image" / "sitecustomize.py"),
+                         # The image's static busybox: here the host's (busybox-static, make node-deps).
+                         ("busybox", Path(shutil.which("busybox") or "/bin/busybox"))):
         link = stage / name
         if not (link.is_symlink() and link.resolve() == source.resolve()):
             link.unlink(missing_ok=True)
@@ -431,6 +433,9 @@ class Testbed:
             "CACHEWARM_METRICS_PORT": str(metrics_port),
             # Pods of the node agent share the host's network: they reach the operator here.
             "CACHEWARM_REPORT_URL": f"https://127.0.0.1:{webhook_port}/report/v1",
+            # As the downward API's status.podIP: where another replica forwards reports to
+            # this one while it leads (its webhook port is its own unless the caller shares one).
+            "CACHEWARM_POD_IP": "127.0.0.1",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }

@@ -4,8 +4,12 @@ The operator then runs from its image on the real node (cachewarm_testbed.realno
 its namespace, under its ServiceAccount and the Deployment's security context, and the
 apiserver calls its webhook through the Service. The only layer on top of manifests/ is
 a kustomize overlay with what any cluster without real GCS needs: the operator's env
-pointing at the GCS emulator (STORAGE_EMULATOR_HOST, as google-cloud-storage reads it) and
-optional settings such as a shorter poll interval. The images keep the names the manifests
+pointing at the GCS emulator (STORAGE_EMULATOR_HOST, as google-cloud-storage reads it),
+optional settings such as a shorter poll interval, and, since this testbed has no cluster
+DNS, a fixed ClusterIP for the webhook Service (REPORT_IP) that training pods report to by
+address: the operator's certificate names it (CACHEWARM_WEBHOOK_HOSTS) and
+CACHEWARM_REPORT_URL points there. On a cluster with DNS the manifests' defaults (the
+Service's name) do the same. The images keep the names the manifests
 use, so nothing is rewritten there: they are already in the node's containerd (imported
 from cachewarm_testbed.images), and the default pull policy finds them.
 """
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from cachewarm.leader import parse_identity
 from cachewarm_testbed.processes import StartError
 
 if TYPE_CHECKING:
@@ -29,21 +34,32 @@ NAMESPACE = "cachewarm-system"
 DEPLOYMENT = "cachewarm-operator"
 WEBHOOK_CONFIGURATION = "cachewarm-pod-injector"
 LEASE = "cachewarm-operator"
+SERVICE = "cachewarm-webhook"
+# In the testbed's Service range (cluster.SERVICE_CIDR), in its low band that the apiserver
+# keeps for addresses asked for by name.
+REPORT_IP = "10.96.0.100"
+REPORT_ENV = {
+    "CACHEWARM_REPORT_URL": f"https://{REPORT_IP}/report/v1",
+    "CACHEWARM_WEBHOOK_HOSTS": json.dumps([f"{SERVICE}.{NAMESPACE}.svc", f"{SERVICE}.{NAMESPACE}.svc.cluster.local",
+                                           REPORT_IP]),
+}
 
 
 def overlay(dest: Path, manifests: Path, env: dict[str, str]) -> Path:
-    """Write a kustomization in `dest` that takes `manifests` as is and adds `env` to the
-    operator container. Returns `dest`."""
+    """Write a kustomization in `dest` that takes `manifests` as is, adds REPORT_ENV and
+    `env` to the operator container and gives the webhook Service REPORT_IP. Returns `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
     patch = [{"op": "add", "path": "/spec/template/spec/containers/0/env/-", "value": {"name": k, "value": v}}
-             for k, v in env.items()]
+             for k, v in {**REPORT_ENV, **env}.items()]
     kustomization: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(manifests, dest)],
     }
-    if patch:
-        kustomization["patches"] = [{"target": {"kind": "Deployment", "name": DEPLOYMENT},
-                                     "patch": json.dumps(patch)}]
+    kustomization["patches"] = [
+        {"target": {"kind": "Deployment", "name": DEPLOYMENT}, "patch": json.dumps(patch)},
+        {"target": {"kind": "Service", "name": SERVICE},
+         "patch": json.dumps([{"op": "add", "path": "/spec/clusterIP", "value": REPORT_IP}])},
+    ]
     (dest / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
     return dest
 
@@ -83,9 +99,11 @@ def operator_pods(bed: Testbed) -> list[dict[str, Any]]:
 
 
 def lease_holder(bed: Testbed) -> str | None:
+    """The name of the Pod holding the leader Lease (its identity without the `@address`
+    where it takes reports), or None."""
     lease = bed.get_json("lease", LEASE, NAMESPACE) or {}
     holder = (lease.get("spec") or {}).get("holderIdentity")
-    return str(holder) if holder else None
+    return parse_identity(str(holder))[0] if holder else None
 
 
 def leader_pod(bed: Testbed, timeout: float = 60.0) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from cachewarm import certs
+from cachewarm.leader import parse_identity
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, repo_root
 from cachewarm_testbed.processes import free_port
 
@@ -50,9 +51,15 @@ def bed() -> Iterator[Testbed]:
         bed.stop()
 
 
-def holder(bed: Testbed) -> str | None:
+def holder_identity(bed: Testbed) -> str | None:
     lease = bed.get_json("lease", LEASE, NS) or {}
     return (lease.get("spec") or {}).get("holderIdentity")
+
+
+def holder(bed: Testbed) -> str | None:
+    """The Pod name of the Lease's holder (its identity without `@address`)."""
+    identity = holder_identity(bed)
+    return parse_identity(identity)[0] if identity else None
 
 
 def served_certificate(port: int) -> bytes:
@@ -94,6 +101,8 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         # One leader; the other replica reconciles nothing.
         leader = eventually(lambda: holder(bed), timeout=30, what="a Lease holder")
         assert leader in {"cachewarm-operator-0", "cachewarm-operator-1"}
+        # ...naming where it takes reports (the follower forwards them there).
+        assert holder_identity(bed) == f"{leader}@127.0.0.1:{port}"
         first, second = (replicas[0], replicas[1]) if leader.endswith("-0") else (replicas[1], replicas[0])
         cache_obj = cache("before")
         bed.apply(cache_obj, namespace)
