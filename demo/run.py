@@ -11,8 +11,11 @@
 3. Applies demo/compilationcache.yaml; the operator creates the bucket and a warmer Job,
    which compiles demo/train.py's step into the bucket; the cache turns Warmed.
 4. Trains again in a pod labelled cachewarm.dev/cache=llama-demo: the webhook injects
-   the cache env and the first step loads the compiled program instead of compiling it.
-5. Prints a report and writes it to demo-report.json.
+   the cache env and the reporter, and the first step loads the compiled program instead
+   of compiling it. The pod's reporter tells the operator, which sums it in status.usage.
+5. Trains in a second labelled pod on two (host) devices: its keys differ from the
+   warmed ones, it misses, and the cache's KeysMatch condition says why.
+6. Prints a report and writes it to demo-report.json.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ REPO = repo_root()
 NS = "demo"
 # How pods find GCS here: the emulator's address (a real cluster needs none of it).
 GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+# Shorter intervals than a cluster's defaults, so the demo does not wait on them.
+OPERATOR_ENV = {"CACHEWARM_WARM_POLL_SECONDS": "1", "CACHEWARM_RESYNC_SECONDS": "30",
+                "CACHEWARM_USAGE_FLUSH_SECONDS": "2"}
 
 
 def say(message: str) -> None:
@@ -54,12 +60,13 @@ def pod_log(bed: Testbed, name: str, real: bool) -> str:
     return out.stdout if out.returncode == 0 else out.stderr
 
 
-def train_pod(bed: Testbed, name: str, cache: str | None, real: bool) -> dict[str, Any]:
+def train_pod(bed: Testbed, name: str, cache: str | None, real: bool,
+              env: list[dict[str, str]] | None = None) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
         "spec": {"restartPolicy": "Never", "containers": [{
             "name": "train", "image": images.TRAIN_IMAGE, "command": ["python", "train.py", "--steps", "3"],
-            "env": client_env(bed, real)}]},
+            "env": [*client_env(bed, real), *(env or [])]}]},
     }
     if cache:
         pod["metadata"]["labels"] = {"cachewarm.dev/cache": cache}
@@ -107,7 +114,7 @@ def main() -> None:
             say(f"  node {NODE_NAME} Ready; images imported: {', '.join(sorted(archives))}")
             env = bed.env()
             pod = install.install_operator(bed, REPO / "manifests", {
-                **{k: env[k] for k in GCS_ENV}, "CACHEWARM_WARM_POLL_SECONDS": "1", "CACHEWARM_RESYNC_SECONDS": "30"})
+                **{k: env[k] for k in GCS_ENV}, **OPERATOR_ENV})
             replicas = install.operator_pods(bed)
             say(f"installed with kubectl apply -k manifests/: {len(replicas)} operator Pods Running; the leader, "
                 f"{pod['metadata']['name']} ({pod['spec']['containers'][0]['image']}), on {pod['spec']['nodeName']}")
@@ -125,8 +132,7 @@ def main() -> None:
             say("installed manifests/ (CRD, RBAC, webhook configuration); starting the operator as its ServiceAccount")
             kubeconfig = bed.service_account_kubeconfig("cachewarm-system", "cachewarm-operator",
                                                         Path(tempfile.mkdtemp()) / "kubeconfig")
-            operator = OperatorHandle(bed, kubeconfig, {"CACHEWARM_WARM_POLL_SECONDS": "1",
-                                                        "CACHEWARM_RESYNC_SECONDS": "30"})
+            operator = OperatorHandle(bed, kubeconfig, OPERATOR_ENV)
             bed.start_node_agent(local_images())
         setup["clusterSeconds"] = round(time.monotonic() - t_cluster, 1)  # after the images
         bed.kubectl_run("create", "namespace", NS)
@@ -160,6 +166,27 @@ def main() -> None:
         say(f"  on {warm['node']}: first step {warm['first_step_seconds']} s, cache hits: {warm['cache_hits']}, "
             f"programs compiled: {warm['compiled']}")
 
+        def usage() -> dict[str, Any] | None:
+            got = ((bed.get_json("ccache", "llama-demo", NS) or {}).get("status") or {}).get("usage") or {}
+            return got if got.get("hits") else None
+        used = eventually(usage, timeout=60, what="status.usage from the warm pod's report")
+        say(f"  its reporter told the operator: status.usage hits {used['hits']}, misses {used['misses']}, "
+            f"compile seconds saved {used['compileSecondsSaved']}")
+
+        say("training in a second labelled pod on two devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+        two = train_pod(bed, "train-two-devices", "llama-demo", real, [
+            {"name": "XLA_FLAGS", "value": "--xla_force_host_platform_device_count=2"}])
+        say(f"  first step {two['first_step_seconds']} s, cache hits: {two['cache_hits']}, "
+            f"programs compiled: {two['compiled']}")
+
+        def keys_differ() -> dict[str, Any] | None:
+            obj = bed.get_json("ccache", "llama-demo", NS) or {}
+            cond = next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == "KeysMatch"), {})
+            return cond if cond.get("status") == "False" else None
+        keys = eventually(keys_differ, timeout=60, what="KeysMatch False after the two-device pod")
+        say(f"  KeysMatch False ({keys['reason']}): {keys['message']}")
+        used = usage() or used
+
         report = {
             "node": "real (kubelet + containerd)" if real else "simulated (node agent)",
             **setup,
@@ -171,6 +198,10 @@ def main() -> None:
             "cold": {"firstStepSeconds": cold["first_step_seconds"], "compiled": cold["compiled"]},
             "warm": {"firstStepSeconds": warm["first_step_seconds"], "cacheHits": warm["cache_hits"],
                      "compiled": warm["compiled"]},
+            "twoDevices": {"firstStepSeconds": two["first_step_seconds"], "cacheHits": two["cache_hits"],
+                           "compiled": two["compiled"]},
+            "usage": used,
+            "keysMatch": {k: keys[k] for k in ("status", "reason", "message")},
             "demoSeconds": round(time.monotonic() - t_start, 1),
         }
         args.report.write_text(json.dumps(report, indent=2) + "\n")
@@ -190,6 +221,9 @@ cachewarm demo report
   injected env  {', '.join(f'{k}={v}' for k, v in report['injectedEnv'].items())}
   first step    cold {cold['first_step_seconds']} s (compiled {cold['compiled']})
                 warm {warm['first_step_seconds']} s (cache hits {warm['cache_hits']}, compiled {warm['compiled']})
+                two devices {two['first_step_seconds']} s (cache hits {two['cache_hits']}, compiled {two['compiled']})
+  usage         from the pods' reports: {used['pods']} pods, hits {used['hits']}, misses {used['misses']}, hit ratio {used['hitRatio']}, compile seconds saved {used['compileSecondsSaved']}
+  KeysMatch     {keys['status']} ({keys['reason']}): {keys['message']}
   (CPU: loading a cached executable is itself slow on XLA:CPU; the big gains are on GPU/TPU)
   report        {args.report}
 """)

@@ -65,7 +65,7 @@ class WaitForWarm(_Model):
 class Injection(_Model):
     mode: Literal["ReadWrite", "ReadOnly"] = "ReadWrite"
     wait_for_warm: WaitForWarm = Field(default_factory=WaitForWarm, alias="waitForWarm")
-    report: bool = False
+    report: bool = True
 
 
 class Accelerator(_Model):

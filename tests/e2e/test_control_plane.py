@@ -114,7 +114,14 @@ def test_cert_manager_overlay_renders_with_ca_injection_and_cert_dir(testbed: Te
     assert env["CACHEWARM_WEBHOOK_CERT_DIR"] == "/etc/cachewarm/tls"
     assert env["CACHEWARM_WEBHOOK_CONFIGURATION"] == ""
     assert {"name": "tls", "secret": {"secretName": "cachewarm-webhook-tls"}} in operator["volumes"]
-    assert docs[("Certificate", "cachewarm-webhook")]["spec"]["secretName"] == "cachewarm-webhook-tls"
+    serving = docs[("Certificate", "cachewarm-webhook")]["spec"]
+    assert serving["secretName"] == "cachewarm-webhook-tls"
+    # Issued by a CA of its own, not self-signed: its renewals keep ca.crt, which pods'
+    # reporters were given at admission.
+    issuer = docs[("Issuer", serving["issuerRef"]["name"])]["spec"]
+    ca = docs[("Certificate", "cachewarm-webhook-ca")]["spec"]
+    assert issuer == {"ca": {"secretName": ca["secretName"]}} and ca["isCA"] is True
+    assert docs[("Issuer", ca["issuerRef"]["name"])]["spec"] == {"selfSigned": {}}
 
 
 def test_default_install_is_accepted_by_the_apiserver(installed: Testbed, repo: Path) -> None:

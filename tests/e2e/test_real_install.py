@@ -9,14 +9,20 @@ Deployment's security context, reaching the apiserver through the `kubernetes` S
 - a CompilationCache's warmer Job runs the training image, with warm.py copied in by the
   warmer image's init container; it fills the emulated bucket; the operator reads the
   result from the termination message the kubelet wrote, and the cache turns Warmed;
-- a labelled training pod created through the apiserver gets the cache env from the
-  in-cluster webhook (called through its Service) and its first step hits the cache with
-  no compile.
+- a labelled training pod created through the apiserver gets the cache env and the
+  reporter from the in-cluster webhook (called through its Service) and its first step
+  hits the cache with no compile; the training image sets `ENV PYTHONPATH=/app`, which the
+  pod's PYTHONPATH (the reporter's) replaces and the reporter restores from what its
+  recorder init container read in that image, so `python -m train` from `/` still finds
+  the program; the reporter's report reaches the operator through the Service with the
+  token the kubelet projected, and status.usage counts the pod's hits.
 
 What differs from GKE, and why: GCS is the emulator behind our proxy, named by
 STORAGE_EMULATOR_HOST (in the operator's env through a kustomize overlay, in the warmer's
 through `warmup.env`, in the training pod's own spec), as any cluster without real GCS
-needs; the node is a CPU node, so the warmer runs on the accelerator-less pool. Needs
+needs; the node is a CPU node, so the warmer runs on the accelerator-less pool; there is no
+cluster DNS, so the Service has a fixed ClusterIP that pods report to by address
+(install.REPORT_IP, which the operator's certificate names). Needs
 root and `make node-deps`; one real node per machine.
 """
 
@@ -79,7 +85,7 @@ def cluster() -> Iterator[Installed]:
         env = bed.env()
         operator = install.install_operator(bed, REPO / "manifests", {
             **{k: env[k] for k in GCS_ENV},
-            "CACHEWARM_WARM_POLL_SECONDS": "2",
+            "CACHEWARM_WARM_POLL_SECONDS": "2", "CACHEWARM_USAGE_FLUSH_SECONDS": "2",
         })
         yield Installed(bed, node, operator, before)
     finally:
@@ -187,23 +193,44 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     assert fingerprint["jax"] == summary["fingerprint"]["jax"] and fingerprint["cacheDir"].startswith("gs://")
     assert obj["status"]["cache"]["entries"] >= pool["entriesWritten"]
 
-    # A training pod created through the apiserver: the in-cluster webhook adds the env.
+    # A training pod created through the apiserver: the in-cluster webhook adds the env and
+    # the reporter. From `/`, `python -m train` finds the program only on the image's own
+    # PYTHONPATH (/app), which the pod's (the reporter's) replaced.
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "train", "labels": {"cachewarm.dev/cache": "llama"}},
            "spec": {"restartPolicy": "Never", "containers": [{
-               "name": "train", "image": images.TRAIN_IMAGE, "command": ["python", "train.py", "--steps", "2"],
-               "env": cluster.client_env()}]}}
+               "name": "train", "image": images.TRAIN_IMAGE, "workingDir": "/",
+               "command": ["python", "-m", "train", "--steps", "2"], "env": cluster.client_env()}]}}
     bed.apply(pod, ns)
     stored = bed.get_json("pod", "train", ns)
     assert stored is not None
     env = {e["name"]: e.get("value") for e in stored["spec"]["containers"][0]["env"]}
     assert env["JAX_COMPILATION_CACHE_DIR"] == f"gs://{obj['spec']['storage']['gcs']['bucket']}/llama"
     assert "cachewarm.dev/injected" in stored["metadata"]["annotations"]
+    assert env["PYTHONPATH"] == "/cachewarm-reporter" and env["CACHEWARM_REPORT_URL"].startswith(
+        f"https://{install.REPORT_IP}/")
     done = eventually(lambda: finished(bed, "pod", "train", ns), timeout=300, what="the training pod to finish")
-    logs = bed.kubectl_run("logs", "train", "-n", ns)
-    assert done["status"]["phase"] == "Succeeded", logs.stdout[-3000:]
+    logs = bed.kubectl_run("logs", "train", "-n", ns, "-c", "train")
+    assert done["status"]["phase"] == "Succeeded", logs.stdout[-3000:] + logs.stderr[-3000:]
     report = json.loads(logs.stdout.strip().splitlines()[-1])
     assert report["cache_hits"] >= 1 and report["compiled"] == 0, report
+    # The init containers ran as the kubelet runs them: the copy from the warmer image, the
+    # recorder in the training image (its busybox from the copy; the image has no busybox).
+    inits = {s["name"]: s for s in done["status"]["initContainerStatuses"]}
+    assert inits["cachewarm-pythonpath"]["image"].endswith(images.TRAIN_IMAGE)
+    assert all(s["state"]["terminated"]["exitCode"] == 0 for s in inits.values()), inits
+
+    # Its reporter reached the operator (through the Service, with the token the kubelet
+    # projected for this pod), and the leader counted the pod's hits.
+    def usage() -> dict[str, Any] | None:
+        got = ((bed.get_json("ccache", "llama", ns) or {}).get("status") or {}).get("usage") or {}
+        return got if got.get("pods") else None
+    got = eventually(usage, timeout=60, what="status.usage from the training pod's report")
+    assert (got["pods"], got["hits"], got["misses"]) == (1, report["cache_hits"], 0), got
+    keys = eventually(lambda: next((c for c in (bed.get_json("ccache", "llama", ns) or {})["status"]["conditions"]
+                                    if c["type"] == "KeysMatch" and c["status"] != "Unknown"), None),
+                      timeout=60, what="KeysMatch decided")
+    assert keys["status"] == "True", keys
 
 
 def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:
@@ -277,8 +304,8 @@ def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced
     assert secret is not None
     ca = certs.KeyPair(base64.b64decode(secret["data"]["ca.crt"]), base64.b64decode(secret["data"]["ca.key"]))
     old = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
-    hosts = list(old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                 .get_values_for_type(x509.DNSName))
+    names = old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    hosts = [*names.get_values_for_type(x509.DNSName), *map(str, names.get_values_for_type(x509.IPAddress))]
     renewed = certs.make_serving_cert(ca, hosts, now=dt.datetime.now(dt.timezone.utc))
     secret["data"].update({"tls.crt": base64.b64encode(renewed.cert_pem).decode(),
                            "tls.key": base64.b64encode(renewed.key_pem).decode()})

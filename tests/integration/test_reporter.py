@@ -231,3 +231,23 @@ def test_the_processs_logging_and_jaxs_loader_stay_as_they_were(tmp_path: Path, 
     assert "jax._src.compiler" not in runs["off"].stderr and "jax._src.compiler" not in runs["on"].stderr
     [report] = endpoint.reports
     assert "jit__lambda" in {m["program"] for m in report["counts"]["lastMisses"]}  # read all the same
+
+
+@pytest.mark.skipif(shutil.which("busybox") is None, reason="needs busybox-static (make node-deps)")
+@pytest.mark.parametrize("image_env", [{"PYTHONPATH": "/opt/lib:/srv/app"}, {}])
+def test_the_recorders_command_writes_the_images_pythonpath_with_only_busybox(tmp_path: Path,
+                                                                             image_env: dict[str, str]) -> None:
+    """The recorder init container's exact command, with the static busybox the copy puts
+    in the emptyDir and an environment with nothing else on PATH (as in an image without
+    a shell): the file holds the image's PYTHONPATH (empty when it sets none), exit 0."""
+    from cachewarm.builders.reporter import RECORD_PYTHONPATH
+
+    shutil.copy(shutil.which("busybox") or "", tmp_path / "busybox")
+    target = tmp_path / "image-pythonpath"
+    done = subprocess.run([str(tmp_path / "busybox"), "sh", "-c", RECORD_PYTHONPATH, str(target)],
+                          env={"PATH": "/nonexistent", **image_env}, capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert target.read_text() == image_env.get("PYTHONPATH", "")
+    unwritable = subprocess.run([str(tmp_path / "busybox"), "sh", "-c", RECORD_PYTHONPATH, "/proc/nope/x"],
+                                env={"PATH": "/nonexistent"}, capture_output=True, timeout=30)
+    assert unwritable.returncode == 0  # a failed write never keeps the pod from starting

@@ -50,7 +50,8 @@ def test_the_recorder_runs_exactly_as_the_training_container_and_windows_pods_ar
     assert added is not None
     recorder = added[1][1]
     assert recorder["securityContext"] == privileged["containers"][0]["securityContext"]  # nothing the API refuses
-    assert recorder["imagePullPolicy"] == "Never" and recorder["resources"]["limits"]["cpu"] == "200m"
+    assert recorder["imagePullPolicy"] == "Never"
+    assert "resources" not in recorder  # none set: a LimitRange's defaults apply, as to the container
     windows = {**privileged, "os": {"name": "windows"}}
     assert add_reporter(windows, windows["containers"], [], "llama", REPORTING) is None
 
@@ -70,3 +71,26 @@ def test_pythonpath_stays_in_place_and_the_images_is_restored_only_where_the_spe
     assert "CACHEWARM_RESTORE_IMAGE_PYTHONPATH" not in names
     assert {e["name"]: e.get("value") for e in evaluate["env"]}["CACHEWARM_RESTORE_IMAGE_PYTHONPATH"] == "1"
     assert proxy == s["containers"][2]
+
+
+def test_init_containers_take_the_training_containers_cpu_memory_and_storage_but_not_its_gpus() -> None:
+    resources = {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "8"},
+                 "limits": {"memory": "64Gi", "ephemeral-storage": "10Gi", "nvidia.com/gpu": "8"}}
+    s = {"containers": [{"name": "train", "image": "train:1", "resources": resources}]}
+    added = add_reporter(s, s["containers"], [], "llama", REPORTING)
+    assert added is not None
+    for init in added[1]:
+        assert init["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+                                     "limits": {"memory": "64Gi", "ephemeral-storage": "10Gi"}}, init["name"]
+    assert s["containers"][0]["resources"] == resources  # the spec given is not changed
+
+
+def test_the_recorder_needs_nothing_of_the_training_image_but_the_busybox_the_copy_brought() -> None:
+    s = {"containers": [{"name": "train", "image": "distroless-train:1"}]}
+    added = add_reporter(s, s["containers"], [], "llama", REPORTING)
+    assert added is not None
+    copy_, recorder = added[1]
+    assert "/opt/cachewarm/busybox" in copy_["command"] and copy_["command"][-1] == "/cachewarm-reporter"
+    assert recorder["image"] == "distroless-train:1"
+    assert recorder["command"][:3] == ["/cachewarm-reporter/busybox", "sh", "-c"]
+    assert recorder["command"][-1] == "/cachewarm-reporter/image-pythonpath"

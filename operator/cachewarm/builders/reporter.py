@@ -6,7 +6,13 @@ training pod: pure, spec in, spec out.
   sitecustomize.py and the warmer (whose fingerprint code the reporter shares).
 - An init container of the training image itself that records the PYTHONPATH the image
   sets (ENV), which the container's own PYTHONPATH (ours first) replaces; the reporter puts
-  it back behind its own directory. It runs that image's `python3`.
+  it back behind its own directory. It runs the static busybox the copy brought along (the
+  warmer image's own), so it needs nothing of the training image (no python3, no shell),
+  only a node of the warmer image's architecture, and it always exits 0.
+- Both init containers take the training container's CPU, memory and ephemeral-storage
+  requests and limits: whatever a LimitRange or ResourceQuota admits for that container it
+  admits for them, and since init containers run one at a time before the others, the
+  pod's effective request does not grow.
 - A projected ServiceAccount token, audience `cachewarm`, bound to the pod, which the
   reporter sends with each report (the operator has the apiserver review it).
 - Each container gets PYTHONPATH (ours, then the one its spec sets), where to report, the
@@ -30,7 +36,11 @@ COPY_CONTAINER = "cachewarm-reporter"
 PATH_CONTAINER = "cachewarm-pythonpath"
 SOURCE_DIR = "/opt/cachewarm"  # in the warmer image (warmer_image/Dockerfile)
 TOKEN_SECONDS = 3600  # the kubelet renews it before it expires
-RECORD_PYTHONPATH = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('PYTHONPATH', ''))"
+BUSYBOX = f"{SOURCE_DIR}/busybox"  # static: it runs in any image of the node's architecture
+# `sh -c SCRIPT FILE`: FILE is $0. A write that fails leaves no file (the reporter then
+# restores nothing) and the pod still starts.
+RECORD_PYTHONPATH = 'printf %s "$PYTHONPATH" > "$0"; exit 0'
+SHARED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 # What PodSecurity "restricted" asks of a container; the copy runs as the warmer image's
 # user, the recorder as the training container does (its own securityContext).
 RESTORE_ENV = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
@@ -71,6 +81,17 @@ def _own_pythonpath(container: Mapping[str, Any]) -> tuple[bool, str | None]:
     return True, None if "valueFrom" in own else str(own.get("value") or "")
 
 
+def _resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
+    """The container's requests and limits of CPU, memory and ephemeral storage (not its
+    GPUs or TPUs: an init container holding them would gain nothing), {} when it sets none."""
+    out: dict[str, Any] = {}
+    for kind in ("requests", "limits"):
+        values = {k: v for k, v in ((container.get("resources") or {}).get(kind) or {}).items() if k in SHARED_RESOURCES}
+        if values:
+            out[kind] = values
+    return out
+
+
 def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
                  init_containers: Sequence[Mapping[str, Any]], cache_name: str, reporting: Reporting
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
@@ -109,23 +130,22 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
             new["env"] = [*(e for e in env if e.get("name") not in names), *ours]
             new["volumeMounts"] = [*(new.get("volumeMounts") or []), *mounts]
         out.append(new)
-    resources = {"requests": {"cpu": "10m", "memory": "32Mi", "ephemeral-storage": "1Mi"},
-                 "limits": {"cpu": "200m", "memory": "256Mi", "ephemeral-storage": "16Mi"}}
-    init = [
+    resources = _resources_of(first)
+    init: list[dict[str, Any]] = [
         {"name": COPY_CONTAINER, "image": reporting.image,
          "command": ["cp", f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
-                     f"{SOURCE_DIR}/warm.py", DIR],
+                     f"{SOURCE_DIR}/warm.py", BUSYBOX, DIR],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
          "securityContext": {**RESTRICTED, "runAsNonRoot": True, "runAsUser": 65532},
-         "resources": resources},
+         **({"resources": resources} if resources else {})},
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
-         "command": ["python3", "-c", RECORD_PYTHONPATH, f"{DIR}/image-pythonpath"],
+         "command": [f"{DIR}/busybox", "sh", "-c", RECORD_PYTHONPATH, f"{DIR}/image-pythonpath"],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
          # Exactly the training container's: it runs its image, as its user, and whatever
          # the namespace's PodSecurity admits for that container it admits for this one.
          **({"securityContext": copy.deepcopy(first["securityContext"])} if first.get("securityContext") else {}),
-         "resources": resources},
+         **({"resources": copy.deepcopy(resources)} if resources else {})},
     ]
     volumes += [{"name": VOLUME, "emptyDir": {"sizeLimit": "10Mi"}},
                 {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
