@@ -143,6 +143,7 @@ class Controller:
         if event_type == "DELETED":
             self.store.pop(key, None)
             self._retries.pop(key, None)
+            self.metrics.forget_cache(*key)
             self._release_deleted(body)
             return
         new = copy.deepcopy(dict(body))

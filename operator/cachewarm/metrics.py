@@ -5,7 +5,9 @@ served them; reports by the replica that answered them (one a follower forwarded
 leader, and by the follower as forwarded); warmer runs and reconcile errors by the leader
 (the only one reconciling); cache entries and bytes by every replica, read from the
 caches' status at scrape time (every replica watches the caches). Counters restart at 0 with the process, as Prometheus
-counters do; `rate()` and `increase()` handle that.
+counters do; `rate()` and `increase()` handle that. The series of a cache (its warmer runs
+and durations, its pods' hits, misses and seconds saved) go when the cache is deleted, so a
+cluster that churns caches does not grow a replica's registry without end.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Metrics:
             ["namespace", "cache", "pool", "outcome"], registry=self.registry)
         self.warmer_duration = Histogram(
             "cachewarm_warmer_duration_seconds", "How long finished warmer Jobs ran (start to completion).",
-            ["pool", "outcome"], buckets=WARMER_BUCKETS, registry=self.registry)
+            ["namespace", "cache", "pool", "outcome"], buckets=WARMER_BUCKETS, registry=self.registry)
         self.reconcile_errors = Counter(
             "cachewarm_reconcile_errors", "Reconciles that ended in an error worth a retry, by reason.",
             ["reason"], registry=self.registry)
@@ -66,6 +68,28 @@ class Metrics:
             "cachewarm_compile_seconds_saved", "Compile seconds JAX estimates its cache hits saved in training pods.",
             ["namespace", "cache"], registry=self.registry)
         self.registry.register(_CacheCollector(caches))
+        # (namespace, cache) -> the label values each per-cache metric has for it.
+        self._series: dict[tuple[str, str], set[tuple[Any, tuple[str, ...]]]] = {}
+
+    def _of_cache(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)` for a metric whose first two labels are the cache's
+        namespace and name, remembered so that `forget_cache` can remove it."""
+        self._series.setdefault((labels[0], labels[1]), set()).add((metric, labels))
+        return metric.labels(*labels)
+
+    def count_report(self, namespace: str, cache: str, hits: float, misses: float, saved: float) -> None:
+        """What a report added beyond its process's previous one."""
+        self._of_cache(self.cache_hits, namespace, cache).inc(hits)
+        self._of_cache(self.cache_misses, namespace, cache).inc(misses)
+        self._of_cache(self.seconds_saved, namespace, cache).inc(saved)
+
+    def forget_cache(self, namespace: str, cache: str) -> None:
+        """Remove every series of a deleted cache."""
+        for metric, labels in self._series.pop((namespace, cache), set()):
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve /metrics over HTTP from a daemon thread. Raises OSError (port taken)."""
@@ -78,9 +102,9 @@ class Metrics:
         status before), and the error it ended with, if any."""
         for pool, seconds in finished_runs(before, after):
             outcome = str(pool["state"])
-            self.warmer_runs.labels(namespace, name, str(pool.get("name")), outcome).inc()
+            self._of_cache(self.warmer_runs, namespace, name, str(pool.get("name")), outcome).inc()
             if seconds is not None:
-                self.warmer_duration.labels(str(pool.get("name")), outcome).observe(seconds)
+                self._of_cache(self.warmer_duration, namespace, name, str(pool.get("name")), outcome).observe(seconds)
         if failure_reason:
             self.reconcile_errors.labels(failure_reason).inc()
 

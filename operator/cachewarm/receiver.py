@@ -168,10 +168,7 @@ class Receiver:
         if not self.cache_exists(report.pod.namespace, report.cache):
             raise reports.ReportError(f"no CompilationCache {report.pod.namespace}/{report.cache}", 404)
         delta = self.store.record(report, dt.datetime.now(dt.timezone.utc))
-        labels = (report.pod.namespace, report.cache)
-        self.metrics.cache_hits.labels(*labels).inc(delta["hits"])
-        self.metrics.cache_misses.labels(*labels).inc(delta["misses"])
-        self.metrics.seconds_saved.labels(*labels).inc(delta["saved"])
+        self.metrics.count_report(report.pod.namespace, report.cache, delta["hits"], delta["misses"], delta["saved"])
         return report
 
     async def _review(self, token: str) -> Mapping[str, Any]:

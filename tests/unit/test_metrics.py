@@ -55,8 +55,7 @@ def test_metrics_expose_runs_errors_admissions_and_cache_size() -> None:
     got = samples(metrics)
     run = frozenset({"namespace": "ml", "cache": "llama", "pool": "h100", "outcome": "Succeeded"}.items())
     assert got[("cachewarm_warmer_runs_total", run)] == 1.0
-    assert got[("cachewarm_warmer_duration_seconds_sum", frozenset({"pool": "h100", "outcome": "Succeeded"}.items()))] \
-        == 270.0
+    assert got[("cachewarm_warmer_duration_seconds_sum", run)] == 270.0
     assert got[("cachewarm_reconcile_errors_total", frozenset({"reason": "GCSUnavailable"}.items()))] == 1.0
     assert got[("cachewarm_webhook_admissions_total", frozenset({"outcome": "injected"}.items()))] == 1.0
     assert got[("cachewarm_webhook_admission_duration_seconds_count",
@@ -64,3 +63,19 @@ def test_metrics_expose_runs_errors_admissions_and_cache_size() -> None:
     cache = frozenset({"namespace": "ml", "cache": "llama"}.items())
     assert (got[("cachewarm_cache_entries", cache)], got[("cachewarm_cache_bytes", cache)]) == (12.0, 3400.0)
     assert ("cachewarm_cache_entries", frozenset({"namespace": "ml", "cache": "new"}.items())) not in got
+
+
+def test_a_deleted_caches_series_go_and_other_caches_stay() -> None:
+    metrics = Metrics()
+    for name in ("llama", "gemma"):
+        metrics.record_reconcile("ml", name, status(RUNNING), status(DONE), None)
+        metrics.count_report("ml", name, 3, 1, 2.5)
+    metrics.forget_cache("ml", "llama")
+    got = samples(metrics)
+    left = {dict(labels).get("cache") for (name, labels) in got if name.startswith(
+        ("cachewarm_warmer_runs", "cachewarm_warmer_duration", "cachewarm_cache_hits", "cachewarm_cache_misses",
+         "cachewarm_compile_seconds_saved"))}
+    assert left == {"gemma"}
+    assert got[("cachewarm_cache_hits_total", frozenset({"namespace": "ml", "cache": "gemma"}.items()))] == 3.0
+    metrics.forget_cache("ml", "llama")  # again, or a cache never counted: nothing to remove
+    metrics.forget_cache("other", "never")
