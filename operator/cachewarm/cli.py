@@ -68,8 +68,9 @@ def warm(ctx: click.Context) -> None:
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
     """Show what a cache holds, by program: entries, size, when written and last used
-    (customTime), and which warmer pools reported them, with the fingerprint (versions,
-    devices, flags, image) their keys were computed with.
+    (customTime), which warmer pools reported them, with the fingerprint (versions,
+    devices, flags, image) their keys were computed with, and which training pods reported
+    hitting them within the operator's report window (their reporters).
 
     NAMESPACE/NAME reads the CompilationCache (and its warmers' status) with $KUBECONFIG or
     the in-cluster ServiceAccount; --bucket reads only the bucket. GCS is read with
@@ -84,6 +85,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
     if bool(cache) == bool(url):
         raise click.UsageError("give either NAMESPACE/NAME or --bucket gs://BUCKET[/PREFIX]")
     pools: list[dict[str, object]] = []
+    hits: list[dict[str, object]] = []
     try:
         if cache:
             namespace, _, name = cache.partition("/")
@@ -95,11 +97,12 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
             storage = parse_spec(body.get("spec") or {}).storage.gcs
             bucket, prefix, url = storage.bucket, storage.object_prefix, storage.url
             pools = list(((body.get("status") or {}).get("warmup") or {}).get("pools") or [])
+            hits = list(((body.get("status") or {}).get("usage") or {}).get("recentHits") or [])
         else:
             assert url is not None
             bucket, prefix = inspection.parse_url(url)
         objects = GcsClient().list_objects(bucket, prefix, glob=f"{prefix}*")
-        progs = inspection.programs(objects, prefix, pools)
+        progs = inspection.programs(objects, prefix, pools, hits)
     except (KubeError, GcsError, InvalidSpec, inspection.InspectError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -2,8 +2,9 @@
 
 Pure: the caller lists the bucket (GcsClient) and reads the cache (KubeClient); this
 module groups the entries by program, matches them to the warmer pools that reported
-their keys (with the fingerprint those were computed with), and renders a table or JSON.
-Which training pods hit an entry is not known yet: that needs reports from the pods.
+their keys (with the fingerprint those were computed with) and to the training pods that
+reported hitting them (status.usage.recentHits, from the pods' reporters, within the
+operator's report window), and renders a table or JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Entry:
     written: dt.datetime | None
     last_used: dt.datetime | None  # customTime: refreshed by warmers, the lifecycle's clock
     pools: list[str] = field(default_factory=list)  # warmer pools that reported relying on it
+    hit_by: list[str] = field(default_factory=list)  # training pods that reported a hit (some of them)
+    hit_pods: int = 0  # how many pods reported a hit
 
 
 @dataclass
@@ -65,13 +68,19 @@ class Program:
     def pools(self) -> list[str]:
         return sorted({p for e in self.entries for p in e.pools})
 
+    @property
+    def hit_by(self) -> list[str]:
+        return sorted({p for e in self.entries for p in e.hit_by})
+
 
 def programs(objects: Iterable[ObjectInfo], object_prefix: str,
-             pools: Sequence[Mapping[str, Any]] = ()) -> list[Program]:
+             pools: Sequence[Mapping[str, Any]] = (), hits: Sequence[Mapping[str, Any]] = ()) -> list[Program]:
     """The JAX cache entries (`<program>-<sha256>-cache`) directly under `object_prefix`,
     grouped by program (sorted by name, newest entry first); each entry names the pools
-    of `pools` (status.warmup.pools) whose warmer reported its key. Other objects are not
-    entries and are left out."""
+    of `pools` (status.warmup.pools) whose warmer reported its key, and the pods of `hits`
+    (status.usage.recentHits) that reported hitting it. Other objects are not entries and
+    are left out."""
+    hit_by = {str(h.get("key") or "").rsplit("-", 1)[-1]: h for h in hits}
     reported: dict[str, list[str]] = {}
     for pool in pools:
         for key in pool.get("keys") or []:
@@ -82,8 +91,10 @@ def programs(objects: Iterable[ObjectInfo], object_prefix: str,
         if rest is None or not rest.endswith("-cache") or ENTRY_NAME.match(rest) is None:
             continue
         program, key = rest.removesuffix("-cache").rsplit("-", 1)
+        hit = hit_by.get(key) or {}
         grouped.setdefault(program, Program(program)).entries.append(
-            Entry(key, obj.size, obj.created, obj.custom_time, sorted(reported.get(key[:KEY_HASH_CHARS], []))))
+            Entry(key, obj.size, obj.created, obj.custom_time, sorted(reported.get(key[:KEY_HASH_CHARS], [])),
+                  sorted(str(p) for p in hit.get("pods") or []), int(hit.get("podCount") or 0)))
     for prog in grouped.values():
         prog.entries.sort(key=lambda e: e.written or dt.datetime.min.replace(tzinfo=dt.timezone.utc), reverse=True)
     return [grouped[name] for name in sorted(grouped)]
@@ -98,9 +109,10 @@ def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any
     return json.dumps({
         "url": url,
         "programs": [{"name": p.name, "entries": len(p.entries), "bytes": p.size, "written": _iso(p.written),
-                      "lastUsed": _iso(p.last_used), "pools": p.pools,
+                      "lastUsed": _iso(p.last_used), "pools": p.pools, "hitBy": p.hit_by,
                       "keys": [{"key": e.key, "bytes": e.size, "written": _iso(e.written), "lastUsed": _iso(e.last_used),
-                                "pools": e.pools} for e in p.entries]} for p in progs],
+                                "pools": e.pools, "hitBy": e.hit_by, "hitPods": e.hit_pods}
+                               for e in p.entries]} for p in progs],
         "pools": [{"name": pool.get("name"), "state": pool.get("state"), "job": pool.get("job"),
                    "fingerprint": pool.get("fingerprint") or {}} for pool in pools],
     }, indent=2)
@@ -123,11 +135,19 @@ def describe(fingerprint: Mapping[str, Any]) -> str:
     return f"jax {fingerprint.get('jax', '?')}, {' '.join(devices.split())}{processes}, flags {fingerprint.get('flagsHash', '?')}"
 
 
+def _pods(program: Program) -> str:
+    """Pods that reported hitting the program's entries: a few names, and how many more
+    (at least: a pod that hit two of its entries counts in both)."""
+    names, shown = program.hit_by, program.hit_by[:3]
+    more = max([len(names), *(e.hit_pods for e in program.entries)]) - len(shown)
+    return (",".join(shown) + (f" +{more}" if more > 0 else "")) if names else "-"
+
+
 def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = ()) -> str:
     """The report for people: one row per program, then the pools' fingerprints."""
-    rows = [("PROGRAM", "ENTRIES", "SIZE", "WRITTEN", "LAST USED", "WARMED BY")]
+    rows = [("PROGRAM", "ENTRIES", "SIZE", "WRITTEN", "LAST USED", "WARMED BY", "HIT BY (PODS)")]
     rows += [(p.name, str(len(p.entries)), _size(p.size), _iso(p.written) or "-", _iso(p.last_used) or "-",
-              ",".join(p.pools) or "-") for p in progs]
+              ",".join(p.pools) or "-", _pods(p)) for p in progs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [url, ""] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     if not progs:

@@ -60,6 +60,8 @@ MISS_LOG = "PERSISTENT COMPILATION CACHE MISS for"
 HIT_LOG = "Persistent compilation cache hit for"
 
 MAX_MISSES = 20  # the last programs that missed, with their keys
+MAX_HIT_KEYS = 20  # the last distinct entries hit (program and key): `cachewarm inspect` names their pods
+MAX_BODY_BYTES = 15000  # under the operator's cap (16 KiB): hit keys, then misses, give way first
 FIRST_REPORT_SECONDS = 5.0  # after the first compile: the first steps' compiles are in it
 DEFAULT_PERIOD_SECONDS = 60.0
 SEND_TIMEOUT_SECONDS = 5.0
@@ -89,6 +91,7 @@ class Tally:
         self.compile_seconds = 0.0
         self.compiles = 0
         self.misses: collections.deque[dict[str, str]] = collections.deque(maxlen=MAX_MISSES)
+        self.hit_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> program
         self.changed = threading.Event()
         self.first = threading.Event()
         self.logger: logging.Logger | None = None
@@ -133,6 +136,13 @@ class Tally:
             if str(record.msg).startswith(MISS_LOG) and len(args) >= 2:
                 with self.lock:
                     self.misses.append({"program": str(args[0])[:200], "key": str(args[1])[:200]})
+            elif str(record.msg).startswith(HIT_LOG) and len(args) >= 2:
+                with self.lock:
+                    key = str(args[1])[:200]
+                    self.hit_keys[key] = str(args[0])[:200]
+                    self.hit_keys.move_to_end(key)
+                    while len(self.hit_keys) > MAX_HIT_KEYS:
+                        self.hit_keys.popitem(last=False)
             parent = self.logger.parent if self.logger is not None else None
             if parent is None or record.levelno >= parent.getEffectiveLevel():
                 return True
@@ -147,7 +157,8 @@ class Tally:
             return {"requests": self.requests, "hits": self.hits, "misses": max(self.requests - self.hits, 0),
                     "compileSecondsSaved": round(self.saved_seconds, 3),
                     "compileSecondsSpent": round(self.compile_seconds, 3), "compiles": self.compiles,
-                    "lastMisses": list(self.misses)}
+                    "lastMisses": list(self.misses),
+                    "hitKeys": [{"program": program, "key": key} for key, program in self.hit_keys.items()]}
 
 
 def _load_fingerprint(here: Path) -> Callable[[], dict[str, Any]]:
@@ -229,7 +240,7 @@ class Reporter:
                 from pathlib import Path  # noqa: PLC0415
 
                 self.tally.changed.clear()
-                body = json.dumps(self.report(), separators=(",", ":")).encode()
+                body = _fit(self.report(), json.dumps)
                 request = urllib.request.Request(self.url, data=body, method="POST",
                                                  headers={"Content-Type": "application/json"})
                 if self.token_file:
@@ -271,6 +282,21 @@ class Reporter:
             done.join(EXIT_SECONDS)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _fit(report: dict[str, Any], dumps: Callable[..., str]) -> bytes:
+    """The report as JSON within MAX_BODY_BYTES: the oldest hit keys, then the oldest
+    misses, are left out until it fits (long program names could otherwise pass the
+    operator's cap and lose the whole report)."""
+    counts = report["counts"]
+    while True:
+        body = dumps(report, separators=(",", ":")).encode()
+        if len(body) <= MAX_BODY_BYTES:
+            return body
+        listed = "hitKeys" if counts.get("hitKeys") else "lastMisses" if counts.get("lastMisses") else None
+        if listed is None:
+            return body
+        counts[listed] = counts[listed][len(counts[listed]) // 2 + 1:]
 
 
 def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:

@@ -24,6 +24,8 @@ AUDIENCE = "cachewarm"
 MIN_SECONDS_BETWEEN = 5.0  # per process: the reporter sends every minute, and once at exit
 MAX_PROCESSES_PER_CACHE = 2000  # the oldest are forgotten first
 LAST_MISSES = 10  # per cache, in status
+RECENT_HITS = 50  # entries hit within the window, newest first, in status (cachewarm inspect names their pods)
+HIT_PODS = 5  # pod names kept per entry hit (podCount counts them all)
 
 
 class ReportError(Exception):
@@ -44,7 +46,9 @@ class PodRef(_Strict):
     uid: str = Field(min_length=1, max_length=64)
 
 
-class Miss(_Strict):
+class ProgramKey(_Strict):
+    """A program and its persistent-cache key, as JAX logs them."""
+
     program: str = Field(max_length=200)
     key: str = Field(max_length=200)
 
@@ -55,7 +59,8 @@ class Counts(_Strict):
     misses: int = Field(ge=0, le=10**9)
     compile_seconds_saved: float = Field(alias="compileSecondsSaved", ge=-1e9, le=1e9)
     compile_seconds_spent: float = Field(alias="compileSecondsSpent", ge=0, le=1e9)
-    last_misses: list[Miss] = Field(alias="lastMisses", default_factory=list, max_length=50)
+    last_misses: list[ProgramKey] = Field(alias="lastMisses", default_factory=list, max_length=50)
+    hit_keys: list[ProgramKey] = Field(alias="hitKeys", default_factory=list, max_length=50)
 
 
 class Process(_Strict):
@@ -171,8 +176,9 @@ class Store:
 
     def usage(self, namespace: str, cache: str, now: dt.datetime) -> dict[str, Any] | None:
         """status.usage of a cache: pods and processes that reported in the window, their
-        hits, misses, hit ratio, compile seconds saved and spent, and the last misses
-        (pod, program, key). None when no pod reported in the window."""
+        hits, misses, hit ratio, compile seconds saved and spent, the last misses
+        (pod, program, key) and the entries hit (program, key, the pods that hit it). None
+        when no pod reported in the window."""
         with self._lock:
             processes = [latest for latest in (self._by_cache.get((namespace, cache)) or {}).values()
                          if now - latest.at <= self.window]
@@ -186,6 +192,13 @@ class Store:
                     misses.append((latest.at, {"pod": latest.report.pod.name, "program": miss.program,
                                                "key": miss.key}))
             misses.sort(key=lambda m: m[0], reverse=True)
+            hit: dict[str, tuple[dt.datetime, str, set[str]]] = {}  # key -> (latest, program, pods)
+            for latest in processes:
+                for one in latest.report.counts.hit_keys:
+                    when, program, pods = hit.get(one.key, (latest.at, one.program, set()))
+                    pods.add(latest.report.pod.name)
+                    hit[one.key] = (max(when, latest.at), program, pods)
+            recent = sorted(hit.items(), key=lambda h: (h[1][0], h[0]), reverse=True)[:RECENT_HITS]
             usage: dict[str, Any] = {
                 "windowSeconds": int(self.window.total_seconds()),
                 "pods": len({p.report.pod.uid for p in processes}),
@@ -197,6 +210,8 @@ class Store:
                 "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
                 "lastReportTime": max(p.at for p in processes).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "lastMisses": [m for _, m in misses[:LAST_MISSES]],
+                "recentHits": [{"program": program, "key": key, "pods": sorted(pods)[:HIT_PODS], "podCount": len(pods)}
+                               for key, (_, program, pods) in recent],
             }
             if requests:  # absent rather than null: a merge patch would remove a null again and again
                 usage["hitRatio"] = round(hits / requests, 3)

@@ -157,6 +157,11 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     matched = eventually(lambda: conditions(controller_manager.get_json("ccache", "llama", namespace)).get(
         "KeysMatch", {}).get("status") == "True", timeout=60, what="KeysMatch True")
     assert matched
+    # `cachewarm inspect` names the pod beside the entry it hit.
+    hit = {k["key"]: k["hitBy"] for p in inspect(controller_manager, f"{namespace}/llama")["programs"]
+           for k in p["keys"]}
+    assert [key for key, pods in hit.items() if pods == ["trainer"]] == \
+        [h["key"].rsplit("-", 1)[1] for h in got["recentHits"]] and got["recentHits"]
 
     # A pod on two devices computes other keys: it misses, and the cache says why.
     other = train_in_pod(controller_manager, namespace, "llama", name="two-devices", env=[

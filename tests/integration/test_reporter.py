@@ -118,6 +118,8 @@ def test_a_training_process_reports_its_misses_then_its_hits(tmp_path: Path, end
     # JAX's own estimate (compile time recorded with the entry minus load time): on CPU a
     # program this small loads slower than it compiles, so it may be negative; it is there.
     assert counts["compileSecondsSaved"] != 0 and counts["lastMisses"] == []
+    # The entries it hit, by JAX's own key: the very keys the cold run missed.
+    assert {h["key"] for h in counts["hitKeys"]} == {m["key"] for m in endpoint.reports[0]["counts"]["lastMisses"]}
 
 
 @pytest.mark.parametrize("answer", ["refused", "500", "hangs"])

@@ -62,7 +62,8 @@ def test_json_and_table_say_the_same_things() -> None:
     assert [(p["name"], p["entries"], p["bytes"], p["lastUsed"]) for p in report["programs"]] == [
         ("jit_eval", 1, 500, None), ("jit_train_step", 2, 4000, "2026-11-22T02:00:00Z")]
     assert report["programs"][1]["keys"][0] == {"key": B, "bytes": 3000, "written": "2026-11-22T02:00:00Z",
-                                                "lastUsed": "2026-11-22T02:00:00Z", "pools": ["v5p"]}
+                                                "lastUsed": "2026-11-22T02:00:00Z", "pools": ["v5p"], "hitBy": [],
+                                                "hitPods": 0}
     assert report["pools"][0]["fingerprint"]["deviceKind"] == "NVIDIA H100 80GB HBM3"
     table = as_table("gs://b/jax", progs, POOLS)
     assert "jit_train_step  2        3.9 KiB  2026-11-22T02:00:00Z  2026-11-22T02:00:00Z  h100,v5p" in table
@@ -87,3 +88,17 @@ def test_wrong_arguments_are_usage_errors(args: list[str], message: str) -> None
 def test_a_wrong_bucket_url_is_an_error_not_a_traceback() -> None:
     result = CliRunner().invoke(cli, ["inspect", "--bucket", "team-cache"])
     assert result.exit_code == 1 and "error: not a gs://BUCKET[/PREFIX] URL: 'team-cache'" in result.output
+
+
+def test_entries_name_the_pods_that_reported_hitting_them() -> None:
+    hits = [{"program": "jit_train_step", "key": f"jit_train_step-{B}", "pods": ["t-1", "t-2"], "podCount": 7},
+            {"program": "jit_gone", "key": f"jit_gone-{'f' * 64}", "pods": ["t-9"], "podCount": 1}]  # entry deleted
+    progs = programs(OBJECTS, "jax/", POOLS, hits)
+    newest, older = progs[1].entries
+    assert (newest.hit_by, newest.hit_pods, older.hit_by, older.hit_pods) == (["t-1", "t-2"], 7, [], 0)
+    assert progs[0].hit_by == [] and progs[1].hit_by == ["t-1", "t-2"]
+    data = json.loads(as_json("gs://b/jax", progs, POOLS))
+    assert data["programs"][1]["hitBy"] == ["t-1", "t-2"]
+    assert (data["programs"][1]["keys"][0]["hitBy"], data["programs"][1]["keys"][0]["hitPods"]) == (["t-1", "t-2"], 7)
+    row = next(line for line in as_table("gs://b/jax", progs, POOLS).splitlines() if line.startswith("jit_train_step"))
+    assert row.endswith("t-1,t-2 +5")

@@ -157,3 +157,23 @@ def test_usage_without_compile_requests_has_no_hit_ratio_and_old_processes_are_f
     store.record(parse(raw(report(pod__uid="u-9"))), NOW)
     store.prune(NOW, caches=set())  # the cache was deleted
     assert store.caches() == []
+
+
+def test_usage_names_the_entries_pods_hit_newest_first_with_their_pods() -> None:
+    store = Store(dt.timedelta(hours=1))
+    step, evaluate = "jit_step-" + "b" * 64, "jit_eval-" + "c" * 64
+    store.record(parse(raw(report(counts__hitKeys=[{"program": "jit_step", "key": step}]))), NOW)
+    store.record(parse(raw(report(pod__name="t-2", pod__uid="u-2", counts__hitKeys=[
+        {"program": "jit_step", "key": step}, {"program": "jit_eval", "key": evaluate}]))),
+        NOW + dt.timedelta(seconds=30))
+    # Newest first: jit_eval was last hit 30 s after jit_step's first pod, and as late as its second.
+    store.record(parse(raw(report(sequence=2, counts__hitKeys=[{"program": "jit_step", "key": step}]))),
+                 NOW + dt.timedelta(seconds=40))
+    usage = store.usage("ml", "llama", NOW + dt.timedelta(seconds=40))
+    assert usage is not None
+    assert usage["recentHits"] == [
+        {"program": "jit_step", "key": step, "pods": ["t-2", "trainer"], "podCount": 2},
+        {"program": "jit_eval", "key": evaluate, "pods": ["t-2"], "podCount": 1},
+    ]
+    with pytest.raises(ReportError):  # at most 50 keys in a report
+        parse(raw(report(counts__hitKeys=[{"program": "p", "key": f"p-{i}"} for i in range(51)])))
