@@ -151,6 +151,9 @@ class Receiver:
         if FORWARDED_HEADER in request.headers:
             raise reports.ReportError("this replica does not lead (any more); a forwarded report is not forwarded "
                                       "again", 503)
+        scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():  # the leader would refuse it: no hop for that
+            raise reports.ReportError("a report needs the pod's ServiceAccount token (Authorization: Bearer)", 401)
         leader = self.forwarder.target() if self.forwarder is not None else None
         if self.forwarder is None or leader is None:
             raise reports.ReportError("this replica does not lead and knows no other replica that does; another "

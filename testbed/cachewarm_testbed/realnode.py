@@ -61,6 +61,9 @@ CNI_BIN_DIR = Path("/usr/lib/cni")
 BUSYBOX = Path("/bin/busybox")
 PAUSE_IMAGE = "cachewarm.local/pause:1"
 BUSYBOX_IMAGE = "cachewarm.local/busybox:1"
+# An image with one static program and nothing else: no shell, no C library, no loader (as
+# distroless-static or a scratch image): what runs there needs nothing of the image.
+BARE_IMAGE = "cachewarm.local/bare:1"
 # What the kubelet (or CNI's bridge) writes: restored to the values found before start.
 SYSCTLS = (
     "kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory", "vm/panic_on_oom",
@@ -314,7 +317,18 @@ def busybox_images(busybox: Path = BUSYBOX) -> dict[str, tuple[bytes, dict[str, 
         # SIGKILL ends it.
         PAUSE_IMAGE: (layer, {"Entrypoint": ["/bin/sleep", "2147483647"], "Env": env}),
         BUSYBOX_IMAGE: (layer, {"Cmd": ["/bin/sh"], "Env": env}),
+        BARE_IMAGE: (bare_layer(busybox.read_bytes()), {"Entrypoint": ["/sleep", "1"]}),
     }
+
+
+def bare_layer(busybox: bytes) -> bytes:
+    """An uncompressed layer tar with only /sleep (busybox, which runs the applet its file
+    is named after) and /tmp: nothing a program of the pod's could borrow."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        _tar_member(tar, "tmp", mode=0o1777)
+        _tar_member(tar, "sleep", data=busybox, kind=tarfile.REGTYPE)
+    return buf.getvalue()
 
 
 def _index_image_names(archive: Path) -> set[str]:

@@ -49,7 +49,7 @@ from cachewarm import certs
 
 from cachewarm_testbed import images, install
 from cachewarm_testbed.cluster import Testbed, eventually, repo_root
-from cachewarm_testbed.realnode import NODE_NAME, HostSnapshot, RealNode
+from cachewarm_testbed.realnode import BARE_IMAGE, NODE_NAME, HostSnapshot, RealNode
 
 pytestmark = [
     pytest.mark.e2e,
@@ -231,6 +231,30 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
                                     if c["type"] == "KeysMatch" and c["status"] != "Unknown"), None),
                       timeout=60, what="KeysMatch decided")
     assert keys["status"] == "True", keys
+
+
+def test_the_reporters_recorder_runs_in_an_image_without_a_shell_or_a_c_library(cluster: Installed, ns: str) -> None:
+    """The reporter is on by default, so its init containers run in every labelled pod: the
+    recorder runs the warmer image's busybox inside the training container's image, here one
+    with a single static program and nothing else (no /bin/sh, no libc, no loader). The pod
+    starts and ends as it would without cachewarm. (The testbed's warmer image is built on
+    Debian's busybox-static; the published one on busybox:1.37-musl, whose busybox its
+    Dockerfile proves static by running it in an empty filesystem.)"""
+    bed = cluster.bed
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "bare"},
+               "spec": {"storage": {"gcs": {"bucket": f"bare-{uuid.uuid4().hex[:10]}", "prefix": "bare",
+                                            "location": "us-central1"}}}}, ns)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bare", "labels": {"cachewarm.dev/cache": "bare"}},
+           "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": BARE_IMAGE,
+                                                              "command": ["/sleep", "1"]}]}}
+    bed.apply(pod, ns)
+    stored = bed.get_json("pod", "bare", ns) or {}
+    inits = {c["name"]: c for c in stored["spec"].get("initContainers") or []}
+    assert inits["cachewarm-pythonpath"]["image"] == BARE_IMAGE, inits
+    done = eventually(lambda: finished(bed, "pod", "bare", ns), timeout=120, what="the bare pod to finish")
+    statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
+    assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
+    assert {n: t["exitCode"] for n, t in statuses.items()} == {"cachewarm-reporter": 0, "cachewarm-pythonpath": 0}
 
 
 def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:

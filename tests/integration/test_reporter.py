@@ -196,6 +196,13 @@ def test_the_images_pythonpath_and_sitecustomize_still_work(tmp_path: Path, endp
     env.pop("CACHEWARM_RESTORE_IMAGE_PYTHONPATH")
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "No module named 'teamlib'" in out.stderr
+    # A reporter that cannot load (here a file an older interpreter could not read) still
+    # leaves the process the image's paths: sitecustomize restores them by itself.
+    env["CACHEWARM_RESTORE_IMAGE_PYTHONPATH"] = "1"
+    (where / "cachewarm_reporter.py").write_text("this is not python\n")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["from", "the", "image", "True"]
 
 
 def test_a_process_without_jax_does_not_import_it(tmp_path: Path, endpoint: Endpoint) -> None:

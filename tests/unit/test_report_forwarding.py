@@ -116,7 +116,7 @@ def test_the_follower_answers_what_the_leader_answered_and_only_the_leader_keeps
     leader, follower = Replica(), Replica()
     answers = exchange([
         (bearer("forged"), GOOD),   # the leader's review refuses it
-        ({}, GOOD),                 # no token: forwarded without one, the leader refuses it
+        ({}, GOOD),                 # no token: refused by the follower itself, not forwarded
         (bearer("good"), GOOD),     # taken
         (bearer("good"), GOOD),     # too soon again: 429 with the leader's Retry-After
     ], leader=leader, follower=follower)
@@ -126,9 +126,10 @@ def test_the_follower_answers_what_the_leader_answered_and_only_the_leader_keeps
     assert answers[3][2] == "60"
     assert leader.store.usage("ml", "llama", dt.datetime.now(dt.timezone.utc)) is not None
     assert follower.store.caches() == []
-    assert (leader.reports("202"), leader.reports("401"), leader.reports("429")) == (1, 2, 1)
-    assert (follower.forwarded("202"), follower.forwarded("401"), follower.forwarded("429")) == (1, 2, 1)
-    assert follower.reports("202") == follower.reports("401") == 0  # counted where taken, the leader
+    assert (leader.reports("202"), leader.reports("401"), leader.reports("429")) == (1, 1, 1)
+    assert (follower.forwarded("202"), follower.forwarded("401"), follower.forwarded("429")) == (1, 1, 1)
+    assert follower.reports("202") == 0  # counted where taken, the leader
+    assert follower.reports("401") == 1  # the one without a token, answered here
 
 
 def test_nothing_is_forwarded_twice_to_nobody_or_to_itself_nor_larger_than_a_report() -> None:

@@ -94,3 +94,26 @@ def test_the_recorder_needs_nothing_of_the_training_image_but_the_busybox_the_co
     assert recorder["image"] == "distroless-train:1"
     assert recorder["command"][:3] == ["/cachewarm-reporter/busybox", "sh", "-c"]
     assert recorder["command"][-1] == "/cachewarm-reporter/image-pythonpath"
+
+
+def test_on_reinvocation_the_init_containers_follow_resources_a_later_webhook_changed() -> None:
+    s = {"containers": [{"name": "train", "image": "train:1",
+                         "resources": {"requests": {"cpu": "32", "memory": "64Gi"}}}]}
+    added = add_reporter(s, s["containers"], [], "llama", REPORTING)
+    assert added is not None
+    patched = {"containers": added[0], "initContainers": added[1], "volumes": added[2]}
+    patched["containers"][0]["resources"] = {"requests": {"cpu": "8", "memory": "16Gi"}}  # e.g. VPA, after us
+    again = add_reporter(patched, patched["containers"], patched["initContainers"], "llama", REPORTING)
+    assert again is not None
+    assert [c["resources"] for c in again[1]] == [{"requests": {"cpu": "8", "memory": "16Gi"}}] * 2
+    assert again[0] == patched["containers"] and again[2] == patched["volumes"]
+    settled = {"containers": again[0], "initContainers": again[1], "volumes": again[2]}
+    assert add_reporter(settled, settled["containers"], settled["initContainers"], "llama", REPORTING) is None
+
+
+def test_the_copy_runs_as_its_images_user_without_asking_for_one() -> None:
+    s = {"containers": [{"name": "train", "image": "train:1"}]}
+    added = add_reporter(s, s["containers"], [], "llama", REPORTING)
+    assert added is not None
+    context = added[1][0]["securityContext"]
+    assert context["runAsNonRoot"] is True and "runAsUser" not in context

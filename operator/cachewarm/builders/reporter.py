@@ -92,19 +92,48 @@ def _resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],
+              volumes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """A pod patched already (webhook reinvocation): the reporter stays as it is, but its
+    init containers take the training container's resources again when a later webhook
+    (e.g. VPA's) changed them, so they never ask for more than it. None: nothing changed."""
+    recorder = next((c for c in init_containers if c.get("name") == PATH_CONTAINER), None)
+    first = next((c for c in containers if recorder is not None and c.get("image") == recorder.get("image")
+                  and any(e.get("name") == "PYTHONPATH" and str(e.get("value") or "").startswith(DIR)
+                          for e in c.get("env") or [])), None)
+    if first is None:
+        return None
+    wanted = _resources_of(first)
+    ours = (COPY_CONTAINER, PATH_CONTAINER)
+    if all((c.get("resources") or {}) == wanted for c in init_containers if c.get("name") in ours):
+        return None
+    init = []
+    for container in init_containers:
+        new = copy.deepcopy(dict(container))
+        if container.get("name") in ours:
+            new.pop("resources", None)
+            if wanted:
+                new["resources"] = copy.deepcopy(wanted)
+        init.append(new)
+    return [copy.deepcopy(dict(c)) for c in containers], init, volumes
+
+
 def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
                  init_containers: Sequence[Mapping[str, Any]], cache_name: str, reporting: Reporting
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the reporter added to `containers` and
     its init containers ahead of `init_containers` (both as the rest of the patch leaves
-    them), or None when there is nothing to add: already added (webhook reinvocation), a
+    them), or None when there is nothing to add: already added (webhook reinvocation; then
+    only its init containers' resources follow the training container's, see _resynced), a
     Windows pod, or no container can take it.
 
     A container takes it when it has no envFrom sources, its PYTHONPATH (if any) is a
     literal value, and it runs the first such container's image (the one whose PYTHONPATH
     the recorder reads) or sets its own PYTHONPATH."""
     volumes = list(spec.get("volumes") or [])
-    if any(v.get("name") == VOLUME for v in volumes) or (spec.get("os") or {}).get("name") == "windows":
+    if any(v.get("name") == VOLUME for v in volumes):
+        return _resynced(containers, init_containers, volumes)
+    if (spec.get("os") or {}).get("name") == "windows":
         return None
     eligible = [c for c in containers if not c.get("envFrom") and c.get("image") and _own_pythonpath(c)[1] is not None]
     if not eligible:
@@ -136,7 +165,9 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
          "command": ["cp", f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
                      f"{SOURCE_DIR}/warm.py", BUSYBOX, DIR],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
-         "securityContext": {**RESTRICTED, "runAsNonRoot": True, "runAsUser": 65532},
+         # Runs as the image's user (65532); no runAsUser of ours, which a policy that assigns
+         # users from a range (OpenShift's restricted SCC) would refuse.
+         "securityContext": {**RESTRICTED, "runAsNonRoot": True},
          **({"resources": resources} if resources else {})},
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
