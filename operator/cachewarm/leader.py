@@ -71,6 +71,13 @@ def parse_identity(holder: str | None) -> tuple[str, str | None]:
     return holder or "", None
 
 
+def same_replica(holder: str | None, ours: str) -> bool:
+    """Whether a Lease holder is this very replica under another address: the same Pod
+    name (a Pod's container restarted where it takes reports elsewhere, e.g. on another
+    port). Such a holder is us: we take the Lease back at once, not after it expires."""
+    return bool(holder) and holder != ours and parse_identity(holder)[0] == parse_identity(ours)[0]
+
+
 class _FencedLeaseLock(LeaseLock):
     """The Lease lock, which refuses to write once this replica is stopping: the library's
     renew loop then fails its next renewal and stops leading, instead of taking the Lease
@@ -87,10 +94,14 @@ class _FencedLeaseLock(LeaseLock):
 
     def get(self, name: str, namespace: str) -> tuple[bool, Any]:
         """The library's (found, election record or the ApiException). A failure other
-        than a missing Lease keeps what was seen last: the holder is likely the same."""
+        than a missing Lease keeps what was seen last: the holder is likely the same. A
+        record held by this replica under another address reads as held by us."""
         found, record = super().get(name, namespace)  # type: ignore[no-untyped-call]
         if found:
             self._seen(getattr(record, "holder_identity", None) or None)
+            if same_replica(getattr(record, "holder_identity", None), self.identity):
+                # The library takes back a Lease that names exactly its identity at once.
+                record.holder_identity = self.identity
         elif getattr(record, "status", None) == 404:
             self._seen(None)
         return bool(found), record

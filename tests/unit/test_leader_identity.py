@@ -98,3 +98,14 @@ def test_the_lock_remembers_the_holder_it_read() -> None:
                        LeaderElectionRecord("me@10.0.0.2:9443", "15", "2026-01-01 00:00:00",  # type: ignore[no-untyped-call]
                                             "2026-01-01 00:00:00"))
     assert seen[-1] == "me@10.0.0.2:9443"
+
+
+def test_a_holder_with_our_pod_name_and_another_address_is_this_replica_and_others_are_not() -> None:
+    from cachewarm.leader import same_replica
+
+    ours = "op-7c9-x@10.0.0.5:9443"
+    assert same_replica("op-7c9-x@10.0.0.5:9555", ours)  # restarted on another port: take it back at once
+    assert same_replica("op-7c9-x", ours)  # written before addresses were named (an upgrade in place)
+    assert not same_replica(ours, ours)  # ours exactly: the library knows that one already
+    assert not same_replica("op-7c9-y@10.0.0.5:9443", ours)  # another replica, even at our address
+    assert not same_replica(None, ours) and not same_replica("", ours)
