@@ -72,10 +72,17 @@ def parse_identity(holder: str | None) -> tuple[str, str | None]:
 
 
 def same_replica(holder: str | None, ours: str) -> bool:
-    """Whether a Lease holder is this very replica under another address: the same Pod
-    name (a Pod's container restarted where it takes reports elsewhere, e.g. on another
-    port). Such a holder is us: we take the Lease back at once, not after it expires."""
-    return bool(holder) and holder != ours and parse_identity(holder)[0] == parse_identity(ours)[0]
+    """Whether a Lease holder is this very replica on another port: the same Pod name at
+    the same host (a process restarted where it takes reports on a new port, as the
+    testbed's do; in a Pod a restarted container keeps IP and port, so its identity is
+    exactly the old one). Such a holder is us: we take the Lease back at once, not after it
+    expires. Only the same host: two live processes given one Pod name at different
+    addresses must not both take it from each other every renewal."""
+    if not holder or holder == ours:
+        return False
+    (name, where), (our_name, our_where) = parse_identity(holder), parse_identity(ours)
+    return name == our_name and where is not None and our_where is not None \
+        and where.rpartition(":")[0] == our_where.rpartition(":")[0]
 
 
 class _FencedLeaseLock(LeaseLock):

@@ -135,10 +135,10 @@ class Tally:
             args = record.args if isinstance(record.args, tuple) else ()
             if str(record.msg).startswith(MISS_LOG) and len(args) >= 2:
                 with self.lock:
-                    self.misses.append({"program": str(args[0])[:200], "key": str(args[1])[:200]})
+                    self.misses.append({"program": str(args[0])[:200], "key": _clip_key(str(args[1]))})
             elif str(record.msg).startswith(HIT_LOG) and len(args) >= 2:
                 with self.lock:
-                    key = str(args[1])[:200]
+                    key = _clip_key(str(args[1]))
                     self.hit_keys[key] = str(args[0])[:200]
                     self.hit_keys.move_to_end(key)
                     while len(self.hit_keys) > MAX_HIT_KEYS:
@@ -282,6 +282,12 @@ class Reporter:
             done.join(EXIT_SECONDS)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _clip_key(key: str) -> str:
+    """A key of at most 200 characters that still ends in its `-<sha256>` (the entry's
+    name): a long program name gives way, not the hash."""
+    return key if len(key) <= 200 else key[:135] + key[-65:]
 
 
 def _fit(report: dict[str, Any], dumps: Callable[..., str]) -> bytes:

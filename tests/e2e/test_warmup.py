@@ -160,8 +160,8 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     # `cachewarm inspect` names the pod beside the entry it hit.
     hit = {k["key"]: k["hitBy"] for p in inspect(controller_manager, f"{namespace}/llama")["programs"]
            for k in p["keys"]}
-    assert [key for key, pods in hit.items() if pods == ["trainer"]] == \
-        [h["key"].rsplit("-", 1)[1] for h in got["recentHits"]] and got["recentHits"]
+    assert {key for key, pods in hit.items() if pods == ["trainer"]} == \
+        {h["key"].rsplit("-", 1)[1] for h in got["recentHits"]} and got["recentHits"]
 
     # A pod on two devices computes other keys: it misses, and the cache says why.
     other = train_in_pod(controller_manager, namespace, "llama", name="two-devices", env=[

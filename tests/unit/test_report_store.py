@@ -177,3 +177,16 @@ def test_usage_names_the_entries_pods_hit_newest_first_with_their_pods() -> None
     ]
     with pytest.raises(ReportError):  # at most 50 keys in a report
         parse(raw(report(counts__hitKeys=[{"program": "p", "key": f"p-{i}"} for i in range(51)])))
+
+
+def test_usage_keeps_at_most_50_entries_hit_and_5_pod_names_each_as_the_crd_allows() -> None:
+    store = Store(dt.timedelta(hours=1))
+    keys = [{"program": "p", "key": f"p-{i:064x}"} for i in range(50)]
+    for n in range(7):
+        store.record(parse(raw(report(pod__name=f"t-{n}", pod__uid=f"u-{n}", counts__hitKeys=keys if n == 0 else
+                                      [*keys[:1], {"program": "q", "key": f"q-{n:064x}"}]))),
+                     NOW + dt.timedelta(seconds=n))
+    usage = store.usage("ml", "llama", NOW + dt.timedelta(seconds=10))
+    assert usage is not None and len(usage["recentHits"]) == 50
+    shared = next(h for h in usage["recentHits"] if h["key"] == keys[0]["key"])
+    assert len(shared["pods"]) == 5 and shared["podCount"] == 7

@@ -111,9 +111,29 @@ def test_on_reinvocation_the_init_containers_follow_resources_a_later_webhook_ch
     assert add_reporter(settled, settled["containers"], settled["initContainers"], "llama", REPORTING) is None
 
 
-def test_the_copy_runs_as_its_images_user_without_asking_for_one() -> None:
+def test_the_copy_runs_as_its_images_user_and_asks_for_one_only_where_the_pod_asks_for_root() -> None:
     s = {"containers": [{"name": "train", "image": "train:1"}]}
     added = add_reporter(s, s["containers"], [], "llama", REPORTING)
     assert added is not None
     context = added[1][0]["securityContext"]
     assert context["runAsNonRoot"] is True and "runAsUser" not in context
+    # A pod running as root: without a user of its own the copy would inherit 0, which its
+    # runAsNonRoot makes the kubelet refuse (the pod would never start).
+    root = {**s, "securityContext": {"runAsUser": 0}}
+    added = add_reporter(root, root["containers"], [], "llama", REPORTING)
+    assert added is not None
+    assert added[1][0]["securityContext"]["runAsUser"] == 65532
+
+
+def test_on_reinvocation_what_a_later_webhook_added_to_our_init_containers_stays() -> None:
+    s = {"containers": [{"name": "train", "image": "train:1", "resources": {"limits": {"cpu": "4"}}}]}
+    added = add_reporter(s, s["containers"], [], "llama", REPORTING)
+    assert added is not None
+    init = added[1]
+    init[0]["resources"] = {"limits": {"cpu": "4", "example.com/dongle": "1"}, "claims": [{"name": "x"}]}
+    s2 = {"containers": added[0], "initContainers": init, "volumes": added[2]}
+    s2["containers"][0]["resources"] = {"limits": {"cpu": "2"}}
+    again = add_reporter(s2, s2["containers"], s2["initContainers"], "llama", REPORTING)
+    assert again is not None
+    assert again[1][0]["resources"] == {"limits": {"cpu": "2", "example.com/dongle": "1"}, "claims": [{"name": "x"}]}
+    assert again[1][1]["resources"] == {"limits": {"cpu": "2"}}

@@ -42,3 +42,11 @@ def test_a_report_with_long_names_is_cut_to_fit_the_operators_cap_and_still_pars
     assert taken.counts.hits == 20 and len(taken.counts.last_misses) == reporter.MAX_MISSES
     assert 0 < len(taken.counts.hit_keys) < reporter.MAX_HIT_KEYS
     assert taken.counts.hit_keys[-1].key.endswith(f"{reporter.MAX_HIT_KEYS - 1:099x}")  # the newest are kept
+
+
+def test_a_long_program_name_gives_way_in_a_key_but_its_hash_stays() -> None:
+    tally = reporter.Tally()
+    key = "jit_" + "y" * 300 + "-" + "d" * 64
+    tally.filter(hit_record("jit_" + "y" * 300, key))
+    [hit] = tally.snapshot()["hitKeys"]
+    assert len(hit["key"]) == 200 and hit["key"].endswith("-" + "d" * 64)

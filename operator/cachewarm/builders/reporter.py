@@ -92,6 +92,20 @@ def _resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_shared(resources: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """`resources` with its CPU, memory and ephemeral storage those of `wanted`; anything
+    else a later webhook set there (extended resources, claims) kept."""
+    out = copy.deepcopy(dict(resources))
+    for kind in ("requests", "limits"):
+        values = {k: v for k, v in (out.get(kind) or {}).items() if k not in SHARED_RESOURCES}
+        values.update(copy.deepcopy(dict(wanted.get(kind) or {})))
+        if values:
+            out[kind] = values
+        else:
+            out.pop(kind, None)
+    return out
+
+
 def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],
               volumes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """A pod patched already (webhook reinvocation): the reporter stays as it is, but its
@@ -105,15 +119,15 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
         return None
     wanted = _resources_of(first)
     ours = (COPY_CONTAINER, PATH_CONTAINER)
-    if all((c.get("resources") or {}) == wanted for c in init_containers if c.get("name") in ours):
+    if all(_resources_of(c) == wanted for c in init_containers if c.get("name") in ours):
         return None
     init = []
     for container in init_containers:
         new = copy.deepcopy(dict(container))
         if container.get("name") in ours:
-            new.pop("resources", None)
-            if wanted:
-                new["resources"] = copy.deepcopy(wanted)
+            new["resources"] = _with_shared(new.get("resources") or {}, wanted)
+            if not new["resources"]:
+                del new["resources"]
         init.append(new)
     return [copy.deepcopy(dict(c)) for c in containers], init, volumes
 
@@ -165,9 +179,12 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
          "command": ["cp", f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
                      f"{SOURCE_DIR}/warm.py", BUSYBOX, DIR],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
-         # Runs as the image's user (65532); no runAsUser of ours, which a policy that assigns
-         # users from a range (OpenShift's restricted SCC) would refuse.
-         "securityContext": {**RESTRICTED, "runAsNonRoot": True},
+         # As the image's user (65532) or the pod's; runAsUser of ours (which a policy that
+         # assigns users from a range, OpenShift's restricted SCC, would refuse) only where
+         # the pod asks for root, which runAsNonRoot would refuse.
+         "securityContext": {**RESTRICTED, "runAsNonRoot": True,
+                             **({"runAsUser": 65532} if (spec.get("securityContext") or {}).get("runAsUser") == 0
+                                else {})},
          **({"resources": resources} if resources else {})},
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
