@@ -182,3 +182,19 @@ def kstatus() -> Callable[[dict], dict]:
         assert out.returncode == 0, out.stderr
         return dict(json.loads(out.stdout))
     return evaluate
+
+
+@pytest.fixture(scope="module")
+def own_install() -> Iterator[Testbed]:
+    """A control plane of the module's own with the CRD and manifests/ applied, for tests
+    that run several operators against one Lease (which the session's operator holds in
+    the shared one)."""
+    bed = Testbed().start()
+    try:
+        for args in (("apply", "-f", str(REPO / "crds")), ("apply", "-k", str(REPO / "manifests")),
+                     ("wait", "--for=condition=Established", "--timeout=60s", "crd/compilationcaches.cachewarm.dev")):
+            done = bed.kubectl_run(*args)
+            assert done.returncode == 0, (args, done.stderr)
+        yield bed
+    finally:
+        bed.stop()

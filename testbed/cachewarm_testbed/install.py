@@ -98,12 +98,16 @@ def operator_pods(bed: Testbed) -> list[dict[str, Any]]:
                   key=lambda p: str(p["metadata"]["name"]))
 
 
+def lease_identity(bed: Testbed) -> str | None:
+    """The leader Lease's holderIdentity as written (`<pod>@<address>`), or None."""
+    return ((bed.get_json("lease", LEASE, NAMESPACE) or {}).get("spec") or {}).get("holderIdentity") or None
+
+
 def lease_holder(bed: Testbed) -> str | None:
     """The name of the Pod holding the leader Lease (its identity without the `@address`
     where it takes reports), or None."""
-    lease = bed.get_json("lease", LEASE, NAMESPACE) or {}
-    holder = (lease.get("spec") or {}).get("holderIdentity")
-    return parse_identity(str(holder))[0] if holder else None
+    holder = lease_identity(bed)
+    return parse_identity(holder)[0] if holder else None
 
 
 def leader_pod(bed: Testbed, timeout: float = 60.0) -> dict[str, Any]:

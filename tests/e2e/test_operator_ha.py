@@ -18,7 +18,6 @@ import signal
 import socket
 import ssl
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,33 +26,23 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from cachewarm import certs
 from cachewarm.leader import parse_identity
-from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, repo_root
+from cachewarm_testbed import install
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import free_port
 
 pytestmark = pytest.mark.e2e
 
-REPO = repo_root()
 NS = "cachewarm-system"
-LEASE = "cachewarm-operator"
 SECRET = "cachewarm-webhook-tls"
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[Testbed]:
-    bed = Testbed().start()
-    try:
-        for args in (("apply", "-f", str(REPO / "crds")), ("apply", "-k", str(REPO / "manifests")),
-                     ("wait", "--for=condition=Established", "--timeout=60s", "crd/compilationcaches.cachewarm.dev")):
-            done = bed.kubectl_run(*args)
-            assert done.returncode == 0, (args, done.stderr)
-        yield bed
-    finally:
-        bed.stop()
+def bed(own_install: Testbed) -> Testbed:
+    return own_install
 
 
 def holder_identity(bed: Testbed) -> str | None:
-    lease = bed.get_json("lease", LEASE, NS) or {}
-    return (lease.get("spec") or {}).get("holderIdentity")
+    return install.lease_identity(bed)
 
 
 def holder(bed: Testbed) -> str | None:

@@ -21,20 +21,18 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cachewarm.leader import parse_identity
-from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, repo_root, scrape
+from cachewarm_testbed import install
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 
 pytestmark = pytest.mark.e2e
 
-REPO = repo_root()
 NS = "cachewarm-system"
-LEASE = "cachewarm-operator"
 SECRET = "cachewarm-webhook-tls"
 ENV = {"CACHEWARM_RESYNC_SECONDS": "3", "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
        "CACHEWARM_GCS_TIMEOUT_SECONDS": "2", "CACHEWARM_GCP_PROJECT": "testbed",
@@ -45,20 +43,12 @@ ENV = {"CACHEWARM_RESYNC_SECONDS": "3", "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
 
 
 @pytest.fixture(scope="module")
-def bed() -> Iterator[Testbed]:
-    bed = Testbed().start()
-    try:
-        for args in (("apply", "-f", str(REPO / "crds")), ("apply", "-k", str(REPO / "manifests")),
-                     ("wait", "--for=condition=Established", "--timeout=60s", "crd/compilationcaches.cachewarm.dev")):
-            done = bed.kubectl_run(*args)
-            assert done.returncode == 0, (args, done.stderr)
-        yield bed
-    finally:
-        bed.stop()
+def bed(own_install: Testbed) -> Testbed:
+    return own_install
 
 
 def holder_identity(bed: Testbed) -> str | None:
-    return ((bed.get_json("lease", LEASE, NS) or {}).get("spec") or {}).get("holderIdentity")
+    return install.lease_identity(bed)
 
 
 def token(bed: Testbed, ns: str, pod_name: str) -> str:

@@ -16,13 +16,8 @@ from cachewarm.metrics import Metrics
 from cachewarm.receiver import PATH, Receiver
 from cachewarm.reports import Store
 from memkube import MemoryKube
+from reportdata import GOOD, REPORT, REVIEW
 
-REVIEW = {"authenticated": True, "audiences": ["cachewarm"], "user": {
-    "username": "system:serviceaccount:ml:trainer",
-    "extra": {"authentication.kubernetes.io/pod-name": ["trainer"], "authentication.kubernetes.io/pod-uid": ["u-1"]}}}
-REPORT = {"version": 1, "pod": {"namespace": "ml", "name": "trainer", "uid": "u-1"}, "cache": "llama",
-          "process": {"pid": 7, "started": 1}, "sequence": 1,
-          "counts": {"requests": 2, "hits": 2, "misses": 0, "compileSecondsSaved": 3.0, "compileSecondsSpent": 0.0}}
 
 
 def exchange(kube: MemoryKube, requests: list[tuple[dict[str, str], bytes]], leading: bool = True,
@@ -47,7 +42,6 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-GOOD = json.dumps(REPORT).encode()
 
 
 def test_each_refusal_and_then_the_report_taken() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,16 +23,10 @@ from cachewarm.reports import MAX_BODY_BYTES, Store
 from cachewarm.servingcert import TlsMaterial
 from cachewarm.webhook import ServingTls
 from memkube import MemoryKube
+from reportdata import GOOD, REVIEW
 
 NOW = dt.datetime.now(dt.timezone.utc)
 SERVICE = "cachewarm-webhook.cachewarm-system.svc"
-REVIEW = {"authenticated": True, "audiences": ["cachewarm"], "user": {
-    "username": "system:serviceaccount:ml:trainer",
-    "extra": {"authentication.kubernetes.io/pod-name": ["trainer"], "authentication.kubernetes.io/pod-uid": ["u-1"]}}}
-REPORT = {"version": 1, "pod": {"namespace": "ml", "name": "trainer", "uid": "u-1"}, "cache": "llama",
-          "process": {"pid": 7, "started": 1}, "sequence": 1,
-          "counts": {"requests": 2, "hits": 2, "misses": 0, "compileSecondsSaved": 3.0, "compileSecondsSpent": 0.0}}
-GOOD = json.dumps(REPORT).encode()
 CA = certs.make_ca("cachewarm-webhook-ca", now=NOW)
 SERVING = certs.make_serving_cert(CA, [SERVICE], now=NOW)
 
