@@ -54,6 +54,14 @@ class Leader(Protocol):
     def is_leader(self) -> bool: ...
 
 
+def _older_than(when: Any, limit: dt.datetime) -> bool:
+    """Whether an RFC 3339 time (as status holds it) is before `limit`; unreadable: yes."""
+    try:
+        return dt.datetime.fromisoformat(str(when).replace("Z", "+00:00")) < limit
+    except ValueError:
+        return True
+
+
 def backoff(retry_delay_seconds: float, retry: int) -> float:
     """Delay before retry number `retry`: doubles from retry_delay_seconds up to 10 minutes."""
     return float(min(retry_delay_seconds * (2 ** min(retry, 16)), MAX_BACKOFF))
@@ -261,24 +269,32 @@ class Controller:
         return (namespace, name) in self.store
 
     def _flush_usage(self) -> None:
-        """Leader only: write status.usage of each cache pods reported for (or whose window
-        emptied), when it differs from what status holds; a cache whose pods' fingerprints
-        changed is reconciled (KeysMatch)."""
+        """Leader only: write status.usage of each cache pods reported for, when it differs
+        from what status holds, and remove it where its window emptied (the last report
+        older than the window; a usage this leader has not heard of yet, after a leader
+        change, stays until then). A cache whose pods' distinct fingerprints changed is
+        reconciled (KeysMatch)."""
         if not self.leader.is_leader or self._loop is None:
             return
         now = dt.datetime.now(dt.timezone.utc)
         self.reports.prune(now, set(self.store))
-        for key in self.reports.caches():
-            body = self.store.get(key)
-            if body is None:
-                continue
-            usage = self.reports.usage(*key, now)
-            if usage != (body.get("status") or {}).get("usage"):
+        reported = set(self.reports.caches())
+        for key, body in list(self.store.items()):
+            written = (body.get("status") or {}).get("usage")
+            if key in reported:
+                usage = self.reports.usage(*key, now)
+            elif written and _older_than(written.get("lastReportTime"), now - self.reports.window):
+                usage = None
+            else:
+                usage = written
+            if usage != written:
                 self._loop.run_in_executor(self._executor, self._write_usage, key, usage)
-            seen = repr(sorted(repr(sorted(f.items())) for _, f in self.reports.fingerprints(*key, now)))
-            if self._fingerprints_seen.get(key) != seen:
+            seen = repr(sorted({repr(sorted(f.items())) for _, f in self.reports.fingerprints(*key, now)}))
+            if self._fingerprints_seen.get(key, "[]") != seen:
                 self._fingerprints_seen[key] = seen
                 self.enqueue(key)
+        for key in set(self._fingerprints_seen) - set(self.store):
+            del self._fingerprints_seen[key]
 
     def _write_usage(self, key: Key, usage: dict[str, Any] | None) -> None:
         try:

@@ -230,3 +230,33 @@ def test_a_reconcile_whose_status_would_not_change_writes_none(monkeypatch: pyte
     patch["cache"] = {"entries": 3}
     controller.reconcile_one(("ml", "llama"))
     assert kube.status_patches == [("ml", "llama", patch)]
+
+
+def test_usage_goes_when_its_window_emptied_and_stays_while_a_new_leader_has_not_heard_yet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime as dt
+
+    from reportdata import GOOD
+
+    from cachewarm.reports import parse
+
+    controller = _controller(monkeypatch, lambda key: Result())
+    now = dt.datetime.now(dt.timezone.utc)
+    stamp = lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    old_usage = {"pods": 1, "hits": 2, "lastReportTime": stamp(now - dt.timedelta(hours=2))}
+    recent_usage = {"pods": 3, "hits": 9, "lastReportTime": stamp(now - dt.timedelta(minutes=5))}
+    for name, usage in (("stale", old_usage), ("recent", recent_usage), ("llama", None)):
+        controller.store[("ml", name)] = {"metadata": {"namespace": "ml", "name": name},
+                                          "status": {"usage": usage} if usage else {}}
+    controller.reports.record(parse(GOOD), now)  # a pod of ml/llama reported to this leader
+
+    async def flush() -> None:
+        controller._loop = asyncio.get_running_loop()
+        controller._flush_usage()
+        await asyncio.sleep(0.3)
+    asyncio.run(flush())
+    kube: MemoryKube = controller.kube  # type: ignore[assignment]
+    written = {name: status["usage"] for _, name, status in kube.status_patches}
+    assert written.keys() == {"stale", "llama"}  # "recent": its pods have 55 minutes left to report again
+    assert written["stale"] is None
+    assert written["llama"]["hits"] == 2
