@@ -71,20 +71,6 @@ def parse_identity(holder: str | None) -> tuple[str, str | None]:
     return holder or "", None
 
 
-def same_replica(holder: str | None, ours: str) -> bool:
-    """Whether a Lease holder is this very replica on another port: the same Pod name at
-    the same host (a process restarted where it takes reports on a new port, as the
-    testbed's do; in a Pod a restarted container keeps IP and port, so its identity is
-    exactly the old one). Such a holder is us: we take the Lease back at once, not after it
-    expires. Only the same host: two live processes given one Pod name at different
-    addresses must not both take it from each other every renewal."""
-    if not holder or holder == ours:
-        return False
-    (name, where), (our_name, our_where) = parse_identity(holder), parse_identity(ours)
-    return name == our_name and where is not None and our_where is not None \
-        and where.rpartition(":")[0] == our_where.rpartition(":")[0]
-
-
 class _FencedLeaseLock(LeaseLock):
     """The Lease lock, which refuses to write once this replica is stopping: the library's
     renew loop then fails its next renewal and stops leading, instead of taking the Lease
@@ -101,14 +87,10 @@ class _FencedLeaseLock(LeaseLock):
 
     def get(self, name: str, namespace: str) -> tuple[bool, Any]:
         """The library's (found, election record or the ApiException). A failure other
-        than a missing Lease keeps what was seen last: the holder is likely the same. A
-        record held by this replica under another address reads as held by us."""
+        than a missing Lease keeps what was seen last: the holder is likely the same."""
         found, record = super().get(name, namespace)  # type: ignore[no-untyped-call]
         if found:
             self._seen(getattr(record, "holder_identity", None) or None)
-            if same_replica(getattr(record, "holder_identity", None), self.identity):
-                # The library takes back a Lease that names exactly its identity at once.
-                record.holder_identity = self.identity
         elif getattr(record, "status", None) == 404:
             self._seen(None)
         return bool(found), record

@@ -700,8 +700,14 @@ class OperatorHandle:
         return self.proc.metrics_url
 
     def restart(self) -> None:
+        """SIGKILL, then the same process again on the same webhook port, as a Pod's
+        restarted container keeps its IP and port: its Lease identity (name@address) is
+        the one it held, and it takes its own Lease back at once."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.stop(timeout=5)
+        url = self.proc.webhook_url
+        self.env = {**self.env, "CACHEWARM_WEBHOOK_PORT": url.rsplit(":", 1)[1], "CACHEWARM_WEBHOOK_URL": url,
+                    "CACHEWARM_REPORT_URL": f"{url}/report/v1"}
         self.proc = self.bed.start_operator(self.kubeconfig, self.env)
         self.logs.append(self.proc.log)
 

@@ -98,25 +98,3 @@ def test_the_lock_remembers_the_holder_it_read() -> None:
                        LeaderElectionRecord("me@10.0.0.2:9443", "15", "2026-01-01 00:00:00",  # type: ignore[no-untyped-call]
                                             "2026-01-01 00:00:00"))
     assert seen[-1] == "me@10.0.0.2:9443"
-
-
-def test_a_holder_with_our_pod_name_and_another_address_is_this_replica_and_others_are_not() -> None:
-    from cachewarm.leader import same_replica
-
-    ours = "op-7c9-x@10.0.0.5:9443"
-    assert same_replica("op-7c9-x@10.0.0.5:9555", ours)  # restarted on another port: take it back at once
-    assert not same_replica("op-7c9-x", ours)  # no address: maybe a live twin; its Lease runs out first
-    assert not same_replica("op-7c9-x@10.0.0.6:9443", ours)  # our name elsewhere: a twin, not us
-    assert not same_replica(ours, ours)  # ours exactly: the library knows that one already
-    assert not same_replica("op-7c9-y@10.0.0.5:9443", ours)  # another replica, even at our address
-    assert not same_replica(None, ours) and not same_replica("", ours)
-
-
-def test_a_lease_we_hold_on_another_port_reads_as_ours_and_a_twins_elsewhere_does_not() -> None:
-    lock = _FencedLeaseLock("cachewarm-operator", "cachewarm-system", "me@10.0.0.2:9443", threading.Event(),
-                            KubeClient.for_configuration(client.Configuration(host="https://127.0.0.1:1")))
-    lock.api_instance = _Leases(_lease("me@10.0.0.2:9001"), _lease("me@10.0.0.3:9443"))  # type: ignore[assignment]
-    _, record = lock.get("cachewarm-operator", "cachewarm-system")
-    assert record.holder_identity == "me@10.0.0.2:9443"  # the library takes back what names it exactly
-    _, record = lock.get("cachewarm-operator", "cachewarm-system")
-    assert record.holder_identity == "me@10.0.0.3:9443"
