@@ -1,9 +1,10 @@
 """cachewarm's copier: a cache's entries from its bucket into a local directory, so that a
 training process reads them as from local disk (issue 14's local copy, the part that runs
-in the pod; the webhook does not add it to pods yet).
+in the pod; the webhook does not add it to pods yet, and the warmer image does not ship it
+yet).
 
-It runs with the training image's own python (like the warmer, copied in by the warmer
-image) and needs only the standard library, so the image needs no GCS library. Where
+It is meant to run with the training image's own python (as the warmer does) and needs
+only the standard library, so the image needs no GCS library. Where
 `STORAGE_EMULATOR_HOST` is set it talks to that (no auth); otherwise to GCS with the pod's
 token from the metadata server (GKE Workload Identity).
 
@@ -136,7 +137,9 @@ class Client:
         out: list[dict[str, Any]] = []
         token = ""
         while True:
-            query = {"prefix": prefix, "fields": "items(name,size,md5Hash),nextPageToken", "maxResults": "1000"}
+            # matchGlob: the entries directly under the prefix, not other caches' folders below it.
+            query = {"prefix": prefix, "matchGlob": f"{prefix}*", "fields": "items(name,size,md5Hash),nextPageToken",
+                     "maxResults": "1000"}
             if token:
                 query["pageToken"] = token
             url = f"{self.endpoint}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?{urllib.parse.urlencode(query)}"

@@ -13,7 +13,7 @@ import; from then on it counts JAX's own cache events from the very first compil
 - the process's key fingerprint (the warmer's own code, so the two compare like for like).
 
 A small JSON report goes to $CACHEWARM_REPORT_URL (HTTPS, the CA in
-$CACHEWARM_REPORT_CA, or a file in $CACHEWARM_REPORT_CA_FILE) with the pod's ServiceAccount token for audience `cachewarm`
+$CACHEWARM_REPORT_CA) with the pod's ServiceAccount token for audience `cachewarm`
 ($CACHEWARM_REPORT_TOKEN_FILE, re-read for every report since the kubelet rotates it):
 shortly after the first compiles, then every $CACHEWARM_REPORT_SECONDS while anything
 changed, and once at exit.
@@ -45,12 +45,10 @@ if TYPE_CHECKING:
 
 ENV_URL = "CACHEWARM_REPORT_URL"
 ENV_TOKEN_FILE = "CACHEWARM_REPORT_TOKEN_FILE"
-ENV_CA_FILE = "CACHEWARM_REPORT_CA_FILE"
 ENV_CA = "CACHEWARM_REPORT_CA"  # the PEM itself, as the webhook gives it
 ENV_SECONDS = "CACHEWARM_REPORT_SECONDS"
 ENV_CACHE = "CACHEWARM_CACHE"
 ENV_POD = ("CACHEWARM_POD_NAMESPACE", "CACHEWARM_POD_NAME", "CACHEWARM_POD_UID")
-IMAGE_PYTHONPATH = "image-pythonpath"  # in the reporter's directory, written by an init container
 
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
@@ -184,7 +182,6 @@ class Reporter:
         self.tally = tally
         self.url = env.get(ENV_URL, "")
         self.token_file = env.get(ENV_TOKEN_FILE, "")
-        self.ca_file = env.get(ENV_CA_FILE, "")
         self.ca_pem = env.get(ENV_CA, "")
         try:
             self.period = max(float(env.get(ENV_SECONDS) or DEFAULT_PERIOD_SECONDS), 1.0)
@@ -246,8 +243,7 @@ class Reporter:
                 if self.token_file:
                     request.add_header("Authorization", "Bearer " + Path(self.token_file).read_text().strip())
                 if self._context is None and self.url.startswith("https:"):
-                    self._context = ssl.create_default_context(cafile=self.ca_file or None,
-                                                               cadata=self.ca_pem or None)
+                    self._context = ssl.create_default_context(cadata=self.ca_pem or None)
                 with urllib.request.urlopen(request, timeout=timeout, context=self._context) as answer:  # noqa: S310
                     answer.read(4096)
                 self.sent += 1
@@ -368,24 +364,6 @@ class _JaxWatch:
         return spec
 
 
-def restore_image_pythonpath(here: Path) -> list[str]:
-    """The pod's PYTHONPATH replaced the one the image sets with ENV (the webhook cannot see
-    it); an init container running the training image wrote that value next to this file.
-    Its entries go right after this directory, in their order, as they would have been:
-    only where the webhook says the container's spec set no PYTHONPATH of its own
-    (CACHEWARM_RESTORE_IMAGE_PYTHONPATH), since one the spec sets had replaced the image's."""
-    if os.environ.get("CACHEWARM_RESTORE_IMAGE_PYTHONPATH") != "1":
-        return []
-    try:
-        recorded = (here / IMAGE_PYTHONPATH).read_text().strip()
-    except OSError:
-        return []
-    entries = [p for p in recorded.split(os.pathsep) if p and p not in sys.path]
-    at = sys.path.index(str(here)) + 1 if str(here) in sys.path else 0
-    sys.path[at:at] = entries
-    return entries
-
-
 def chain_sitecustomize(here: Path) -> None:
     """Run the sitecustomize ours shadows (the image's or the environment's), as python
     would have, and leave it as `sitecustomize`; its errors are reported as python does."""
@@ -411,7 +389,6 @@ def start(here: Path | None = None, env: dict[str, str] | None = None) -> None:
         from pathlib import Path  # noqa: PLC0415
 
         where = here or Path(__file__).resolve().parent
-        restore_image_pythonpath(where)
         chain_sitecustomize(where)
         tally = Tally()
         reporter = Reporter(tally, dict(os.environ) if env is None else env, where)

@@ -25,7 +25,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from cachewarm import certs
-from cachewarm.leader import parse_identity
 from cachewarm_testbed import install
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import free_port
@@ -39,16 +38,6 @@ SECRET = "cachewarm-webhook-tls"
 @pytest.fixture(scope="module")
 def bed(own_install: Testbed) -> Testbed:
     return own_install
-
-
-def holder_identity(bed: Testbed) -> str | None:
-    return install.lease_identity(bed)
-
-
-def holder(bed: Testbed) -> str | None:
-    """The Pod name of the Lease's holder (its identity without `@address`)."""
-    identity = holder_identity(bed)
-    return parse_identity(identity)[0] if identity else None
 
 
 def served_certificate(port: int) -> bytes:
@@ -88,10 +77,10 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         assert bed.kubectl_run("create", "namespace", namespace).returncode == 0
 
         # One leader; the other replica reconciles nothing.
-        leader = eventually(lambda: holder(bed), timeout=30, what="a Lease holder")
+        leader = eventually(lambda: install.lease_holder(bed), timeout=30, what="a Lease holder")
         assert leader in {"cachewarm-operator-0", "cachewarm-operator-1"}
         # ...naming where it takes reports (the follower forwards them there).
-        assert holder_identity(bed) == f"{leader}@127.0.0.1:{port}"
+        assert install.lease_identity(bed) == f"{leader}@127.0.0.1:{port}"
         first, second = (replicas[0], replicas[1]) if leader.endswith("-0") else (replicas[1], replicas[0])
         cache_obj = cache("before")
         bed.apply(cache_obj, namespace)
@@ -101,7 +90,7 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         assert bucket not in second.log.read_text(errors="replace")  # not one line about it
         assert "Leading" in first.log.read_text(errors="replace")
         assert "Leading" not in second.log.read_text(errors="replace")
-        assert holder(bed) == leader
+        assert install.lease_holder(bed) == leader
 
         # Both serve a certificate of the Secret's CA, which is also the caBundle.
         secret = bed.get_json("secret", SECRET, NS)
@@ -116,7 +105,7 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         # The leader dies (SIGKILL, as a node loss would): the other replica takes over.
         os.kill(first.pid, signal.SIGKILL)
         first.proc.stop(timeout=5)
-        eventually(lambda: holder(bed) == second.env["CACHEWARM_POD_NAME"] or None, timeout=40,
+        eventually(lambda: install.lease_holder(bed) == second.env["CACHEWARM_POD_NAME"] or None, timeout=40,
                    what="the surviving replica holding the Lease")
         bed.apply(cache("after"), namespace)
         eventually(lambda: ready(bed, "after", namespace), timeout=60, what="Ready under the new leader")
@@ -141,7 +130,7 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
 
         # Stopped cleanly, the last replica gives the Lease up.
         second.stop()
-        assert holder(bed) is None
+        assert install.lease_holder(bed) is None
     finally:
         for handle in replicas:
             handle.stop()

@@ -85,6 +85,7 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
     mine, theirs = token(bed, namespace, "trainer-a"), token(bed, namespace, "trainer-b")
     scope = {"namespace": namespace, "cache": "llama"}
     hits_before = scrape(operator.metrics_url, "cachewarm_cache_hits_total", **scope)
+    taken_before = scrape(operator.metrics_url, "cachewarm_reports_total", code="202")
 
     good = json.dumps(report(bed, namespace, "trainer-a")).encode()
     refused = {
@@ -116,7 +117,7 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
     assert got["compileSecondsSaved"] == 9.5 and got["lastMisses"] == [
         {"pod": "trainer-a", "program": "jit_eval", "key": "jit_eval-" + "e" * 64}]
     assert scrape(operator.metrics_url, "cachewarm_cache_hits_total", **scope) == hits_before + 3
-    assert scrape(operator.metrics_url, "cachewarm_reports_total", code="202") >= 1
+    assert scrape(operator.metrics_url, "cachewarm_reports_total", code="202") == taken_before + 1
 
 
 def test_keys_match_compares_the_pods_fingerprints_with_the_warmers_and_names_the_difference(

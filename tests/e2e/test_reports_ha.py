@@ -47,10 +47,6 @@ def bed(own_install: Testbed) -> Testbed:
     return own_install
 
 
-def holder_identity(bed: Testbed) -> str | None:
-    return install.lease_identity(bed)
-
-
 def token(bed: Testbed, ns: str, pod_name: str) -> str:
     """A token as the kubelet projects it for the pod: audience cachewarm, bound to the Pod."""
     uid = bed.get_json("pod", pod_name, ns)["metadata"]["uid"]  # type: ignore[index]
@@ -93,7 +89,7 @@ def test_a_report_reaching_the_follower_is_forwarded_to_the_leader_and_answered_
     replicas = {name: OperatorHandle(bed, kubeconfig, {**ENV, "CACHEWARM_POD_NAME": name}) for name in names}
     try:
         # The leader names where it takes reports: its own webhook port.
-        name, where = parse_identity(eventually(lambda: holder_identity(bed), timeout=30, what="a Lease holder"))
+        name, where = parse_identity(eventually(lambda: install.lease_identity(bed), timeout=30, what="a Lease holder"))
         leader = replicas[name]
         [follower] = [r for n, r in replicas.items() if n != name]
         assert where == urllib.parse.urlparse(leader.webhook_url).netloc

@@ -35,11 +35,12 @@ JAX_VARS = {
 TRAIN = Path(__file__).parent.parent / "data" / "jax_train.py"
 
 
-def make_cache(bed: Testbed, ns: str, name: str, **spec: Any) -> dict[str, Any]:
+def make_cache(bed: Testbed, ns: str, name: str, report: bool | None = False, **spec: Any) -> dict[str, Any]:
     """A Ready cache. Its pods get the cache env only (injection.report false) unless the
-    test asks for the reporter: test_reporter_is_added_to_every_container_that_can_take_it
-    shows that part of the patch."""
-    spec = {**spec, "injection": {"report": False, **(spec.get("injection") or {})}}
+    test asks for the reporter (True) or leaves the field to the CRD's default (None):
+    test_reporter_is_added_to_every_container_that_can_take_it shows that part of the patch."""
+    if report is not None:
+        spec = {**spec, "injection": {"report": report, **(spec.get("injection") or {})}}
     bucket = f"wh-{uuid.uuid4().hex[:10]}"
     obj = {
         "apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
@@ -254,8 +255,9 @@ def review(obj: Any, *, resource: str = "pods", uid: str = "u-1", namespace: str
 def test_reinvocation_of_an_injected_pod_changes_nothing(
     operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
-    make_cache(controller_manager, namespace, "llama")
+    make_cache(controller_manager, namespace, "llama", report=None)  # the CRD's default: the reporter on
     stored, _ = create_pod(controller_manager, namespace, pod("again", "llama"))
+    assert [c["name"] for c in stored["spec"]["initContainers"]] == ["cachewarm-reporter", "cachewarm-pythonpath"]
     status, answer = post_webhook(controller_manager, operator,
                                   json.dumps(review(stored, namespace=namespace)).encode())
     assert status == 200
@@ -340,7 +342,7 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
     assert "PYTHONPATH" not in {e["name"] for e in sidecar.get("env") or []}
     assert "/cachewarm-reporter" not in {m["mountPath"] for m in sidecar.get("volumeMounts") or []}
 
-    # injection.report false (the default for now): the cache env only.
+    # injection.report false: the cache env only.
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "quiet"},
                "spec": {"storage": {"gcs": {"bucket": f"wh-{uuid.uuid4().hex[:10]}", "location": "us-central1"}},
                         "injection": {"report": False}}}, namespace)

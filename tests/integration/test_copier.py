@@ -76,7 +76,8 @@ def test_the_manifests_entries_are_copied_checked_and_nothing_else(
     finally:
         proxy.clear_faults()
     assert (summary["source"], summary["copied"], summary["failed"], summary["cold"]) == ("manifest", 3, 0, False)
-    assert summary["leftOut"] == {"notAnEntry": 3, "notInManifest": 2, "overBudget": 0}
+    # Listed with matchGlob: the sub-folder's entry is not even listed; README and atime are.
+    assert summary["leftOut"] == {"notAnEntry": 2, "notInManifest": 2, "overBudget": 0}
     assert sorted(p.name for p in dest.iterdir()) == sorted(n.rsplit("/", 1)[1] for n in wanted)
     for name in wanted:
         assert (dest / name.rsplit("/", 1)[1]).read_bytes() == objects[name]

@@ -160,7 +160,7 @@ def test_reports_go_over_https_with_the_pods_token_and_the_given_ca(tmp_path: Pa
     (tmp_path / "token").write_text("projected-token\n")
     secure, server = serve(tls=(tmp_path / "tls.crt", tmp_path / "tls.key"))
     try:
-        train(tmp_path, secure.url, extra_env={"CACHEWARM_REPORT_CA_FILE": str(tmp_path / "ca.crt"),
+        train(tmp_path, secure.url, extra_env={"CACHEWARM_REPORT_CA": ca.cert_pem.decode(),  # as the webhook gives it
                                                "CACHEWARM_REPORT_TOKEN_FILE": str(tmp_path / "token")})
         assert len(secure.reports) == 1 and secure.headers[0]["Authorization"] == "Bearer projected-token"
         # Without the CA the server is not trusted: nothing is sent, training goes on.

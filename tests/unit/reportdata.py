@@ -12,3 +12,7 @@ REPORT = {"version": 1, "pod": {"namespace": "ml", "name": "trainer", "uid": "u-
           "process": {"pid": 7, "started": 1}, "sequence": 1,
           "counts": {"requests": 2, "hits": 2, "misses": 0, "compileSecondsSaved": 3.0, "compileSecondsSpent": 0.0}}
 GOOD = json.dumps(REPORT).encode()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}

@@ -16,7 +16,7 @@ from cachewarm.metrics import Metrics
 from cachewarm.receiver import PATH, Receiver
 from cachewarm.reports import Store
 from memkube import MemoryKube
-from reportdata import GOOD, REPORT, REVIEW
+from reportdata import GOOD, REPORT, REVIEW, bearer
 
 
 
@@ -36,10 +36,6 @@ def exchange(kube: MemoryKube, requests: list[tuple[dict[str, str], bytes]], lea
                 codes.append(answer.status)
             return codes
     return asyncio.run(run()), metrics, store
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 

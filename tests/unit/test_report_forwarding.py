@@ -23,7 +23,7 @@ from cachewarm.reports import MAX_BODY_BYTES, Store
 from cachewarm.servingcert import TlsMaterial
 from cachewarm.webhook import ServingTls
 from memkube import MemoryKube
-from reportdata import GOOD, REVIEW
+from reportdata import GOOD, REVIEW, bearer
 
 NOW = dt.datetime.now(dt.timezone.utc)
 SERVICE = "cachewarm-webhook.cachewarm-system.svc"
@@ -99,10 +99,6 @@ def exchange(requests: list[tuple[dict[str, str], bytes]], *, leader: Replica, f
 @asynccontextmanager
 async def _nothing() -> AsyncIterator[None]:
     yield
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def test_the_follower_answers_what_the_leader_answered_and_only_the_leader_keeps_and_counts() -> None:

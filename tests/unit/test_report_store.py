@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from reportdata import REVIEW
+
 from cachewarm.reports import MAX_BODY_BYTES, ReportError, Store, check_identity, keys_match, parse
 
 NOW = dt.datetime(2026, 11, 23, 12, tzinfo=dt.timezone.utc)
@@ -37,9 +39,6 @@ def raw(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
 
-REVIEWED = {"authenticated": True, "audiences": ["cachewarm"], "user": {
-    "username": "system:serviceaccount:ml:trainer",
-    "extra": {"authentication.kubernetes.io/pod-name": ["trainer"], "authentication.kubernetes.io/pod-uid": ["u-1"]}}}
 
 
 @pytest.mark.parametrize(("body", "status", "message"), [
@@ -59,13 +58,13 @@ def test_a_malformed_or_oversized_report_is_refused_with_what_is_wrong(body: byt
 
 
 @pytest.mark.parametrize(("reviewed", "body", "message"), [
-    ({**REVIEWED, "user": {"username": "system:serviceaccount:ml:trainer", "extra": {}}}, report(),
+    ({**REVIEW, "user": {"username": "system:serviceaccount:ml:trainer", "extra": {}}}, report(),
      "not bound to a pod"),
-    ({**REVIEWED, "user": {"username": "alice", "extra": REVIEWED["user"]["extra"]}}, report(), "not bound to a pod"),
-    (REVIEWED, report(pod__name="someone-else"), "belongs to pod ml/trainer"),
-    (REVIEWED, report(pod__uid="u-2"), "belongs to pod ml/trainer"),
-    (REVIEWED, report(pod__namespace="other"), "belongs to pod ml/trainer"),
-    (REVIEWED, report(cache="other/llama"), "own namespace"),
+    ({**REVIEW, "user": {"username": "alice", "extra": REVIEW["user"]["extra"]}}, report(), "not bound to a pod"),
+    (REVIEW, report(pod__name="someone-else"), "belongs to pod ml/trainer"),
+    (REVIEW, report(pod__uid="u-2"), "belongs to pod ml/trainer"),
+    (REVIEW, report(pod__namespace="other"), "belongs to pod ml/trainer"),
+    (REVIEW, report(cache="other/llama"), "own namespace"),
 ])
 def test_only_the_pod_the_token_is_bound_to_reports_and_only_for_its_namespace(
         reviewed: dict[str, Any], body: dict[str, Any], message: str) -> None:
