@@ -7,8 +7,6 @@ its timeout."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +15,7 @@ from typing import Any
 
 import pytest
 from google.cloud import storage
+from kubernetes import client, config, watch
 
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import Proc
@@ -41,33 +40,35 @@ def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @contextmanager
 def versions(bed: Testbed, namespace: str, name: str) -> Iterator[list[dict[str, Any]]]:
-    """Every version of the object the apiserver sends a watcher (kubectl get --watch),
-    from before it exists until the block ends."""
-    proc = subprocess.Popen(
-        [str(bed.kubectl), f"--kubeconfig={bed.kubeconfig}", "get", "ccache", "-n", namespace, "--watch",
-         "--field-selector", f"metadata.name={name}", "-o", "json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Every version of the object the apiserver sends a watcher, from before it exists
+    until the block ends: a watch from the resourceVersion of a list made before the
+    block, so a create right after is seen as it was created (a watch still connecting
+    when the object is created would start from a later version)."""
+    api = client.CustomObjectsApi(config.new_client_from_config(str(bed.kubeconfig)))
+    where = ("cachewarm.dev", "v1alpha1", namespace, "compilationcaches")
+    selector = f"metadata.name={name}"
+    listed = api.list_namespaced_custom_object(*where, field_selector=selector)
     seen: list[dict[str, Any]] = []
+    stream = watch.Watch()
+
+    stopped = threading.Event()
 
     def read() -> None:
-        decoder, buffer = json.JSONDecoder(), ""
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            buffer += line
-            while buffer.strip():
-                try:
-                    obj, end = decoder.raw_decode(buffer.lstrip())
-                except json.JSONDecodeError:
-                    break  # the object is not complete yet
-                seen.append(obj)
-                buffer = buffer.lstrip()[end:]
+        try:
+            for event in stream.stream(api.list_namespaced_custom_object, *where, field_selector=selector,
+                                       resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=600):
+                seen.append(event["object"])
+        except Exception:
+            if not stopped.is_set():  # the watch broke during the block: its versions are incomplete
+                seen.append({"watchFailed": True})
+                raise
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         yield seen
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stopped.set()
+        stream.stop()
         reader.join(timeout=10)
 
 
