@@ -39,7 +39,7 @@ from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
 from cachewarm.metrics import Metrics
-from cachewarm.reports import Store
+from cachewarm.reports import LOCAL_COPY_COLD, Store, cold_message
 from cachewarm.model import InvalidSpec
 from cachewarm.settings import Settings
 from cachewarm.warmups import WarmRetry
@@ -273,7 +273,8 @@ class Controller:
         from what status holds, and remove it where its window emptied (the last report
         older than the window; a usage this leader has not heard of yet, after a leader
         change, stays until then). A cache whose pods' distinct fingerprints changed is
-        reconciled (KeysMatch)."""
+        reconciled (KeysMatch). Pods that newly reported a cold local copy are said in one
+        LocalCopyCold Warning on the cache."""
         if not self.leader.is_leader or self._loop is None:
             return
         now = dt.datetime.now(dt.timezone.utc)
@@ -288,7 +289,15 @@ class Controller:
             else:
                 usage = written
             if usage != written:
+                if usage is not None and isinstance(written, Mapping):
+                    # A merge patch keeps what it does not name: a field usage no longer has
+                    # (hitRatio, localCopy) is removed by name.
+                    usage = {**{field: None for field in written if field not in usage}, **usage}
                 self._loop.run_in_executor(self._executor, self._write_usage, key, usage)
+            cold = self.reports.newly_cold(*key, now)
+            if cold:
+                self._loop.run_in_executor(self._executor, self._post, body,
+                                           [Event("Warning", LOCAL_COPY_COLD, cold_message(cold))])
             seen = repr(sorted({repr(sorted(f.items())) for _, f in self.reports.fingerprints(*key, now)}))
             if self._fingerprints_seen.get(key, "[]") != seen:
                 self._fingerprints_seen[key] = seen

@@ -1,27 +1,56 @@
 """cachewarm's copier: a cache's entries from its bucket into a local directory, so that a
 training process reads them as from local disk (issue 14's local copy, the part that runs
-in the pod; the webhook does not add it to pods yet, and the warmer image does not ship it
-yet).
+in the pod). The webhook adds it to a training pod as an init container; it is shipped in
+the warmer image at /opt/cachewarm/cachewarm_copier.py and run with the training image's
+own python (`python -I -S cachewarm_copier.py`), as the warmer is, so it needs only the
+standard library and the image needs no GCS library. Where `STORAGE_EMULATOR_HOST` is set
+it talks to that (no auth); otherwise to GCS with the pod's token from the metadata server
+(GKE Workload Identity).
 
-It is meant to run with the training image's own python (as the warmer does) and needs
-only the standard library, so the image needs no GCS library. Where
-`STORAGE_EMULATOR_HOST` is set it talks to that (no auth); otherwise to GCS with the pod's
-token from the metadata server (GKE Workload Identity).
-
-- What it copies: the JAX entries (`<program>-<sha256>-cache`) directly under the prefix
-  whose key hash starts with one of `keys` (what the warmers of the pod's pool reported),
-  or every entry when no keys are given; at most `max_bytes` in all, smallest first (the
-  most entries for the budget), the rest left out and counted.
-- How: `workers` downloads at once; each into a hidden partial file that is checked
-  against GCS's MD5 (every object that is not a composite has one) and only then renamed
-  to its entry name, so JAX never opens a partial or corrupt entry; 429, 5xx and broken
-  connections are retried (4 attempts, backoff from 0.5 s); nothing is started after the
-  deadline.
+- What it copies: the union of the entries named by the manifests of the pod's pools (each
+  pool's warmer writes one, `<prefix>.cachewarm/pools/<namespace>/<cache>/<pool>.json`:
+  `{"version": 1, "entries": [{"name": "<program>-<sha256>-cache", "size": N}, ...], ...}`),
+  matched by name against the JAX entries (`<program>-<sha256>-cache`) directly under the
+  prefix; names a manifest has that the bucket does not are counted (`notInBucket`). When
+  no manifest is given, or one is missing (404) or unreadable (not JSON, not that shape),
+  every entry under the prefix instead, and the summary says why (`source: "prefix"`,
+  `manifestsMissing`, `manifestError`). At most `max_bytes` in all: the entries already in
+  the destination with GCS's size first (not downloaded again, counted `present`; they are
+  on disk anyway), then the smallest first (the most entries for the budget); the rest are
+  left out and counted.
+- How: `workers` downloads at once; each into a hidden partial file whose name is unique
+  to the copier process and the download (pid, a random token, a counter, created with
+  O_EXCL), so several copiers can fill one shared directory (a node's hostPath) at once;
+  it is checked against GCS's MD5 (every object that is not a composite has one) and only
+  then renamed to its entry name (os.replace, atomic), so JAX never opens a partial or
+  corrupt entry. Partial files left by a killed copier are removed after an hour. 429, 5xx
+  and broken connections are retried (4 attempts, backoff from 0.5 s); nothing is started
+  after the deadline.
 - It never fails the pod: whatever goes wrong (no bucket, no network, a bad entry), it
-  says so on stdout (one JSON line) and exits 0; the process then starts with what was
-  copied, a cold start for the rest.
+  says so in its summary and exits 0; the process then starts with what was copied, a cold
+  start for the rest.
 
-Run: python copier.py  (settings from CACHEWARM_COPY_* in the environment; see `Settings`)
+Settings (environment):
+  CACHEWARM_COPY_BUCKET      the bucket (required)
+  CACHEWARM_COPY_PREFIX      the entries' object-name prefix ('' or 'a/b', slashes trimmed)
+  CACHEWARM_COPY_DEST        the local directory (required; created if missing)
+  CACHEWARM_COPY_MANIFESTS   comma-separated object names of the pools' manifests; unset or
+                             empty: every entry under the prefix
+  CACHEWARM_COPY_MAX_BYTES   byte budget (default 8 GiB)
+  CACHEWARM_COPY_WORKERS     downloads at once (default 16, 1..64)
+  CACHEWARM_COPY_DEADLINE_SECONDS  no download is started after this (default 300)
+  CACHEWARM_COPY_SUMMARY     if set, a file the summary JSON is also written to (atomically)
+  STORAGE_EMULATOR_HOST      a GCS emulator's base URL (no auth) instead of GCS
+
+Summary (stdout, one line `{"cachewarm-copier": {...}}`, and CACHEWARM_COPY_SUMMARY):
+  source "manifest" | "prefix"; wanted (entries planned: copied + present + failed);
+  copied, bytes (downloaded); present, presentBytes (already there, kept); failed;
+  leftOut {notAnEntry, notInManifest, notInBucket, overBudget}; errors (at most 5, 300
+  characters each); cold (the pod starts without entries it should have had: nothing
+  copied or present and something went wrong, or the listing failed); seconds; and, on a
+  fallback, manifestsMissing (the names that were 404, at most 5) and/or manifestError (the
+  first other failure, after which no further manifest is read). Manifests are read with
+  the same retries as entries.
 """
 
 from __future__ import annotations
@@ -30,6 +59,7 @@ import base64
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -50,6 +80,10 @@ BACKOFF_SECONDS = 0.5
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
 REQUEST_TIMEOUT_SECONDS = 30.0
 PARTIAL = ".cachewarm-partial-"
+STALE_PARTIAL_SECONDS = 3600.0
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_ERRORS, MAX_ERROR_CHARS = 5, 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +91,7 @@ class Settings:
     bucket: str
     prefix: str  # object-name prefix, '' or ending in '/'
     dest: str
-    keys: tuple[str, ...] | None  # key-hash prefixes to copy; None: every entry
+    manifests: tuple[str, ...]  # the manifests' object names; (): every entry under the prefix
     max_bytes: int
     workers: int
     deadline_seconds: float
@@ -67,51 +101,105 @@ class Settings:
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Raises KeyError or ValueError for a missing or malformed setting."""
         prefix = env.get("CACHEWARM_COPY_PREFIX", "").strip("/")
-        keys = env.get("CACHEWARM_COPY_KEYS")
+        manifests = (m.strip() for m in env.get("CACHEWARM_COPY_MANIFESTS", "").split(","))
         return cls(
             bucket=env["CACHEWARM_COPY_BUCKET"], prefix=f"{prefix}/" if prefix else "",
             dest=env["CACHEWARM_COPY_DEST"],
-            keys=None if keys is None else tuple(k.strip() for k in keys.split(",") if k.strip()),
+            manifests=tuple(dict.fromkeys(m for m in manifests if m)),
             max_bytes=int(env.get("CACHEWARM_COPY_MAX_BYTES", str(8 << 30))),
-            workers=max(1, min(int(env.get("CACHEWARM_COPY_WORKERS", "8")), 64)),
+            workers=max(1, min(int(env.get("CACHEWARM_COPY_WORKERS", "16")), 64)),
             deadline_seconds=float(env.get("CACHEWARM_COPY_DEADLINE_SECONDS", "300")),
             endpoint=(env.get("STORAGE_EMULATOR_HOST") or GCS).rstrip("/"),
         )
 
 
-def plan(objects: Iterable[Mapping[str, Any]], prefix: str, keys: tuple[str, ...] | None,
-         max_bytes: int) -> tuple[list[Mapping[str, Any]], dict[str, int]]:
-    """(the objects to copy, counts of what is left out and why). Pure."""
-    wanted, left = [], {"notAnEntry": 0, "notInManifest": 0, "overBudget": 0}
+def manifest_entries(data: bytes) -> frozenset[str]:
+    """The entry names a manifest lists. Raises ValueError for anything but a version-1
+    manifest whose entries all have an entry name. Pure."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"not a version-{MANIFEST_VERSION} manifest")
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise ValueError("entries is not a list")
+    names: set[str] = set()
+    for item in entries:
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or ENTRY.match(name) is None:
+            raise ValueError(f"not an entry name: {name!r}"[:100])
+        names.add(name)
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    download: list[Mapping[str, Any]]  # smallest first
+    present: list[Mapping[str, Any]]  # already in the destination with GCS's size
+    left: dict[str, int]  # left out, by reason
+
+    @property
+    def present_bytes(self) -> int:
+        return sum(_size(o) for o in self.present)
+
+
+def _size(obj: Mapping[str, Any]) -> int:
+    return int(obj.get("size") or 0)
+
+
+def plan(objects: Iterable[Mapping[str, Any]], prefix: str, names: frozenset[str] | None, max_bytes: int,
+         present: Mapping[str, int] | None = None) -> Plan:
+    """What to copy of a listing: the entries directly under `prefix` (the others counted
+    `notAnEntry`) that are in `names` (every entry when None; `notInManifest`), the names
+    not listed counted `notInBucket`; those already in the destination with the listed size
+    (`present`: file name -> size) kept and counted against `max_bytes` first, then the rest
+    smallest first within what is left of it (`overBudget`). Pure."""
+    left = {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0}
+    wanted: list[Mapping[str, Any]] = []
+    listed: set[str] = set()
     for obj in objects:
         name = str(obj.get("name") or "")
-        found = ENTRY.match(name[len(prefix):]) if name.startswith(prefix) else None
-        if found is None:
+        base = name[len(prefix):] if name.startswith(prefix) else ""
+        if ENTRY.match(base) is None:
             left["notAnEntry"] += 1
-        elif keys is not None and not any(found.group("hash").startswith(k) for k in keys):
+            continue
+        listed.add(base)
+        if names is not None and base not in names:
             left["notInManifest"] += 1
         else:
             wanted.append(obj)
-    out, total = [], 0
-    for obj in sorted(wanted, key=lambda o: (int(o.get("size") or 0), str(o.get("name")))):
-        size = int(obj.get("size") or 0)
-        if total + size > max_bytes:
+    if names is not None:
+        left["notInBucket"] = len(names - listed)
+    local = present or {}
+    by_size = sorted(wanted, key=lambda o: (_size(o), str(o.get("name"))))
+    kept = [o for o in by_size if local.get(str(o["name"])[len(prefix):]) == _size(o)]
+    total = sum(_size(o) for o in kept)
+    download = []
+    for obj in by_size:
+        if local.get(str(obj["name"])[len(prefix):]) == _size(obj):
+            continue
+        if total + _size(obj) > max_bytes:
             left["overBudget"] += 1
             continue
-        out.append(obj)
-        total += size
-    return out, left
+        download.append(obj)
+        total += _size(obj)
+    return Plan(download=download, present=kept, left=left)
 
 
 class CopyError(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status GCS answered, if that was the trouble
 
 
 class Client:
-    """The two GCS JSON API calls the copier makes, with retries."""
+    """The GCS JSON API calls the copier makes (list, media download), with retries."""
 
     def __init__(self, endpoint: str, token: Callable[[], str | None]) -> None:
         self.endpoint, self.token = endpoint, token
+        self._partials = itertools.count()
+        self._lock = threading.Lock()
+        # pid alone is not unique: init containers of pods sharing a hostPath are often pid 1 each.
+        self._run = f"{os.getpid()}-{os.urandom(6).hex()}"
 
     def _open(self, url: str) -> Any:
         headers = {}
@@ -127,11 +215,15 @@ class Client:
                                               timeout=REQUEST_TIMEOUT_SECONDS)
             except urllib.error.HTTPError as exc:
                 if exc.code not in RETRIED:
-                    raise CopyError(f"HTTP {exc.code} for {url}") from None
+                    raise CopyError(f"HTTP {exc.code} for {url}", exc.code) from None
                 last = exc
             except (urllib.error.URLError, OSError) as exc:
                 last = exc
         raise CopyError(f"gave up after {ATTEMPTS} attempts: {last}")
+
+    def _media(self, bucket: str, name: str) -> str:
+        return (f"{self.endpoint}/download/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
+                f"{urllib.parse.quote(name, safe='')}?alt=media")
 
     def list(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -142,7 +234,8 @@ class Client:
                      "maxResults": "1000"}
             if token:
                 query["pageToken"] = token
-            url = f"{self.endpoint}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?{urllib.parse.urlencode(query)}"
+            url = (f"{self.endpoint}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?"
+                   f"{urllib.parse.urlencode(query)}")
             with self._open(url) as answer:
                 page = json.load(answer)
             out += page.get("items") or []
@@ -150,18 +243,32 @@ class Client:
             if not token:
                 return out
 
+    def read(self, bucket: str, name: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+        """A small object's content. Raises CopyError (with the status on an HTTP error)."""
+        try:
+            with self._open(self._media(bucket, name)) as answer:
+                data: bytes = answer.read(limit + 1)
+        except OSError as exc:  # a connection broken while reading
+            raise CopyError(f"{name}: {exc}") from None
+        if len(data) > limit:
+            raise CopyError(f"{name}: larger than {limit} bytes")
+        return data
+
+    def partial_name(self) -> str:
+        """A partial file name no other download, of this copier or another, uses."""
+        with self._lock:
+            return f"{PARTIAL}{self._run}-{next(self._partials)}"
+
     def download(self, bucket: str, obj: Mapping[str, Any], dest: str) -> int:
         """The object into `dest`/<its name within the prefix>, checked and renamed into
         place. Returns its size. Raises CopyError."""
         name = str(obj["name"])
-        url = (f"{self.endpoint}/download/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
-               f"{urllib.parse.quote(name, safe='')}?alt=media")
         final = os.path.join(dest, name.rsplit("/", 1)[-1])
-        partial = os.path.join(dest, PARTIAL + name.rsplit("/", 1)[-1])
+        partial = os.path.join(dest, self.partial_name())
         digest = hashlib.md5()  # noqa: S324 - GCS's own checksum, not a security measure
         size = 0
         try:
-            with self._open(url) as answer, open(partial, "wb") as out:
+            with self._open(self._media(bucket, name)) as answer, open(partial, "xb") as out:
                 while chunk := answer.read(1 << 20):
                     digest.update(chunk)
                     out.write(chunk)
@@ -199,15 +306,81 @@ def metadata_token() -> Callable[[], str | None]:
     return token
 
 
+def local_entries(dest: str) -> dict[str, int]:
+    """The files in `dest` (name -> size); partial files left by a killed copier over an
+    hour ago are removed on the way (a live download writes at least every 30 s)."""
+    out: dict[str, int] = {}
+    now = time.time()
+    with os.scandir(dest) as found:
+        for item in found:
+            try:
+                if not item.is_file():
+                    continue
+                stat = item.stat()
+                if item.name.startswith(PARTIAL):
+                    if now - stat.st_mtime > STALE_PARTIAL_SECONDS:
+                        os.unlink(item.path)
+                    continue
+                out[item.name] = stat.st_size
+            except OSError:  # gone meanwhile (another copier's partial renamed or removed)
+                continue
+    return out
+
+
+def new_summary(source: str) -> dict[str, Any]:
+    return {"source": source, "wanted": 0, "copied": 0, "bytes": 0, "present": 0, "presentBytes": 0, "failed": 0,
+            "leftOut": {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0},
+            "errors": [], "cold": False, "seconds": 0.0}
+
+
+def add_error(summary: dict[str, Any], message: str) -> None:
+    if len(summary["errors"]) < MAX_ERRORS:
+        summary["errors"].append(message[:MAX_ERROR_CHARS])
+
+
+def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) -> frozenset[str] | None:
+    """The union of the manifests' entry names; None (every entry) when none is given or
+    one is missing or unreadable, which the summary then says."""
+    if not settings.manifests:
+        return None
+    names: set[str] = set()
+    missing: list[str] = []
+    error = ""
+    for manifest in settings.manifests:
+        try:
+            names |= manifest_entries(client.read(settings.bucket, manifest))
+        except CopyError as exc:
+            if exc.status != 404:
+                error = f"{manifest}: {exc}"
+                break  # the prefix it is: the rest would not change that (and could be as slow)
+            missing.append(manifest)
+        except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            error = f"{manifest}: {exc}"
+            break
+    if not missing and not error:
+        return frozenset(names)
+    summary["source"] = "prefix"
+    if missing:
+        summary["manifestsMissing"] = [m[:MAX_ERROR_CHARS] for m in missing[:MAX_ERRORS]]
+    if error:
+        summary["manifestError"] = error[:MAX_ERROR_CHARS]
+    return None
+
+
 def run(settings: Settings, client: Client) -> dict[str, Any]:
     """Copy what `plan` picks. Never raises: the summary says what happened."""
     started = time.monotonic()
-    summary: dict[str, Any] = {"source": "prefix" if settings.keys is None else "manifest", "copied": 0, "bytes": 0,
-                               "failed": 0, "errors": [], "cold": False}
+    summary = new_summary("manifest" if settings.manifests else "prefix")
+    listed = False
     try:
         os.makedirs(settings.dest, exist_ok=True)
+        names = read_manifests(settings, client, summary)
         objects = client.list(settings.bucket, settings.prefix)
-        todo, summary["leftOut"] = plan(objects, settings.prefix, settings.keys, settings.max_bytes)
+        listed = True
+        picked = plan(objects, settings.prefix, names, settings.max_bytes, local_entries(settings.dest))
+        summary["leftOut"] = picked.left
+        summary["wanted"] = len(picked.download) + len(picked.present)
+        summary["present"], summary["presentBytes"] = len(picked.present), picked.present_bytes
         deadline = started + settings.deadline_seconds
         lock = threading.Lock()
 
@@ -220,17 +393,34 @@ def run(settings: Settings, client: Client) -> dict[str, Any]:
                 summary["bytes"] += size
 
         with concurrent.futures.ThreadPoolExecutor(settings.workers) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(one, obj) for obj in todo]):
+            for future in concurrent.futures.as_completed([pool.submit(one, obj) for obj in picked.download]):
                 error = future.exception()
                 if error is not None:
                     summary["failed"] += 1
-                    if len(summary["errors"]) < 5:
-                        summary["errors"].append(str(error)[:300])
+                    add_error(summary, str(error))
     except Exception as exc:  # noqa: BLE001 - the pod starts anyway, cold
-        summary["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
-    summary["cold"] = summary["copied"] == 0 and bool(summary["errors"] or summary["failed"])
+        add_error(summary, f"{type(exc).__name__}: {exc}")
+    summary["cold"] = not listed or (summary["copied"] + summary["present"] == 0
+                                     and bool(summary["errors"] or summary["failed"]))
     summary["seconds"] = round(time.monotonic() - started, 3)
     return summary
+
+
+def write_summary(path: str, summary: Mapping[str, Any]) -> None:
+    """The summary JSON at `path`, whole or not at all (a temp file renamed over it)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    try:
+        with open(temp, "x") as out:
+            json.dump(summary, out, sort_keys=True)
+        os.replace(temp, path)
+    except Exception:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
 
 
 def main() -> None:
@@ -240,7 +430,15 @@ def main() -> None:
                         else metadata_token())
         summary = run(settings, client)
     except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
-        summary = {"copied": 0, "cold": True, "errors": [f"{type(exc).__name__}: {exc}"[:300]]}
+        summary = new_summary("manifest" if os.environ.get("CACHEWARM_COPY_MANIFESTS", "").strip(" ,") else "prefix")
+        summary["cold"] = True
+        add_error(summary, f"{type(exc).__name__}: {exc}")
+    path = os.environ.get("CACHEWARM_COPY_SUMMARY")
+    if path:
+        try:
+            write_summary(path, summary)
+        except Exception as exc:  # noqa: BLE001 - stdout still has it
+            add_error(summary, f"summary file: {type(exc).__name__}: {exc}")
     print(json.dumps({"cachewarm-copier": summary}, sort_keys=True), flush=True)
     sys.exit(0)
 

@@ -71,8 +71,9 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
     meta = body.get("metadata") or {}
     started = time.perf_counter()
     try:
+        settings = memo.get("settings")
         answer = service.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None),
-                                   _reporting(memo))
+                                   _reporting(memo), settings.warmer_image if settings is not None else None)
     except Exception as exc:  # noqa: BLE001 - a pod is never refused on our account
         warnings.append(f"cachewarm could not inject this pod ({type(exc).__name__}: {exc}); admitted unchanged")
         _count_admission(memo, "error", started)

@@ -62,10 +62,23 @@ class WaitForWarm(_Model):
     timeout_seconds: int = Field(default=1800, alias="timeoutSeconds", ge=1)
 
 
+class LocalCopy(_Model):
+    """spec.injection.localCopy: pods read the cache from a local copy an init container
+    makes (builders/localcopy.py). The CRD refuses it with ReadWrite and with XLA caches."""
+
+    volume: Literal["EmptyDir", "HostPath", "Ephemeral"] = "EmptyDir"
+    size_limit: str = Field(default="10Gi", alias="sizeLimit")
+    host_path: str | None = Field(default=None, alias="hostPath")
+    storage_class_name: str | None = Field(default=None, alias="storageClassName")
+    workers: int = Field(default=16, ge=1, le=64)
+    timeout_seconds: int = Field(default=300, alias="timeoutSeconds", ge=1, le=3600)
+
+
 class Injection(_Model):
     mode: Literal["ReadWrite", "ReadOnly"] = "ReadWrite"
     wait_for_warm: WaitForWarm = Field(default_factory=WaitForWarm, alias="waitForWarm")
     report: bool = True
+    local_copy: LocalCopy | None = Field(default=None, alias="localCopy")
 
 
 class Accelerator(_Model):

@@ -359,10 +359,12 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
 
 def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str,
                       instance: str = c.DEFAULT_INSTANCE) -> list[Event]:
-    """deletionPolicy Delete: remove this cache's entries, and the bucket if this operator's
-    cache made it and it is then empty. Objects that are not JAX cache entries are never
-    touched; nor are the entries of a prefix another operator instance's rule names (a cache
-    of that operator uses it). Raises GcsError (the finalizer stays and the deletion is retried)."""
+    """deletionPolicy Delete: remove this cache's entries and its warmers' manifests, and
+    the bucket if this operator's cache made it and it is then empty. Objects that are
+    neither JAX cache entries nor this cache's own manifests (another cache's are not) are
+    never touched; nor is anything under a prefix another operator instance's rule names (a
+    cache of that operator uses it). Raises GcsError (the finalizer stays and the deletion
+    is retried)."""
     events: list[Event] = []
     bucket = gcs.get_bucket(spec.bucket)  # None when it is gone
     if bucket is None:
@@ -373,15 +375,20 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
                       f"Kept the data under {spec.url}: a lifecycle rule of cachewarm operator instance {other} "
                       "names the same prefix, so a cache of that operator uses it")]
     deleted = 0
+    manifests = 0
     kept = 0
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
         if b.is_cache_entry(obj.name, spec):
             gcs.delete_object(spec.bucket, obj)
             deleted += 1
+        elif b.is_own_manifest(obj.name, spec, namespace, name):
+            gcs.delete_object(spec.bucket, obj)
+            manifests += 1
         else:
             kept += 1
+    also = f" and {manifests} warmer manifests" if manifests else ""
     events.append(Event("Normal", c.Reason.DATA_DELETED,
-                        f"Deleted {deleted} cache objects under {spec.url}"))
+                        f"Deleted {deleted} cache objects{also} under {spec.url}"))
     if not b.created_by(bucket, namespace, name, instance):
         events.append(Event("Normal", c.Reason.BUCKET_KEPT,
                             f"Kept bucket {spec.bucket}: cachewarm did not create it"))

@@ -10,7 +10,10 @@ import; from then on it counts JAX's own cache events from the very first compil
 - compile requests that used the cache, hits, misses (requests that did not hit), compile
   seconds saved by hits and spent compiling, and the names and keys of the last programs
   that missed (from JAX's own log records, as the warmer reads keys);
-- the process's key fingerprint (the warmer's own code, so the two compare like for like).
+- the process's key fingerprint (the warmer's own code, so the two compare like for like);
+- what the pod's local copy did (the copy init container's summary file, named by
+  $CACHEWARM_LOCAL_COPY_SUMMARY): entries copied and already there, bytes, seconds, and
+  whether the pod started cold because the copy failed.
 
 A small JSON report goes to $CACHEWARM_REPORT_URL (HTTPS, the CA in
 $CACHEWARM_REPORT_CA) with the pod's ServiceAccount token for audience `cachewarm`
@@ -49,6 +52,7 @@ ENV_CA = "CACHEWARM_REPORT_CA"  # the PEM itself, as the webhook gives it
 ENV_SECONDS = "CACHEWARM_REPORT_SECONDS"
 ENV_CACHE = "CACHEWARM_CACHE"
 ENV_POD = ("CACHEWARM_POD_NAMESPACE", "CACHEWARM_POD_NAME", "CACHEWARM_POD_UID")
+ENV_LOCAL_COPY = "CACHEWARM_LOCAL_COPY_SUMMARY"  # the local copy's summary file (may be missing)
 
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
@@ -66,6 +70,11 @@ SEND_TIMEOUT_SECONDS = 5.0
 EXIT_SECONDS = 2.0  # the most the process waits at exit for the last report
 EXIT_SEND_SECONDS = 1.5  # the last report's own timeout: it gives up (and says so) inside that wait
 REPORT_VERSION = 1
+# The local copy's numbers are clipped to what the operator takes (reports.LocalCopy).
+MAX_COUNT = 10**9
+MAX_BYTES = 10**15
+MAX_SECONDS = 1e9
+MAX_SUMMARY_BYTES = 64 * 1024  # a summary file larger than this is not read (and not reported)
 
 
 def _warn(message: str) -> None:
@@ -189,6 +198,9 @@ class Reporter:
             self.period = DEFAULT_PERIOD_SECONDS
         self.pod = dict(zip(("namespace", "name", "uid"), (env.get(k, "") for k in ENV_POD)))
         self.cache = env.get(ENV_CACHE, "")
+        self.local_copy_file = env.get(ENV_LOCAL_COPY, "")
+        self.local_copy: dict[str, Any] | None = None  # read once, at the first report
+        self._local_copy_read = False
         self.here = here
         self.sequence = 0
         self.failures = 0
@@ -221,9 +233,16 @@ class Reporter:
             process["index"] = int(jax.process_index()) if jax is not None else 0
         except Exception:  # noqa: BLE001
             process["index"] = 0
-        return {"version": REPORT_VERSION, "pod": self.pod, "cache": self.cache, "process": process,
-                "sequence": self.sequence, "final": self.final, "counts": self.tally.snapshot(),
-                "fingerprint": self.fingerprint}
+        if not self._local_copy_read:
+            self._local_copy_read = True
+            self.local_copy = local_copy(self.local_copy_file)
+        report: dict[str, Any] = {
+            "version": REPORT_VERSION, "pod": self.pod, "cache": self.cache, "process": process,
+            "sequence": self.sequence, "final": self.final, "counts": self.tally.snapshot(),
+            "fingerprint": self.fingerprint}
+        if self.local_copy is not None:
+            report["localCopy"] = dict(self.local_copy)
+        return report
 
     def send(self, timeout: float = SEND_TIMEOUT_SECONDS) -> bool:
         """One report; True when the operator took it. Never raises."""
@@ -278,6 +297,48 @@ class Reporter:
             done.join(EXIT_SECONDS)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _clipped(value: Any, top: float) -> float:
+    """A summary's number within [0, top]; 0 for anything that is not one (a bool, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return 0
+    return min(max(value, 0), top)
+
+
+def local_copy(path: str) -> dict[str, Any] | None:
+    """What a report says of the pod's local copy, from the copy's summary file at `path`
+    (a JSON object; also as the copier prints it, under "cachewarm-copier"): copied,
+    present, bytes, failed, cold, seconds, and source when it is one the operator knows; the
+    first error when the copy was cold. None when there is no path, no file, or no JSON
+    object in it. Never raises."""
+    if not path:
+        return None
+    try:
+        import json  # noqa: PLC0415
+
+        with open(path, "rb") as file:
+            text = file.read(MAX_SUMMARY_BYTES + 1)
+        if len(text) > MAX_SUMMARY_BYTES:
+            return None
+        summary = json.loads(text)
+        if isinstance(summary, dict) and isinstance(summary.get("cachewarm-copier"), dict):
+            summary = summary["cachewarm-copier"]
+        if not isinstance(summary, dict):
+            return None
+        found: dict[str, Any] = {name: int(_clipped(summary.get(name), MAX_COUNT))
+                                 for name in ("copied", "present", "failed")}
+        found["bytes"] = int(_clipped(summary.get("bytes"), MAX_BYTES))
+        found["cold"] = summary.get("cold") is True
+        found["seconds"] = round(float(_clipped(summary.get("seconds"), MAX_SECONDS)), 3)
+        if summary.get("source") in ("manifest", "prefix"):
+            found["source"] = summary["source"]
+        errors = summary.get("errors")
+        if found["cold"] and isinstance(errors, list) and errors and isinstance(errors[0], str):
+            found["error"] = errors[0][:200]
+        return found
+    except Exception:  # noqa: BLE001 - unreadable, not JSON: the report goes without it
+        return None
 
 
 def _clip_key(key: str) -> str:

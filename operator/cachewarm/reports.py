@@ -6,7 +6,10 @@ is the pod the report names; what is checked here is the report itself. Kept in 
 the replica that leads (the others forward reports to it, receiver.Forwarder, so one replica holds every cache's
 view); a new leader starts empty and fills up as pods report again (every minute).
 Counts in a report are the process's totals so far: the latest report of each process
-replaces its previous one, so a lost or repeated report never counts twice.
+replaces its previous one, so a lost or repeated report never counts twice. A pod with a
+local copy of the cache says what the copy did in every report of every process
+(`localCopy`); usage counts it once per pod, and the leader says, once per pod, when a
+copy failed and the pod started cold (a LocalCopyCold Event).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ MAX_PROCESSES_PER_CACHE = 2000  # the oldest are forgotten first
 LAST_MISSES = 10  # per cache, in status
 RECENT_HITS = 50  # entries hit within the window, newest first, in status (cachewarm inspect names their pods)
 HIT_PODS = 5  # pod names kept per entry hit (podCount counts them all)
+COLD_PODS_NAMED = 5  # pods named in one LocalCopyCold Event (it counts them all)
+LOCAL_COPY_COLD = "LocalCopyCold"  # the Event's reason (Warning)
 
 
 class ReportError(Exception):
@@ -69,6 +74,22 @@ class Process(_Strict):
     index: int = Field(default=0, ge=0)
 
 
+class LocalCopy(_Strict):
+    """What the pod's local copy did (its init container's summary, as the reporter read
+    it). Checked strictly: a count that is a string or a bool is refused, not converted."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    copied: int = Field(ge=0, le=10**9)  # entries downloaded
+    present: int = Field(ge=0, le=10**9)  # entries already in the local directory
+    bytes_copied: int = Field(alias="bytes", ge=0, le=10**15)
+    failed: int = Field(ge=0, le=10**9)
+    cold: bool  # the pod started without the entries it should have had: the copy failed
+    seconds: float = Field(ge=0, le=1e9)
+    source: Literal["manifest", "prefix"] | None = None
+    error: str | None = Field(default=None, max_length=200)  # the first error, when cold
+
+
 class Report(_Strict):
     version: Literal[1]
     pod: PodRef
@@ -78,6 +99,7 @@ class Report(_Strict):
     final: bool = False  # the process's last report, at exit
     counts: Counts
     fingerprint: dict[str, Any] = Field(default_factory=dict)
+    local_copy: LocalCopy | None = Field(default=None, alias="localCopy")
 
 
 def parse(body: bytes) -> Report:
@@ -127,6 +149,8 @@ class Store:
         self._lock = threading.Lock()
         self._by_cache: dict[tuple[str, str], dict[tuple[str, int, int], _Latest]] = {}
         self._last_seen: dict[tuple[str, int, int], dt.datetime] = {}  # process -> its last accepted report
+        # Per cache, the pods (uid) whose cold local copy was said (LocalCopyCold), oldest first.
+        self._cold_said: dict[tuple[str, str], dict[str, None]] = {}
 
     def record(self, report: Report, now: dt.datetime) -> dict[str, float]:
         """Keep `report`; returns how much it adds to the cache's totals (hits, misses,
@@ -173,6 +197,8 @@ class Store:
                 else:
                     del self._by_cache[key]
             self._last_seen = {p: at for p, at in self._last_seen.items() if now - at <= self.window}
+            if caches is not None:
+                self._cold_said = {key: said for key, said in self._cold_said.items() if key in caches}
 
     def usage(self, namespace: str, cache: str, now: dt.datetime) -> dict[str, Any] | None:
         """status.usage of a cache: pods and processes that reported in the window, their
@@ -215,7 +241,46 @@ class Store:
             }
             if requests:  # absent rather than null: a merge patch would remove a null again and again
                 usage["hitRatio"] = round(hits / requests, 3)
+            copies = self._local_copies(processes)
+            if copies:
+                usage["localCopy"] = {
+                    "pods": len(copies),
+                    "coldPods": sum(1 for _, local in copies.values() if local.cold),
+                    "entriesCopied": sum(local.copied for _, local in copies.values()),
+                    "entriesPresent": sum(local.present for _, local in copies.values()),
+                    "bytesCopied": sum(local.bytes_copied for _, local in copies.values()),
+                    "maxSeconds": round(max(local.seconds for _, local in copies.values()), 3),
+                }
             return usage
+
+    @staticmethod
+    def _local_copies(processes: list[_Latest]) -> dict[str, tuple[str, LocalCopy]]:
+        """pod uid -> (pod name, its local copy): one per pod, from its latest report that
+        has one (every process of a pod reports the same copy)."""
+        found: dict[str, tuple[dt.datetime, str, LocalCopy]] = {}
+        for latest in processes:
+            uid, local = latest.report.pod.uid, latest.report.local_copy
+            if local is not None and (uid not in found or latest.at > found[uid][0]):
+                found[uid] = (latest.at, latest.report.pod.name, local)
+        return {uid: (name, local) for uid, (_, name, local) in found.items()}
+
+    def newly_cold(self, namespace: str, cache: str, now: dt.datetime) -> list[tuple[str, str]]:
+        """(pod name, error) of each pod that reported a cold local copy in the window and
+        was not returned before (by this replica, for this cache), by name; from then on
+        they are said."""
+        with self._lock:
+            processes = [latest for latest in (self._by_cache.get((namespace, cache)) or {}).values()
+                         if now - latest.at <= self.window]
+            said = self._cold_said.get((namespace, cache)) or {}
+            new = sorted((name, local.error or "", uid) for uid, (name, local) in self._local_copies(processes).items()
+                         if local.cold and uid not in said)
+            if new:
+                said = self._cold_said.setdefault((namespace, cache), said)
+                for _, _, uid in new:
+                    said[uid] = None
+                while len(said) > MAX_PROCESSES_PER_CACHE:
+                    said.pop(next(iter(said)))
+            return [(name, error) for name, error, _ in new]
 
     def fingerprints(self, namespace: str, cache: str, now: dt.datetime) -> list[tuple[str, dict[str, Any]]]:
         """(pod name, fingerprint) of every process that reported in the window."""
@@ -227,6 +292,16 @@ class Store:
     def caches(self) -> list[tuple[str, str]]:
         with self._lock:
             return list(self._by_cache)
+
+
+def cold_message(pods: list[tuple[str, str]]) -> str:
+    """The LocalCopyCold Event's message for pods (name, error) whose local copy failed."""
+    named = ", ".join(name for name, _ in pods[:COLD_PODS_NAMED])
+    more = f" and {len(pods) - COLD_PODS_NAMED} more" if len(pods) > COLD_PODS_NAMED else ""
+    error = next((error for _, error in pods if error), "")
+    who, whose = (f"Pod {named}", "its") if len(pods) == 1 else (f"{len(pods)} pods ({named}{more})", "their")
+    return (f"{who} started without the cache's entries: the local copy failed{f' ({error})' if error else ''}; "
+            f"{whose} processes compile what they would have read from it")[:1000]
 
 
 # What JAX puts in a key and a fingerprint shows: jaxlib and plugin versions (below), the

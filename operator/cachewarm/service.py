@@ -17,6 +17,7 @@ from cachewarm import conditions, reports
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
+from cachewarm.builders.localcopy import add_local_copy, local_copy_possible
 from cachewarm.builders.reporter import Reporting, add_reporter
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
@@ -502,10 +503,12 @@ class Admission:
     injected: bool = False
 
 
-def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting | None = None) -> Admission:
+def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting | None = None,
+              warmer_image: str | None = None) -> Admission:
     """Add the named cache's env (and, with waitForWarm, a scheduling gate; with
-    `reporting` and spec.injection.report, the reporter) to a pod being created, or say in
-    a warning why not. Raises only on a bug; the caller admits anyway."""
+    `reporting` and spec.injection.report, the reporter; with spec.injection.localCopy and
+    the `warmer_image` that carries the copier, the local copy) to a pod being created, or
+    say in a warning why not. Raises only on a bug; the caller admits anyway."""
     meta = pod.get("metadata") or {}
     namespace = str(meta.get("namespace") or "")
     cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
@@ -521,6 +524,12 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
         out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} is invalid ({entry['error']}); "
                             "pod admitted without the cache")
         return out
+    pod_spec = pod.get("spec") or {}
+    if cache.injection.local_copy is not None and not local_copy_possible(pod_spec, warmer_image):
+        # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
+        cache = cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": None})})
+        out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
+                            "cannot get (a Windows pod, or no warmer image configured); it reads the bucket")
     result = inject_pod(pod, cache_name, entry["generation"], cache)
     if result.changed:
         out.spec["containers"] = result.containers
@@ -528,12 +537,20 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
             out.spec["initContainers"] = result.init_containers
         out.annotations[c.INJECTED_ANNOTATION] = result.annotation
         out.injected = True
+    containers = result.containers
+    init_containers = result.init_containers if result.init_containers is not None else pod_spec.get("initContainers") or []
+    volumes = list(pod_spec.get("volumes") or [])
     if reporting is not None and cache.injection.report:
-        added = add_reporter(pod.get("spec") or {}, result.containers,
-                             result.init_containers if result.init_containers is not None
-                             else (pod.get("spec") or {}).get("initContainers") or [], cache_name, reporting)
+        added = add_reporter(pod_spec, containers, init_containers, cache_name, reporting)
         if added is not None:
+            containers, init_containers, volumes = added
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = added
+            out.injected = True
+    if cache.injection.local_copy is not None and warmer_image:
+        copied = add_local_copy(pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace,
+                                cache_name=cache_name, image=warmer_image)
+        if copied is not None:
+            out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = copied
             out.injected = True
     gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
     if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \

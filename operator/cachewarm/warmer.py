@@ -19,6 +19,10 @@ target compiled and at least one program was compiled or found in the cache; 1 w
 target failed; 2 when nothing ended up in the cache (nothing compiled, or every program
 below the cache's size/time thresholds, or no cache directory).
 
+Manifest ($CACHEWARM_MANIFEST, a gs:// URL the operator sets per pool): process 0 writes
+there the entries the warm relied on (names and sizes), for training pods' local copies,
+or removes it when it cannot name them (an entrypoint in a child process). Never fatal.
+
 Multi-host pools (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID in the env):
 targets mode joins the JAX distributed runtime once; command mode leaves that to the
 entrypoint. Only process 0 writes entries, so only its summary counts written entries
@@ -150,6 +154,21 @@ class UsedKeys(logging.Filter):
 
 
 REFRESH_THREADS = 8  # customTime PATCHes in flight at once
+MANIFEST_ENV = "CACHEWARM_MANIFEST"
+MANIFEST_VERSION = 1
+_FILESYSTEM: Any = None
+
+
+def gcs_filesystem() -> Any:
+    """One gcsfs filesystem for the warmer's own GCS calls (refresh, manifest). gs://
+    caches alone need it, and they have it (JAX's gs:// cache goes through etils/gcsfs).
+    Raises what the import or the constructor raises."""
+    global _FILESYSTEM  # noqa: PLW0603 - one per process, made on first use
+    if _FILESYSTEM is None:
+        import gcsfs  # noqa: PLC0415 - only gs:// caches need it, and they have it
+
+        _FILESYSTEM = gcsfs.GCSFileSystem()
+    return _FILESYSTEM
 
 
 def refresh_last_use(url: str, keys: Iterable[str]) -> dict[str, Any]:
@@ -168,9 +187,7 @@ def refresh_last_use(url: str, keys: Iterable[str]) -> dict[str, Any]:
         return out
     base = url[len("gs://"):].rstrip("/")
     try:
-        import gcsfs  # noqa: PLC0415 - only gs:// caches need it, and they have it
-
-        fs = gcsfs.GCSFileSystem()
+        fs = gcs_filesystem()
         try:
             listed = {str(p).rsplit("/", 1)[-1] for p in fs.ls(base, detail=False, refresh=True)}
         except FileNotFoundError:
@@ -214,6 +231,55 @@ def refresh_last_use(url: str, keys: Iterable[str]) -> dict[str, Any]:
     log("Refreshed customTime of entries found or written", entries=out["entriesRefreshed"],
         failed=out["refreshFailed"])
     return out
+
+
+def manifest_pool(url: str) -> str:
+    """The pool a manifest is for: its object's name without .json (the operator names it
+    <...>/pools/<namespace>/<cache>/<pool>.json)."""
+    return url.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+
+
+def write_manifest(url: str, entries: dict[str, int], fp: dict[str, Any] | None) -> dict[str, Any]:
+    """Write the pool's manifest: the entries ({name: bytes}, names ending in -cache) this
+    warm relied on, so a pod's local copy takes only those. gs:// only. Never raises:
+    returns {"manifestEntries": n}, or {"manifestError": why} (the warm stands either way)."""
+    manifest: dict[str, Any] = {
+        "version": MANIFEST_VERSION,
+        "pool": manifest_pool(url),
+        "entries": [{"name": name, "size": int(size)} for name, size in sorted(entries.items())],
+        "writtenTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if fp:
+        manifest["fingerprint"] = fp
+    try:
+        if not url.startswith("gs://"):
+            raise ValueError(f"{MANIFEST_ENV} must be a gs:// URL")
+        data = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
+        gcs_filesystem().pipe_file(url[len("gs://"):], data, content_type="application/json")
+    except Exception as exc:  # noqa: BLE001 - the manifest helps pods copy less; never fatal
+        log("Could not write the manifest", url=url, error=repr(exc))
+        return {"manifestError": f"could not write the manifest {url}: {type(exc).__name__}: {exc}"[:300]}
+    log("Wrote the manifest", url=url, entries=len(entries))
+    return {"manifestEntries": len(entries)}
+
+
+def remove_manifest(url: str) -> dict[str, Any]:
+    """Remove the pool's manifest: this warm cannot name the entries it relied on (an
+    entrypoint in a child process), and an older manifest names an older program's; without
+    one, a pod's local copy takes the whole prefix. Never raises: returns {} (removed, or
+    there was none) or {"manifestError": why}."""
+    try:
+        if not url.startswith("gs://"):
+            raise ValueError(f"{MANIFEST_ENV} must be a gs:// URL")
+        try:
+            gcs_filesystem().rm_file(url[len("gs://"):])
+        except FileNotFoundError:
+            return {}
+    except Exception as exc:  # noqa: BLE001 - never fatal, as write_manifest
+        log("Could not remove the manifest", url=url, error=repr(exc))
+        return {"manifestError": f"could not remove the manifest {url}: {type(exc).__name__}: {exc}"[:300]}
+    log("Removed the manifest: this warm cannot name its entries", url=url)
+    return {}
 
 
 def _items(produced: Any) -> Iterator[Any]:
@@ -530,11 +596,22 @@ def main(argv: list[str] | None = None) -> int:
     # Only when JAX's lookups were seen (targets, or a python entrypoint run in process):
     # an entrypoint in a child process finds entries this process cannot name, so no
     # `keys` at all then (the operator falls back to "the bucket holds entries").
+    # The same entries go to the pool's manifest (CACHEWARM_MANIFEST, which the operator
+    # sets), for pods' local copies; when this process cannot name them, an older manifest
+    # would name another program's entries, so it is removed (pods then copy the prefix).
+    # Process 0 alone, and only after a warm that succeeded.
+    manifest = os.environ.get(MANIFEST_ENV, "")
     if index == 0 and counted:
         present = {n.removesuffix("-cache") for n in after if n.endswith("-cache")}
         relied = (used.keys | {n.removesuffix("-cache") for n in written}) & present
         summary["keys"] = sorted({key_hash(k) for k in relied})
         summary["keyCount"] = len(summary["keys"])
+        # A warm that failed or relied on nothing leaves the manifest as it was: an empty or
+        # partial one would have pods copy less than the cache holds for them.
+        if manifest and relied and not errors:
+            summary.update(write_manifest(manifest, {f"{k}-cache": after[f"{k}-cache"] for k in relied}, fp))
+    elif index == 0 and manifest:
+        summary.update(remove_manifest(manifest))
     summary["errors"] = errors
     write_summary(summary)
     log("Finished", programs=counters.requests, found=found, written=len(written), errors=len(errors))

@@ -61,7 +61,12 @@ CONTROLLERS = (
 # With a real node only: the operator installed from manifests/ is a Deployment (on
 # simulated nodes its pod could never run; the operator runs as a local process there).
 # The disruption controller keeps the operator's PodDisruptionBudget's status.
-REAL_NODE_CONTROLLERS = ("deployment-controller", "replicaset-controller", "disruption-controller")
+# With the real node, pods can have generic ephemeral volumes (spec.injection.localCopy's
+# Ephemeral): the controller that makes their claims, the binder that binds them to a
+# PersistentVolume, and the protections that let them go when the pod does.
+REAL_NODE_CONTROLLERS = ("deployment-controller", "replicaset-controller", "disruption-controller",
+                         "ephemeral-volume-controller", "persistentvolume-binder-controller",
+                         "persistentvolume-protection-controller", "persistentvolumeclaim-protection-controller")
 
 
 def repo_root() -> Path:

@@ -42,6 +42,8 @@ OPERATOR_IMAGE = "docker.io/cachewarm/operator:0.1.0"
 WARMER_IMAGE = "docker.io/cachewarm/warmer:0.1.0"
 # The name pods use: CRI normalizes it to docker.io/cachewarm/demo-train:0.1.0.
 TRAIN_IMAGE = "cachewarm/demo-train:0.1.0"
+# The same without any GCS library (demo/Dockerfile's stage `plain`): pods with a local copy.
+PLAIN_TRAIN_IMAGE = "cachewarm/demo-train-plain:0.1.0"
 PYTHON_BASE = "localhost/cachewarm-base/python"
 BUSYBOX_BASE = "localhost/cachewarm-base/busybox"
 RUNROOT_PARENT = Path("/run")
@@ -65,13 +67,17 @@ class Build:
     context: tuple[str, ...]
     base_arg: str
     base: str  # "python" or "busybox"
+    target: str = ""  # the Dockerfile's stage to build ("": its last)
 
 
 BUILDS = (
     Build(OPERATOR_IMAGE, "Dockerfile", ("pyproject.toml", "README.md", "operator"), "PYTHON_IMAGE", "python"),
     Build(WARMER_IMAGE, "warmer_image/Dockerfile", ("operator/cachewarm/warmer.py", "operator/cachewarm/reporter.py",
-                                                    "warmer_image/sitecustomize.py"), "BUSYBOX_IMAGE", "busybox"),
-    Build(f"docker.io/{TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py",), "PYTHON_IMAGE", "python"),
+                                                    "operator/cachewarm/copier.py", "warmer_image/sitecustomize.py"),
+          "BUSYBOX_IMAGE", "busybox"),
+    Build(f"docker.io/{TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE", "python"),
+    Build(f"docker.io/{PLAIN_TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE",
+          "python", target="plain"),
 )
 
 
@@ -90,7 +96,7 @@ def build_key(root: Path, build: Build, base_key: str, tool_version: str) -> str
     """The content hash of one image's build: Dockerfile, copied files (names and bytes),
     base key, build args and buildah's version."""
     h = hashlib.sha256()
-    for part in (build.ref, build.base_arg, base_key, tool_version):
+    for part in (build.ref, build.base_arg, base_key, tool_version, build.target):
         h.update(part.encode() + b"\0")
     for path in [root / build.dockerfile, *_files(root, build.context)]:
         h.update(str(path.relative_to(root)).encode() + b"\0")
@@ -223,6 +229,7 @@ class Builder:
             self.buildah(
                 "bud", "--quiet", "--isolation=chroot", "--network=host", "--pull=never", "--layers=false",
                 "--volume=/etc/ssl/certs:/etc/ssl/certs:ro", f"--build-arg={build.base_arg}={base}",
+                *([f"--target={build.target}"] if build.target else []),
                 f"--file={context / build.dockerfile}", f"--tag={build.ref}", str(context),
                 step=f"building {build.ref} from {build.dockerfile}")
         tmp_archive = archive.with_suffix(".partial")

@@ -50,6 +50,17 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
 
 DELETE = object()
 
+
+def with_local_copy(local_copy: dict[str, Any], mode: Any = "ReadOnly", jax: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A valid cache whose injection has `local_copy` (mode DELETE leaves mode unset)."""
+    injection: dict[str, Any] = {"localCopy": local_copy}
+    if mode is not DELETE:
+        injection["mode"] = mode
+    obj = with_change("spec.injection", injection)
+    if jax is not None:
+        obj["spec"]["jax"] = jax
+    return obj
+
 # (id, object, text the apiserver's message must contain)
 WRONG: list[tuple[str, dict[str, Any], str]] = [
     ("bucket-uppercase", with_change("spec.storage.gcs.bucket", "Team-Cache"), "spec.storage.gcs.bucket"),
@@ -127,6 +138,49 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
     ("hosts-too-many", with_change("spec.warmup.pools.0.hosts", 257), "spec.warmup.pools[0].hosts"),
     ("hosts-string", with_change("spec.warmup.pools.0.hosts", "two"), "spec.warmup.pools[0].hosts"),
     ("chips-too-many", with_change("spec.warmup.pools.0.chipsPerHost", 17), "spec.warmup.pools[0].chipsPerHost"),
+    # spec.injection.localCopy
+    ("local-copy-volume", with_local_copy({"volume": "Tmpfs"}),
+     'spec.injection.localCopy.volume: Unsupported value: "Tmpfs": supported values: "EmptyDir", "HostPath", "Ephemeral"'),
+    ("local-copy-size-not-quantity", with_local_copy({"sizeLimit": "ten gigs"}),
+     "localCopy.sizeLimit must be a Kubernetes quantity"),
+    ("local-copy-size-zero", with_local_copy({"sizeLimit": "0Gi"}), "localCopy.sizeLimit must be greater than 0"),
+    ("local-copy-size-negative", with_local_copy({"sizeLimit": "-1Gi"}), "localCopy.sizeLimit must be greater than 0"),
+    ("local-copy-size-integer", with_local_copy({"sizeLimit": 10}), "spec.injection.localCopy.sizeLimit: Invalid value"),
+    ("local-copy-host-path-relative", with_local_copy({"volume": "HostPath", "hostPath": "mnt/ssd/jax"}),
+     "localCopy.hostPath must be an absolute path"),
+    ("local-copy-host-path-dotdot", with_local_copy({"volume": "HostPath", "hostPath": "/mnt/ssd/../../etc"}),
+     "localCopy.hostPath must not contain '..' path segments"),
+    ("local-copy-host-path-root", with_local_copy({"volume": "HostPath", "hostPath": "/"}),
+     "localCopy.hostPath must name a directory below '/'"),
+    ("local-copy-host-path-root-dot", with_local_copy({"volume": "HostPath", "hostPath": "//./"}),
+     "localCopy.hostPath must name a directory below '/'"),
+    ("local-copy-host-path-missing", with_local_copy({"volume": "HostPath"}),
+     "localCopy.hostPath is required with volume HostPath"),
+    ("local-copy-host-path-with-emptydir", with_local_copy({"volume": "EmptyDir", "hostPath": "/mnt/ssd/jax"}),
+     "localCopy.hostPath is only allowed with volume HostPath"),
+    ("local-copy-host-path-default-volume", with_local_copy({"hostPath": "/mnt/ssd/jax"}),
+     "localCopy.hostPath is only allowed with volume HostPath"),
+    ("local-copy-storage-class-with-emptydir", with_local_copy({"storageClassName": "premium-rwo"}),
+     "localCopy.storageClassName is only allowed with volume Ephemeral"),
+    ("local-copy-storage-class-with-hostpath",
+     with_local_copy({"volume": "HostPath", "hostPath": "/mnt/ssd/jax", "storageClassName": "premium-rwo"}),
+     "localCopy.storageClassName is only allowed with volume Ephemeral"),
+    ("local-copy-storage-class-name", with_local_copy({"volume": "Ephemeral", "storageClassName": "Premium_RWO"}),
+     "spec.injection.localCopy.storageClassName in body should match"),
+    ("local-copy-workers-zero", with_local_copy({"workers": 0}),
+     "spec.injection.localCopy.workers in body should be greater than or equal to 1"),
+    ("local-copy-workers-65", with_local_copy({"workers": 65}),
+     "spec.injection.localCopy.workers in body should be less than or equal to 64"),
+    ("local-copy-timeout-zero", with_local_copy({"timeoutSeconds": 0}),
+     "spec.injection.localCopy.timeoutSeconds in body should be greater than or equal to 1"),
+    ("local-copy-timeout-3601", with_local_copy({"timeoutSeconds": 3601}),
+     "spec.injection.localCopy.timeoutSeconds in body should be less than or equal to 3600"),
+    ("local-copy-read-write", with_local_copy({}, mode="ReadWrite"), "injection.localCopy needs injection.mode ReadOnly"),
+    ("local-copy-mode-unset", with_local_copy({}, mode=DELETE), "injection.localCopy needs injection.mode ReadOnly"),
+    ("local-copy-xla-caches", with_local_copy({}, jax={"enableXlaCaches": "all"}),
+     'injection.localCopy needs jax.enableXlaCaches "none"'),
+    ("local-copy-xla-cache-list", with_local_copy({}, jax={"enableXlaCaches": "xla_gpu_kernel_cache_file"}),
+     'injection.localCopy needs jax.enableXlaCaches "none"'),
 ]
 
 
@@ -153,6 +207,43 @@ def test_wrong_cache_is_rejected_with_message(
     code, out = create(crd_installed, namespace, copy.deepcopy(obj))
     assert code != 0, f"apiserver accepted an invalid CompilationCache:\n{out}"
     assert message in out
+
+
+def test_local_copy_is_stored_with_its_defaults(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, with_local_copy({}))
+    assert code == 0, out
+    stored = json.loads(crd_installed.kubectl_run("get", "ccache", "llama", "-n", namespace, "-o", "json").stdout)
+    injection = stored["spec"]["injection"]
+    assert injection["mode"] == "ReadOnly"
+    assert injection["localCopy"] == {"volume": "EmptyDir", "sizeLimit": "10Gi", "workers": 16, "timeoutSeconds": 300}
+    assert stored["spec"]["jax"]["enableXlaCaches"] == "none"
+
+
+def test_local_copy_is_absent_by_default(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, valid_cache())
+    assert code == 0, out
+    stored = json.loads(crd_installed.kubectl_run("get", "ccache", "llama", "-n", namespace, "-o", "json").stdout)
+    assert "localCopy" not in stored["spec"]["injection"]
+
+
+@pytest.mark.parametrize(("local_copy", "jax"), [
+    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax-cache", "sizeLimit": "375Gi"}, None,
+                 id="host-path"),
+    pytest.param({"volume": "HostPath", "hostPath": "/var/cache/jax/", "workers": 64, "timeoutSeconds": 3600}, None,
+                 id="host-path-trailing-slash-max-bounds"),
+    pytest.param({"volume": "Ephemeral", "storageClassName": "premium-rwo", "sizeLimit": "50Gi"}, None,
+                 id="ephemeral"),
+    pytest.param({"volume": "Ephemeral", "sizeLimit": "1.5Ti"}, None, id="ephemeral-default-class"),
+    pytest.param({"volume": "EmptyDir", "sizeLimit": "500M", "workers": 1, "timeoutSeconds": 1},
+                 {"enableXlaCaches": "none"}, id="empty-dir-min-bounds"),
+])
+def test_local_copy_variants_are_accepted(
+    crd_installed: Testbed, namespace: str, local_copy: dict[str, Any], jax: dict[str, Any] | None
+) -> None:
+    code, out = create(crd_installed, namespace, with_local_copy(local_copy, jax=jax))
+    assert code == 0, out
+    stored = json.loads(crd_installed.kubectl_run("get", "ccache", "llama", "-n", namespace, "-o", "json").stdout)
+    assert stored["spec"]["injection"]["localCopy"].items() >= local_copy.items()
 
 
 def test_hosts_is_not_defaulted(crd_installed: Testbed, namespace: str) -> None:

@@ -255,23 +255,29 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
     operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
     # A created bucket that also holds someone else's objects: entries go, the rest stays.
+    # Of the warmers' manifests, only the deleted cache's own go (another cache's stay).
     made = unique_bucket("shared")
     installed.apply(cache("shared", made, prefix="c", deletionPolicy="Delete"), namespace)
     wait_condition(installed, namespace, "shared", "Ready", "True")
-    _put(gcs, made, [f"c/{ENTRY}", "c/notes.txt", "other/data.bin"])
+    manifests = f"c/.cachewarm/pools/{namespace}"
+    _put(gcs, made, [f"c/{ENTRY}", "c/notes.txt", "other/data.bin", f"{manifests}/shared/cpu.json",
+                     f"{manifests}/other/cpu.json"])
     # An adopted bucket: entries under the prefix go, the bucket and other data stay.
     adopted = unique_bucket("adopt-del")
     gcs.create_bucket(adopted, location="us-central1")
-    _put(gcs, adopted, [f"c/{ENTRY}", f"elsewhere/{ENTRY}", "c/sub/" + ENTRY])
+    _put(gcs, adopted, [f"c/{ENTRY}", f"elsewhere/{ENTRY}", "c/sub/" + ENTRY,
+                        f"{manifests}/adopted/cpu.json", f"{manifests}/shared/cpu.json"])
     installed.apply(cache("adopted", adopted, prefix="c", create=False, deletionPolicy="Delete"), namespace)
     wait_condition(installed, namespace, "adopted", "Ready", "True")
 
     for n in ("shared", "adopted"):
         assert installed.kubectl_run("delete", "ccache", n, "-n", namespace, "--timeout=60s").returncode == 0
-    assert _names(gcs, made) == {"c/notes.txt", "other/data.bin"}
-    assert _names(gcs, adopted) == {f"elsewhere/{ENTRY}", "c/sub/" + ENTRY}
+    assert _names(gcs, made) == {"c/notes.txt", "other/data.bin", f"{manifests}/other/cpu.json"}
+    assert _names(gcs, adopted) == {f"elsewhere/{ENTRY}", "c/sub/" + ENTRY, f"{manifests}/shared/cpu.json"}
     reasons = event_reasons(installed, namespace, "adopted")
     assert "BucketKept" in reasons
+    said = f"Deleted 1 cache objects and 1 warmer manifests under gs://{made}/c"
+    assert any(e["reason"] == "DataDeleted" and e["message"] == said for e in installed.events_for("shared", namespace))
 
 
 def test_gcs_faults_end_in_ready_without_duplicate_writes(

@@ -33,6 +33,7 @@ import datetime as dt
 import json
 import os
 import socket
+import shutil
 import ssl
 import uuid
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
 
 from cachewarm import certs
 
@@ -255,6 +258,171 @@ def test_the_reporters_recorder_runs_in_an_image_without_a_shell_or_a_c_library(
     statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
     assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
     assert {n: t["exitCode"] for n, t in statuses.items()} == {"cachewarm-reporter": 0, "cachewarm-pythonpath": 0}
+
+
+# The plain training image has no GCS library; this prints what the pod's local copy held
+# when its program ran, and whether gcsfs could be imported, after the program's own line.
+AFTER_PROGRAMS = ("import importlib.util, json, os; d = os.environ['JAX_COMPILATION_CACHE_DIR']; "
+                  "print(json.dumps({'copy': sorted(os.listdir(d)), 'gcsfs': importlib.util.find_spec('gcsfs') is not None}))")
+
+
+def local_pod(name: str, cache: str, env: list[dict[str, str]]) -> dict[str, Any]:
+    """A training pod of the plain image (no gcsfs, no etils) that runs demo/programs.py's
+    ten programs, then lists its cache directory."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
+            "spec": {"restartPolicy": "Never", "containers": [{
+                "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "env": env,
+                "command": ["sh", "-c", 'python -m programs && python -c "$0"', AFTER_PROGRAMS]}]}}
+
+
+def run_to_end(bed: Testbed, ns: str, pod: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """(the finished pod, the JSON lines of its training container, the copier's summary)."""
+    name = pod["metadata"]["name"]
+    bed.apply(pod, ns)
+    done = eventually(lambda: finished(bed, "pod", name, ns), timeout=300, what=f"pod {name} to finish")
+    logs = bed.kubectl_run("logs", name, "-n", ns, "-c", "train")
+    assert done["status"]["phase"] == "Succeeded", (done["status"], logs.stdout[-3000:], logs.stderr[-3000:])
+    lines = [json.loads(line) for line in logs.stdout.splitlines() if line.startswith("{")]
+    copier = bed.kubectl_run("logs", name, "-n", ns, "-c", "cachewarm-copy")
+    assert copier.returncode == 0, copier.stderr
+    [summary] = [json.loads(line)["cachewarm-copier"] for line in copier.stdout.splitlines() if "cachewarm-copier" in line]
+    inits = {s["name"]: s["state"]["terminated"]["exitCode"] for s in done["status"]["initContainerStatuses"]}
+    assert inits == {"cachewarm-reporter": 0, "cachewarm-pythonpath": 0, "cachewarm-copy": 0}, inits
+    return done, lines, summary
+
+
+def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its_local_copy(
+        cluster: Installed, ns: str) -> None:
+    """Issue 14: a ReadOnly cache with localCopy. The warmer (the training image with
+    gcsfs) warms demo/programs.py's ten programs and writes its pool's manifest; an
+    entry of another program is put in the same prefix beforehand. A pod of the plain
+    image (no gcsfs, no etils) gets an emptyDir and the copier init container from the
+    in-cluster webhook; the copy holds exactly the manifest's entries (not the other
+    program's), and the program hits all ten and compiles nothing. Its reporter reports
+    the copy, and status.usage counts it. A second cache on the same prefix, HostPath, no
+    warmup (so no manifest): its pods copy the whole prefix, the second one on the node
+    finds every entry already there."""
+    bed = cluster.bed
+    obj = warm_cache("local", cluster)
+    obj["spec"]["warmup"]["targets"] = ["programs:targets"]
+    obj["spec"]["injection"]["localCopy"] = {"sizeLimit": "1Gi"}
+    bucket = obj["spec"]["storage"]["gcs"]["bucket"]
+    bed.apply(obj, ns)
+
+    def warmed() -> dict[str, Any] | None:
+        got = bed.get_json("ccache", "local", ns) or {}
+        conds = {c["type"]: c for c in (got.get("status") or {}).get("conditions", [])}
+        if conds.get("Warmed", {}).get("reason") == "WarmupFailed":
+            pytest.fail(f"warmup failed: {conds['Warmed']['message']}")
+        return got if conds.get("Warmed", {}).get("status") == "True" else None
+    warm = eventually(warmed, timeout=300, what="the cache to be Warmed")
+    [pool] = warm["status"]["warmup"]["pools"]
+    assert pool["keyCount"] == 10, pool
+    gcs = storage.Client(project="test", credentials=AnonymousCredentials(),
+                         client_options={"api_endpoint": cluster.bed.env()["STORAGE_EMULATOR_HOST"]})
+    stranger = f"local/jit_other-{'ab' * 32}-cache"
+    gcs.bucket(bucket).blob(stranger).upload_from_string(b"another program's entry")
+    manifest = json.loads(gcs.bucket(bucket).blob(f"local/.cachewarm/pools/{ns}/local/cpu.json").download_as_bytes())
+    listed = sorted(e["name"] for e in manifest["entries"])
+    assert len(listed) == 10
+
+    done, lines, summary = run_to_end(bed, ns, local_pod("reader", "local", cluster.client_env()))
+    run, after = lines[-2], lines[-1]
+    assert (run["programs"], run["cache_hits"], run["compiled"]) == (10, 10, 0), run
+    assert run["cache_dir"] == "/cachewarm-cache"
+    assert after == {"copy": listed, "gcsfs": False}, after  # only the manifest's entries; no gcsfs at all
+    assert (summary["source"], summary["copied"], summary["cold"]) == ("manifest", 10, False), summary
+    volume = next(v for v in done["spec"]["volumes"] if v["name"] == "cachewarm-cache")
+    assert volume == {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "1Gi"}}
+
+    def reported() -> dict[str, Any] | None:
+        usage = ((bed.get_json("ccache", "local", ns) or {}).get("status") or {}).get("usage") or {}
+        return usage if (usage.get("localCopy") or {}).get("pods") else None
+    usage = eventually(reported, timeout=60, what="status.usage.localCopy from the pod's report")
+    assert (usage["hits"], usage["misses"]) == (10, 0), usage
+    assert (usage["localCopy"]["pods"], usage["localCopy"]["coldPods"], usage["localCopy"]["entriesCopied"]) == (1, 0, 10)
+
+    # HostPath, shared by the node's pods; no warmup, so no manifest: the whole prefix.
+    shared = Path(f"/tmp/cachewarm-hostpath-{uuid.uuid4().hex[:8]}")
+    try:
+        bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "node"},
+                   "spec": {"storage": {"gcs": {"bucket": bucket, "prefix": "local", "location": "us-central1",
+                                                "create": False}},
+                            "injection": {"mode": "ReadOnly",
+                                          "localCopy": {"volume": "HostPath", "hostPath": str(shared)}}}}, ns)
+        # Reconciled, whatever it made of the shared prefix (an older cache manages it).
+        eventually(lambda: ((bed.get_json("ccache", "node", ns) or {}).get("status") or {}).get("observedGeneration"),
+                   what="cache node reconciled")
+        _, lines, first = run_to_end(bed, ns, local_pod("first", "node", cluster.client_env()))
+        assert (first["source"], first["copied"], first.get("present", 0)) == ("prefix", 11, 0), first
+        assert lines[-1]["copy"] == sorted([*listed, stranger.rsplit("/", 1)[1]])
+        assert lines[-2]["cache_hits"] == 10
+        _, lines, second = run_to_end(bed, ns, local_pod("second", "node", cluster.client_env()))
+        assert (second["copied"], second["present"]) == (0, 11), second
+        assert lines[-2]["cache_hits"] == 10 and lines[-2]["compiled"] == 0
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+    # Ephemeral: each pod's own claim, from a StorageClass; here a local PersistentVolume on
+    # the node (no provisioner: the scheduler binds the claim when the pod is scheduled).
+    disk = Path(f"/tmp/cachewarm-pv-{uuid.uuid4().hex[:8]}")
+    disk.mkdir()
+    pv = f"cachewarm-{ns}"
+    try:
+        bed.apply({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": "cachewarm-local"},
+                   "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "WaitForFirstConsumer"}, ns)
+        bed.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                   "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "cachewarm-local",
+                            "local": {"path": str(disk)},
+                            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": [NODE_NAME]}]}]}}}}, ns)
+        bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "claim"},
+                   "spec": {"storage": {"gcs": {"bucket": bucket, "prefix": "local", "location": "us-central1",
+                                                "create": False}},
+                            "injection": {"mode": "ReadOnly", "localCopy": {
+                                "volume": "Ephemeral", "storageClassName": "cachewarm-local", "sizeLimit": "1Gi"}}}}, ns)
+        eventually(lambda: ((bed.get_json("ccache", "claim", ns) or {}).get("status") or {}).get("observedGeneration"),
+                   what="cache claim reconciled")
+        done, lines, summary = run_to_end(bed, ns, local_pod("claimed", "claim", cluster.client_env()))
+        assert (summary["copied"], lines[-2]["cache_hits"], lines[-2]["compiled"]) == (11, 10, 0), (summary, lines)
+        claim = bed.get_json("pvc", "claimed-cachewarm-cache", ns) or {}
+        assert (claim.get("spec") or {}).get("volumeName") == pv, claim
+        assert sorted(p.name for p in disk.iterdir()) == lines[-1]["copy"]  # the copy is on that volume
+        assert bed.kubectl_run("delete", "pod", "claimed", "-n", ns, "--wait=true", "--timeout=60s").returncode == 0
+    finally:
+        bed.kubectl_run("delete", "pv", pv, "--wait=false")
+        bed.kubectl_run("delete", "storageclass", "cachewarm-local", "--ignore-not-found")
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Installed, ns: str) -> None:
+    """The bucket out of reach during the copy (the pod's GCS endpoint refuses
+    connections): the copier gives up, says so, and exits 0; the pod starts with an
+    empty local cache and trains, compiling every program; its report says the copy was
+    cold."""
+    bed = cluster.bed
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "away"},
+               "spec": {"storage": {"gcs": {"bucket": f"away-{uuid.uuid4().hex[:10]}", "prefix": "away",
+                                            "location": "us-central1"}},
+                        "injection": {"mode": "ReadOnly", "localCopy": {"timeoutSeconds": 20}}}}, ns)
+    eventually(lambda: ((bed.get_json("ccache", "away", ns) or {}).get("status") or {}).get("bucket"),
+               what="cache away reconciled")
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    env = [{"name": "STORAGE_EMULATOR_HOST", "value": dead}]
+    _, lines, summary = run_to_end(bed, ns, local_pod("cold", "away", env))
+    assert summary["cold"] is True and summary["copied"] == 0 and summary["errors"], summary
+    run = lines[-2]
+    assert (run["programs"], run["cache_hits"], run["compiled"]) == (10, 0, 10), run
+    assert lines[-1]["copy"] == []
+
+    def reported() -> dict[str, Any] | None:
+        usage = ((bed.get_json("ccache", "away", ns) or {}).get("status") or {}).get("usage") or {}
+        return usage if (usage.get("localCopy") or {}).get("pods") else None
+    usage = eventually(reported, timeout=60, what="status.usage.localCopy from the cold pod's report")
+    assert usage["localCopy"]["coldPods"] == 1, usage
 
 
 def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:

@@ -157,3 +157,45 @@ def test_keys_match_compares_the_pods_fingerprints_with_the_warmers_and_names_th
     assert "they run 2 devices; pool cpu was warmed with 1 devices" in differ["message"]
     events = [e for e in bed.events_for("llama", namespace) if e["reason"] == "FingerprintsDiffer"]
     assert len(events) == 1 and events[0]["type"] == "Warning" and "2 devices" in events[0]["message"]
+
+
+def test_local_copies_land_in_usage_once_per_pod_and_a_cold_one_is_said_in_an_event(
+    operator: OperatorHandle, installed: Testbed, namespace: str,
+) -> None:
+    """Pods with a local copy report it with every report of every process: status.usage
+    counts each pod once (the CRD keeps the field), and a pod whose copy failed is named
+    once in a LocalCopyCold Warning."""
+    bed = installed
+    assert bed.kubectl_run("create", "serviceaccount", "trainer", "-n", namespace).returncode == 0
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
+               "spec": {"storage": {"gcs": {"bucket": f"lc-{uuid.uuid4().hex[:8]}", "location": "us-central1"}}}},
+              namespace)
+    eventually(lambda: (bed.get_json("ccache", "llama", namespace) or {}).get("status", {}).get("bucket"),
+               what="the cache reconciled")
+    copies = {"warm-pod": {"copied": 40, "present": 2, "bytes": 123_456_789, "failed": 0, "cold": False,
+                           "seconds": 4.5, "source": "manifest"},
+              "cold-pod": {"copied": 0, "present": 0, "bytes": 0, "failed": 3, "cold": True, "seconds": 30.25,
+                           "source": "manifest", "error": "HTTPError 403: Forbidden"}}
+    for name, local in copies.items():
+        bed.apply(pod(name), namespace)
+        mine = token(bed, namespace, name)
+        for pid in (42, 43):  # two processes of the pod, the same copy
+            body = {**report(bed, namespace, name), "process": {"pid": pid, "started": 1_763_900_000, "index": 0},
+                    "localCopy": local}
+            assert post(bed, operator, json.dumps(body).encode(), mine)[0] == 202
+    malformed = {**report(bed, namespace, "warm-pod"), "localCopy": {**copies["warm-pod"], "copied": "40"}}
+    assert post(bed, operator, json.dumps(malformed).encode(), token(bed, namespace, "warm-pod"))[0] == 400
+
+    def local_copy() -> dict[str, Any] | None:
+        usage = ((bed.get_json("ccache", "llama", namespace) or {}).get("status") or {}).get("usage") or {}
+        return usage.get("localCopy") if usage.get("processes") == 4 else None
+    got = eventually(local_copy, timeout=30, what="status.usage.localCopy")
+    assert got == {"pods": 2, "coldPods": 1, "entriesCopied": 40, "entriesPresent": 2, "bytesCopied": 123_456_789,
+                   "maxSeconds": 30.25}
+    eventually(lambda: [e for e in bed.events_for("llama", namespace) if e["reason"] == "LocalCopyCold"],
+               timeout=30, what="a LocalCopyCold Event")
+    time.sleep(2)  # two more usage flushes: said once
+    said = [e for e in bed.events_for("llama", namespace) if e["reason"] == "LocalCopyCold"]
+    assert len(said) == 1 and said[0]["type"] == "Warning"
+    assert said[0]["message"].startswith("Pod cold-pod started without the cache's entries: the local copy failed "
+                                         "(HTTPError 403: Forbidden)")

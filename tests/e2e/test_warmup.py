@@ -19,6 +19,8 @@ import pytest
 import yaml
 from google.cloud import storage
 
+from cachewarm.builders.localcopy import manifest_object
+from cachewarm.model import GcsStorage
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 from cachewarm_testbed.processes import Proc
 
@@ -201,6 +203,16 @@ def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
     hashes = sorted(b.name.removesuffix("-cache").rsplit("-", 1)[1][:16] for b in written)
     assert pool["keys"] == hashes and "f" * 16 not in pool["keys"]
     assert f"the {len(hashes)} entries its warmers reported are in the bucket" in conditions(obj)["Warmed"]["message"]
+    # The pool's manifest (for pods' local copies), written by the operator's warmer Job
+    # where the local copy reads it: the same entries, with their sizes, not the old one.
+    gcs_spec = GcsStorage.model_validate({"bucket": bucket, "location": "us-central1", "prefix": "jax"})
+    blob = gcs.bucket(bucket).get_blob(manifest_object(gcs_spec, namespace, "keys", "cpu"))
+    assert blob is not None and blob.content_type == "application/json"
+    manifest = json.loads(blob.download_as_bytes())
+    assert manifest["pool"] == "cpu" and manifest["fingerprint"] == pool["fingerprint"]
+    assert manifest["entries"] == sorted(({"name": b.name.removeprefix("jax/"), "size": b.size} for b in written),
+                                         key=lambda e: e["name"])
+    assert sorted(e["name"].removesuffix("-cache").rsplit("-", 1)[1][:16] for e in manifest["entries"]) == pool["keys"]
 
     written[0].delete()
 

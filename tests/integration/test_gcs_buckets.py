@@ -16,6 +16,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import storage
 
 from cachewarm.builders import bucket as b
+from cachewarm.builders import localcopy
 from cachewarm.clients.gcs import GcsClient, GcsPreconditionFailed
 from cachewarm.model import GcsStorage
 from cachewarm.reconcile import delete_cache_data, reconcile_bucket
@@ -232,6 +233,38 @@ def test_two_operator_instances_on_one_bucket_leave_each_others_rules_alone(stor
     events = delete_cache_data(client, b_spec, namespace="ns", name="b-in-a", instance="ops-a")
     assert [e.reason for e in events] == ["DataRetained"]
     assert storage_only.bucket(name).get_blob(f"b/{ENTRY}") is not None
+
+
+def test_delete_removes_this_caches_manifests_and_keeps_every_other_caches(storage_only: storage.Client) -> None:
+    """deletionPolicy Delete: the cache's entries and its warmers' manifests go; the
+    manifests of another cache on the same prefix, of a cache of the same name in another
+    namespace or under another prefix, and anything else in the manifest folder stay. Then
+    a created bucket holding only the cache's entries and manifests is deleted."""
+    name = new_bucket(storage_only, **b.owner_labels("ns", "c"))
+    gcs_spec = spec(name, prefix="jax")
+    ours = [localcopy.manifest_object(gcs_spec, "ns", "c", pool) for pool in ("cpu", "h100")]
+    theirs = [localcopy.manifest_object(gcs_spec, "ns", "c2", "cpu"),
+              localcopy.manifest_object(gcs_spec, "team-b", "c", "cpu"),
+              localcopy.manifest_object(spec(name, prefix="other"), "ns", "c", "cpu"),
+              localcopy.manifest_object(spec(name), "ns", "c", "cpu"),  # a cache of that name at the bucket root
+              "jax/.cachewarm/pools/ns/c/notes.txt", "jax/.cachewarm/pools/ns/c/sub/cpu.json"]
+    assert ours == ["jax/.cachewarm/pools/ns/c/cpu.json", "jax/.cachewarm/pools/ns/c/h100.json"]
+    for obj in [f"jax/{ENTRY}", *ours, *theirs]:
+        storage_only.bucket(name).blob(obj).upload_from_string(b'{"version": 1, "entries": []}')
+    client = GcsClient(client=storage_only, timeout=5)
+    events = delete_cache_data(client, gcs_spec, namespace="ns", name="c")
+    assert sorted(o.name for o in storage_only.list_blobs(name)) == sorted(theirs)
+    assert [(e.reason, e.message) for e in events] == [
+        ("DataDeleted", f"Deleted 1 cache objects and 2 warmer manifests under gs://{name}/jax"),
+        ("BucketKept", f"Kept bucket {name}: 6 objects that are not this cache's entries remain")]
+    # A created bucket with nothing but the cache's own objects: the manifests hold nothing back.
+    name = new_bucket(storage_only, **b.owner_labels("ns", "c"))
+    root = spec(name)
+    for obj in [ENTRY, localcopy.manifest_object(root, "ns", "c", "cpu")]:
+        storage_only.bucket(name).blob(obj).upload_from_string(b"x")
+    events = delete_cache_data(client, root, namespace="ns", name="c")
+    assert [e.reason for e in events] == ["DataDeleted", "BucketDeleted"]
+    assert storage_only.lookup_bucket(name) is None
 
 
 def test_the_rule_a_cache_needs_already_there_unrecorded_is_reported_not_copied(storage_only: storage.Client) -> None:

@@ -260,3 +260,23 @@ def test_the_recorders_command_writes_the_images_pythonpath_with_only_busybox(tm
     unwritable = subprocess.run([str(tmp_path / "busybox"), "sh", "-c", RECORD_PYTHONPATH, "/proc/nope/x"],
                                 env={"PATH": "/nonexistent"}, capture_output=True, timeout=30)
     assert unwritable.returncode == 0  # a failed write never keeps the pod from starting
+
+
+def test_a_pod_with_a_local_copy_says_what_it_did_in_its_report(tmp_path: Path, endpoint: Endpoint) -> None:
+    """The copy's init container left its summary where CACHEWARM_LOCAL_COPY_SUMMARY says:
+    the report carries it (cold, with the first error); without the file (the copy did not
+    run or could not write it) the report goes as before, without it."""
+    summary = tmp_path / "local-copy" / "summary.json"
+    summary.parent.mkdir()
+    summary.write_text(json.dumps({"copied": 0, "present": 2, "bytes": 0, "failed": 3, "wanted": 5, "cold": True,
+                                   "source": "manifest", "seconds": 1.23456,
+                                   "errors": ["HTTPError 403: Forbidden", "again"], "leftOut": {"budget": 0},
+                                   "manifestsMissing": []}))
+    train(tmp_path, endpoint.url, extra_env={"CACHEWARM_LOCAL_COPY_SUMMARY": str(summary)})
+    [report] = endpoint.reports
+    assert report["localCopy"] == {"copied": 0, "present": 2, "bytes": 0, "failed": 3, "cold": True,
+                                   "seconds": 1.235, "source": "manifest", "error": "HTTPError 403: Forbidden"}
+    assert report["counts"]["requests"] > 0  # the report as ever, with it
+    summary.unlink()
+    train(tmp_path, endpoint.url, extra_env={"CACHEWARM_LOCAL_COPY_SUMMARY": str(summary)})
+    assert "localCopy" not in endpoint.reports[1] and endpoint.reports[1]["counts"]["requests"] > 0

@@ -3,15 +3,20 @@ with the cache env, reporting a JSON summary in the termination-message file."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from google.cloud import storage
+
+from cachewarm_testbed.cluster import Testbed
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +137,109 @@ def test_an_entrypoint_in_a_child_process_reports_no_keys(tmp_path: Path) -> Non
                                   cache=tmp_path / "c")
         assert code == 0, log
         assert "keys" not in summary and "keyCount" not in summary
+
+
+# --- the pool's manifest (CACHEWARM_MANIFEST), against the GCS emulator --------------------
+
+TWO_PROGRAMS = '''
+import jax
+import jax.numpy as jnp
+
+
+def targets():
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum())
+    for n in (8, 16):
+        yield f, (jax.ShapeDtypeStruct((4, n), jnp.float32), jax.ShapeDtypeStruct((n, n), jnp.float32))
+'''
+OLD_PROGRAM = "jit_old_program-" + "f" * 64 + "-cache"
+
+
+def gcs_warm(tmp_path: Path, bed: Testbed, url: str, manifest: str, *args: str,
+             extra: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+    env = {k: v for k, v in bed.env().items() if k != "KUBECONFIG"}
+    return warm(tmp_path, *args, env_extra={**env, "JAX_COMPILATION_CACHE_DIR": url, "CACHEWARM_MANIFEST": manifest,
+                                            "PYTHONPATH": str(tmp_path), **(extra or {})})
+
+
+def read_manifest(gcs: storage.Client, bucket: str, name: str) -> tuple[dict[str, Any], str | None]:
+    blob = gcs.bucket(bucket).get_blob(name)
+    assert blob is not None, f"no manifest at gs://{bucket}/{name}"
+    return json.loads(blob.download_as_bytes()), blob.content_type
+
+
+def test_a_targets_warm_writes_the_entries_it_relied_on_to_the_pools_manifest(
+    tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client
+) -> None:
+    """The manifest names exactly the entries the summary's keys name (not another
+    program's entry under the prefix), with their sizes in the bucket; a stale manifest is
+    replaced; a re-warm that finds them names them again."""
+    bucket = f"manifest-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    name = "jax/.cachewarm/pools/ns/llama/cpu.json"
+    storage_only.bucket(bucket).blob(f"jax/{OLD_PROGRAM}").upload_from_string(b"an older program's entry")
+    storage_only.bucket(bucket).blob(name).upload_from_string(b'{"version": 1, "entries": [{"name": "stale"}]}')
+    (tmp_path / "two_programs.py").write_text(TWO_PROGRAMS)
+    for attempt in ("writes", "finds"):
+        code, summary, log = gcs_warm(tmp_path, storage_bed, f"gs://{bucket}/jax", f"gs://{bucket}/{name}",
+                                      "targets", "two_programs:targets")
+        assert code == 0, log
+        assert (summary["entriesWritten"], summary["entriesFound"]) == ((2, 0) if attempt == "writes" else (0, 2))
+        assert len(summary["keys"]) == 2 and summary["manifestEntries"] == 2 and "manifestError" not in summary
+        blobs = {b.name.removeprefix("jax/"): b.size for b in storage_only.list_blobs(bucket, prefix="jax/")
+                 if b.name.endswith("-cache")}
+        relied = {n: size for n, size in blobs.items()
+                  if n.removesuffix("-cache").rsplit("-", 1)[1][:16] in summary["keys"]}
+        assert len(relied) == 2 and OLD_PROGRAM not in relied
+        manifest, content_type = read_manifest(storage_only, bucket, name)
+        assert content_type == "application/json"
+        assert manifest["entries"] == [{"name": n, "size": relied[n]} for n in sorted(relied)]
+        assert all(size > 0 for size in relied.values())
+        assert (manifest["version"], manifest["pool"]) == (1, "cpu")
+        assert manifest["fingerprint"] == summary["fingerprint"]
+        written = dt.datetime.strptime(manifest["writtenTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+        assert abs(written - dt.datetime.now(dt.timezone.utc)).total_seconds() < 300
+
+
+def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
+    tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client
+) -> None:
+    """A python entrypoint run in process names its entries: a manifest. Then the same
+    program run in a child process (sh -c): the warmer cannot tell which entries it used, so
+    the manifest, which would name an older run's entries, goes and pods copy the prefix."""
+    bucket = f"manifest-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    name = "jax/.cachewarm/pools/ns/llama/cpu.json"
+    url, manifest = f"gs://{bucket}/jax", f"gs://{bucket}/{name}"
+    script = tmp_path / "entry.py"
+    script.write_text("import jax, jax.numpy as jnp\nprint(jax.jit(lambda x: x * 3)(jnp.ones(3)))\n")
+    code, summary, log = gcs_warm(tmp_path, storage_bed, url, manifest, "command", "--", "python", str(script))
+    assert code == 0, log
+    assert summary["manifestEntries"] == len(summary["keys"]) >= 1
+    assert len(read_manifest(storage_only, bucket, name)[0]["entries"]) == summary["manifestEntries"]
+    code, summary, log = gcs_warm(tmp_path, storage_bed, url, manifest, "command", "--", "sh", "-c",
+                                  f"{sys.executable} {script}")
+    assert code == 0, log
+    assert "keys" not in summary and "manifestEntries" not in summary and "manifestError" not in summary
+    assert storage_only.bucket(bucket).get_blob(name) is None
+    assert "Removed the manifest" in log
+    # Nothing to remove is no error either.
+    code, summary, log = gcs_warm(tmp_path, storage_bed, url, manifest, "command", "--", "sh", "-c",
+                                  f"{sys.executable} {script}")
+    assert code == 0 and "manifestError" not in summary, log
+
+
+def test_a_manifest_that_cannot_be_written_is_reported_and_the_warm_stands(
+    tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client
+) -> None:
+    bucket = f"manifest-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    code, summary, log = gcs_warm(tmp_path, storage_bed, f"gs://{bucket}/jax", "gs://no-such-bucket-cw/m/cpu.json",
+                                  "targets", "warm_targets:quick_targets")
+    assert code == 0, log
+    assert summary["errors"] == [] and summary["entriesWritten"] == 1 and len(summary["keys"]) == 1
+    assert "manifestEntries" not in summary
+    assert summary["manifestError"].startswith("could not write the manifest gs://no-such-bucket-cw/m/cpu.json")
+    assert "Could not write the manifest" in log
 
 
 MULTI_HOST_TARGETS = '''

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 import string
 from typing import Any
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from cachewarm import constants as c
 from cachewarm.builders import bucket as b
+from cachewarm.builders import localcopy
 from cachewarm.model import GcsStorage
 from cachewarm_testbed import lifecycle_eval as ev
 
@@ -309,6 +311,118 @@ def test_rule_labels_are_valid_gcs_label_keys() -> None:
 ])
 def test_only_jax_entries_under_the_prefix_count_as_cache_entries(name: str, entry: bool) -> None:
     assert b.is_cache_entry(name, spec(prefix="llama")) is entry
+
+
+# --- what a deletion (deletionPolicy Delete) may remove: entries and the cache's manifests ----
+
+def deletes(object_name: str, gcs: GcsStorage, namespace: str, name: str) -> bool:
+    """What reconcile.delete_cache_data removes under the prefix it lists."""
+    return b.is_cache_entry(object_name, gcs) or b.is_own_manifest(object_name, gcs, namespace, name)
+
+
+def manifest_folder(prefix: str, namespace: str, name: str) -> str:
+    """The folder of a cache's manifests, as written down for users (not computed by the
+    code under test)."""
+    return f"{prefix}/.cachewarm/pools/{namespace}/{name}/" if prefix else f".cachewarm/pools/{namespace}/{name}/"
+
+
+POOL_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+
+
+@pytest.mark.parametrize(("object_name", "deleted"), [
+    ("llama/.cachewarm/pools/ns/c/h100.json", True),
+    ("llama/.cachewarm/pools/ns/c/v5p-16.json", True),
+    ("llama/.cachewarm/pools/ns/other/h100.json", False),  # another cache, same prefix
+    ("llama/.cachewarm/pools/team-b/c/h100.json", False),  # same name, another namespace
+    ("other/.cachewarm/pools/ns/c/h100.json", False),  # another prefix
+    (".cachewarm/pools/ns/c/h100.json", False),  # a cache of the same name at the bucket root
+    ("llama/x/.cachewarm/pools/ns/c/h100.json", False),
+    ("llama/.cachewarm/pools/ns/c/sub/h100.json", False),
+    ("llama/.cachewarm/pools/ns/c/h100.json.tmp", False),
+    ("llama/.cachewarm/pools/ns/c/h100.JSON", False),
+    ("llama/.cachewarm/pools/ns/c/H100.json", False),
+    ("llama/.cachewarm/pools/ns/c/-h100.json", False),
+    ("llama/.cachewarm/pools/ns/c/.json", False),
+    ("llama/.cachewarm/pools/ns/c/notes.txt", False),
+    ("llama/.cachewarm/pools/ns/c/jit_step-" + HASH + "-cache", False),
+    ("llama/.cachewarm/pools/ns/c.json", False),
+    ("llama/.cachewarm/pools/ns/c", False),
+    ("llama/h100.json", False),
+])
+def test_a_deletion_removes_this_caches_manifests_and_no_other_object(object_name: str, deleted: bool) -> None:
+    assert b.is_own_manifest(object_name, spec(prefix="llama"), "ns", "c") is deleted
+    assert deletes(object_name, spec(prefix="llama"), "ns", "c") is deleted
+
+
+# Small alphabets, so that hypothesis often draws two caches that differ in one part only,
+# and prefixes that themselves look like manifest folders.
+CACHE_PREFIXES = st.one_of(PREFIXES, st.sampled_from(["", "llama", ".cachewarm", ".cachewarm/pools", "a/.cachewarm",
+                                                      ".cachewarm/pools/ns/c", "llama/.cachewarm/pools/ns"]))
+NAMESPACES = st.text(alphabet="nsc-", min_size=1, max_size=3)
+CACHE_NAMES = st.text(alphabet="nsc-.1", min_size=1, max_size=4)
+CACHES = st.tuples(CACHE_PREFIXES, NAMESPACES, CACHE_NAMES)
+POOLS = st.one_of(st.text(alphabet="ab1-", min_size=1, max_size=5),
+                  st.sampled_from(["", "A", "a.b", "a/b", "a.json", "..", "a" * 63, "a" * 64]))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(mine=CACHES, other=CACHES, pool=POOLS)
+def test_property_a_deletion_never_matches_another_caches_manifest(
+    mine: tuple[str, str, str], other: tuple[str, str, str], pool: str
+) -> None:
+    """Every cache's manifests sit at <prefix>/.cachewarm/pools/<namespace>/<cache>/<pool>.json:
+    a deletion matches one only when it is this cache's (same prefix, namespace and name)
+    and its pool part can name a pool, whatever the prefixes (one under the other, or
+    shaped like a manifest folder themselves)."""
+    prefix, namespace, name = mine
+    theirs = localcopy.manifest_object(spec(prefix=other[0]), other[1], other[2], pool)
+    assert theirs == manifest_folder(*other) + f"{pool}.json"  # the documented layout
+    own = other == mine and POOL_LABEL.fullmatch(pool) is not None and len(pool) <= 63
+    assert b.is_own_manifest(theirs, spec(prefix=prefix), namespace, name) is own
+    assert deletes(theirs, spec(prefix=prefix), namespace, name) is own
+
+
+MANIFEST_TAILS = st.sampled_from(["", ".json", "cpu.json", "a-1.json", "cpu", "cpu.json.tmp", "cpu/x.json", "Cpu.json",
+                                  "-cpu.json", "cpu-.json", "c.p.json", "cpu.json/", f"jit_x-{HASH}-cache",
+                                  f"jit_x-{HASH}-atime", f"sub/jit_x-{HASH}-cache", "x"])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(mine=CACHES, other=CACHES, data=st.data())
+def test_property_a_deletion_matches_only_entries_and_this_caches_manifests(
+    mine: tuple[str, str, str], other: tuple[str, str, str], data: st.DataObject
+) -> None:
+    """For any object name (many drawn at the edge: in this cache's manifest folder or
+    another's, under the prefix or beside it): a deletion removes it only when it is a JAX
+    entry directly under the prefix, or exactly <folder>/<pool>.json of this cache for a
+    pool name that can be one."""
+    prefix, namespace, name = mine
+    gcs = spec(prefix=prefix)
+    heads = st.sampled_from([manifest_folder(*mine), manifest_folder(*other), gcs.object_prefix,
+                             manifest_folder(*mine)[:-1], f"{gcs.object_prefix}.cachewarm/pools/", ""])
+    tails = st.one_of(MANIFEST_TAILS, st.tuples(st.sampled_from(["a", "x/", "/"]), MANIFEST_TAILS).map("".join), NAMES)
+    entries = st.sampled_from(["-cache", "-atime"]).map(lambda end: jax_entry(prefix, "jit_x", end))
+    object_name = data.draw(st.one_of(st.tuples(heads, tails).map("".join), NAMES, entries))
+    if not deletes(object_name, gcs, namespace, name):
+        return
+    folder = manifest_folder(*mine)
+    tail = object_name[len(folder):] if object_name.startswith(folder) else None
+    manifest = tail is not None and tail.endswith(".json") and \
+        POOL_LABEL.fullmatch(tail.removesuffix(".json")) is not None
+    entry = object_name.startswith(gcs.object_prefix) and "/" not in object_name[len(gcs.object_prefix):] and \
+        object_name.endswith(("-cache", "-atime")) and re.search(r"-[0-9a-f]{64}-(cache|atime)$", object_name)
+    assert manifest or entry, object_name
+    assert b.is_own_manifest(object_name, gcs, namespace, name) is manifest
+
+
+@settings(max_examples=300, deadline=None)
+@given(cache=CACHES, pool=st.from_regex(r"[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?", fullmatch=True))
+def test_property_every_manifest_a_warmer_writes_is_removed_with_its_cache(cache: tuple[str, str, str],
+                                                                           pool: str) -> None:
+    """Any pool name the CRD allows (a DNS label of at most 20 characters)."""
+    prefix, namespace, name = cache
+    assert deletes(localcopy.manifest_object(spec(prefix=prefix), namespace, name, pool), spec(prefix=prefix),
+                   namespace, name)
 
 
 # --- two operator instances on one bucket ----------------------------------------------------

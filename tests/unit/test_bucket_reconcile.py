@@ -220,3 +220,18 @@ def test_a_bucket_gcs_refuses_to_delete_as_not_empty_is_kept_and_said_so() -> No
     assert "not empty" in events[-1].message and "BucketNameTaken" not in {e.reason for e in events}
     gone = r.delete_cache_data(deletable(), spec(), namespace="ns", name="c")  # type: ignore[arg-type]
     assert [e.reason for e in gone] == ["DataDeleted", "BucketDeleted"]
+
+
+def test_a_deletion_removes_this_caches_manifests_counts_them_apart_and_keeps_other_caches() -> None:
+    ours = ["jax/.cachewarm/pools/ns/c/cpu.json", "jax/.cachewarm/pools/ns/c/h100.json"]
+    others = ["jax/.cachewarm/pools/ns/c2/cpu.json", "jax/.cachewarm/pools/other/c/cpu.json",
+              "jax/.cachewarm/pools/ns/c/notes.txt", "jax/notes.json"]
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD"),
+                  [ObjectInfo(n, 1, generation=1) for n in [entry(1), *ours, *others]])
+    events = r.delete_cache_data(gcs, spec(), namespace="ns", name="c")  # type: ignore[arg-type]
+    assert sorted(gcs.objects) == sorted(others)
+    assert events[0].reason == "DataDeleted"
+    assert events[0].message == "Deleted 1 cache objects and 2 warmer manifests under gs://bk/jax"
+    # Nothing to say about manifests where there were none.
+    again = r.delete_cache_data(deletable(), spec(), namespace="ns", name="c")  # type: ignore[arg-type]
+    assert again[0].message == "Deleted 1 cache objects under gs://bk/jax"

@@ -132,6 +132,22 @@ def test_spec_defaults_match_the_crd() -> None:
     assert cache.injection.mode == "ReadWrite"
 
 
+def test_local_copy_is_off_by_default_and_reads_the_crd_defaults() -> None:
+    gcs = {"bucket": "b-1", "location": "US"}
+    assert parse_spec({"storage": {"gcs": gcs}}).injection.local_copy is None
+    cache = parse_spec({"storage": {"gcs": gcs}, "injection": {"mode": "ReadOnly", "localCopy": {}}})
+    local = cache.injection.local_copy
+    assert local is not None
+    assert (local.volume, local.size_limit, local.workers, local.timeout_seconds) == ("EmptyDir", "10Gi", 16, 300)
+    assert local.host_path is None and local.storage_class_name is None
+    cache = parse_spec({"storage": {"gcs": gcs}, "injection": {"mode": "ReadOnly", "localCopy": {
+        "volume": "Ephemeral", "sizeLimit": "50Gi", "storageClassName": "premium-rwo", "workers": 4, "timeoutSeconds": 60}}})
+    local = cache.injection.local_copy
+    assert local is not None
+    assert (local.volume, local.size_limit, local.storage_class_name, local.workers, local.timeout_seconds) == (
+        "Ephemeral", "50Gi", "premium-rwo", 4, 60)
+
+
 def test_spec_missing_bucket_names_the_field() -> None:
     with pytest.raises(InvalidSpec, match=r"spec\.storage\.gcs\.bucket"):
         parse_spec({"storage": {"gcs": {"location": "US"}}})

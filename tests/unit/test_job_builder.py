@@ -6,7 +6,10 @@ from typing import Any
 
 import pytest
 
+from cachewarm import constants as c
+from cachewarm import warmer
 from cachewarm.builders import job as jb
+from cachewarm.builders import localcopy
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.clients import kube
 from cachewarm.model import CacheSpec, Pool, parse_spec
@@ -65,6 +68,7 @@ def test_h100_pool() -> None:
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
         "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "CACHEWARM_MANIFEST": "gs://team-cache/llama/.cachewarm/pools/ml/llama/h100.json",
     }
     [init] = pod["initContainers"]
     assert init["image"] == "cachewarm/warmer:0.1.0"
@@ -291,3 +295,24 @@ def test_warmers_run_as_the_writer_identity_when_one_is_named() -> None:
     unnamed = build(cache([{"name": "cpu"}]))
     assert "serviceAccountName" not in unnamed["spec"]["template"]["spec"]  # the namespace's default
     kube.typed(named)  # the client takes it as built
+
+
+def test_each_pools_warmer_is_told_where_its_manifest_goes() -> None:
+    """CACHEWARM_MANIFEST: the object the local copy reads for this pool (per namespace,
+    cache and pool), under the cache's prefix, or at the bucket root for a root cache; the
+    warmer reads the same name. A user's value for it does not move it."""
+    assert warmer.MANIFEST_ENV == c.ENV_MANIFEST == "CACHEWARM_MANIFEST"
+    pools = [{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
+             {"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}]
+    spec = cache(pools, env=[{"name": "CACHEWARM_MANIFEST", "value": "gs://elsewhere/x.json"}])
+    for index, pool in enumerate(("h100", "v5p16")):
+        job = build(spec, index)
+        names = [e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]]
+        assert names.count("CACHEWARM_MANIFEST") == 1
+        url = env(job)["CACHEWARM_MANIFEST"]
+        assert url == f"gs://team-cache/llama/.cachewarm/pools/ml/llama/{pool}.json"
+        assert url == localcopy.manifest_url(spec.storage.gcs, "ml", "llama", pool)
+    root = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
+        "image": "img", "targets": ["t:t"], "pools": [{"name": "cpu"}]}})
+    assert env(build(root))["CACHEWARM_MANIFEST"] == "gs://b-1/.cachewarm/pools/ml/llama/cpu.json"
+    kube.typed(build(spec))

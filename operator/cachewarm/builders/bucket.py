@@ -29,13 +29,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm import constants as c
+from cachewarm.builders.localcopy import manifest_object
 from cachewarm.model import GcsStorage
 
 DAY = 86_400
-# JAX names entries <module>-<sha256 hex>-cache (and -atime when its LRU is on);
-# nothing else under a prefix is ours to delete.
+# JAX names entries <module>-<sha256 hex>-cache (and -atime when its LRU is on); besides
+# them, only the cache's own warmers' manifests (is_own_manifest) under a prefix are ours
+# to delete.
 ENTRY_NAME = re.compile(r"^[^/]+-[0-9a-f]{64}-(cache|atime)$")
 ENTRY_SUFFIXES = ("-cache", "-atime")
+# A pool's name (the CRD's pattern; a DNS label), as the last part of a manifest's name.
+POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 # GCS limits (https://cloud.google.com/storage/docs/lifecycle, .../docs/tags-and-labels).
 MAX_LIFECYCLE_RULES = 100
 MAX_BUCKET_LABELS = 64
@@ -424,3 +428,15 @@ def is_cache_entry(object_name: str, gcs: GcsStorage) -> bool:
     if not object_name.startswith(gcs.object_prefix):
         return False
     return ENTRY_NAME.match(object_name[len(gcs.object_prefix):]) is not None
+
+
+def is_own_manifest(object_name: str, gcs: GcsStorage, namespace: str, name: str) -> bool:
+    """True for the manifest of one of this cache's pools: exactly the name its warmers
+    write (builders/localcopy.manifest_object), for a pool name that can be one. Never
+    another cache's (its namespace and name are in the name), nor anything else in the
+    folder."""
+    folder = manifest_object(gcs, namespace, name, "").removesuffix(".json")
+    if not object_name.startswith(folder) or not object_name.endswith(".json"):
+        return False
+    pool = object_name[len(folder):].removesuffix(".json")
+    return POOL_NAME.fullmatch(pool) is not None and manifest_object(gcs, namespace, name, pool) == object_name

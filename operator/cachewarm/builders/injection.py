@@ -19,8 +19,9 @@ from cachewarm.model import CacheSpec
 # JAX writes an entry only when a compile took at least this long: a reader with this
 # threshold reads hits and never writes (verified with jax 0.10.2, no warnings).
 READ_ONLY_MIN_COMPILE_SECS = "1e9"
-# The reporter's init containers (builders/reporter.py) compile nothing: no cache env.
-OWN_INIT_CONTAINERS = (COPY_CONTAINER, PATH_CONTAINER)
+# The reporter's and the local copy's init containers (builders/reporter.py,
+# builders/localcopy.py) compile nothing: no cache env.
+OWN_INIT_CONTAINERS = (COPY_CONTAINER, PATH_CONTAINER, c.LOCAL_COPY_CONTAINER)
 
 Role = Literal["pod", "warmer"]
 
@@ -32,16 +33,18 @@ def _number(value: float) -> str:
 def cache_env(cache: CacheSpec, role: Role) -> list[dict[str, str]]:
     """Env vars (name/value dicts, in a stable order) that point JAX at this cache.
 
-    A `warmer` always writes; a `pod` writes only in ReadWrite mode.
+    A `warmer` always writes; a `pod` writes only in ReadWrite mode, and reads its local
+    copy where spec.injection.localCopy is set (ReadOnly only: the CRD says so).
     """
     gcs = cache.storage.gcs
+    directory = c.LOCAL_COPY_DIR if role == "pod" and cache.injection.local_copy is not None else gcs.url
     min_compile = (
         READ_ONLY_MIN_COMPILE_SECS
         if role == "pod" and cache.injection.mode == "ReadOnly"
         else _number(cache.jax.min_compile_time_secs)
     )
     return [
-        {"name": c.ENV_CACHE_DIR, "value": gcs.url},
+        {"name": c.ENV_CACHE_DIR, "value": directory},
         {"name": c.ENV_MIN_COMPILE_TIME, "value": min_compile},
         {"name": c.ENV_MIN_ENTRY_SIZE, "value": str(cache.jax.min_entry_size_bytes)},
         {"name": c.ENV_ENABLE_XLA_CACHES, "value": cache.jax.enable_xla_caches},
@@ -116,7 +119,8 @@ def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], conf
 
 
 def annotation_value(cache_name: str, generation: int, cache: CacheSpec) -> str:
-    return f"{cache_name} (generation {generation}, {cache.injection.mode}, {cache.storage.gcs.url})"
+    local = ", local copy" if cache.injection.local_copy is not None else ""
+    return f"{cache_name} (generation {generation}, {cache.injection.mode}, {cache.storage.gcs.url}{local})"
 
 
 def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: CacheSpec) -> PodInjection:

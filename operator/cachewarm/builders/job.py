@@ -167,7 +167,16 @@ def warmer_job(
     labels = {**pool_labels(cache_name, pool.name), c.LABEL_SPEC_HASH: digest}
     hosts = pool_shape(pool).hosts
     selector, tolerations, resources = placement(pool)
-    env: list[dict[str, Any]] = [*cache_env(cache, "warmer"), *({"name": e.name, "value": e.value} for e in warmup.env)]
+    # Here, not at the top: localcopy imports this module (placement).
+    from cachewarm.builders.localcopy import manifest_url  # noqa: PLC0415
+
+    env: list[dict[str, Any]] = [
+        *cache_env(cache, "warmer"),
+        *({"name": e.name, "value": e.value} for e in warmup.env if e.name != c.ENV_MANIFEST),
+        # Where process 0 writes the entries the warm relied on, for pods' local copies.
+        # Not in spec_hash: where the manifest goes does not change the program.
+        {"name": c.ENV_MANIFEST, "value": manifest_url(cache.storage.gcs, namespace, cache_name, pool.name)},
+    ]
     if hosts > 1:
         # Pod <job>-<index> in the pool's Service; process 0 hosts the coordinator.
         env += [

@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachewarm.constants import LOCAL_COPY_CONTAINER
+
 DIR = "/cachewarm-reporter"
 TOKEN_DIR = "/var/run/secrets/cachewarm"
 VOLUME = "cachewarm-reporter"
@@ -81,7 +83,7 @@ def _own_pythonpath(container: Mapping[str, Any]) -> tuple[bool, str | None]:
     return True, None if "valueFrom" in own else str(own.get("value") or "")
 
 
-def _resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
+def resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
     """The container's requests and limits of CPU, memory and ephemeral storage (not its
     GPUs or TPUs: an init container holding them would gain nothing), {} when it sets none."""
     out: dict[str, Any] = {}
@@ -117,9 +119,9 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
                           for e in c.get("env") or [])), None)
     if first is None:
         return None
-    wanted = _resources_of(first)
-    ours = (COPY_CONTAINER, PATH_CONTAINER)
-    if all(_resources_of(c) == wanted for c in init_containers if c.get("name") in ours):
+    wanted = resources_of(first)
+    ours = (COPY_CONTAINER, PATH_CONTAINER, LOCAL_COPY_CONTAINER)
+    if all(resources_of(c) == wanted for c in init_containers if c.get("name") in ours):
         return None
     init = []
     for container in init_containers:
@@ -130,6 +132,23 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
                 del new["resources"]
         init.append(new)
     return [copy.deepcopy(dict(c)) for c in containers], init, volumes
+
+
+def copy_container(spec: Mapping[str, Any], image: str, files: Sequence[str], resources: Mapping[str, Any]
+                   ) -> dict[str, Any]:
+    """The init container of the warmer image that copies `files` into the VOLUME at DIR
+    (the reporter's, and the local copy's copier: builders/localcopy.py)."""
+    return {
+        "name": COPY_CONTAINER, "image": image, "command": ["cp", *files, DIR],
+        "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
+        # As the image's user (65532) or the pod's; runAsUser of ours (which a policy that
+        # assigns users from a range, OpenShift's restricted SCC, would refuse) only where
+        # the pod asks for root, which runAsNonRoot would refuse.
+        "securityContext": {**RESTRICTED, "runAsNonRoot": True,
+                            **({"runAsUser": 65532} if (spec.get("securityContext") or {}).get("runAsUser") == 0
+                               else {})},
+        **({"resources": copy.deepcopy(dict(resources))} if resources else {}),
+    }
 
 
 def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
@@ -173,19 +192,10 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
             new["env"] = [*(e for e in env if e.get("name") not in names), *ours]
             new["volumeMounts"] = [*(new.get("volumeMounts") or []), *mounts]
         out.append(new)
-    resources = _resources_of(first)
+    resources = resources_of(first)
     init: list[dict[str, Any]] = [
-        {"name": COPY_CONTAINER, "image": reporting.image,
-         "command": ["cp", f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
-                     f"{SOURCE_DIR}/warm.py", BUSYBOX, DIR],
-         "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
-         # As the image's user (65532) or the pod's; runAsUser of ours (which a policy that
-         # assigns users from a range, OpenShift's restricted SCC, would refuse) only where
-         # the pod asks for root, which runAsNonRoot would refuse.
-         "securityContext": {**RESTRICTED, "runAsNonRoot": True,
-                             **({"runAsUser": 65532} if (spec.get("securityContext") or {}).get("runAsUser") == 0
-                                else {})},
-         **({"resources": resources} if resources else {})},
+        copy_container(spec, reporting.image, [f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
+                                               f"{SOURCE_DIR}/warm.py", BUSYBOX], resources),
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
          "command": [f"{DIR}/busybox", "sh", "-c", RECORD_PYTHONPATH, f"{DIR}/image-pythonpath"],

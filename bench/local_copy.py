@@ -1,0 +1,235 @@
+"""Pod creation to first step done, on the real node, by where the cache is (issue 14).
+
+Starts the control plane, the GCS emulator and a real node (kubelet + containerd), imports
+the images built from our Dockerfiles, installs the operator with `kubectl apply -k
+manifests/`, and warms two caches through it (one per workload):
+
+  small  demo/programs.py: ten small programs (an MLP classifier: init with static sizes,
+         a donating train step, bf16, evaluation, a static top-k), `programs:targets`
+  large  demo/train.py's transformer step, one program, made bigger (--large-layers x
+         --large-width), `train:targets`
+
+Then, for each workload, pods of each kind run in turn (--runs rounds, the kinds in a
+different order each round), each a fresh pod on the node:
+
+  (a) none        an unlabelled pod: no persistent cache, every program compiled
+  (b) gs://       labelled for a ReadOnly cache: JAX reads the bucket through gcsfs (the
+                  training image with gcsfs)
+  (c) local copy  labelled for a ReadOnly cache with localCopy (emptyDir): the copier init
+                  container copies the pool's manifest entries, JAX reads local disk (the
+                  plain image, no GCS library)
+  (d) local disk  an unlabelled pod whose JAX_COMPILATION_CACHE_DIR is a hostPath that
+                  already holds the entries (copied there beforehand): the floor
+
+(b), (c) and (d) have the reporter off (injection.report false), so they differ only in
+where the cache is; `--with-reporter` adds (c) with the reporter on (the CRD's default).
+
+The time is from just before the pod is created (`kubectl apply`, run here) to the
+moment the program finished its first step (time.time() in the pod; the same host
+clock), so it counts scheduling, every init container (the copy included), container
+start, python and jax start-up, and each program compiled or loaded. The median of the
+runs is reported, with the range, and for (c) the copier's own seconds.
+
+Needs root and `make node-deps` (as the real-node tests).
+
+Run: .venv/bin/python bench/local_copy.py [--runs 5] [--json bench-local-copy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from cachewarm_testbed import images, install
+from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
+
+REPO = repo_root()
+NS = "bench"
+GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+KINDS = ("none", "gs", "copy", "disk")
+LABELS = {"none": "(a) no cache", "gs": "(b) gs:// direct", "copy": "(c) local copy", "disk": "(d) local disk",
+          "copy+reporter": "(c') local copy, reporter on"}
+READER = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1e9", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+          "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+class Bench:
+    def __init__(self, bed: Testbed, large: dict[str, str]) -> None:
+        self.bed = bed
+        env = bed.env()
+        self.gcs_env = [{"name": k, "value": env[k]} for k in GCS_ENV]
+        self.bucket = f"bench-{uuid.uuid4().hex[:10]}"
+        self.workloads: dict[str, dict[str, Any]] = {
+            "small": {"command": ["python", "-m", "programs"], "target": "programs:targets", "env": {}},
+            "large": {"command": ["python", "-m", "train", "--steps", "1"], "target": "train:targets", "env": large},
+        }
+        self.disk = Path(f"/var/tmp/cachewarm-bench-{uuid.uuid4().hex[:8]}")
+
+    def cache(self, name: str, prefix: str, *, local: bool, report: bool, warm: dict[str, Any] | None) -> None:
+        spec: dict[str, Any] = {
+            "storage": {"gcs": {"bucket": self.bucket, "prefix": prefix, "location": "us-central1"}},
+            "jax": {"minCompileTimeSecs": 0},
+            "injection": {"mode": "ReadOnly", "report": report, **({"localCopy": {"sizeLimit": "2Gi"}} if local else {})},
+        }
+        if warm is not None:
+            spec["warmup"] = {"image": images.TRAIN_IMAGE, "targets": [warm["target"]], "pools": [{"name": "cpu"}],
+                              "env": [*self.gcs_env, *({"name": k, "value": v} for k, v in warm["env"].items())]}
+        self.bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
+                        "metadata": {"name": name}, "spec": spec}, NS)
+
+    def warm(self) -> None:
+        for workload, w in self.workloads.items():
+            self.cache(f"{workload}-copy", workload, local=True, report=False, warm=w)
+            self.cache(f"{workload}-gs", workload, local=False, report=False, warm=None)
+            self.cache(f"{workload}-copy-reported", workload, local=True, report=True, warm=None)
+        for workload in self.workloads:
+            def warmed(name: str = f"{workload}-copy") -> dict[str, Any] | None:
+                obj = self.bed.get_json("ccache", name, NS) or {}
+                conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+                if conds.get("Warmed", {}).get("reason") == "WarmupFailed":
+                    raise SystemExit(f"warmup of {name} failed: {conds['Warmed']['message']}")
+                return obj if conds.get("Warmed", {}).get("status") == "True" else None
+            t0 = time.monotonic()
+            obj = eventually(warmed, timeout=900, what=f"cache {workload}-copy Warmed")
+            [pool] = obj["status"]["warmup"]["pools"]
+            say(f"{workload}: warmed {pool['keyCount']} programs in {time.monotonic() - t0:.0f} s")
+        # (d)'s floor: the same entries on the node's disk beforehand.
+        client = storage.Client(project="bench", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": self.bed.env()["STORAGE_EMULATOR_HOST"]})
+        for workload in self.workloads:
+            dest = self.disk / workload
+            dest.mkdir(parents=True, exist_ok=True)
+            for blob in client.list_blobs(self.bucket, prefix=f"{workload}/", match_glob=f"{workload}/*-cache"):
+                blob.download_to_filename(str(dest / blob.name.rsplit("/", 1)[1]))
+            dest.chmod(0o755)
+
+    def pod(self, workload: str, kind: str, name: str) -> dict[str, Any]:
+        w = self.workloads[workload]
+        env = [{"name": k, "value": v} for k, v in w["env"].items()]
+        container: dict[str, Any] = {"name": "train", "image": images.PLAIN_TRAIN_IMAGE, "command": w["command"],
+                                     "env": env}
+        spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        labels = {}
+        if kind == "gs":
+            container["image"] = images.TRAIN_IMAGE  # JAX reads gs:// through gcsfs
+            container["env"] = [*env, *self.gcs_env]
+            labels = {"cachewarm.dev/cache": f"{workload}-gs"}
+        elif kind.startswith("copy"):
+            container["env"] = [*env, *self.gcs_env]  # the copier reaches GCS as the pod would
+            labels = {"cachewarm.dev/cache": f"{workload}-copy" + ("-reported" if kind.endswith("reporter") else "")}
+        elif kind == "disk":
+            container["env"] = [*env, {"name": "JAX_COMPILATION_CACHE_DIR", "value": "/cache"},
+                                *({"name": k, "value": v} for k, v in READER.items())]
+            container["volumeMounts"] = [{"name": "cache", "mountPath": "/cache", "readOnly": True}]
+            spec["volumes"] = [{"name": "cache", "hostPath": {"path": str(self.disk / workload), "type": "Directory"}}]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **({"labels": labels} if labels else {})},
+                "spec": spec}
+
+    def run(self, workload: str, kind: str) -> dict[str, Any]:
+        name = f"{workload}-{kind.replace('+', '-')}-{uuid.uuid4().hex[:6]}"
+        obj = self.pod(workload, kind, name)
+        t0 = time.time()
+        self.bed.apply(obj, NS)
+
+        def done() -> dict[str, Any] | None:
+            got = self.bed.get_json("pod", name, NS) or {}
+            return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+        finished = eventually(done, timeout=900, what=f"pod {name}")
+        logs = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "train").stdout
+        if finished["status"]["phase"] != "Succeeded":
+            raise SystemExit(f"pod {name} failed: {logs[-2000:]}")
+        line = json.loads(next(x for x in reversed(logs.splitlines()) if x.startswith("{")))
+        out = {"seconds": round(line["done"] - t0, 3), "hits": line["cache_hits"], "compiled": line["compiled"]}
+        if kind.startswith("copy"):
+            copier = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "cachewarm-copy").stdout
+            summary = json.loads(next(x for x in copier.splitlines() if "cachewarm-copier" in x))["cachewarm-copier"]
+            out.update(copySeconds=summary.get("seconds"), copied=summary.get("copied"), copyBytes=summary.get("bytes"),
+                       cold=summary.get("cold"))
+        self.bed.kubectl_run("delete", "pod", name, "-n", NS, "--wait=false")
+        return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds = [r["seconds"] for r in runs]
+    out: dict[str, Any] = {"median": round(statistics.median(seconds), 3), "min": min(seconds), "max": max(seconds),
+                           "hits": runs[-1]["hits"], "compiled": runs[-1]["compiled"], "runs": runs}
+    if "copySeconds" in runs[-1]:
+        out["copySecondsMedian"] = round(statistics.median(r["copySeconds"] for r in runs), 3)
+        out["copied"], out["copyBytes"] = runs[-1]["copied"], runs[-1]["copyBytes"]
+    return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| workload | cache | pod created → first step done, median (range) | hits / compiled | copier |",
+             "|---|---|---|---|---|"]
+    for workload, kinds in results.items():
+        for kind, r in kinds.items():
+            copier = (f"{r['copied']} entries, {r['copyBytes'] / 1e6:.1f} MB in {r['copySecondsMedian']} s"
+                      if "copySecondsMedian" in r else "")
+            lines.append(f"| {workload} | {LABELS[kind]} | {r['median']:.2f} s ({r['min']:.2f}–{r['max']:.2f}) | "
+                         f"{r['hits']} / {r['compiled']} | {copier} |")
+        if "copy" in kinds and "disk" in kinds:
+            lines.append(f"| {workload} | (c) / (d) | **{kinds['copy']['median'] / kinds['disk']['median']:.3f}×** | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--large-layers", default="12")
+    parser.add_argument("--large-width", default="512")
+    parser.add_argument("--with-reporter", action="store_true", help="also (c) with the reporter on")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    exit_on_sigterm()
+    archives = images.build_all()
+    bed = Testbed()
+    bench = Bench(bed, {"DEMO_LAYERS": args.large_layers, "DEMO_WIDTH": args.large_width})
+    try:
+        bed.start(controller_manager=True, real_node=True)
+        node = bed.start_real_node()
+        node.import_images(archives)
+        env = bed.env()
+        install.install_operator(bed, REPO / "manifests", {**{k: env[k] for k in GCS_ENV},
+                                                           "CACHEWARM_WARM_POLL_SECONDS": "1"})
+        bed.kubectl_run("create", "namespace", NS)
+        eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
+        bench.warm()
+        kinds = [*KINDS, *(["copy+reporter"] if args.with_reporter else [])]
+        for workload in bench.workloads:  # unmeasured: each image's first container start on the node
+            for kind in ("none", "gs"):
+                bench.run(workload, kind)
+        results: dict[str, dict[str, Any]] = {}
+        for workload in bench.workloads:
+            runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+            for i in range(args.runs):
+                for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                    got = bench.run(workload, kind)
+                    runs[kind].append(got)
+                    say(f"{workload} {kind}: {got}")
+            results[workload] = {k: summarize(v) for k, v in runs.items()}
+        print(table(results))
+        if args.json:
+            args.json.write_text(json.dumps({"runs": args.runs, "large": bench.workloads["large"]["env"],
+                                             "results": results}, indent=1))
+    finally:
+        bed.stop()
+        shutil.rmtree(bench.disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The local copy (spec.injection.localCopy): where the warmers' manifests live, and the
+part of the webhook's pod patch that gives a training pod a local copy of the cache.
+
+Pure: spec in, spec out.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from cachewarm import constants as c
+from cachewarm.builders import reporter
+from cachewarm.builders.job import placement
+from cachewarm.builders.tpu import TpuShapeError
+from cachewarm.model import CacheSpec, GcsStorage, LocalCopy, Pool
+
+MANIFEST_DIR = ".cachewarm/pools"
+
+
+def manifest_object(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
+    """The object name (in the cache's bucket) of the manifest the warmer of `pool` writes:
+    the entries its last warm relied on. Beside the entries, under the cache's prefix, but
+    in a sub-folder, so neither JAX, nor the lifecycle rule (entries directly under the
+    prefix, by suffix), nor the copier's listing of entries (matchGlob `<prefix>*`) sees it;
+    per namespace and cache, so two caches that share a prefix keep their own."""
+    return f"{storage.object_prefix}{MANIFEST_DIR}/{namespace}/{cache_name}/{pool}.json"
+
+
+def manifest_url(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
+    """manifest_object as a gs:// URL (what the warmer writes with gcsfs)."""
+    return f"gs://{storage.bucket}/{manifest_object(storage, namespace, cache_name, pool)}"
+
+
+# --- the webhook's part -------------------------------------------------------------------
+
+LOCAL_DIR = c.LOCAL_COPY_DIR  # JAX_COMPILATION_CACHE_DIR of pods with a local copy
+LOCAL_VOLUME = "cachewarm-cache"
+COPIER_CONTAINER = c.LOCAL_COPY_CONTAINER
+COPIER_FILE = f"{reporter.DIR}/cachewarm_copier.py"
+COPIER_SOURCE = f"{reporter.SOURCE_DIR}/cachewarm_copier.py"  # in the warmer image
+SUMMARY_FILE = f"{reporter.DIR}/local-copy.json"  # the copier writes it, the reporter reads it
+SUMMARY_ENV = "CACHEWARM_LOCAL_COPY_SUMMARY"
+# The kubelet evicts a pod whose emptyDir grows past its sizeLimit: the copy stops short.
+BUDGET_SHARE = 0.9
+# `sh -c SCRIPT PYTHON COPIER`: the training image's python runs the copier isolated from
+# the image's PYTHONPATH and site-packages (it needs the standard library only); an image
+# without that python still starts (cold), and says why.
+RUN_COPIER = ('"$0" -I -S "$1" || echo "{\\"cachewarm-copier\\": {\\"cold\\": true, \\"errors\\": '
+              '[\\"could not run $0 (exit $?): the pod starts with an empty local cache\\"]}}"; exit 0')
+GPU, TPU = "nvidia.com/gpu", "google.com/tpu"
+
+
+def _kind_of_pod(spec: Mapping[str, Any]) -> str:
+    """gpu, tpu or cpu: what the pod's containers ask for."""
+    asked: set[str] = set()
+    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = container.get("resources") or {}
+        for kind in ("limits", "requests"):
+            asked |= set((resources.get(kind) or {}))
+    return "gpu" if GPU in asked else "tpu" if TPU in asked else "cpu"
+
+
+def _kind_of_pool(pool: Pool) -> str:
+    return "gpu" if pool.accelerator is not None else "tpu" if pool.tpu is not None else "cpu"
+
+
+def _allowed_values(spec: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Node label -> the values the pod's scheduling constraints allow, for the labels it
+    pins: its nodeSelector, and required node affinity `In` expressions when there is a
+    single term (several terms are ORed: none of them pins a label)."""
+    allowed = {k: {str(v)} for k, v in (spec.get("nodeSelector") or {}).items()}
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    terms = required.get("nodeSelectorTerms") or []
+    if len(terms) == 1:
+        for expr in terms[0].get("matchExpressions") or []:
+            if expr.get("operator") == "In" and expr.get("key"):
+                values = {str(v) for v in expr.get("values") or []}
+                allowed[expr["key"]] = allowed[expr["key"]] & values if expr["key"] in allowed else values
+    return allowed
+
+
+def pools_for(spec: Mapping[str, Any], pools: Sequence[Pool]) -> list[str]:
+    """The pools whose warmers' entries a pod can use: those of the pod's kind (GPU, TPU or
+    neither, from the resources it asks for) whose node labels the pod's nodeSelector and
+    required node affinity allow. When none is left (the pod's node cannot be told at
+    admission, or matches no pool) every pool: a copy of entries it cannot use costs
+    bytes, a copy without the ones it can costs compiles."""
+    kind = _kind_of_pod(spec)
+    allowed = _allowed_values(spec)
+    matched = []
+    for pool in pools:
+        if _kind_of_pool(pool) != kind:
+            continue
+        try:
+            selector = placement(pool)[0]
+        except TpuShapeError:
+            continue
+        if all(value in allowed[key] for key, value in selector.items() if key in allowed):
+            matched.append(pool.name)
+    return matched or [pool.name for pool in pools]
+
+
+def budget_bytes(size_limit: str) -> int:
+    """The bytes the copier may copy into a volume of `size_limit` (a quantity the CRD
+    checked), parsed by the Kubernetes client as the kubelet reads it."""
+    size: Decimal = parse_quantity(size_limit)  # type: ignore[no-untyped-call]
+    return int(size * Decimal(str(BUDGET_SHARE)))
+
+
+def volume(local: LocalCopy) -> dict[str, Any]:
+    """The pod volume that holds the copy."""
+    if local.volume == "HostPath":
+        return {"name": LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "DirectoryOrCreate"}}
+    if local.volume == "Ephemeral":
+        claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
+                                 "resources": {"requests": {"storage": local.size_limit}}}
+        if local.storage_class_name:
+            claim["storageClassName"] = local.storage_class_name
+        return {"name": LOCAL_VOLUME, "ephemeral": {"volumeClaimTemplate": {
+            "metadata": {"labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY}}, "spec": claim}}}
+    return {"name": LOCAL_VOLUME, "emptyDir": {"sizeLimit": local.size_limit}}
+
+
+def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str]) -> list[dict[str, str]]:
+    local = cache.injection.local_copy
+    assert local is not None
+    gcs = cache.storage.gcs
+    return [
+        {"name": "CACHEWARM_COPY_BUCKET", "value": gcs.bucket},
+        {"name": "CACHEWARM_COPY_PREFIX", "value": gcs.prefix},
+        {"name": "CACHEWARM_COPY_DEST", "value": LOCAL_DIR},
+        {"name": "CACHEWARM_COPY_MANIFESTS",
+         "value": ",".join(manifest_object(gcs, namespace, cache_name, p) for p in pools)},
+        {"name": "CACHEWARM_COPY_MAX_BYTES", "value": str(budget_bytes(local.size_limit))},
+        {"name": "CACHEWARM_COPY_WORKERS", "value": str(local.workers)},
+        {"name": "CACHEWARM_COPY_DEADLINE_SECONDS", "value": str(local.timeout_seconds)},
+        {"name": "CACHEWARM_COPY_SUMMARY", "value": SUMMARY_FILE},
+    ]
+
+
+def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
+    """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
+    a Linux pod, a container with an image."""
+    return bool(image) and (spec.get("os") or {}).get("name") != "windows" and \
+        any(ct.get("image") for ct in spec.get("containers") or [])
+
+
+def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
+                   init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
+                   cache: CacheSpec, namespace: str, cache_name: str, image: str
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """(containers, initContainers, volumes) with the local copy added, each as the rest of
+    the patch leaves them (the reporter's init containers, when there, come first), or None
+    when there is nothing to add: already added (webhook reinvocation), a Windows pod, no
+    container with an image.
+
+    - a volume (LocalCopy.volume) at LOCAL_DIR, read-only in every container and init
+      container of the pod's own (JAX_COMPILATION_CACHE_DIR points there: cache_env);
+    - the reporter's copy init container (of the warmer image) also copies the copier and
+      busybox, or one is added that does just that;
+    - an init container of the training image (the first container's: its pull policy,
+      securityContext, env and envFrom, so it reaches GCS as the pod would, e.g. through
+      its proxy; its CPU, memory and ephemeral-storage) that runs the copier with the
+      image's python, after the reporter's and before the pod's own init containers;
+    - where the reporter is, CACHEWARM_LOCAL_COPY_SUMMARY, so it reports the copy.
+    """
+    local = cache.injection.local_copy
+    assert local is not None
+    if any(v.get("name") == LOCAL_VOLUME for v in volumes) or \
+            any(v.get("name") == LOCAL_VOLUME for v in spec.get("volumes") or []):
+        return None
+    if not local_copy_possible(spec, image):
+        return None
+    original = next(ct for ct in spec.get("containers") or [] if ct.get("image"))
+    pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
+    python = cache.warmup.python if cache.warmup is not None else "python"
+    files = [COPIER_SOURCE, reporter.BUSYBOX]
+    resources = reporter.resources_of(original)
+    out_volumes = [copy.deepcopy(dict(v)) for v in volumes]
+    init: list[dict[str, Any]] = []
+    ours = (reporter.COPY_CONTAINER, reporter.PATH_CONTAINER)
+    tools = next((c for c in init_containers if c.get("name") == reporter.COPY_CONTAINER), None)
+    if tools is None:
+        out_volumes.append({"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}})
+        init.append(reporter.copy_container(spec, image, files, resources))
+    for container in init_containers:
+        new = copy.deepcopy(dict(container))
+        if container.get("name") == reporter.COPY_CONTAINER:
+            command = list(new.get("command") or [])
+            new["command"] = [*command[:-1], *(f for f in files if f not in command), command[-1]]
+        if container.get("name") in ours:
+            init.append(new)
+    mount = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+    copier: dict[str, Any] = {
+        "name": COPIER_CONTAINER, "image": original["image"],
+        **({"imagePullPolicy": original["imagePullPolicy"]} if original.get("imagePullPolicy") else {}),
+        "command": [f"{reporter.DIR}/busybox", "sh", "-c", RUN_COPIER, python, COPIER_FILE],
+        "env": [*(copy.deepcopy(e) for e in original.get("env") or [] if not e.get("name", "").startswith("CACHEWARM_COPY_")),
+                *copier_env(cache, namespace, cache_name, pools)],
+        **({"envFrom": copy.deepcopy(original["envFrom"])} if original.get("envFrom") else {}),
+        "volumeMounts": [{"name": reporter.VOLUME, "mountPath": reporter.DIR},
+                         {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR}],
+        **({"securityContext": copy.deepcopy(original["securityContext"])} if original.get("securityContext") else {}),
+        **({"resources": resources} if resources else {}),
+    }
+    init.append(copier)
+    init += [_mounted(ct, mount, summary=False) for ct in init_containers if ct.get("name") not in ours]
+    out = [_mounted(ct, mount, summary=True) for ct in containers]
+    out_volumes.append(volume(local))
+    return out, init, out_volumes
+
+
+def _mounted(container: Mapping[str, Any], mount: Mapping[str, Any], *, summary: bool) -> dict[str, Any]:
+    new = copy.deepcopy(dict(container))
+    new["volumeMounts"] = [*(new.get("volumeMounts") or []), dict(mount)]
+    if summary and any(m.get("name") == reporter.VOLUME for m in new.get("volumeMounts") or []):
+        new["env"] = [*(e for e in new.get("env") or [] if e.get("name") != SUMMARY_ENV),
+                      {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
+    return new

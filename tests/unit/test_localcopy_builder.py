@@ -1,0 +1,186 @@
+"""The local copy's part of the webhook's pod patch (builders/localcopy.py), pure: which
+pools' manifests a pod gets, the volume, the copier init container, the mounts."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from cachewarm import service
+from cachewarm.builders import localcopy as lc
+from cachewarm.builders.reporter import Reporting
+from cachewarm.model import parse_spec
+
+POOLS = [
+    {"name": "cpu"},
+    {"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
+    {"name": "a100", "accelerator": {"type": "nvidia-tesla-a100", "count": 8}},
+    {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}},
+]
+WARMER = "cachewarm/warmer:0.1.0"
+
+
+def cache_spec(local: dict[str, Any] | None = None, report: bool = True, pools: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
+    injection: dict[str, Any] = {"mode": "ReadOnly", "report": report}
+    if local is not None:
+        injection["localCopy"] = local
+    return {"storage": {"gcs": {"bucket": "team-cache", "location": "us-central1", "prefix": "llama"}},
+            "injection": injection,
+            "warmup": {"image": "train:1", "targets": ["train:targets"], "pools": pools if pools is not None else POOLS}}
+
+
+def training_pod(**spec: Any) -> dict[str, Any]:
+    container = {"name": "train", "image": "train:1", "command": ["python", "train.py"],
+                 "env": [{"name": "STORAGE_EMULATOR_HOST", "value": "http://gcs:9023"}],
+                 "resources": {"limits": {"cpu": "4", "memory": "8Gi"}}}
+    return {"metadata": {"name": "p", "namespace": "team", "labels": {"cachewarm.dev/cache": "llama"}},
+            "spec": {"containers": [container], **spec}}
+
+
+def admit(pod: dict[str, Any], spec: dict[str, Any], *, warmer: str | None = WARMER,
+          reporting: bool = True) -> service.Admission:
+    entry = service.index_entry(spec, generation=3, uid="uid-1", warmed=True)
+    return service.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
+                             Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, warmer)
+
+
+def patched(pod: dict[str, Any], answer: service.Admission) -> dict[str, Any]:
+    out = copy.deepcopy(pod)
+    out["spec"].update(copy.deepcopy(answer.spec))
+    out["metadata"].setdefault("annotations", {}).update(answer.annotations)
+    return out
+
+
+def env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env") or []}
+
+
+def pools_of(pod_spec: dict[str, Any]) -> list[str]:
+    return lc.pools_for(pod_spec, parse_spec(cache_spec()).warmup.pools)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("pod_spec", "pools"), [
+    pytest.param({"containers": [{"name": "c"}]}, ["cpu"], id="cpu-pod-cpu-pool"),
+    pytest.param({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 8}}}],
+                  "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}}, ["h100"], id="gpu-selector"),
+    pytest.param({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 8}}}]},
+                 ["h100", "a100"], id="gpu-any-gpu-pool"),
+    pytest.param({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 8}}}],
+                  "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                      {"matchExpressions": [{"key": "cloud.google.com/gke-accelerator", "operator": "In",
+                                             "values": ["nvidia-tesla-a100"]}]}]}}}}, ["a100"], id="gpu-affinity"),
+    pytest.param({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 8}}}],
+                  "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                      {"matchExpressions": [{"key": "cloud.google.com/gke-accelerator", "operator": "In",
+                                             "values": ["nvidia-tesla-a100"]}]},
+                      {"matchExpressions": [{"key": "cloud.google.com/gke-accelerator", "operator": "In",
+                                             "values": ["nvidia-h100-80gb"]}]}]}}}}, ["h100", "a100"],
+                 id="gpu-affinity-two-terms"),
+    pytest.param({"containers": [{"name": "c", "resources": {"requests": {"google.com/tpu": 4},
+                                                              "limits": {"google.com/tpu": 4}}}],
+                  "nodeSelector": {"cloud.google.com/gke-tpu-topology": "2x2x1"}}, ["v5p"], id="tpu"),
+    pytest.param({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 8}}}],
+                  "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}, ["cpu", "h100", "a100", "v5p"],
+                 id="no-pool-matches-every-pool"),
+])
+def test_the_copy_is_of_the_pools_whose_nodes_the_pod_can_run_on(pod_spec: dict[str, Any], pools: list[str]) -> None:
+    assert pools_of(pod_spec) == pools
+
+
+def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifests() -> None:
+    pod = training_pod(nodeSelector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"})
+    pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "8"
+    pod["spec"]["initContainers"] = [{"name": "fetch", "image": "busybox", "command": ["true"]}]
+    answer = admit(pod, cache_spec({"sizeLimit": "20Gi", "workers": 8, "timeoutSeconds": 120}))
+    spec = answer.spec
+    assert answer.annotations["cachewarm.dev/injected"] == "llama (generation 3, ReadOnly, gs://team-cache/llama, local copy)"
+    [train] = spec["containers"]
+    assert env(train)["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
+    assert env(train)["CACHEWARM_LOCAL_COPY_SUMMARY"] == "/cachewarm-reporter/local-copy.json"
+    assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in train["volumeMounts"]
+    names = [c["name"] for c in spec["initContainers"]]
+    # The reporter's two first, then the copier, then the pod's own (which reads the copy too).
+    assert names == ["cachewarm-reporter", "cachewarm-pythonpath", "cachewarm-copy", "fetch"]
+    tools, _, copier, fetch = spec["initContainers"]
+    assert tools["command"].count("/opt/cachewarm/busybox") == 1
+    assert "/opt/cachewarm/cachewarm_copier.py" in tools["command"] and tools["command"][-1] == "/cachewarm-reporter"
+    assert copier["image"] == "train:1" and copier["command"][-2:] == ["python", "/cachewarm-reporter/cachewarm_copier.py"]
+    assert copier["resources"] == {"limits": {"cpu": "4", "memory": "8Gi"}}  # not the GPUs
+    assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache"} in copier["volumeMounts"]
+    got = env(copier)
+    assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the training container's env, as it reaches GCS
+    assert got["CACHEWARM_COPY_MANIFESTS"] == "llama/.cachewarm/pools/team/llama/h100.json"
+    assert (got["CACHEWARM_COPY_BUCKET"], got["CACHEWARM_COPY_PREFIX"], got["CACHEWARM_COPY_DEST"]) == (
+        "team-cache", "llama", "/cachewarm-cache")
+    assert got["CACHEWARM_COPY_MAX_BYTES"] == str(int(20 * 2**30 * 0.9))
+    assert (got["CACHEWARM_COPY_WORKERS"], got["CACHEWARM_COPY_DEADLINE_SECONDS"]) == ("8", "120")
+    assert "JAX_COMPILATION_CACHE_DIR" not in got  # ours compile nothing
+    assert env(fetch)["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
+    assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in fetch["volumeMounts"]
+    assert {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "20Gi"}} in spec["volumes"]
+
+
+@pytest.mark.parametrize(("local", "volume"), [
+    pytest.param({}, {"emptyDir": {"sizeLimit": "10Gi"}}, id="EmptyDir"),
+    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax"},
+                 {"hostPath": {"path": "/mnt/disks/ssd0/jax", "type": "DirectoryOrCreate"}}, id="HostPath"),
+    pytest.param({"volume": "Ephemeral", "sizeLimit": "50Gi", "storageClassName": "premium-rwo"},
+                 {"ephemeral": {"volumeClaimTemplate": {
+                     "metadata": {"labels": {"app.kubernetes.io/managed-by": "cachewarm"}},
+                     "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}},
+                              "storageClassName": "premium-rwo"}}}}, id="Ephemeral"),
+])
+def test_each_volume_kind(local: dict[str, Any], volume: dict[str, Any]) -> None:
+    spec = admit(training_pod(), cache_spec(local)).spec
+    assert {"name": "cachewarm-cache", **volume} in spec["volumes"]
+
+
+def test_without_the_reporter_the_copier_still_gets_its_files_and_no_pythonpath_is_set() -> None:
+    spec = admit(training_pod(), cache_spec({}, report=False)).spec
+    tools, copier = spec["initContainers"]
+    assert tools["name"] == "cachewarm-reporter" and tools["image"] == WARMER
+    assert tools["command"] == ["cp", "/opt/cachewarm/cachewarm_copier.py", "/opt/cachewarm/busybox", "/cachewarm-reporter"]
+    assert copier["name"] == "cachewarm-copy"
+    [train] = spec["containers"]
+    assert "PYTHONPATH" not in env(train) and "CACHEWARM_LOCAL_COPY_SUMMARY" not in env(train)
+    assert {v["name"] for v in spec["volumes"]} == {"cachewarm-reporter", "cachewarm-cache"}
+
+
+def test_without_a_warmer_image_the_pod_reads_the_bucket_and_is_told() -> None:
+    answer = admit(training_pod(), cache_spec({}), warmer=None, reporting=False)
+    assert env(answer.spec["containers"][0])["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
+    assert "initContainers" not in answer.spec
+    assert any("local copy" in w for w in answer.warnings)
+
+
+def test_a_windows_pod_reads_the_bucket() -> None:
+    answer = admit(training_pod(os={"name": "windows"}), cache_spec({}))
+    assert env(answer.spec["containers"][0])["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
+    assert "cachewarm-cache" not in {v["name"] for v in answer.spec.get("volumes") or []}
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_reinvocation_changes_nothing(report: bool) -> None:
+    pod = training_pod()
+    spec = cache_spec({}, report=report)
+    once = patched(pod, admit(pod, spec))
+    again = admit(once, spec)
+    assert again.spec == {} and not again.injected
+
+
+def test_without_warmup_the_whole_prefix_is_copied() -> None:
+    spec = cache_spec({})
+    del spec["warmup"]
+    copier = next(c for c in admit(training_pod(), spec).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert env(copier)["CACHEWARM_COPY_MANIFESTS"] == ""
+    assert copier["command"][-2] == "python"
+
+
+def test_the_copier_runs_with_the_warmups_python() -> None:
+    spec = cache_spec({})
+    spec["warmup"]["python"] = "/opt/venv/bin/python3"
+    copier = next(c for c in admit(training_pod(), spec).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert copier["command"][-2] == "/opt/venv/bin/python3"
