@@ -200,19 +200,28 @@ class Client:
         self._lock = threading.Lock()
         # pid alone is not unique: init containers of pods sharing a hostPath are often pid 1 each.
         self._run = f"{os.getpid()}-{os.urandom(6).hex()}"
+        # time.monotonic() after which no request starts and downloads in flight stop, so
+        # the deadline bounds a black-holed network too (run() sets it).
+        self.deadline = float("inf")
+
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise CopyError("the deadline passed")
+        return left
 
     def _open(self, url: str) -> Any:
-        headers = {}
-        bearer = self.token()
-        if bearer:
-            headers["Authorization"] = f"Bearer {bearer}"
         last: Exception | None = None
         for attempt in range(ATTEMPTS):
             if attempt:
-                time.sleep(BACKOFF_SECONDS * 2 ** (attempt - 1))
+                time.sleep(min(BACKOFF_SECONDS * 2 ** (attempt - 1), self._remaining()))
             try:
+                # Inside the retries: GKE's metadata server may refuse a pod's first
+                # requests for a few seconds after it starts, as an init container does.
+                bearer = self.token()
+                headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
                 return urllib.request.urlopen(urllib.request.Request(url, headers=headers),  # noqa: S310
-                                              timeout=REQUEST_TIMEOUT_SECONDS)
+                                              timeout=min(REQUEST_TIMEOUT_SECONDS, self._remaining()))
             except urllib.error.HTTPError as exc:
                 if exc.code not in RETRIED:
                     raise CopyError(f"HTTP {exc.code} for {url}", exc.code) from None
@@ -270,6 +279,7 @@ class Client:
         try:
             with self._open(self._media(bucket, name)) as answer, open(partial, "xb") as out:
                 while chunk := answer.read(1 << 20):
+                    self._remaining()  # a slow download stops at the deadline too
                     digest.update(chunk)
                     out.write(chunk)
                     size += len(chunk)
@@ -288,6 +298,9 @@ class Client:
         return size
 
 
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def metadata_token() -> Callable[[], str | None]:
     """The pod's access token from the metadata server, fetched once and then again
     shortly before it expires."""
@@ -298,7 +311,8 @@ def metadata_token() -> Callable[[], str | None]:
         with lock:
             if state["token"] is None or time.monotonic() > state["until"]:
                 request = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
-                with urllib.request.urlopen(request, timeout=5) as answer:  # noqa: S310
+                # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
+                with DIRECT.open(request, timeout=5) as answer:
                     got = json.load(answer)
                 state["token"] = got["access_token"]
                 state["until"] = time.monotonic() + max(float(got.get("expires_in", 300)) - 60, 30)
@@ -367,10 +381,13 @@ def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) 
     return None
 
 
-def run(settings: Settings, client: Client) -> dict[str, Any]:
-    """Copy what `plan` picks. Never raises: the summary says what happened."""
+def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Copy what `plan` picks, counting into `summary` (a new_summary; main's watchdog
+    reads the same one). Never raises: the summary says what happened."""
     started = time.monotonic()
-    summary = new_summary("manifest" if settings.manifests else "prefix")
+    client.deadline = started + settings.deadline_seconds
+    summary = new_summary("prefix") if summary is None else summary
+    summary["source"] = "manifest" if settings.manifests else "prefix"
     listed = False
     try:
         os.makedirs(settings.dest, exist_ok=True)
@@ -423,12 +440,38 @@ def write_summary(path: str, summary: Mapping[str, Any]) -> None:
         raise
 
 
+# After the deadline, this long for requests in flight to give up before the process
+# exits anyway (a read blocked in the kernel cannot be interrupted otherwise).
+HARD_STOP_GRACE_SECONDS = 15.0
+
+
+def _hard_stop(summary: dict[str, Any]) -> None:
+    add_error(summary, "still running past the deadline: stopped")
+    summary["cold"] = summary["copied"] + summary["present"] == 0
+    path = os.environ.get("CACHEWARM_COPY_SUMMARY")
+    if path:
+        try:
+            write_summary(path, summary)
+        except Exception:  # noqa: BLE001, S110 - stdout still has it
+            pass
+    print(json.dumps({"cachewarm-copier": summary}, sort_keys=True), flush=True)
+    os._exit(0)
+
+
 def main() -> None:
+    try:
+        deadline = float(os.environ.get("CACHEWARM_COPY_DEADLINE_SECONDS", "300"))
+    except ValueError:
+        deadline = 300.0
+    live = new_summary("prefix")
+    watchdog = threading.Timer(max(deadline, 1.0) + HARD_STOP_GRACE_SECONDS, _hard_stop, args=(live,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         settings = Settings.from_env(os.environ)
         client = Client(settings.endpoint, (lambda: None) if os.environ.get("STORAGE_EMULATOR_HOST")
                         else metadata_token())
-        summary = run(settings, client)
+        summary = run(settings, client, live)
     except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
         summary = new_summary("manifest" if os.environ.get("CACHEWARM_COPY_MANIFESTS", "").strip(" ,") else "prefix")
         summary["cold"] = True

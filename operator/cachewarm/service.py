@@ -548,7 +548,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
             out.injected = True
     if cache.injection.local_copy is not None and warmer_image:
         copied = add_local_copy(pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace,
-                                cache_name=cache_name, image=warmer_image)
+                                cache_name=cache_name, image=warmer_image, annotations=meta.get("annotations"))
         if copied is not None:
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = copied
             out.injected = True

@@ -159,6 +159,17 @@ def warm_cache(name: str, cluster: Installed) -> dict[str, Any]:
     }
 
 
+def wait_warmed(bed: Testbed, name: str, ns: str) -> dict[str, Any]:
+    """The cache once Warmed; the test fails at once with the reason if its warmup failed."""
+    def warmed() -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", name, ns) or {}
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+        if conds.get("Warmed", {}).get("reason") == "WarmupFailed":
+            pytest.fail(f"warmup failed: {conds['Warmed']['message']}")
+        return obj if conds.get("Warmed", {}).get("status") == "True" else None
+    return eventually(warmed, timeout=300, what=f"cache {name} to be Warmed")
+
+
 def finished(bed: Testbed, kind: str, name: str, ns: str) -> dict[str, Any] | None:
     obj = bed.get_json(kind, name, ns) or {}
     return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
@@ -167,14 +178,7 @@ def finished(bed: Testbed, kind: str, name: str, ns: str) -> dict[str, Any] | No
 def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: Installed, ns: str) -> None:
     bed = cluster.bed
     bed.apply(warm_cache("llama", cluster), ns)
-
-    def warmed() -> dict[str, Any] | None:
-        obj = bed.get_json("ccache", "llama", ns) or {}
-        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
-        if conds.get("Warmed", {}).get("reason") == "WarmupFailed":
-            pytest.fail(f"warmup failed: {conds['Warmed']['message']}")
-        return obj if conds.get("Warmed", {}).get("status") == "True" else None
-    obj = eventually(warmed, timeout=300, what="the cache to be Warmed")
+    obj = wait_warmed(bed, "llama", ns)
     [pool] = obj["status"]["warmup"]["pools"]
     assert pool["state"] == "Succeeded" and pool["entriesWritten"] > 0, pool
 
@@ -301,21 +305,15 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     program's), and the program hits all ten and compiles nothing. Its reporter reports
     the copy, and status.usage counts it. A second cache on the same prefix, HostPath, no
     warmup (so no manifest): its pods copy the whole prefix, the second one on the node
-    finds every entry already there."""
+    finds every entry already there. A third, Ephemeral: the pod's own claim, bound by the
+    scheduler to a local PersistentVolume on the node (no provisioner here), holds the copy."""
     bed = cluster.bed
     obj = warm_cache("local", cluster)
     obj["spec"]["warmup"]["targets"] = ["programs:targets"]
     obj["spec"]["injection"]["localCopy"] = {"sizeLimit": "1Gi"}
     bucket = obj["spec"]["storage"]["gcs"]["bucket"]
     bed.apply(obj, ns)
-
-    def warmed() -> dict[str, Any] | None:
-        got = bed.get_json("ccache", "local", ns) or {}
-        conds = {c["type"]: c for c in (got.get("status") or {}).get("conditions", [])}
-        if conds.get("Warmed", {}).get("reason") == "WarmupFailed":
-            pytest.fail(f"warmup failed: {conds['Warmed']['message']}")
-        return got if conds.get("Warmed", {}).get("status") == "True" else None
-    warm = eventually(warmed, timeout=300, what="the cache to be Warmed")
+    warm = wait_warmed(bed, "local", ns)
     [pool] = warm["status"]["warmup"]["pools"]
     assert pool["keyCount"] == 10, pool
     gcs = storage.Client(project="test", credentials=AnonymousCredentials(),

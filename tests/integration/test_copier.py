@@ -13,6 +13,8 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -311,3 +313,38 @@ def test_bad_settings_are_a_cold_start_too(tmp_path: Path) -> None:
     summary = run_copier({"CACHEWARM_COPY_DEST": str(tmp_path), "CACHEWARM_COPY_SUMMARY": str(summary_file)})
     assert summary["cold"] is True and "CACHEWARM_COPY_BUCKET" in summary["errors"][0]  # no bucket
     assert json.loads(summary_file.read_text()) == summary
+
+
+def test_a_bucket_that_never_answers_is_given_up_at_the_deadline(tmp_path: Path) -> None:
+    """A black-holed network (connections accepted, nothing ever answered): every request
+    of the copier's is bounded by what is left of its deadline, so the init container ends
+    soon after CACHEWARM_COPY_DEADLINE_SECONDS (3 s here), cold, exit 0. Without the bound
+    it would take 4 attempts x 30 s per request, minutes: run_copier's 30 s timeout is the
+    behaviour under test, not a speed measurement (the slow machine gets 10x slack)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        summary = run_copier({"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{silent.getsockname()[1]}",
+                              "CACHEWARM_COPY_BUCKET": "silent", "CACHEWARM_COPY_DEST": str(tmp_path / "cache"),
+                              "CACHEWARM_COPY_MANIFESTS": "jax/.cachewarm/pools/a/b/c.json",
+                              "CACHEWARM_COPY_DEADLINE_SECONDS": "3",
+                              "CACHEWARM_COPY_SUMMARY": str(tmp_path / "summary.json")}, timeout=30)
+    assert summary["cold"] is True and summary["copied"] == 0, summary
+    assert json.loads((tmp_path / "summary.json").read_text())["cold"] is True  # the reporter hears of it
+    assert any("deadline" in e or "timed out" in e for e in summary["errors"]), summary
+
+
+def test_an_image_whose_python_cannot_run_the_copier_still_starts_and_says_so_to_the_reporter(tmp_path: Path) -> None:
+    """The init container's command as the webhook writes it, run by the static busybox
+    (as in the pod): with no such python in the image it prints a cold summary, writes it
+    where the reporter reads it, and exits 0."""
+    from cachewarm.builders.localcopy import RUN_COPIER  # noqa: PLC0415
+    busybox = shutil.which("busybox")
+    assert busybox, "make node-deps installs busybox-static"
+    summary_file = tmp_path / "local-copy.json"
+    out = subprocess.run([busybox, "sh", "-c", RUN_COPIER, "no-such-python", str(COPIER)], capture_output=True,
+                         text=True, timeout=30, env={"PATH": "/nonexistent", "CACHEWARM_COPY_SUMMARY": str(summary_file)})
+    assert out.returncode == 0, out.stderr
+    printed = summary_of(out.stdout)
+    assert printed["cold"] is True and "could not run no-such-python (exit 127)" in printed["errors"][0]
+    assert json.loads(summary_file.read_text()) == printed

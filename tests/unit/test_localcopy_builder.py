@@ -184,3 +184,44 @@ def test_the_copier_runs_with_the_warmups_python() -> None:
     spec["warmup"]["python"] = "/opt/venv/bin/python3"
     copier = next(c for c in admit(training_pod(), spec).spec["initContainers"] if c["name"] == "cachewarm-copy")
     assert copier["command"][-2] == "/opt/venv/bin/python3"
+
+
+def test_an_emptydir_copy_stays_within_half_the_pods_ephemeral_storage_limits() -> None:
+    """The kubelet evicts a pod whose emptyDirs and containers pass the sum of its
+    containers' ephemeral-storage limits: the copy takes at most half of it."""
+    pod = training_pod()
+    pod["spec"]["containers"][0]["resources"]["limits"]["ephemeral-storage"] = "2Gi"
+    copier = next(c for c in admit(pod, cache_spec({})).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert env(copier)["CACHEWARM_COPY_MAX_BYTES"] == str(2**30)
+    # A sidecar without a limit: no pod-level limit, 90% of sizeLimit.
+    pod["spec"]["containers"].append({"name": "side", "image": "side:1"})
+    copier = next(c for c in admit(pod, cache_spec({})).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert env(copier)["CACHEWARM_COPY_MAX_BYTES"] == str(int(10 * 2**30 * 0.9))
+    # A hostPath is not the pod's ephemeral storage.
+    pod["spec"]["containers"].pop()
+    local = {"volume": "HostPath", "hostPath": "/mnt/ssd"}
+    copier = next(c for c in admit(pod, cache_spec(local)).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert env(copier)["CACHEWARM_COPY_MAX_BYTES"] == str(int(10 * 2**30 * 0.9))
+
+
+def test_the_copier_runs_the_pods_default_container_not_a_sidecar_listed_first() -> None:
+    pod = training_pod()
+    pod["spec"]["containers"].insert(0, {"name": "logs", "image": "fluent/fluent-bit:3",
+                                         "resources": {"limits": {"memory": "64Mi"}}})
+    pod["metadata"]["annotations"] = {"kubectl.kubernetes.io/default-container": "train"}
+    copier = next(c for c in admit(pod, cache_spec({})).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert copier["image"] == "train:1" and copier["resources"] == {"limits": {"cpu": "4", "memory": "8Gi"}}
+    assert env(copier)["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"
+
+
+def test_envfrom_containers_read_the_bucket_from_the_configmap_which_never_names_the_local_dir() -> None:
+    """The cache's ConfigMap serves envFrom containers of every pod, also of pods that got
+    no copy (Windows, no warmer image): it names the bucket, never /cachewarm-cache."""
+    from cachewarm.builders.injection import env_configmap  # noqa: PLC0415
+    data = env_configmap(parse_spec(cache_spec({})), "llama", "team", {"name": "llama", "uid": "u"})["data"]
+    assert data["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
+    pod = training_pod()
+    pod["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "team"}}]
+    [train] = admit(pod, cache_spec({})).spec["containers"]
+    assert "JAX_COMPILATION_CACHE_DIR" not in env(train)
+    assert train["envFrom"][0] == {"configMapRef": {"name": "cachewarm-llama-env", "optional": True}}

@@ -30,14 +30,16 @@ def _number(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else f"{float(value):.1f}"
 
 
-def cache_env(cache: CacheSpec, role: Role) -> list[dict[str, str]]:
+def cache_env(cache: CacheSpec, role: Role, *, local: bool = True) -> list[dict[str, str]]:
     """Env vars (name/value dicts, in a stable order) that point JAX at this cache.
 
     A `warmer` always writes; a `pod` writes only in ReadWrite mode, and reads its local
-    copy where spec.injection.localCopy is set (ReadOnly only: the CRD says so).
+    copy where spec.injection.localCopy is set (ReadOnly only: the CRD says so) unless
+    `local` is false (the ConfigMap for envFrom containers, which may be in a pod that got
+    no copy: they read the bucket).
     """
     gcs = cache.storage.gcs
-    directory = c.LOCAL_COPY_DIR if role == "pod" and cache.injection.local_copy is not None else gcs.url
+    directory = c.LOCAL_COPY_DIR if role == "pod" and local and cache.injection.local_copy is not None else gcs.url
     min_compile = (
         READ_ONLY_MIN_COMPILE_SECS
         if role == "pod" and cache.injection.mode == "ReadOnly"
@@ -85,7 +87,7 @@ def env_configmap(cache: CacheSpec, cache_name: str, namespace: str, owner: Mapp
                      "ownerReferences": [{"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
                                           "name": owner["name"], "uid": owner["uid"], "controller": True,
                                           "blockOwnerDeletion": True}]},
-        "data": {var["name"]: var["value"] for var in cache_env(cache, "pod")},
+        "data": {var["name"]: var["value"] for var in cache_env(cache, "pod", local=False)},
     }
 
 

@@ -50,8 +50,11 @@ BUDGET_SHARE = 0.9
 # `sh -c SCRIPT PYTHON COPIER`: the training image's python runs the copier isolated from
 # the image's PYTHONPATH and site-packages (it needs the standard library only); an image
 # without that python still starts (cold), and says why.
-RUN_COPIER = ('"$0" -I -S "$1" || echo "{\\"cachewarm-copier\\": {\\"cold\\": true, \\"errors\\": '
-              '[\\"could not run $0 (exit $?): the pod starts with an empty local cache\\"]}}"; exit 0')
+RUN_COPIER = ('"$0" -I -S "$1" || { j="{\\"cold\\": true, \\"errors\\": [\\"could not run $0 (exit $?): the pod '
+              'starts with an empty local cache\\"]}"; echo "{\\"cachewarm-copier\\": $j}"; '
+              '[ -z "$CACHEWARM_COPY_SUMMARY" ] || printf %s "$j" > "$CACHEWARM_COPY_SUMMARY"; }; exit 0')
+# The annotation kubectl reads to pick a pod's main container; the copier runs its image.
+DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 GPU, TPU = "nvidia.com/gpu", "google.com/tpu"
 
 
@@ -106,11 +109,23 @@ def pools_for(spec: Mapping[str, Any], pools: Sequence[Pool]) -> list[str]:
     return matched or [pool.name for pool in pools]
 
 
-def budget_bytes(size_limit: str) -> int:
+def _bytes(quantity: Any) -> Decimal:
+    value: Decimal = parse_quantity(quantity)  # type: ignore[no-untyped-call]
+    return value
+
+
+def budget_bytes(size_limit: str, spec: Mapping[str, Any] | None = None, volume_kind: str = "EmptyDir") -> int:
     """The bytes the copier may copy into a volume of `size_limit` (a quantity the CRD
-    checked), parsed by the Kubernetes client as the kubelet reads it."""
-    size: Decimal = parse_quantity(size_limit)  # type: ignore[no-untyped-call]
-    return int(size * Decimal(str(BUDGET_SHARE)))
+    checked, parsed by the Kubernetes client as the kubelet reads it): 90% of it, and for
+    an emptyDir in a pod whose every container has an ephemeral-storage limit (the
+    kubelet evicts the pod when its emptyDirs and containers together pass their sum) at
+    most half that sum, the rest left to what the containers write themselves."""
+    budget = _bytes(size_limit) * Decimal(str(BUDGET_SHARE))
+    containers = list((spec or {}).get("containers") or [])
+    limits = [((ct.get("resources") or {}).get("limits") or {}).get("ephemeral-storage") for ct in containers]
+    if volume_kind == "EmptyDir" and containers and all(limit is not None for limit in limits):
+        budget = min(budget, sum((_bytes(limit) for limit in limits), Decimal(0)) / 2)
+    return int(budget)
 
 
 def volume(local: LocalCopy) -> dict[str, Any]:
@@ -127,7 +142,8 @@ def volume(local: LocalCopy) -> dict[str, Any]:
     return {"name": LOCAL_VOLUME, "emptyDir": {"sizeLimit": local.size_limit}}
 
 
-def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str]) -> list[dict[str, str]]:
+def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str],
+               spec: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
     local = cache.injection.local_copy
     assert local is not None
     gcs = cache.storage.gcs
@@ -137,7 +153,7 @@ def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequenc
         {"name": "CACHEWARM_COPY_DEST", "value": LOCAL_DIR},
         {"name": "CACHEWARM_COPY_MANIFESTS",
          "value": ",".join(manifest_object(gcs, namespace, cache_name, p) for p in pools)},
-        {"name": "CACHEWARM_COPY_MAX_BYTES", "value": str(budget_bytes(local.size_limit))},
+        {"name": "CACHEWARM_COPY_MAX_BYTES", "value": str(budget_bytes(local.size_limit, spec, local.volume))},
         {"name": "CACHEWARM_COPY_WORKERS", "value": str(local.workers)},
         {"name": "CACHEWARM_COPY_DEADLINE_SECONDS", "value": str(local.timeout_seconds)},
         {"name": "CACHEWARM_COPY_SUMMARY", "value": SUMMARY_FILE},
@@ -153,7 +169,8 @@ def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
 
 def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
                    init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
-                   cache: CacheSpec, namespace: str, cache_name: str, image: str
+                   cache: CacheSpec, namespace: str, cache_name: str, image: str,
+                   annotations: Mapping[str, str] | None = None
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the local copy added, each as the rest of
     the patch leaves them (the reporter's init containers, when there, come first), or None
@@ -177,7 +194,11 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
         return None
     if not local_copy_possible(spec, image):
         return None
-    original = next(ct for ct in spec.get("containers") or [] if ct.get("image"))
+    # The pod's main container (kubectl's default-container annotation, else the first):
+    # the copier runs its image, env and securityContext, not a sidecar's.
+    main = (annotations or {}).get(DEFAULT_CONTAINER)
+    with_image = [ct for ct in spec.get("containers") or [] if ct.get("image")]
+    original = next((ct for ct in with_image if ct.get("name") == main), with_image[0])
     pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
     python = cache.warmup.python if cache.warmup is not None else "python"
     files = [COPIER_SOURCE, reporter.BUSYBOX]
@@ -202,7 +223,7 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
         **({"imagePullPolicy": original["imagePullPolicy"]} if original.get("imagePullPolicy") else {}),
         "command": [f"{reporter.DIR}/busybox", "sh", "-c", RUN_COPIER, python, COPIER_FILE],
         "env": [*(copy.deepcopy(e) for e in original.get("env") or [] if not e.get("name", "").startswith("CACHEWARM_COPY_")),
-                *copier_env(cache, namespace, cache_name, pools)],
+                *copier_env(cache, namespace, cache_name, pools, spec)],
         **({"envFrom": copy.deepcopy(original["envFrom"])} if original.get("envFrom") else {}),
         "volumeMounts": [{"name": reporter.VOLUME, "mountPath": reporter.DIR},
                          {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR}],
