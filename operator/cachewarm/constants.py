@@ -107,6 +107,8 @@ class Reason:
     BUCKET_DELETED: Final = "BucketDeleted"
     BUCKET_KEPT: Final = "BucketKept"
     ENV_KEPT: Final = "UserEnvKept"
+    # Warning: pods whose local copy (spec.injection.localCopy) failed started cold.
+    LOCAL_COPY_COLD: Final = "LocalCopyCold"
     WARMER_CREATED: Final = "WarmerCreated"
     WARMER_STOPPED: Final = "WarmerStopped"
     WARMER_SUCCEEDED: Final = "WarmerSucceeded"

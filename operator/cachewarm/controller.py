@@ -39,7 +39,7 @@ from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
 from cachewarm.metrics import Metrics
-from cachewarm.reports import LOCAL_COPY_COLD, Store, cold_message
+from cachewarm.reports import Store, cold_message
 from cachewarm.model import InvalidSpec
 from cachewarm.settings import Settings
 from cachewarm.warmups import WarmRetry
@@ -297,7 +297,7 @@ class Controller:
             cold = self.reports.newly_cold(*key, now)
             if cold:
                 self._loop.run_in_executor(self._executor, self._post, body,
-                                           [Event("Warning", LOCAL_COPY_COLD, cold_message(cold))])
+                                           [Event("Warning", c.Reason.LOCAL_COPY_COLD, cold_message(cold))])
             seen = repr(sorted({repr(sorted(f.items())) for _, f in self.reports.fingerprints(*key, now)}))
             if self._fingerprints_seen.get(key, "[]") != seen:
                 self._fingerprints_seen[key] = seen

@@ -30,7 +30,6 @@ LAST_MISSES = 10  # per cache, in status
 RECENT_HITS = 50  # entries hit within the window, newest first, in status (cachewarm inspect names their pods)
 HIT_PODS = 5  # pod names kept per entry hit (podCount counts them all)
 COLD_PODS_NAMED = 5  # pods named in one LocalCopyCold Event (it counts them all)
-LOCAL_COPY_COLD = "LocalCopyCold"  # the Event's reason (Warning)
 
 
 class ReportError(Exception):

@@ -398,7 +398,7 @@ def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Ins
     """The bucket out of reach during the copy (the pod's GCS endpoint refuses
     connections): the copier gives up, says so, and exits 0; the pod starts with an
     empty local cache and trains, compiling every program; its report says the copy was
-    cold."""
+    cold, and the cache gets a LocalCopyCold Warning naming the pod."""
     bed = cluster.bed
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "away"},
                "spec": {"storage": {"gcs": {"bucket": f"away-{uuid.uuid4().hex[:10]}", "prefix": "away",
@@ -421,6 +421,9 @@ def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Ins
         return usage if (usage.get("localCopy") or {}).get("pods") else None
     usage = eventually(reported, timeout=60, what="status.usage.localCopy from the cold pod's report")
     assert usage["localCopy"]["coldPods"] == 1, usage
+    said = eventually(lambda: [e for e in bed.events_for("away", ns) if e["reason"] == "LocalCopyCold"],
+                      timeout=30, what="a LocalCopyCold Event on the cache")
+    assert "Pod cold started without the cache's entries" in said[0]["message"], said
 
 
 def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:

@@ -225,3 +225,17 @@ def test_envfrom_containers_read_the_bucket_from_the_configmap_which_never_names
     [train] = admit(pod, cache_spec({})).spec["containers"]
     assert "JAX_COMPILATION_CACHE_DIR" not in env(train)
     assert train["envFrom"][0] == {"configMapRef": {"name": "cachewarm-llama-env", "optional": True}}
+
+
+def test_the_copier_runs_as_the_main_containers_user_without_its_privileges() -> None:
+    """A TPU or GPU container may be privileged or add capabilities; the copy needs
+    neither: it keeps who the container runs as and its confinement, and asks for what
+    PodSecurity restricted wants."""
+    pod = training_pod()
+    pod["spec"]["containers"][0]["securityContext"] = {
+        "privileged": True, "capabilities": {"add": ["SYS_RESOURCE"]}, "runAsUser": 1000, "runAsGroup": 1000,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "train.json"}}
+    copier = next(c for c in admit(pod, cache_spec({})).spec["initContainers"] if c["name"] == "cachewarm-copy")
+    assert copier["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsUser": 1000, "runAsGroup": 1000,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "train.json"}}

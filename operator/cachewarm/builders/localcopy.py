@@ -160,6 +160,21 @@ def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequenc
     ]
 
 
+# What the copier keeps of the main container's securityContext: who it runs as (so it
+# writes what that user may write) and its confinement; never privileged or added
+# capabilities, which a TPU or GPU container may have and the copy does not need.
+IDENTITY = ("runAsUser", "runAsGroup", "runAsNonRoot", "seLinuxOptions", "seccompProfile", "appArmorProfile",
+            "windowsOptions")
+
+
+def copier_security(context: Mapping[str, Any]) -> dict[str, Any]:
+    """The copier's securityContext: the main container's identity and confinement, with
+    what PodSecurity "restricted" asks of a container (its seccomp profile only where the
+    container sets none: the pod's then applies)."""
+    kept = {k: copy.deepcopy(v) for k, v in context.items() if k in IDENTITY}
+    return {**{k: v for k, v in reporter.RESTRICTED.items() if k != "seccompProfile"}, **kept}
+
+
 def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
     """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
     a Linux pod, a container with an image."""
@@ -227,7 +242,7 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
         **({"envFrom": copy.deepcopy(original["envFrom"])} if original.get("envFrom") else {}),
         "volumeMounts": [{"name": reporter.VOLUME, "mountPath": reporter.DIR},
                          {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR}],
-        **({"securityContext": copy.deepcopy(original["securityContext"])} if original.get("securityContext") else {}),
+        "securityContext": copier_security(original.get("securityContext") or {}),
         **({"resources": resources} if resources else {}),
     }
     init.append(copier)
