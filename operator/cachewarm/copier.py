@@ -23,9 +23,21 @@ it talks to that (no auth); otherwise to GCS with the pod's token from the metad
   O_EXCL), so several copiers can fill one shared directory (a node's hostPath) at once;
   it is checked against GCS's MD5 (every object that is not a composite has one) and only
   then renamed to its entry name (os.replace, atomic), so JAX never opens a partial or
-  corrupt entry. Partial files left by a killed copier are removed after an hour. 429, 5xx
-  and broken connections are retried (4 attempts, backoff from 0.5 s); nothing is started
-  after the deadline.
+  corrupt entry. Partial files left by a killed copier are removed after an hour.
+- Retries: each request and the reading of its answer are one attempt, so a connection
+  that breaks mid-body (reset, closed early, timed out) is tried again as one refused at
+  the start; 408, 429, 5xx and broken connections get 4 attempts, a download whose bytes
+  do not match GCS's MD5 or size (a corrupted transfer) 3, and a failed attempt's partial
+  file is removed. Between attempts a full-jitter backoff (uniform(0, 0.5 s x 2^n), so the
+  pods of a job started at once do not retry in step), or the Retry-After seconds of a 429
+  or 503; never beyond the deadline, which bounds every request and after which nothing
+  is started.
+- TLS: run with `-I`, python reads no PYTHON* variables, and requests' REQUESTS_CA_BUNDLE
+  is not OpenSSL's; pods behind a TLS-intercepting proxy set it (google-auth users too), so
+  the copier trusts the CAs of REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE (a file or a
+  directory; as requests does, instead of the defaults), else the defaults (which honor
+  SSL_CERT_FILE and SSL_CERT_DIR). A bundle that cannot be loaded is an error in the
+  summary and the defaults are used; a certificate that does not verify is not retried.
 - It never fails the pod: whatever goes wrong (no bucket, no network, a bad entry), it
   says so in its summary and exits 0; the process then starts with what was copied, a cold
   start for the rest.
@@ -41,6 +53,7 @@ Settings (environment):
   CACHEWARM_COPY_DEADLINE_SECONDS  no download is started after this (default 300)
   CACHEWARM_COPY_SUMMARY     if set, a file the summary JSON is also written to (atomically)
   STORAGE_EMULATOR_HOST      a GCS emulator's base URL (no auth) instead of GCS
+  REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE  the CAs to trust for HTTPS (see TLS above)
 
 Summary (stdout, one line `{"cachewarm-copier": {...}}`, and CACHEWARM_COPY_SUMMARY):
   source "manifest" | "prefix"; wanted (entries planned: copied + present + failed);
@@ -59,10 +72,13 @@ import base64
 import concurrent.futures
 import dataclasses
 import hashlib
+import http.client
 import itertools
 import json
 import os
+import random
 import re
+import ssl
 import sys
 import threading
 import time
@@ -70,14 +86,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 ENTRY = re.compile(r"^[^/]+-(?P<hash>[0-9a-f]{64})-cache$")
 GCS = "https://storage.googleapis.com"
 METADATA_TOKEN = "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token"
 ATTEMPTS = 4
+CORRUPT_ATTEMPTS = 3  # of the ATTEMPTS, at most this many that read bytes other than GCS's
 BACKOFF_SECONDS = 0.5
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_AFTER = frozenset({429, 503})  # the statuses whose Retry-After is honored
 REQUEST_TIMEOUT_SECONDS = 30.0
 PARTIAL = ".cachewarm-partial-"
 STALE_PARTIAL_SECONDS = 3600.0
@@ -96,6 +114,7 @@ class Settings:
     workers: int
     deadline_seconds: float
     endpoint: str  # GCS's or the emulator's base URL
+    ca_bundle: str = ""  # REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE; '': the default CAs
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -110,6 +129,8 @@ class Settings:
             workers=max(1, min(int(env.get("CACHEWARM_COPY_WORKERS", "16")), 64)),
             deadline_seconds=float(env.get("CACHEWARM_COPY_DEADLINE_SECONDS", "300")),
             endpoint=(env.get("STORAGE_EMULATOR_HOST") or GCS).rstrip("/"),
+            # requests' order; an empty one is unset, as there.
+            ca_bundle=env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or "",
         )
 
 
@@ -191,11 +212,61 @@ class CopyError(Exception):
         self.status = status  # the HTTP status GCS answered, if that was the trouble
 
 
+class Broken(CopyError):
+    """An answer cut short (the connection ended before the body did, with no error on
+    the way): tried again, as a reset connection is."""
+
+
+class Corrupt(CopyError):
+    """A download whose bytes are not GCS's (MD5 or size): a transfer corrupted on the way,
+    tried again (CORRUPT_ATTEMPTS in all), or an object changed since it was listed."""
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header's seconds; None when absent or not in the seconds form (an HTTP
+    date: the backoff instead, rather than trust the pod's clock against GCS's). Pure."""
+    try:
+        seconds = float((value or "").strip())
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < float("inf") else None  # not nan, inf or negative
+
+
+def retry_delay(attempt: int, left: float, after: float | None = None,
+                uniform: Callable[[float, float], float] = random.uniform) -> float:
+    """Seconds to wait before attempt `attempt` (1: the first retry): the server's
+    Retry-After when it gave one, else full jitter, uniform(0, BACKOFF_SECONDS x
+    2^(attempt-1)), so that the pods of a job, started and refused at once, do not all come
+    back at once too; never more than `left`, the time to the deadline. Pure but `uniform`."""
+    wait = after if after is not None else uniform(0.0, BACKOFF_SECONDS * 2 ** (attempt - 1))
+    return max(0.0, min(wait, left))
+
+
+def ssl_context(ca_bundle: str) -> tuple[ssl.SSLContext | None, str]:
+    """The context for HTTPS and an error to report ('' when none): trusting `ca_bundle`'s
+    CAs (a PEM file or a directory of them, instead of the defaults, as requests does)
+    when given; None (urllib's default: OpenSSL's defaults, SSL_CERT_FILE and SSL_CERT_DIR
+    included) when not, or when the bundle cannot be loaded, which never stops the copy."""
+    if not ca_bundle:
+        return None, ""
+    try:
+        if os.path.isdir(ca_bundle):
+            return ssl.create_default_context(capath=ca_bundle), ""
+        return ssl.create_default_context(cafile=ca_bundle), ""
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        return None, f"CA bundle {ca_bundle}: {type(exc).__name__}: {exc}; the default CAs instead"
+
+
+T = TypeVar("T")
+
+
 class Client:
     """The GCS JSON API calls the copier makes (list, media download), with retries."""
 
-    def __init__(self, endpoint: str, token: Callable[[], str | None]) -> None:
+    def __init__(self, endpoint: str, token: Callable[[], str | None], context: ssl.SSLContext | None = None) -> None:
         self.endpoint, self.token = endpoint, token
+        # urlopen's handlers (the pod's HTTP(S)_PROXY included), with `context` for HTTPS.
+        self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
         self._partials = itertools.count()
         self._lock = threading.Lock()
         # pid alone is not unique: init containers of pods sharing a hostPath are often pid 1 each.
@@ -211,28 +282,58 @@ class Client:
         return left
 
     def _open(self, url: str) -> Any:
+        """One request, bounded by the time left; urllib's errors as they come."""
+        # Inside the attempts: GKE's metadata server may refuse a pod's first requests for
+        # a few seconds after it starts, as an init container does.
+        bearer = self.token()
+        headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+        return self._opener.open(urllib.request.Request(url, headers=headers),
+                                 timeout=min(REQUEST_TIMEOUT_SECONDS, self._remaining()))
+
+    def _attempts(self, url: str, attempt: Callable[[], T]) -> T:
+        """`attempt()`, a request and the reading of its whole answer, until it succeeds:
+        a connection broken mid-body is retried as one refused at the start. ATTEMPTS at
+        most (CORRUPT_ATTEMPTS of them Corrupt), retry_delay apart. Raises CopyError, at
+        once for a status not worth retrying and at the deadline."""
         last: Exception | None = None
-        for attempt in range(ATTEMPTS):
-            if attempt:
-                time.sleep(min(BACKOFF_SECONDS * 2 ** (attempt - 1), self._remaining()))
+        after: float | None = None
+        corrupt = 0
+        for number in range(ATTEMPTS):
+            if number:
+                time.sleep(retry_delay(number, self._remaining(), after))
+            after = None
             try:
-                # Inside the retries: GKE's metadata server may refuse a pod's first
-                # requests for a few seconds after it starts, as an init container does.
-                bearer = self.token()
-                headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
-                return urllib.request.urlopen(urllib.request.Request(url, headers=headers),  # noqa: S310
-                                              timeout=min(REQUEST_TIMEOUT_SECONDS, self._remaining()))
+                return attempt()
             except urllib.error.HTTPError as exc:
                 if exc.code not in RETRIED:
                     raise CopyError(f"HTTP {exc.code} for {url}", exc.code) from None
+                if exc.code in RETRY_AFTER:
+                    after = retry_after_seconds(exc.headers.get("Retry-After"))
                 last = exc
-            except (urllib.error.URLError, OSError) as exc:
+            except urllib.error.URLError as exc:
+                if isinstance(exc.reason, ssl.SSLCertVerificationError):  # the same every time
+                    raise CopyError(f"{url}: {exc.reason}") from None
+                last = exc
+            except Corrupt as exc:
+                corrupt += 1
+                if corrupt >= CORRUPT_ATTEMPTS:
+                    raise CopyError(f"gave up after {corrupt} corrupt downloads: {exc}") from None
+                last = exc
+            except (Broken, OSError, http.client.HTTPException) as exc:
+                # Refused, reset, closed early or timed out, connecting or mid-body
+                # (http.client.IncompleteRead is not an OSError).
                 last = exc
         raise CopyError(f"gave up after {ATTEMPTS} attempts: {last}")
 
     def _media(self, bucket: str, name: str) -> str:
         return (f"{self.endpoint}/download/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
                 f"{urllib.parse.quote(name, safe='')}?alt=media")
+
+    def _json(self, url: str) -> Any:
+        def attempt() -> Any:
+            with self._open(url) as answer:
+                return json.load(answer)  # a body cut short raises IncompleteRead: retried
+        return self._attempts(url, attempt)
 
     def list(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -243,10 +344,8 @@ class Client:
                      "maxResults": "1000"}
             if token:
                 query["pageToken"] = token
-            url = (f"{self.endpoint}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?"
-                   f"{urllib.parse.urlencode(query)}")
-            with self._open(url) as answer:
-                page = json.load(answer)
+            page = self._json(f"{self.endpoint}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?"
+                              f"{urllib.parse.urlencode(query)}")
             out += page.get("items") or []
             token = page.get("nextPageToken") or ""
             if not token:
@@ -254,11 +353,17 @@ class Client:
 
     def read(self, bucket: str, name: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
         """A small object's content. Raises CopyError (with the status on an HTTP error)."""
-        try:
-            with self._open(self._media(bucket, name)) as answer:
+        url = self._media(bucket, name)
+
+        def attempt() -> bytes:
+            with self._open(url) as answer:
                 data: bytes = answer.read(limit + 1)
-        except OSError as exc:  # a connection broken while reading
-            raise CopyError(f"{name}: {exc}") from None
+                length = answer.headers.get("Content-Length")
+            # read(n) returns what came before the connection ended, without an error.
+            if length is not None and length.isdigit() and len(data) < min(int(length), limit + 1):
+                raise Broken(f"{name}: the connection ended after {len(data)} of {length} bytes")
+            return data
+        data = self._attempts(url, attempt)
         if len(data) > limit:
             raise CopyError(f"{name}: larger than {limit} bytes")
         return data
@@ -270,31 +375,53 @@ class Client:
 
     def download(self, bucket: str, obj: Mapping[str, Any], dest: str) -> int:
         """The object into `dest`/<its name within the prefix>, checked and renamed into
-        place. Returns its size. Raises CopyError."""
+        place, retried as a whole (a partial file of its own each attempt). Returns its
+        size. Raises CopyError."""
+        url = self._media(bucket, str(obj["name"]))
+        return self._attempts(url, lambda: self._download_once(url, obj, dest))
+
+    def _download_once(self, url: str, obj: Mapping[str, Any], dest: str) -> int:
+        """One attempt of download's; its partial file is removed whatever goes wrong. The
+        disk's errors are CopyErrors (not retried), the network's as they come."""
         name = str(obj["name"])
         final = os.path.join(dest, name.rsplit("/", 1)[-1])
         partial = os.path.join(dest, self.partial_name())
+        listed = None if obj.get("size") is None else int(obj["size"])
         digest = hashlib.md5()  # noqa: S324 - GCS's own checksum, not a security measure
         size = 0
         try:
-            with self._open(self._media(bucket, name)) as answer, open(partial, "xb") as out:
-                while chunk := answer.read(1 << 20):
-                    self._remaining()  # a slow download stops at the deadline too
-                    digest.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
+            with self._open(url) as answer:
+                try:
+                    out = open(partial, "xb")
+                except OSError as exc:
+                    raise CopyError(f"{name}: {exc}") from None
+                with out:
+                    while chunk := answer.read(1 << 20):  # a reset or timeout mid-body raises here
+                        self._remaining()  # a slow download stops at the deadline too
+                        digest.update(chunk)
+                        size += len(chunk)
+                        try:
+                            out.write(chunk)
+                        except OSError as exc:
+                            raise CopyError(f"{name}: {exc}") from None
+            # read(n) returns b"" when the connection ends early, without an error.
+            if listed is not None and size < listed:
+                raise Broken(f"{name}: the connection ended after {size} of {listed} bytes")
             expected = obj.get("md5Hash")
             if expected and base64.b64encode(digest.digest()).decode() != expected:
-                raise CopyError(f"{name}: MD5 does not match GCS's (a corrupt or changed object)")
-            if obj.get("size") is not None and size != int(obj["size"]):
-                raise CopyError(f"{name}: {size} bytes read, GCS lists {obj['size']}")
-            os.replace(partial, final)
-        except (CopyError, OSError) as exc:
+                raise Corrupt(f"{name}: MD5 does not match GCS's (a corrupted transfer or a changed object)")
+            if listed is not None and size != listed:
+                raise Corrupt(f"{name}: {size} bytes read, GCS lists {listed}")
+            try:
+                os.replace(partial, final)
+            except OSError as exc:
+                raise CopyError(f"{name}: {exc}") from None
+        except BaseException:
             try:
                 os.unlink(partial)
             except OSError:
                 pass
-            raise CopyError(str(exc)) from None
+            raise
         return size
 
 
@@ -469,8 +596,11 @@ def main() -> None:
     watchdog.start()
     try:
         settings = Settings.from_env(os.environ)
+        context, error = ssl_context(settings.ca_bundle)
+        if error:
+            add_error(live, error)
         client = Client(settings.endpoint, (lambda: None) if os.environ.get("STORAGE_EMULATOR_HOST")
-                        else metadata_token())
+                        else metadata_token(), context)
         summary = run(settings, client, live)
     except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
         summary = new_summary("manifest" if os.environ.get("CACHEWARM_COPY_MANIFESTS", "").strip(" ,") else "prefix")

@@ -1,14 +1,24 @@
 """What the copier picks from a listing: entries only, the union of the manifests' entries
 only (or every entry), the entries already in the destination kept and counted first, then
-the smallest first within the byte budget; and what a manifest must look like."""
+the smallest first within the byte budget; and what a manifest must look like. How long it
+waits before a retry (full jitter, a 429's or 503's Retry-After, never past the deadline),
+and which CAs it trusts."""
 
 from __future__ import annotations
 
+import datetime as dt
+import email.message
 import json
+import random
+import ssl
+import time
+import urllib.error
+from pathlib import Path
 
 import pytest
 
-from cachewarm.copier import Settings, manifest_entries, plan
+from cachewarm import certs, copier
+from cachewarm.copier import Settings, manifest_entries, plan, retry_after_seconds, retry_delay, ssl_context
 
 A, B, C, D = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 STEP, EVAL, INIT = f"jit_step-{A}-cache", f"jit_eval-{B}-cache", f"jit_init-{C}-cache"
@@ -83,3 +93,89 @@ def test_settings_come_from_the_environment_with_bounds() -> None:
     d = Settings.from_env({"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_DEST": "/d",
                            "CACHEWARM_COPY_MANIFESTS": " , "})
     assert (d.prefix, d.manifests, d.workers, d.max_bytes) == ("", (), 16, 8 << 30)
+
+
+def test_settings_take_requests_ca_bundle_then_curls() -> None:
+    need = {"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_DEST": "/d"}
+    assert Settings.from_env(need).ca_bundle == ""
+    assert Settings.from_env({**need, "CURL_CA_BUNDLE": "/c.pem"}).ca_bundle == "/c.pem"
+    assert Settings.from_env({**need, "REQUESTS_CA_BUNDLE": "/r.pem", "CURL_CA_BUNDLE": "/c.pem"}).ca_bundle == "/r.pem"
+    # Empty is unset, as in requests.
+    assert Settings.from_env({**need, "REQUESTS_CA_BUNDLE": "", "CURL_CA_BUNDLE": "/c.pem"}).ca_bundle == "/c.pem"
+
+
+def test_the_backoff_is_full_jitter_within_the_exponential_bound() -> None:
+    asked: list[tuple[float, float]] = []
+
+    def uniform(low: float, high: float) -> float:
+        asked.append((low, high))
+        return high * 0.25
+    assert [retry_delay(n, 100.0, uniform=uniform) for n in (1, 2, 3)] == [0.125, 0.25, 0.5]
+    assert asked == [(0.0, 0.5), (0.0, 1.0), (0.0, 2.0)]  # from 0: full jitter, not backoff +- a bit
+    # With a real (seeded) random source: within the bounds, and spread over them.
+    rng = random.Random(14)
+    waits = [retry_delay(3, 100.0, uniform=rng.uniform) for _ in range(1000)]
+    assert all(0.0 <= w <= 2.0 for w in waits)
+    assert min(waits) < 0.2 and max(waits) > 1.8
+    # Never past the deadline.
+    assert retry_delay(3, 0.3, uniform=lambda low, high: high) == 0.3
+
+
+def test_retry_after_replaces_the_jitter_capped_by_the_time_left() -> None:
+    def never(low: float, high: float) -> float:
+        raise AssertionError("no jitter when the server said when")
+    assert retry_delay(1, 100.0, 7.0, uniform=never) == 7.0
+    assert retry_delay(1, 3.0, 7.0, uniform=never) == 3.0
+    assert retry_delay(2, 100.0, 0.0, uniform=never) == 0.0
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("7", 7.0), (" 120 ", 120.0), ("1.5", 1.5), ("0", 0.0), (None, None), ("", None), ("-1", None),
+    ("Wed, 21 Oct 2015 07:28:00 GMT", None), ("nan", None), ("inf", None),
+])
+def test_retry_after_is_read_in_its_seconds_form_only(value: str | None, seconds: float | None) -> None:
+    assert retry_after_seconds(value) == seconds
+
+
+@pytest.mark.parametrize(("status", "header", "slept"), [
+    (503, "7", [7.0]), (429, "2", [2.0]), (429, "600", [50.0]),  # capped by the 50 s left
+    (500, "7", None),  # a 500's Retry-After is not honored: the jitter, at most 0.5 s
+    (503, "Wed, 21 Oct 2015 07:28:00 GMT", None),
+])
+def test_a_429_or_503_retry_after_is_what_the_client_waits(
+        status: int, header: str, slept: list[float] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    waits: list[float] = []
+    monkeypatch.setattr("cachewarm.copier.time.sleep", waits.append)
+    client = copier.Client("http://gcs.invalid", lambda: None)
+    client.deadline = time.monotonic() + 50.0
+    answers = iter([status, 200])
+
+    def attempt() -> str:
+        code = next(answers)
+        if code != 200:
+            headers = email.message.Message()
+            headers["Retry-After"] = header
+            raise urllib.error.HTTPError("http://gcs.invalid/o", code, "busy", headers, None)
+        return "done"
+    assert client._attempts("http://gcs.invalid/o", attempt) == "done"
+    if slept is None:
+        assert len(waits) == 1 and 0.0 <= waits[0] <= 0.5
+    else:
+        assert [round(w) for w in waits] == slept
+
+
+def test_the_ca_bundle_is_trusted_or_said_to_be_unloadable(tmp_path: Path) -> None:
+    assert ssl_context("") == (None, "")  # urllib's default: OpenSSL's, SSL_CERT_FILE and SSL_CERT_DIR included
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(certs.make_ca("intercepting-proxy", now=dt.datetime.now(dt.timezone.utc)).cert_pem)
+    context, error = ssl_context(str(ca))
+    assert isinstance(context, ssl.SSLContext) and error == ""
+    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "intercepting-proxy"),),)]
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    folder, error = ssl_context(str(tmp_path))  # a directory of CAs, as requests allows
+    assert isinstance(folder, ssl.SSLContext) and error == ""
+    for bad in (tmp_path / "missing.pem", tmp_path / "garbage.pem"):
+        if bad.name == "garbage.pem":
+            bad.write_text("not a certificate")
+        context, error = ssl_context(str(bad))
+        assert context is None and str(bad) in error and "default CAs" in error
