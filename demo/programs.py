@@ -13,8 +13,11 @@ warmup target: the same ten programs lowered with abstract arguments.
 
 from __future__ import annotations
 
-import json
 import time
+
+STARTED = time.time()  # when python reached this module, before jax is imported
+
+import json  # noqa: E402
 from collections import Counter
 from collections.abc import Iterator
 from functools import partial
@@ -130,7 +133,7 @@ def main() -> None:
     done = time.time()
     requests = events["/jax/compilation_cache/compile_requests_use_cache"]
     hits = events["/jax/compilation_cache/cache_hits"]
-    print(json.dumps({"done": done, "programs": requests, "cache_hits": hits, "compiled": requests - hits,
+    print(json.dumps({"started": STARTED, "done": done, "programs": requests, "cache_hits": hits, "compiled": requests - hits,
                       "cache_dir": jax.config.jax_compilation_cache_dir, **result}), flush=True)
 
 

@@ -8,10 +8,13 @@ so the warmed cache key is the key the training run asks for.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
+
+STARTED = time.time()  # when python reached this module, before jax is imported
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -104,7 +107,7 @@ def main() -> None:
         params, loss = train_step(params, inputs, labels)
     requests = events["/jax/compilation_cache/compile_requests_use_cache"]
     hits = events["/jax/compilation_cache/cache_hits"]
-    print(json.dumps({"first_step_seconds": round(first, 3), "done": done, "loss": round(float(loss), 4),
+    print(json.dumps({"first_step_seconds": round(first, 3), "started": STARTED, "done": done, "loss": round(float(loss), 4),
                       "cache_hits": hits, "compiled": requests - hits,
                       "cache_dir": jax.config.jax_compilation_cache_dir}), flush=True)
 

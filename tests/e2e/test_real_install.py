@@ -272,11 +272,17 @@ AFTER_PROGRAMS = ("import importlib.util, json, os; d = os.environ['JAX_COMPILAT
 
 def local_pod(name: str, cache: str, env: list[dict[str, str]]) -> dict[str, Any]:
     """A training pod of the plain image (no gcsfs, no etils) that runs demo/programs.py's
-    ten programs, then lists its cache directory."""
+    ten programs, then lists its cache directory. From `/`, `python -m programs` finds the
+    program only on the image's own PYTHONPATH (/app), which the reporter puts back from
+    what the copier recorded in place of the reporter's recorder. Its own volume (as a
+    key file's would be) is mounted in the copier too, read-only."""
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
             "spec": {"restartPolicy": "Never", "containers": [{
-                "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "env": env,
-                "command": ["sh", "-c", 'python -m programs && python -c "$0"', AFTER_PROGRAMS]}]}}
+                "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "env": env, "workingDir": "/",
+                "volumeMounts": [{"name": "podinfo", "mountPath": "/etc/podinfo"}],
+                "command": ["sh", "-c", 'python -m programs && python -c "$0"', AFTER_PROGRAMS]}],
+                "volumes": [{"name": "podinfo", "downwardAPI": {"items": [
+                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}]}}
 
 
 def run_to_end(bed: Testbed, ns: str, pod: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
@@ -291,7 +297,10 @@ def run_to_end(bed: Testbed, ns: str, pod: dict[str, Any]) -> tuple[dict[str, An
     assert copier.returncode == 0, copier.stderr
     [summary] = [json.loads(line)["cachewarm-copier"] for line in copier.stdout.splitlines() if "cachewarm-copier" in line]
     inits = {s["name"]: s["state"]["terminated"]["exitCode"] for s in done["status"]["initContainerStatuses"]}
-    assert inits == {"cachewarm-reporter": 0, "cachewarm-pythonpath": 0, "cachewarm-copy": 0}, inits
+    # Two init containers, not three: the copier records the image's PYTHONPATH itself.
+    assert inits == {"cachewarm-reporter": 0, "cachewarm-copy": 0}, inits
+    copier_spec = next(ct for ct in done["spec"]["initContainers"] if ct["name"] == "cachewarm-copy")
+    assert {"name": "podinfo", "mountPath": "/etc/podinfo", "readOnly": True} in copier_spec["volumeMounts"]
     return done, lines, summary
 
 
@@ -358,6 +367,9 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
         _, lines, second = run_to_end(bed, ns, local_pod("second", "node", cluster.client_env()))
         assert (second["copied"], second["present"]) == (0, 11), second
         assert lines[-2]["cache_hits"] == 10 and lines[-2]["compiled"] == 0
+        # On the node, in the cache's own directory under hostPath, nothing beside it.
+        assert [p.relative_to(shared).as_posix() for p in shared.glob("*/*")] == [f"{ns}/node"]
+        assert sorted(p.name for p in (shared / ns / "node").iterdir()) == lines[-1]["copy"]
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 

@@ -5,28 +5,39 @@ missing or corrupt, and says so), checks each against GCS's MD5 and renames it i
 keeps what is already there, retries 503s, keeps to its byte budget, shares a directory
 with another copier running at once, writes its summary file, and never fails the pod, not
 even with the bucket out of reach. Run as the init container runs it: `python -I -S
-copier.py`, settings in the environment, with the standard library only."""
+copier.py`, settings in the environment, with the standard library only. Against a fault
+injector of the test's own (not an emulator), downloads broken mid-body or corrupted on the
+way are tried again, and over HTTPS the CAs of REQUESTS_CA_BUNDLE are trusted."""
 
 from __future__ import annotations
 
+import base64
+import collections
 import concurrent.futures
+import contextlib
+import datetime as dt
 import hashlib
+import http.server
 import json
 import os
 import shutil
 import socket
+import ssl
+import struct
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from google.cloud import storage
 
-from cachewarm import copier
+from cachewarm import certs, copier
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl
 from cachewarm_testbed.processes import free_port
@@ -75,8 +86,9 @@ def env_for(bed: Testbed, bucket: str, dest: Path, **settings: str) -> dict[str,
 
 
 def process_env(settings: dict[str, str]) -> dict[str, str]:
-    """This process's environment without its copier settings, with `settings`."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEWARM_", "STORAGE_EMULATOR_HOST"))}
+    """This process's environment without its copier settings and CAs, with `settings`."""
+    ours = ("CACHEWARM_", "STORAGE_EMULATOR_HOST", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     return {**clean, **settings}
 
 
@@ -348,3 +360,205 @@ def test_an_image_whose_python_cannot_run_the_copier_still_starts_and_says_so_to
     printed = summary_of(out.stdout)
     assert printed["cold"] is True and "could not run no-such-python (exit 127)" in printed["errors"][0]
     assert json.loads(summary_file.read_text()) == printed
+
+
+class FaultInjector(http.server.ThreadingHTTPServer):
+    """A fault injector, not a GCS emulator: for one bucket of objects held in memory it
+    answers just the two calls the copier makes, at the GCS JSON API's paths (the listing,
+    /storage/v1/b/<bucket>/o?prefix=..., and the media download,
+    /download/storage/v1/b/<bucket>/o/<name>?alt=media, by which it reads manifests too;
+    it never asks for an object's metadata), and anything else 404. Its faults (`faults`:
+    object name, or "list", -> what its first answers do, in order; then whole): "cut" (the
+    headers with the full Content-Length, half the body, then the connection closed), "reset"
+    (the same, ended by a TCP reset), "corrupt" (the full length, every byte flipped). With
+    `tls`, HTTPS. It counts the requests for each object ("list" for the listing)."""
+
+    daemon_threads = True
+    bucket = "faulty"
+
+    def __init__(self, objects: dict[str, bytes], faults: dict[str, list[str]] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(("127.0.0.1", 0), FaultHandler)
+        self.objects = objects
+        self.faults = {k: list(v) for k, v in (faults or {}).items()}
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.server_address[1]}"
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[FaultInjector]:
+        thread = threading.Thread(target=self.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self.shutdown()
+            self.server_close()
+            thread.join(10)
+
+
+class FaultHandler(http.server.BaseHTTPRequestHandler):
+    server: FaultInjector
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        objects = self.server.objects
+        bucket = f"/b/{self.server.bucket}/o"
+        name = urllib.parse.unquote(url.path.removeprefix(f"/download/storage/v1{bucket}/"))
+        if url.path == f"/storage/v1{bucket}":
+            prefix = urllib.parse.parse_qs(url.query).get("prefix", [""])[0]
+            items = [{"name": n, "size": str(len(data)),
+                      "md5Hash": base64.b64encode(hashlib.md5(data).digest()).decode()}  # noqa: S324
+                     for n, data in sorted(objects.items()) if n.startswith(prefix)]
+            self.answer("list", json.dumps({"items": items}).encode())
+        elif url.path.startswith("/download/") and name in objects and urllib.parse.parse_qs(url.query) == {
+                "alt": ["media"]}:
+            self.answer(name, objects[name])
+        else:
+            self.send_error(404)
+
+    def answer(self, key: str, body: bytes) -> None:
+        with self.server.lock:
+            self.server.requests[key] += 1
+            queued = self.server.faults.get(key) or []
+            fault = queued.pop(0) if queued else None
+        if fault == "corrupt":
+            body = bytes(b ^ 0xFF for b in body)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json" if key == "list" else "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if fault not in ("cut", "reset"):
+            self.wfile.write(body)
+            return
+        self.wfile.write(body[:len(body) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+        if fault == "reset":  # closed now with SO_LINGER 0: an RST instead of a FIN
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.rfile.close()
+            self.connection.close()
+
+
+def faulty_env(server: FaultInjector, dest: Path, **settings: str) -> dict[str, str]:
+    return {"STORAGE_EMULATOR_HOST": server.url, "CACHEWARM_COPY_BUCKET": server.bucket,
+            "CACHEWARM_COPY_PREFIX": "jax", "CACHEWARM_COPY_DEST": str(dest),
+            **{f"CACHEWARM_COPY_{k.upper()}": v for k, v in settings.items()}}
+
+
+def test_a_download_broken_mid_body_is_tried_again_whole(tmp_path: Path) -> None:
+    """The first answer to the listing, to a manifest and to two entries ends mid-body:
+    the connection closed after half the Content-Length (which python's read(n) returns
+    as a short body, no error), or reset (an error while reading, not while connecting).
+    Each is tried again as a whole and arrives complete; the partial files of the broken
+    attempts are gone. The entries are larger than the client's read buffer, so the break
+    comes while the body is being read."""
+    a, b, c = (f"jax/{entry(f'jit_{x}', x)}" for x in "abc")
+    objects = {a: os.urandom(300_000), b: os.urandom(400_000), c: os.urandom(1000)}
+    pool = f"{MANIFESTS}/h100.json"
+    objects[pool] = json.dumps({"version": 1, "entries": [{"name": base(n), "size": 1} for n in (a, b, c)]}).encode()
+    faults = {"list": ["cut"], pool: ["cut"], a: ["cut"], b: ["reset"]}
+    with FaultInjector(objects, faults).serving() as server:
+        summary = run_copier(faulty_env(server, tmp_path, manifests=pool), timeout=60)
+    assert {k: summary[k] for k in ("source", "wanted", "copied", "failed", "cold", "errors")} == {
+        "source": "manifest", "wanted": 3, "copied": 3, "failed": 0, "cold": False, "errors": []}, summary
+    assert summary["bytes"] == 701_000
+    assert "manifestError" not in summary
+    assert server.requests == {"list": 2, pool: 2, a: 2, b: 2, c: 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(base(n) for n in (a, b, c))  # no partial file
+    for name in (a, b, c):
+        assert (tmp_path / base(name)).read_bytes() == objects[name]
+
+
+def test_a_corrupted_download_is_tried_again_then_given_up(tmp_path: Path) -> None:
+    """A download whose bytes do not match GCS's MD5 is tried again: corrupted once, it
+    arrives whole; corrupted every time, it is given up after CORRUPT_ATTEMPTS (not
+    ATTEMPTS: an object changed since it was listed stays changed), counted failed, and no
+    partial file of any attempt is left."""
+    once, always = f"jax/{entry('jit_once', 'once')}", f"jax/{entry('jit_always', 'always')}"
+    objects = {once: os.urandom(5000), always: os.urandom(6000)}
+    with FaultInjector(objects, {once: ["corrupt"], always: ["corrupt"] * 10}).serving() as server:
+        summary = run_copier(faulty_env(server, tmp_path), timeout=60)
+    assert (summary["wanted"], summary["copied"], summary["failed"], summary["cold"]) == (2, 1, 1, False), summary
+    [error] = summary["errors"]
+    assert "MD5" in error and base(always) in error
+    assert server.requests == {"list": 1, once: 2, always: copier.CORRUPT_ATTEMPTS}
+    assert [p.name for p in tmp_path.iterdir()] == [base(once)]
+    assert (tmp_path / base(once)).read_bytes() == objects[once]
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA made now, its PEM, and a serving certificate of 127.0.0.1 it signed."""
+    folder = tmp_path_factory.mktemp("tls")
+    now = dt.datetime.now(dt.timezone.utc)
+    ca = certs.make_ca("cachewarm-test-intercepting-proxy", now=now)
+    serving = certs.make_serving_cert(ca, ["127.0.0.1"], now=now)
+    files = {"ca": folder / "ca.pem", "cert": folder / "tls.crt", "key": folder / "tls.key",
+             "garbage": folder / "garbage.pem"}
+    files["ca"].write_bytes(ca.cert_pem)
+    files["cert"].write_bytes(serving.cert_pem)
+    files["key"].write_bytes(serving.key_pem)
+    files["garbage"].write_bytes(b"-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
+    return files
+
+
+@pytest.mark.parametrize(("cas", "copied", "error"), [
+    ({"REQUESTS_CA_BUNDLE": "ca"}, True, None),
+    ({"CURL_CA_BUNDLE": "ca"}, True, None),
+    ({"REQUESTS_CA_BUNDLE": "ca", "CURL_CA_BUNDLE": "garbage"}, True, None),  # requests' order
+    ({}, False, "CERTIFICATE_VERIFY_FAILED"),
+    # A bundle that cannot be loaded: said, and the defaults instead (SSL_CERT_FILE among them).
+    ({"REQUESTS_CA_BUNDLE": "garbage", "SSL_CERT_FILE": "ca"}, True, "CA bundle"),
+    ({"REQUESTS_CA_BUNDLE": "missing"}, False, "CA bundle"),
+], ids=["requests", "curl", "requests-first", "none", "unloadable-defaults", "missing"])
+def test_over_https_the_cas_of_requests_ca_bundle_are_trusted(
+        cas: dict[str, str], copied: bool, error: str | None, tmp_path: Path, tls_files: dict[str, Path]) -> None:
+    """The bucket behind a TLS-intercepting proxy, whose CA the pod trusts by
+    REQUESTS_CA_BUNDLE, as requests and google-auth do: the copier, run with `-I` as in the
+    pod, trusts it too. Without it, a cold start that says why (the certificate, not
+    retried); with one that cannot be loaded, the same, saying so, and never a crash."""
+    names = [f"jax/{entry('jit_tls', str(i))}" for i in range(2)]
+    objects = {n: os.urandom(2000) for n in names}
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tls_files["cert"], tls_files["key"])
+    paths = {**{k: str(v) for k, v in tls_files.items()}, "missing": str(tmp_path / "no-such-ca.pem")}
+    with FaultInjector(objects, tls=tls).serving() as server:
+        summary = run_copier({**faulty_env(server, tmp_path / "cache"), **{k: paths[v] for k, v in cas.items()}},
+                             timeout=60)
+    assert (summary["copied"], summary["cold"]) == ((2, False) if copied else (0, True)), summary
+    if error is None:
+        assert summary["errors"] == []
+    else:
+        assert any(error in e for e in summary["errors"]), summary
+    if not copied:
+        assert any("CERTIFICATE_VERIFY_FAILED" in e and "gave up" not in e for e in summary["errors"]), summary
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == (sorted(base(n) for n in names) if copied else [])
+
+
+def test_the_copier_that_records_for_the_reporter_writes_the_images_pythonpath_then_copies(tmp_path: Path) -> None:
+    """The folded init container (copier + the reporter's recorder), run by busybox as in
+    the pod: the PYTHONPATH the image set lands where the reporter's sitecustomize restores
+    it from, also when the copier then cannot run; a record that cannot be written (its
+    directory missing) still lets the copy's cold summary out."""
+    from cachewarm.builders.localcopy import RECORD_AND_RUN_COPIER  # noqa: PLC0415
+    busybox = shutil.which("busybox")
+    assert busybox, "make node-deps installs busybox-static"
+    record = tmp_path / "image-pythonpath"
+    summary_file = tmp_path / "local-copy.json"
+    env = {"PATH": "/nonexistent", "CACHEWARM_COPY_SUMMARY": str(summary_file), "PYTHONPATH": "/app:/opt/lib"}
+    out = subprocess.run([busybox, "sh", "-c", RECORD_AND_RUN_COPIER, "no-such-python", str(COPIER), str(record)],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    assert record.read_text() == "/app:/opt/lib"
+    assert summary_of(out.stdout)["cold"] is True
+    missing = tmp_path / "no-dir" / "image-pythonpath"
+    out = subprocess.run([busybox, "sh", "-c", RECORD_AND_RUN_COPIER, "no-such-python", str(COPIER), str(missing)],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0 and not missing.exists()
+    assert summary_of(out.stdout)["cold"] is True

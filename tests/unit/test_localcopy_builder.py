@@ -102,12 +102,15 @@ def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifest
     assert env(train)["CACHEWARM_LOCAL_COPY_SUMMARY"] == "/cachewarm-reporter/local-copy.json"
     assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in train["volumeMounts"]
     names = [c["name"] for c in spec["initContainers"]]
-    # The reporter's two first, then the copier, then the pod's own (which reads the copy too).
-    assert names == ["cachewarm-reporter", "cachewarm-pythonpath", "cachewarm-copy", "fetch"]
-    tools, _, copier, fetch = spec["initContainers"]
+    # The reporter's copy first, then the copier (which also records the image's PYTHONPATH
+    # in place of the reporter's recorder), then the pod's own (which reads the copy too).
+    assert names == ["cachewarm-reporter", "cachewarm-copy", "fetch"]
+    tools, copier, fetch = spec["initContainers"]
     assert tools["command"].count("/opt/cachewarm/busybox") == 1
     assert "/opt/cachewarm/cachewarm_copier.py" in tools["command"] and tools["command"][-1] == "/cachewarm-reporter"
-    assert copier["image"] == "train:1" and copier["command"][-2:] == ["python", "/cachewarm-reporter/cachewarm_copier.py"]
+    assert copier["image"] == "train:1" and copier["command"][-3:] == [
+        "python", "/cachewarm-reporter/cachewarm_copier.py", "/cachewarm-reporter/image-pythonpath"]
+    assert copier["command"][3].startswith('printf %s "$PYTHONPATH" > "$2"; ')
     assert copier["resources"] == {"limits": {"cpu": "4", "memory": "8Gi"}}  # not the GPUs
     assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache"} in copier["volumeMounts"]
     got = env(copier)
@@ -126,7 +129,10 @@ def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifest
 @pytest.mark.parametrize(("local", "volume"), [
     pytest.param({}, {"emptyDir": {"sizeLimit": "10Gi"}}, id="EmptyDir"),
     pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax"},
-                 {"hostPath": {"path": "/mnt/disks/ssd0/jax", "type": "DirectoryOrCreate"}}, id="HostPath"),
+                 {"hostPath": {"path": "/mnt/disks/ssd0/jax/team/llama", "type": "DirectoryOrCreate"}}, id="HostPath"),
+    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax/"},
+                 {"hostPath": {"path": "/mnt/disks/ssd0/jax/team/llama", "type": "DirectoryOrCreate"}},
+                 id="HostPath-trailing-slash"),
     pytest.param({"volume": "Ephemeral", "sizeLimit": "50Gi", "storageClassName": "premium-rwo"},
                  {"ephemeral": {"volumeClaimTemplate": {
                      "metadata": {"labels": {"app.kubernetes.io/managed-by": "cachewarm"}},
@@ -171,19 +177,34 @@ def test_reinvocation_changes_nothing(report: bool) -> None:
     assert again.spec == {} and not again.injected
 
 
+def test_a_container_a_later_webhook_added_gets_the_copys_mount_on_reinvocation() -> None:
+    """It got JAX_COMPILATION_CACHE_DIR=/cachewarm-cache from the env injection; without
+    the mount that would be an empty directory of its own filesystem."""
+    pod = training_pod()
+    once = patched(pod, admit(pod, cache_spec({})))
+    once["spec"]["containers"].append({"name": "eval", "image": "train:1", "command": ["python", "eval.py"]})
+    again = admit(once, cache_spec({}))
+    [train, evaluator] = again.spec["containers"]
+    assert env(evaluator)["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
+    assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in evaluator["volumeMounts"]
+    assert [m["name"] for m in train["volumeMounts"]].count("cachewarm-cache") == 1
+    copier = next(ct for ct in again.spec["initContainers"] if ct["name"] == "cachewarm-copy")
+    assert [m["name"] for m in copier["volumeMounts"]].count("cachewarm-cache") == 1
+
+
 def test_without_warmup_the_whole_prefix_is_copied() -> None:
     spec = cache_spec({})
     del spec["warmup"]
     copier = next(c for c in admit(training_pod(), spec).spec["initContainers"] if c["name"] == "cachewarm-copy")
     assert env(copier)["CACHEWARM_COPY_MANIFESTS"] == ""
-    assert copier["command"][-2] == "python"
+    assert copier["command"][4] == "python"
 
 
 def test_the_copier_runs_with_the_warmups_python() -> None:
     spec = cache_spec({})
     spec["warmup"]["python"] = "/opt/venv/bin/python3"
     copier = next(c for c in admit(training_pod(), spec).spec["initContainers"] if c["name"] == "cachewarm-copy")
-    assert copier["command"][-2] == "/opt/venv/bin/python3"
+    assert copier["command"][4] == "/opt/venv/bin/python3"
 
 
 def test_an_emptydir_copy_stays_within_half_the_pods_ephemeral_storage_limits() -> None:
@@ -239,3 +260,52 @@ def test_the_copier_runs_as_the_main_containers_user_without_its_privileges() ->
     assert copier["securityContext"] == {
         "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsUser": 1000, "runAsGroup": 1000,
         "seccompProfile": {"type": "Localhost", "localhostProfile": "train.json"}}
+
+
+@pytest.mark.parametrize(("change", "folded"), [
+    pytest.param(lambda ct: None, True, id="same-image-no-own-pythonpath"),
+    pytest.param(lambda ct: ct["env"].append({"name": "PYTHONPATH", "value": "/src"}), False, id="own-pythonpath"),
+    pytest.param(lambda ct: ct.update(envFrom=[{"configMapRef": {"name": "team-env"}}]), False, id="envFrom"),
+])
+def test_the_copier_records_the_images_pythonpath_in_place_of_the_recorder_only_when_it_sees_the_images(
+        change: Any, folded: bool) -> None:
+    """The copier's env is the main container's: where that sets PYTHONPATH (or may, through
+    envFrom), the copier would record the spec's value, not the image's, so the reporter's
+    recorder stays."""
+    pod = training_pod()
+    change(pod["spec"]["containers"][0])
+    # A second container of the same image takes the reporter where the first cannot.
+    pod["spec"]["containers"].append({"name": "side", "image": "train:1", "command": ["python", "side.py"]})
+    spec = admit(pod, cache_spec({})).spec
+    names = [ct["name"] for ct in spec["initContainers"]]
+    copier = next(ct for ct in spec["initContainers"] if ct["name"] == "cachewarm-copy")
+    assert ("cachewarm-pythonpath" not in names) is folded, names
+    assert ("/cachewarm-reporter/image-pythonpath" in copier["command"]) is folded
+
+
+def test_reinvocation_resyncs_a_folded_copiers_resources_with_the_training_container() -> None:
+    """A later webhook (VPA's) lowers the training container's memory: on reinvocation the
+    copier, which records for the reporter here, follows it as the recorder would."""
+    pod = training_pod()
+    once = patched(pod, admit(pod, cache_spec({})))
+    assert [ct["name"] for ct in once["spec"]["initContainers"]] == ["cachewarm-reporter", "cachewarm-copy"]
+    once["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "2", "memory": "4Gi"}}
+    again = admit(once, cache_spec({})).spec
+    copier = next(ct for ct in again["initContainers"] if ct["name"] == "cachewarm-copy")
+    assert copier["resources"] == {"limits": {"cpu": "2", "memory": "4Gi"}}
+
+
+def test_the_copier_mounts_the_main_containers_volumes_read_only_so_it_finds_what_they_hold() -> None:
+    pod = training_pod(volumes=[{"name": "proxy-ca", "configMap": {"name": "proxy-ca"}},
+                                {"name": "shared", "hostPath": {"path": "/mnt/shared"}}])
+    train = pod["spec"]["containers"][0]
+    train["env"].append({"name": "REQUESTS_CA_BUNDLE", "value": "/etc/proxy-ca/ca.pem"})
+    train["volumeMounts"] = [{"name": "proxy-ca", "mountPath": "/etc/proxy-ca"},
+                             {"name": "shared", "mountPath": "/shared", "mountPropagation": "Bidirectional"}]
+    spec = admit(pod, cache_spec({})).spec
+    copier = next(ct for ct in spec["initContainers"] if ct["name"] == "cachewarm-copy")
+    mounts = {m["mountPath"]: m for m in copier["volumeMounts"]}
+    assert mounts["/etc/proxy-ca"] == {"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "readOnly": True}
+    # Bidirectional propagation is for privileged containers only; the copier never is.
+    assert mounts["/shared"] == {"name": "shared", "mountPath": "/shared", "readOnly": True}
+    assert env(copier)["REQUESTS_CA_BUNDLE"] == "/etc/proxy-ca/ca.pem"

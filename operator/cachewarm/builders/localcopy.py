@@ -53,6 +53,9 @@ BUDGET_SHARE = 0.9
 RUN_COPIER = ('"$0" -I -S "$1" || { j="{\\"cold\\": true, \\"errors\\": [\\"could not run $0 (exit $?): the pod '
               'starts with an empty local cache\\"]}"; echo "{\\"cachewarm-copier\\": $j}"; '
               '[ -z "$CACHEWARM_COPY_SUMMARY" ] || printf %s "$j" > "$CACHEWARM_COPY_SUMMARY"; }; exit 0')
+# The same, first recording the image's PYTHONPATH into `$2` for the reporter (what its
+# recorder would do; _folds_recorder): a write that fails leaves no file, and the copy runs.
+RECORD_AND_RUN_COPIER = 'printf %s "$PYTHONPATH" > "$2"; ' + RUN_COPIER
 # The annotation kubectl reads to pick a pod's main container; the copier runs its image.
 DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 GPU, TPU = "nvidia.com/gpu", "google.com/tpu"
@@ -128,10 +131,19 @@ def budget_bytes(size_limit: str, spec: Mapping[str, Any] | None = None, volume_
     return int(budget)
 
 
-def volume(local: LocalCopy) -> dict[str, Any]:
+def host_directory(local: LocalCopy, namespace: str, cache_name: str) -> str:
+    """A HostPath copy's node directory: the cache's own under hostPath
+    (`<hostPath>/<namespace>/<cache>`, both DNS labels), so the pods of one cache share it
+    and never see another cache's entries, nor those of another namespace's tenants."""
+    assert local.host_path is not None
+    return f"{local.host_path.rstrip('/')}/{namespace}/{cache_name}"
+
+
+def volume(local: LocalCopy, namespace: str, cache_name: str) -> dict[str, Any]:
     """The pod volume that holds the copy."""
     if local.volume == "HostPath":
-        return {"name": LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "DirectoryOrCreate"}}
+        return {"name": LOCAL_VOLUME, "hostPath": {"path": host_directory(local, namespace, cache_name),
+                                                   "type": "DirectoryOrCreate"}}
     if local.volume == "Ephemeral":
         claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
                                  "resources": {"requests": {"storage": local.size_limit}}}
@@ -206,7 +218,7 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
     assert local is not None
     if any(v.get("name") == LOCAL_VOLUME for v in volumes) or \
             any(v.get("name") == LOCAL_VOLUME for v in spec.get("volumes") or []):
-        return None
+        return _remounted(containers, init_containers, volumes)
     if not local_copy_possible(spec, image):
         return None
     # The pod's main container (kubectl's default-container annotation, else the first):
@@ -225,22 +237,26 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
     if tools is None:
         out_volumes.append({"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}})
         init.append(reporter.copy_container(spec, image, files, resources))
+    fold = _folds_recorder(init_containers, original)
     for container in init_containers:
         new = copy.deepcopy(dict(container))
         if container.get("name") == reporter.COPY_CONTAINER:
             command = list(new.get("command") or [])
             new["command"] = [*command[:-1], *(f for f in files if f not in command), command[-1]]
-        if container.get("name") in ours:
+        if container.get("name") in ours and not (fold and container.get("name") == reporter.PATH_CONTAINER):
             init.append(new)
     mount = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+    script, args = (RECORD_AND_RUN_COPIER, [python, COPIER_FILE, reporter.RECORD_FILE]) if fold else \
+        (RUN_COPIER, [python, COPIER_FILE])
     copier: dict[str, Any] = {
         "name": COPIER_CONTAINER, "image": original["image"],
         **({"imagePullPolicy": original["imagePullPolicy"]} if original.get("imagePullPolicy") else {}),
-        "command": [f"{reporter.DIR}/busybox", "sh", "-c", RUN_COPIER, python, COPIER_FILE],
+        "command": [f"{reporter.DIR}/busybox", "sh", "-c", script, *args],
         "env": [*(copy.deepcopy(e) for e in original.get("env") or [] if not e.get("name", "").startswith("CACHEWARM_COPY_")),
                 *copier_env(cache, namespace, cache_name, pools, spec)],
         **({"envFrom": copy.deepcopy(original["envFrom"])} if original.get("envFrom") else {}),
-        "volumeMounts": [{"name": reporter.VOLUME, "mountPath": reporter.DIR},
+        "volumeMounts": [*_main_mounts(original),
+                         {"name": reporter.VOLUME, "mountPath": reporter.DIR},
                          {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR}],
         "securityContext": copier_security(original.get("securityContext") or {}),
         **({"resources": resources} if resources else {}),
@@ -248,8 +264,56 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
     init.append(copier)
     init += [_mounted(ct, mount, summary=False) for ct in init_containers if ct.get("name") not in ours]
     out = [_mounted(ct, mount, summary=True) for ct in containers]
-    out_volumes.append(volume(local))
+    out_volumes.append(volume(local, namespace, cache_name))
     return out, init, out_volumes
+
+
+def _folds_recorder(init_containers: Sequence[Mapping[str, Any]], original: Mapping[str, Any]) -> bool:
+    """Whether the copier also records the image's PYTHONPATH for the reporter, in place of
+    the reporter's recorder: one init container fewer, and each costs up to a second of the
+    pod's start (the kubelet learns that an init container exited at its next relist, once
+    a second with the generic PLEG; BENCHMARKS.md). Only when the two would record the same
+    value: the recorder runs the copier's image, and the copier's env (the main
+    container's) sets no PYTHONPATH of its own, nor may set one through envFrom."""
+    recorder = next((ct for ct in init_containers if ct.get("name") == reporter.PATH_CONTAINER), None)
+    return (recorder is not None and recorder.get("image") == original.get("image") and not original.get("envFrom")
+            and not any(e.get("name") == "PYTHONPATH" for e in original.get("env") or []))
+
+
+def _main_mounts(original: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The main container's volume mounts, read-only, for the copier: the CA bundle that
+    REQUESTS_CA_BUNDLE names, a proxy's settings. Not ours (the
+    copier mounts those itself), and without Bidirectional propagation, which only a
+    privileged container may ask for (the copier never is)."""
+    out = []
+    for m in original.get("volumeMounts") or []:
+        if m.get("name") in (LOCAL_VOLUME, reporter.VOLUME) or m.get("mountPath") in (LOCAL_DIR, reporter.DIR):
+            continue
+        new = {k: copy.deepcopy(v) for k, v in m.items() if not (k == "mountPropagation" and v == "Bidirectional")}
+        new["readOnly"] = True
+        out.append(new)
+    return out
+
+
+def _remounted(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],
+               volumes: Sequence[Mapping[str, Any]]
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """A pod with its copy already (webhook reinvocation): a container a later webhook added
+    got JAX_COMPILATION_CACHE_DIR from the env injection, so it gets the copy's mount too
+    (without it the directory would be an empty one of its own filesystem). None when
+    every container has it."""
+    mount = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+    ours = (reporter.COPY_CONTAINER, reporter.PATH_CONTAINER, COPIER_CONTAINER)
+
+    def lacks(ct: Mapping[str, Any]) -> bool:
+        return not any(m.get("name") == LOCAL_VOLUME for m in ct.get("volumeMounts") or [])
+    if not any(lacks(ct) for ct in containers) and \
+            not any(lacks(ct) for ct in init_containers if ct.get("name") not in ours):
+        return None
+    out = [_mounted(ct, mount, summary=True) if lacks(ct) else copy.deepcopy(dict(ct)) for ct in containers]
+    init = [_mounted(ct, mount, summary=False) if lacks(ct) and ct.get("name") not in ours
+            else copy.deepcopy(dict(ct)) for ct in init_containers]
+    return out, init, [copy.deepcopy(dict(v)) for v in volumes]
 
 
 def _mounted(container: Mapping[str, Any], mount: Mapping[str, Any], *, summary: bool) -> dict[str, Any]:

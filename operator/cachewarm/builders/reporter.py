@@ -42,6 +42,7 @@ BUSYBOX = f"{SOURCE_DIR}/busybox"  # static: it runs in any image of the node's 
 # `sh -c SCRIPT FILE`: FILE is $0. A write that fails leaves no file (the reporter then
 # restores nothing) and the pod still starts.
 RECORD_PYTHONPATH = 'printf %s "$PYTHONPATH" > "$0"; exit 0'
+RECORD_FILE = f"{DIR}/image-pythonpath"  # the reporter's sitecustomize restores it
 SHARED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 # What PodSecurity "restricted" asks of a container; the copy runs as the warmer image's
 # user, the recorder as the training container does (its own securityContext).
@@ -113,7 +114,9 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
     """A pod patched already (webhook reinvocation): the reporter stays as it is, but its
     init containers take the training container's resources again when a later webhook
     (e.g. VPA's) changed them, so they never ask for more than it. None: nothing changed."""
-    recorder = next((c for c in init_containers if c.get("name") == PATH_CONTAINER), None)
+    # The recorder, or the local copy's copier that records in its place.
+    recorder = next((c for c in init_containers if c.get("name") == PATH_CONTAINER or
+                     (c.get("name") == LOCAL_COPY_CONTAINER and RECORD_FILE in (c.get("command") or []))), None)
     first = next((c for c in containers if recorder is not None and c.get("image") == recorder.get("image")
                   and any(e.get("name") == "PYTHONPATH" and str(e.get("value") or "").startswith(DIR)
                           for e in c.get("env") or [])), None)
@@ -198,7 +201,7 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
                                                f"{SOURCE_DIR}/warm.py", BUSYBOX], resources),
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
-         "command": [f"{DIR}/busybox", "sh", "-c", RECORD_PYTHONPATH, f"{DIR}/image-pythonpath"],
+         "command": [f"{DIR}/busybox", "sh", "-c", RECORD_PYTHONPATH, RECORD_FILE],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
          # Exactly the training container's: it runs its image, as its user, and whatever
          # the namespace's PodSecurity admits for that container it admits for this one.
