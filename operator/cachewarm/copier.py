@@ -34,10 +34,12 @@ it talks to that (no auth); otherwise to GCS with the pod's token from the metad
   is started.
 - TLS: run with `-I`, python reads no PYTHON* variables, and requests' REQUESTS_CA_BUNDLE
   is not OpenSSL's; pods behind a TLS-intercepting proxy set it (google-auth users too), so
-  the copier trusts the CAs of REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE (a file or a
-  directory; as requests does, instead of the defaults), else the defaults (which honor
-  SSL_CERT_FILE and SSL_CERT_DIR). A bundle that cannot be loaded is an error in the
-  summary and the defaults are used; a certificate that does not verify is not retried.
+  the copier trusts the CAs of REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE (a PEM file, or a
+  directory of c_rehash'ed ones), as well as the defaults (which honor SSL_CERT_FILE and
+  SSL_CERT_DIR): unlike requests, not instead of them, since pods often set the variable
+  to an internal CA for their own services while reaching GCS directly. A bundle that
+  cannot be loaded is an error in the summary and the defaults are used; a certificate
+  that does not verify is not retried.
 - It never fails the pod: whatever goes wrong (no bucket, no network, a bad entry), it
   says so in its summary and exits 0; the process then starts with what was copied, a cold
   start for the rest.
@@ -212,6 +214,10 @@ class CopyError(Exception):
         self.status = status  # the HTTP status GCS answered, if that was the trouble
 
 
+class MetadataError(OSError):
+    """The metadata server gave no token: retried as a connection error."""
+
+
 class Broken(CopyError):
     """An answer cut short (the connection ended before the body did, with no error on
     the way): tried again, as a reset connection is."""
@@ -244,20 +250,30 @@ def retry_delay(attempt: int, left: float, after: float | None = None,
 
 def ssl_context(ca_bundle: str) -> tuple[ssl.SSLContext | None, str]:
     """The context for HTTPS and an error to report ('' when none): trusting `ca_bundle`'s
-    CAs (a PEM file or a directory of them, instead of the defaults, as requests does)
-    when given; None (urllib's default: OpenSSL's defaults, SSL_CERT_FILE and SSL_CERT_DIR
-    included) when not, or when the bundle cannot be loaded, which never stops the copy."""
+    CAs (a PEM file, or a directory of c_rehash'ed ones) besides the defaults when given;
+    None (urllib's default: OpenSSL's defaults, SSL_CERT_FILE and SSL_CERT_DIR included)
+    when not, or when the bundle cannot be loaded, which never stops the copy."""
     if not ca_bundle:
         return None, ""
     try:
+        context = ssl.create_default_context()
         if os.path.isdir(ca_bundle):
-            return ssl.create_default_context(capath=ca_bundle), ""
-        return ssl.create_default_context(cafile=ca_bundle), ""
+            context.load_verify_locations(capath=ca_bundle)
+        else:
+            context.load_verify_locations(cafile=ca_bundle)
+        return context, ""
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         return None, f"CA bundle {ca_bundle}: {type(exc).__name__}: {exc}; the default CAs instead"
 
 
 T = TypeVar("T")
+
+
+def _close(answer: urllib.error.HTTPError) -> None:
+    try:
+        answer.close()
+    except Exception:  # noqa: BLE001, S110 - one made without a body has nothing to close
+        pass
 
 
 class Client:
@@ -305,10 +321,15 @@ class Client:
             try:
                 return attempt()
             except urllib.error.HTTPError as exc:
+                _close(exc)  # its connection, now rather than when collected
                 if exc.code not in RETRIED:
                     raise CopyError(f"HTTP {exc.code} for {url}", exc.code) from None
                 if exc.code in RETRY_AFTER:
                     after = retry_after_seconds(exc.headers.get("Retry-After"))
+                    if after is not None and number + 1 < ATTEMPTS and after >= self._remaining():
+                        # Waiting would end at the deadline with nothing to show for it.
+                        raise CopyError(f"HTTP {exc.code} for {url}: Retry-After {after:g} s is past the "
+                                        f"deadline", exc.code) from None
                 last = exc
             except urllib.error.URLError as exc:
                 if isinstance(exc.reason, ssl.SSLCertVerificationError):  # the same every time
@@ -438,11 +459,17 @@ def metadata_token() -> Callable[[], str | None]:
         with lock:
             if state["token"] is None or time.monotonic() > state["until"]:
                 request = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
-                # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
-                with DIRECT.open(request, timeout=5) as answer:
-                    got = json.load(answer)
-                state["token"] = got["access_token"]
-                state["until"] = time.monotonic() + max(float(got.get("expires_in", 300)) - 60, 30)
+                try:
+                    # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
+                    with DIRECT.open(request, timeout=5) as answer:
+                        got = json.load(answer)
+                    state["token"] = str(got["access_token"])
+                    state["until"] = time.monotonic() + max(float(got.get("expires_in", 300)) - 60, 30)
+                except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
+                    # Retried as a connection error (the server may refuse a new pod's first
+                    # requests), and never taken for GCS's answer about an object (a 404 here
+                    # is not a missing manifest).
+                    raise MetadataError(f"metadata server token: {type(exc).__name__}: {exc}") from None
             return str(state["token"])
     return token
 

@@ -270,15 +270,19 @@ AFTER_PROGRAMS = ("import importlib.util, json, os; d = os.environ['JAX_COMPILAT
                   "print(json.dumps({'copy': sorted(os.listdir(d)), 'gcsfs': importlib.util.find_spec('gcsfs') is not None}))")
 
 
-def local_pod(name: str, cache: str, env: list[dict[str, str]]) -> dict[str, Any]:
+def local_pod(name: str, cache: str, env: list[dict[str, str]], user: int | None = None) -> dict[str, Any]:
     """A training pod of the plain image (no gcsfs, no etils) that runs demo/programs.py's
     ten programs, then lists its cache directory. From `/`, `python -m programs` finds the
     program only on the image's own PYTHONPATH (/app), which the reporter puts back from
-    what the copier recorded in place of the reporter's recorder. Its own volume (as a
-    key file's would be) is mounted in the copier too, read-only."""
+    what the copier recorded in place of the reporter's recorder. The directory its
+    SSL_CERT_DIR names, a volume the kubelet fills, is mounted in the copier too, read-only.
+    `user`: the pod runs as that user (and group) instead of the image's root."""
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
-            "spec": {"restartPolicy": "Never", "containers": [{
-                "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "env": env, "workingDir": "/",
+            "spec": {"restartPolicy": "Never",
+                     **({"securityContext": {"runAsUser": user, "runAsGroup": user}} if user is not None else {}),
+                     "containers": [{
+                "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "workingDir": "/",
+                "env": [*env, {"name": "SSL_CERT_DIR", "value": "/etc/podinfo"}],
                 "volumeMounts": [{"name": "podinfo", "mountPath": "/etc/podinfo"}],
                 "command": ["sh", "-c", 'python -m programs && python -c "$0"', AFTER_PROGRAMS]}],
                 "volumes": [{"name": "podinfo", "downwardAPI": {"items": [
@@ -349,8 +353,13 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     assert (usage["hits"], usage["misses"]) == (10, 0), usage
     assert (usage["localCopy"]["pods"], usage["localCopy"]["coldPods"], usage["localCopy"]["entriesCopied"]) == (1, 0, 10)
 
-    # HostPath, shared by the node's pods; no warmup, so no manifest: the whole prefix.
+    # HostPath, shared by the cache's pods on the node; no warmup, so no manifest: the
+    # whole prefix. The node's directory prepared as an admin would for pods that do not
+    # run as root (writable by all); the first pod runs as user 1000, and its copier writes
+    # the cache's own directory, which the kubelet made with that mode.
     shared = Path(f"/tmp/cachewarm-hostpath-{uuid.uuid4().hex[:8]}")
+    shared.mkdir()
+    shared.chmod(0o777)
     try:
         bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "node"},
                    "spec": {"storage": {"gcs": {"bucket": bucket, "prefix": "local", "location": "us-central1",
@@ -360,16 +369,19 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
         # Reconciled, whatever it made of the shared prefix (an older cache manages it).
         eventually(lambda: ((bed.get_json("ccache", "node", ns) or {}).get("status") or {}).get("observedGeneration"),
                    what="cache node reconciled")
-        _, lines, first = run_to_end(bed, ns, local_pod("first", "node", cluster.client_env()))
+        _, lines, first = run_to_end(bed, ns, local_pod("first", "node", cluster.client_env(), user=1000))
         assert (first["source"], first["copied"], first.get("present", 0)) == ("prefix", 11, 0), first
         assert lines[-1]["copy"] == sorted([*listed, stranger.rsplit("/", 1)[1]])
         assert lines[-2]["cache_hits"] == 10
         _, lines, second = run_to_end(bed, ns, local_pod("second", "node", cluster.client_env()))
         assert (second["copied"], second["present"]) == (0, 11), second
         assert lines[-2]["cache_hits"] == 10 and lines[-2]["compiled"] == 0
-        # On the node, in the cache's own directory under hostPath, nothing beside it.
+        # On the node, in the cache's own directory under hostPath, nothing beside it; the
+        # entries the first pod's copier wrote as its user.
         assert [p.relative_to(shared).as_posix() for p in shared.glob("*/*")] == [f"{ns}/node"]
-        assert sorted(p.name for p in (shared / ns / "node").iterdir()) == lines[-1]["copy"]
+        entries = list((shared / ns / "node").iterdir())
+        assert sorted(p.name for p in entries) == lines[-1]["copy"]
+        assert {p.stat().st_uid for p in entries} == {1000}
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 

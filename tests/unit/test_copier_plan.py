@@ -138,7 +138,7 @@ def test_retry_after_is_read_in_its_seconds_form_only(value: str | None, seconds
 
 
 @pytest.mark.parametrize(("status", "header", "slept"), [
-    (503, "7", [7.0]), (429, "2", [2.0]), (429, "600", [50.0]),  # capped by the 50 s left
+    (503, "7", [7.0]), (429, "2", [2.0]),
     (500, "7", None),  # a 500's Retry-After is not honored: the jitter, at most 0.5 s
     (503, "Wed, 21 Oct 2015 07:28:00 GMT", None),
 ])
@@ -164,13 +164,35 @@ def test_a_429_or_503_retry_after_is_what_the_client_waits(
         assert [round(w) for w in waits] == slept
 
 
+def test_a_retry_after_past_the_deadline_gives_up_at_once_rather_than_wait_for_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    waits: list[float] = []
+    monkeypatch.setattr("cachewarm.copier.time.sleep", waits.append)
+    client = copier.Client("http://gcs.invalid", lambda: None)
+    client.deadline = time.monotonic() + 50.0
+    calls = []
+
+    def attempt() -> str:
+        calls.append(1)
+        headers = email.message.Message()
+        headers["Retry-After"] = "600"
+        raise urllib.error.HTTPError("http://gcs.invalid/o", 429, "busy", headers, None)
+    with pytest.raises(copier.CopyError, match="Retry-After 600 s is past the deadline") as raised:
+        client._attempts("http://gcs.invalid/o", attempt)
+    assert (waits, len(calls), raised.value.status) == ([], 1, 429)
+
+
 def test_the_ca_bundle_is_trusted_or_said_to_be_unloadable(tmp_path: Path) -> None:
     assert ssl_context("") == (None, "")  # urllib's default: OpenSSL's, SSL_CERT_FILE and SSL_CERT_DIR included
     ca = tmp_path / "ca.pem"
     ca.write_bytes(certs.make_ca("intercepting-proxy", now=dt.datetime.now(dt.timezone.utc)).cert_pem)
     context, error = ssl_context(str(ca))
     assert isinstance(context, ssl.SSLContext) and error == ""
-    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "intercepting-proxy"),),)]
+    # Besides the defaults, not instead of them: a pod's internal CA does not cut it off GCS.
+    trusted = [c["subject"] for c in context.get_ca_certs()]
+    assert ((("commonName", "intercepting-proxy"),),) in trusted
+    defaults = {c["subject"] for c in ssl.create_default_context().get_ca_certs()}  # SSL_CERT_FILE's here
+    assert set(trusted) == defaults | {((("commonName", "intercepting-proxy"),),)}
     assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
     folder, error = ssl_context(str(tmp_path))  # a directory of CAs, as requests allows
     assert isinstance(folder, ssl.SSLContext) and error == ""

@@ -129,10 +129,7 @@ def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifest
 @pytest.mark.parametrize(("local", "volume"), [
     pytest.param({}, {"emptyDir": {"sizeLimit": "10Gi"}}, id="EmptyDir"),
     pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax"},
-                 {"hostPath": {"path": "/mnt/disks/ssd0/jax/team/llama", "type": "DirectoryOrCreate"}}, id="HostPath"),
-    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax/"},
-                 {"hostPath": {"path": "/mnt/disks/ssd0/jax/team/llama", "type": "DirectoryOrCreate"}},
-                 id="HostPath-trailing-slash"),
+                 {"hostPath": {"path": "/mnt/disks/ssd0/jax", "type": "DirectoryOrCreate"}}, id="HostPath"),
     pytest.param({"volume": "Ephemeral", "sizeLimit": "50Gi", "storageClassName": "premium-rwo"},
                  {"ephemeral": {"volumeClaimTemplate": {
                      "metadata": {"labels": {"app.kubernetes.io/managed-by": "cachewarm"}},
@@ -295,17 +292,87 @@ def test_reinvocation_resyncs_a_folded_copiers_resources_with_the_training_conta
     assert copier["resources"] == {"limits": {"cpu": "2", "memory": "4Gi"}}
 
 
-def test_the_copier_mounts_the_main_containers_volumes_read_only_so_it_finds_what_they_hold() -> None:
+def test_a_hostpath_copy_is_the_caches_own_subpath_in_every_container_and_the_copier() -> None:
+    """`<hostPath>/<namespace>/<cache>` as a subPath (the kubelet makes it with hostPath's
+    own mode, so a root the admin made writable gives each cache a writable directory)."""
+    pod = training_pod()
+    pod["spec"]["initContainers"] = [{"name": "fetch", "image": "busybox", "command": ["true"]}]
+    spec = admit(pod, cache_spec({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax"})).spec
+    mounts = {ct["name"]: next(m for m in ct["volumeMounts"] if m["name"] == "cachewarm-cache")
+              for ct in [*spec["containers"], *spec["initContainers"]] if ct["name"] != "cachewarm-reporter"}
+    assert set(mounts) == {"train", "fetch", "cachewarm-copy"}
+    assert {m["subPath"] for m in mounts.values()} == {"team/llama"}
+    assert mounts["cachewarm-copy"].get("readOnly") is None and mounts["train"]["readOnly"] is True
+
+
+def test_the_copier_mounts_only_the_ready_volumes_that_hold_the_cas_the_main_container_names() -> None:
+    """The copier runs before the pod's own init containers and sidecars: only mounts of
+    volumes the kubelet fills, holding what REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE or SSL_CERT_*
+    name, and never by subPath (the kubelet would make a missing one a directory)."""
     pod = training_pod(volumes=[{"name": "proxy-ca", "configMap": {"name": "proxy-ca"}},
-                                {"name": "shared", "hostPath": {"path": "/mnt/shared"}}])
+                                {"name": "more-cas", "secret": {"secretName": "more-cas"}},
+                                {"name": "rendered", "emptyDir": {}},
+                                {"name": "one-ca", "configMap": {"name": "one-ca"}},
+                                {"name": "shared", "hostPath": {"path": "/mnt/shared"}},
+                                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}])
     train = pod["spec"]["containers"][0]
-    train["env"].append({"name": "REQUESTS_CA_BUNDLE", "value": "/etc/proxy-ca/ca.pem"})
-    train["volumeMounts"] = [{"name": "proxy-ca", "mountPath": "/etc/proxy-ca"},
-                             {"name": "shared", "mountPath": "/shared", "mountPropagation": "Bidirectional"}]
+    train["env"] += [{"name": "REQUESTS_CA_BUNDLE", "value": "/etc/proxy-ca/ca.pem"},
+                     {"name": "SSL_CERT_DIR", "value": "/etc/more-cas"},
+                     {"name": "CURL_CA_BUNDLE", "value": "/etc/rendered/ca.pem"},
+                     {"name": "SSL_CERT_FILE", "value": "/etc/one/ca.pem"}]
+    train["volumeMounts"] = [
+        {"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "mountPropagation": "HostToContainer"},
+        {"name": "more-cas", "mountPath": "/etc/more-cas/"},
+        {"name": "rendered", "mountPath": "/etc/rendered"},  # an init container of the pod's fills it
+        {"name": "one-ca", "mountPath": "/etc/one/ca.pem", "subPath": "ca.pem"},
+        {"name": "shared", "mountPath": "/etc/proxy-ca-not", "mountPropagation": "Bidirectional"},
+        {"name": "data", "mountPath": "/data"}]
     spec = admit(pod, cache_spec({})).spec
     copier = next(ct for ct in spec["initContainers"] if ct["name"] == "cachewarm-copy")
-    mounts = {m["mountPath"]: m for m in copier["volumeMounts"]}
-    assert mounts["/etc/proxy-ca"] == {"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "readOnly": True}
-    # Bidirectional propagation is for privileged containers only; the copier never is.
-    assert mounts["/shared"] == {"name": "shared", "mountPath": "/shared", "readOnly": True}
+    theirs = [m for m in copier["volumeMounts"] if m["name"] not in ("cachewarm-cache", "cachewarm-reporter")]
+    assert theirs == [
+        {"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "mountPropagation": "HostToContainer", "readOnly": True},
+        {"name": "more-cas", "mountPath": "/etc/more-cas/", "readOnly": True}]
     assert env(copier)["REQUESTS_CA_BUNDLE"] == "/etc/proxy-ca/ca.pem"
+
+
+def test_reinvocation_gives_the_copier_the_main_containers_resources_not_the_first_containers() -> None:
+    """The default-container annotation names the second container; a reinvocation that
+    changes nothing leaves the copier as it was, and one after a later webhook lowered the
+    main container's memory gives the copier that."""
+    pod = training_pod()
+    pod["metadata"]["annotations"] = {"kubectl.kubernetes.io/default-container": "main"}
+    pod["spec"]["containers"].insert(0, {"name": "proxy", "image": "train:1", "command": ["python", "proxy.py"],
+                                         "resources": {"limits": {"cpu": "100m", "memory": "128Mi"}}})
+    pod["spec"]["containers"][1]["name"] = "main"
+    once = patched(pod, admit(pod, cache_spec({})))
+    copier = next(ct for ct in once["spec"]["initContainers"] if ct["name"] == "cachewarm-copy")
+    assert copier["resources"] == {"limits": {"cpu": "4", "memory": "8Gi"}}
+    again = admit(once, cache_spec({}))
+    assert all(ct.get("name") != "cachewarm-copy" for ct in again.spec.get("initContainers") or []) or \
+        next(ct for ct in again.spec["initContainers"] if ct["name"] == "cachewarm-copy")["resources"] == \
+        copier["resources"]
+    once["spec"]["containers"][1]["resources"] = {"limits": {"cpu": "4", "memory": "6Gi"}}
+    lowered = admit(once, cache_spec({})).spec
+    copier = next(ct for ct in lowered["initContainers"] if ct["name"] == "cachewarm-copy")
+    assert copier["resources"] == {"limits": {"cpu": "4", "memory": "6Gi"}}
+
+
+def test_reinvocation_leaves_a_container_that_mounts_something_else_at_the_copys_path() -> None:
+    pod = training_pod()
+    once = patched(pod, admit(pod, cache_spec({})))
+    once["spec"]["containers"].append({"name": "eval", "image": "train:1",
+                                       "volumeMounts": [{"name": "other", "mountPath": "/cachewarm-cache/"}]})
+    again = admit(once, cache_spec({})).spec
+    evaluator = next(ct for ct in again.get("containers") or once["spec"]["containers"] if ct["name"] == "eval")
+    assert [m["name"] for m in evaluator["volumeMounts"]] == ["other"]
+
+
+def test_a_pod_with_its_own_volume_named_like_ours_reads_the_bucket_and_is_told() -> None:
+    pod = training_pod(volumes=[{"name": "cachewarm-cache", "emptyDir": {}}])
+    answer = admit(pod, cache_spec({}))
+    spec = answer.spec
+    assert all(ct["name"] != "cachewarm-copy" for ct in spec.get("initContainers") or [])
+    assert all(m["name"] != "cachewarm-cache" for ct in spec["containers"] for m in ct.get("volumeMounts") or [])
+    assert env(spec["containers"][0])["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
+    assert any("named cachewarm-cache" in w for w in answer.warnings)

@@ -131,19 +131,28 @@ def budget_bytes(size_limit: str, spec: Mapping[str, Any] | None = None, volume_
     return int(budget)
 
 
-def host_directory(local: LocalCopy, namespace: str, cache_name: str) -> str:
-    """A HostPath copy's node directory: the cache's own under hostPath
-    (`<hostPath>/<namespace>/<cache>`, both DNS labels), so the pods of one cache share it
-    and never see another cache's entries, nor those of another namespace's tenants."""
-    assert local.host_path is not None
-    return f"{local.host_path.rstrip('/')}/{namespace}/{cache_name}"
+def cache_subpath(namespace: str, cache_name: str) -> str:
+    """A HostPath copy's directory within hostPath, the cache's own (`<namespace>/<cache>`;
+    a namespace is a DNS label, a cache's name a DNS subdomain: no '/' and no '..'), so the
+    cache's pods on a node share it and never see another cache's entries, nor those of
+    another namespace. A subPath of the hostPath volume: the kubelet creates it with the
+    mode of hostPath itself, so a directory the admin made writable for the pods' users
+    (e.g. 1777) gives each cache a directory they can write."""
+    return f"{namespace}/{cache_name}"
 
 
-def volume(local: LocalCopy, namespace: str, cache_name: str) -> dict[str, Any]:
+def local_mount(local: LocalCopy, namespace: str, cache_name: str) -> dict[str, Any]:
+    """The copy's mount in the pod's containers (read-only; the copier's is not)."""
+    mount: dict[str, Any] = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+    if local.volume == "HostPath":
+        mount["subPath"] = cache_subpath(namespace, cache_name)
+    return mount
+
+
+def volume(local: LocalCopy) -> dict[str, Any]:
     """The pod volume that holds the copy."""
     if local.volume == "HostPath":
-        return {"name": LOCAL_VOLUME, "hostPath": {"path": host_directory(local, namespace, cache_name),
-                                                   "type": "DirectoryOrCreate"}}
+        return {"name": LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "DirectoryOrCreate"}}
     if local.volume == "Ephemeral":
         claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
                                  "resources": {"requests": {"storage": local.size_limit}}}
@@ -189,8 +198,11 @@ def copier_security(context: Mapping[str, Any]) -> dict[str, Any]:
 
 def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
     """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
-    a Linux pod, a container with an image."""
-    return bool(image) and (spec.get("os") or {}).get("name") != "windows" and \
+    a Linux pod, a container with an image, and no volume of its own named like ours (one
+    that is ours, on reinvocation, comes with our copier)."""
+    own = any(v.get("name") == LOCAL_VOLUME for v in spec.get("volumes") or []) and \
+        not any(ct.get("name") == COPIER_CONTAINER for ct in spec.get("initContainers") or [])
+    return bool(image) and not own and (spec.get("os") or {}).get("name") != "windows" and \
         any(ct.get("image") for ct in spec.get("containers") or [])
 
 
@@ -218,14 +230,16 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
     assert local is not None
     if any(v.get("name") == LOCAL_VOLUME for v in volumes) or \
             any(v.get("name") == LOCAL_VOLUME for v in spec.get("volumes") or []):
-        return _remounted(containers, init_containers, volumes)
+        # Ours (webhook reinvocation) when our copier is there; a volume of the pod's own
+        # that happens to have the name is left alone.
+        if not any(ct.get("name") == COPIER_CONTAINER for ct in init_containers):
+            return None
+        return _reinvoked(spec, containers, init_containers, volumes, local, namespace, cache_name, annotations)
     if not local_copy_possible(spec, image):
         return None
     # The pod's main container (kubectl's default-container annotation, else the first):
     # the copier runs its image, env and securityContext, not a sidecar's.
-    main = (annotations or {}).get(DEFAULT_CONTAINER)
-    with_image = [ct for ct in spec.get("containers") or [] if ct.get("image")]
-    original = next((ct for ct in with_image if ct.get("name") == main), with_image[0])
+    original = _main_container(spec.get("containers") or [], annotations)
     pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
     python = cache.warmup.python if cache.warmup is not None else "python"
     files = [COPIER_SOURCE, reporter.BUSYBOX]
@@ -245,7 +259,7 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
             new["command"] = [*command[:-1], *(f for f in files if f not in command), command[-1]]
         if container.get("name") in ours and not (fold and container.get("name") == reporter.PATH_CONTAINER):
             init.append(new)
-    mount = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+    mount = local_mount(local, namespace, cache_name)
     script, args = (RECORD_AND_RUN_COPIER, [python, COPIER_FILE, reporter.RECORD_FILE]) if fold else \
         (RUN_COPIER, [python, COPIER_FILE])
     copier: dict[str, Any] = {
@@ -255,16 +269,16 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
         "env": [*(copy.deepcopy(e) for e in original.get("env") or [] if not e.get("name", "").startswith("CACHEWARM_COPY_")),
                 *copier_env(cache, namespace, cache_name, pools, spec)],
         **({"envFrom": copy.deepcopy(original["envFrom"])} if original.get("envFrom") else {}),
-        "volumeMounts": [*_main_mounts(original),
+        "volumeMounts": [*_ca_mounts(original, spec.get("volumes") or []),
                          {"name": reporter.VOLUME, "mountPath": reporter.DIR},
-                         {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR}],
+                         {k: v for k, v in mount.items() if k != "readOnly"}],
         "securityContext": copier_security(original.get("securityContext") or {}),
         **({"resources": resources} if resources else {}),
     }
     init.append(copier)
     init += [_mounted(ct, mount, summary=False) for ct in init_containers if ct.get("name") not in ours]
     out = [_mounted(ct, mount, summary=True) for ct in containers]
-    out_volumes.append(volume(local, namespace, cache_name))
+    out_volumes.append(volume(local))
     return out, init, out_volumes
 
 
@@ -280,14 +294,39 @@ def _folds_recorder(init_containers: Sequence[Mapping[str, Any]], original: Mapp
             and not any(e.get("name") == "PYTHONPATH" for e in original.get("env") or []))
 
 
-def _main_mounts(original: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The main container's volume mounts, read-only, for the copier: the CA bundle that
-    REQUESTS_CA_BUNDLE names, a proxy's settings. Not ours (the
-    copier mounts those itself), and without Bidirectional propagation, which only a
-    privileged container may ask for (the copier never is)."""
+def _main_container(containers: Sequence[Mapping[str, Any]], annotations: Mapping[str, str] | None
+                    ) -> Mapping[str, Any]:
+    """The pod's main container (kubectl's default-container annotation, else the first
+    with an image): the copier runs its image, env and securityContext, not a sidecar's."""
+    main = (annotations or {}).get(DEFAULT_CONTAINER)
+    with_image = [ct for ct in containers if ct.get("image")]
+    return next((ct for ct in with_image if ct.get("name") == main), with_image[0])
+
+
+# The variables that name CA files or directories (REQUESTS_CA_BUNDLE and CURL_CA_BUNDLE
+# the copier reads itself; SSL_CERT_* OpenSSL does).
+CA_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR")
+# Volumes whose content is there before any container starts (the kubelet fills them):
+# an emptyDir or a CSI volume may be filled or served by a container that runs after ours.
+READY_VOLUMES = ("configMap", "secret", "projected", "downwardAPI", "hostPath")
+
+
+def _ca_mounts(original: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The main container's mounts that hold the CAs its env names (a literal value under
+    the mount's path), read-only, for the copier. Only those: the copier runs before the
+    pod's own init containers and sidecars, so a mount of a volume they fill or serve
+    (an emptyDir over /etc/ssl/certs, a FUSE CSI volume) could shadow the image's files or
+    keep the copier from starting. Never with subPath or subPathExpr (the kubelet would
+    create a missing one as a directory before the pod's own init container writes the
+    file), nor Bidirectional propagation (a privileged container's only)."""
+    ready = {v.get("name") for v in volumes if any(kind in v for kind in READY_VOLUMES)}
+    paths = [str(e.get("value") or "") for e in original.get("env") or []
+             if e.get("name") in CA_VARIABLES and "value" in e]
     out = []
     for m in original.get("volumeMounts") or []:
-        if m.get("name") in (LOCAL_VOLUME, reporter.VOLUME) or m.get("mountPath") in (LOCAL_DIR, reporter.DIR):
+        where = str(m.get("mountPath") or "").rstrip("/")
+        if m.get("name") not in ready or m.get("subPath") or m.get("subPathExpr") or not where or \
+                where in (LOCAL_DIR, reporter.DIR) or not any(p == where or p.startswith(f"{where}/") for p in paths):
             continue
         new = {k: copy.deepcopy(v) for k, v in m.items() if not (k == "mountPropagation" and v == "Bidirectional")}
         new["readOnly"] = True
@@ -295,24 +334,38 @@ def _main_mounts(original: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _remounted(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],
-               volumes: Sequence[Mapping[str, Any]]
+def _reinvoked(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
+               init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]],
+               local: LocalCopy, namespace: str, cache_name: str, annotations: Mapping[str, str] | None
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
-    """A pod with its copy already (webhook reinvocation): a container a later webhook added
-    got JAX_COMPILATION_CACHE_DIR from the env injection, so it gets the copy's mount too
-    (without it the directory would be an empty one of its own filesystem). None when
-    every container has it."""
-    mount = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+    """A pod with its copy already (webhook reinvocation). A container a later webhook
+    added got JAX_COMPILATION_CACHE_DIR from the env injection, so it gets the copy's mount
+    too (without it the directory would be an empty one of its own filesystem), unless it
+    mounts something else there; and the copier takes the main container's CPU, memory
+    and ephemeral storage again when a later webhook (VPA's) changed them. None when
+    nothing changes."""
+    mount = local_mount(local, namespace, cache_name)
     ours = (reporter.COPY_CONTAINER, reporter.PATH_CONTAINER, COPIER_CONTAINER)
+    wanted = reporter.resources_of(_main_container(containers, annotations))
 
     def lacks(ct: Mapping[str, Any]) -> bool:
-        return not any(m.get("name") == LOCAL_VOLUME for m in ct.get("volumeMounts") or [])
-    if not any(lacks(ct) for ct in containers) and \
-            not any(lacks(ct) for ct in init_containers if ct.get("name") not in ours):
+        return ct.get("name") not in ours and not any(
+            m.get("name") == LOCAL_VOLUME or str(m.get("mountPath") or "").rstrip("/") == LOCAL_DIR
+            for m in ct.get("volumeMounts") or [])
+
+    def stale(ct: Mapping[str, Any]) -> bool:
+        return ct.get("name") == COPIER_CONTAINER and reporter.resources_of(ct) != wanted
+    if not any(lacks(ct) for ct in [*containers, *init_containers]) and not any(stale(ct) for ct in init_containers):
         return None
     out = [_mounted(ct, mount, summary=True) if lacks(ct) else copy.deepcopy(dict(ct)) for ct in containers]
-    init = [_mounted(ct, mount, summary=False) if lacks(ct) and ct.get("name") not in ours
-            else copy.deepcopy(dict(ct)) for ct in init_containers]
+    init = []
+    for ct in init_containers:
+        new = _mounted(ct, mount, summary=False) if lacks(ct) else copy.deepcopy(dict(ct))
+        if stale(ct):
+            new["resources"] = reporter.with_shared(new.get("resources") or {}, wanted)
+            if not new["resources"]:
+                del new["resources"]
+        init.append(new)
     return out, init, [copy.deepcopy(dict(v)) for v in volumes]
 
 

@@ -95,7 +95,7 @@ def resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _with_shared(resources: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+def with_shared(resources: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
     """`resources` with its CPU, memory and ephemeral storage those of `wanted`; anything
     else a later webhook set there (extended resources, claims) kept."""
     out = copy.deepcopy(dict(resources))
@@ -123,14 +123,15 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
     if first is None:
         return None
     wanted = resources_of(first)
-    ours = (COPY_CONTAINER, PATH_CONTAINER, LOCAL_COPY_CONTAINER)
+    # Not the local copy's copier: it follows the pod's main container (builders/localcopy.py).
+    ours = (COPY_CONTAINER, PATH_CONTAINER)
     if all(resources_of(c) == wanted for c in init_containers if c.get("name") in ours):
         return None
     init = []
     for container in init_containers:
         new = copy.deepcopy(dict(container))
         if container.get("name") in ours:
-            new["resources"] = _with_shared(new.get("resources") or {}, wanted)
+            new["resources"] = with_shared(new.get("resources") or {}, wanted)
             if not new["resources"]:
                 del new["resources"]
         init.append(new)
