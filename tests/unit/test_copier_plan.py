@@ -201,3 +201,34 @@ def test_the_ca_bundle_is_trusted_or_said_to_be_unloadable(tmp_path: Path) -> No
             bad.write_text("not a certificate")
         context, error = ssl_context(str(bad))
         assert context is None and str(bad) in error and "default CAs" in error
+
+
+@pytest.mark.parametrize(("status", "body"), [(404, b"not here"), (200, b'{"no_token": 1}'), (200, b"not json")])
+def test_the_metadata_servers_failures_are_connection_errors_not_gcs_answers(
+        status: int, body: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 404 from the metadata server (no Workload Identity) must not read as a manifest
+    GCS does not have: it is retried as a connection error and reported without a status."""
+    import http.server  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(copier, "METADATA_TOKEN", f"http://127.0.0.1:{server.server_address[1]}/token")
+        monkeypatch.setattr("cachewarm.copier.time.sleep", lambda _: None)
+        client = copier.Client("http://127.0.0.1:9", copier.metadata_token())
+        client.deadline = time.monotonic() + 30.0
+        with pytest.raises(copier.CopyError) as raised:
+            client.read("bucket", "prefix/.cachewarm/pools/ns/cache/cpu.json")
+        assert raised.value.status is None and "metadata server token" in str(raised.value)
+    finally:
+        server.shutdown()

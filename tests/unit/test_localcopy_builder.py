@@ -307,14 +307,16 @@ def test_a_hostpath_copy_is_the_caches_own_subpath_in_every_container_and_the_co
 
 def test_the_copier_mounts_only_the_ready_volumes_that_hold_the_cas_the_main_container_names() -> None:
     """The copier runs before the pod's own init containers and sidecars: only mounts of
-    volumes the kubelet fills, holding what REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE or SSL_CERT_*
-    name, and never by subPath (the kubelet would make a missing one a directory)."""
+    volumes the kubelet fills (by subPath too: what it names is there), holding what
+    REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE or SSL_CERT_* name, or OpenSSL's default bundle."""
     pod = training_pod(volumes=[{"name": "proxy-ca", "configMap": {"name": "proxy-ca"}},
                                 {"name": "more-cas", "secret": {"secretName": "more-cas"}},
                                 {"name": "rendered", "emptyDir": {}},
                                 {"name": "one-ca", "configMap": {"name": "one-ca"}},
                                 {"name": "shared", "hostPath": {"path": "/mnt/shared"}},
-                                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}])
+                                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                                {"name": "trust", "configMap": {"name": "trust-bundle"}},
+                                {"name": "rendered-bundle", "emptyDir": {}}])
     train = pod["spec"]["containers"][0]
     train["env"] += [{"name": "REQUESTS_CA_BUNDLE", "value": "/etc/proxy-ca/ca.pem"},
                      {"name": "SSL_CERT_DIR", "value": "/etc/more-cas"},
@@ -326,13 +328,20 @@ def test_the_copier_mounts_only_the_ready_volumes_that_hold_the_cas_the_main_con
         {"name": "rendered", "mountPath": "/etc/rendered"},  # an init container of the pod's fills it
         {"name": "one-ca", "mountPath": "/etc/one/ca.pem", "subPath": "ca.pem"},
         {"name": "shared", "mountPath": "/etc/proxy-ca-not", "mountPropagation": "Bidirectional"},
-        {"name": "data", "mountPath": "/data"}]
+        {"name": "data", "mountPath": "/data"},
+        # trust-manager's bundle over the system's, no env naming it
+        {"name": "trust", "mountPath": "/etc/ssl/certs/ca-certificates.crt", "subPath": "ca-certificates.crt"},
+        # the same from a volume an init container of the pod's fills: not the copier's
+        {"name": "rendered-bundle", "mountPath": "/etc/pki/tls/certs/ca-bundle.crt", "subPath": "ca-bundle.crt"}]
     spec = admit(pod, cache_spec({})).spec
     copier = next(ct for ct in spec["initContainers"] if ct["name"] == "cachewarm-copy")
     theirs = [m for m in copier["volumeMounts"] if m["name"] not in ("cachewarm-cache", "cachewarm-reporter")]
     assert theirs == [
         {"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "mountPropagation": "HostToContainer", "readOnly": True},
-        {"name": "more-cas", "mountPath": "/etc/more-cas/", "readOnly": True}]
+        {"name": "more-cas", "mountPath": "/etc/more-cas/", "readOnly": True},
+        {"name": "one-ca", "mountPath": "/etc/one/ca.pem", "subPath": "ca.pem", "readOnly": True},
+        {"name": "trust", "mountPath": "/etc/ssl/certs/ca-certificates.crt", "subPath": "ca-certificates.crt",
+         "readOnly": True}]
     assert env(copier)["REQUESTS_CA_BUNDLE"] == "/etc/proxy-ca/ca.pem"
 
 
@@ -376,3 +385,40 @@ def test_a_pod_with_its_own_volume_named_like_ours_reads_the_bucket_and_is_told(
     assert all(m["name"] != "cachewarm-cache" for ct in spec["containers"] for m in ct.get("volumeMounts") or [])
     assert env(spec["containers"][0])["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
     assert any("named cachewarm-cache" in w for w in answer.warnings)
+
+
+def test_reinvocation_keeps_the_copier_on_the_main_container_when_a_sidecar_is_put_first() -> None:
+    """No default-container annotation: a later webhook's sidecar (another image) put
+    first does not hand the copier its small resources."""
+    pod = training_pod()
+    once = patched(pod, admit(pod, cache_spec({})))
+    once["spec"]["containers"].insert(0, {"name": "mesh-proxy", "image": "proxy:1",
+                                          "resources": {"limits": {"cpu": "100m", "memory": "64Mi"}}})
+    again = admit(once, cache_spec({})).spec
+    copier = next(ct for ct in again.get("initContainers") or once["spec"]["initContainers"]
+                  if ct["name"] == "cachewarm-copy")
+    assert copier["resources"] == {"limits": {"cpu": "4", "memory": "8Gi"}}
+
+
+def test_without_the_reporter_reinvocation_resyncs_the_copy_container_too() -> None:
+    pod = training_pod()
+    once = patched(pod, admit(pod, cache_spec({}, report=False)))
+    once["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "1", "memory": "2Gi"}}
+    again = admit(once, cache_spec({}, report=False)).spec
+    assert {ct["name"]: ct["resources"] for ct in again["initContainers"]} == {
+        "cachewarm-reporter": {"limits": {"cpu": "1", "memory": "2Gi"}},
+        "cachewarm-copy": {"limits": {"cpu": "1", "memory": "2Gi"}}}
+
+
+@pytest.mark.parametrize("clash", [
+    pytest.param({"volumes": [{"name": "cachewarm-reporter", "emptyDir": {}}]}, id="own-volume-named-like-the-tools"),
+    pytest.param({"volumes": [{"name": "scratch", "emptyDir": {}}],
+                  "mounts": [{"name": "scratch", "mountPath": "/cachewarm-cache"}]}, id="own-mount-at-the-copys-path"),
+])
+def test_a_pod_whose_own_volumes_clash_with_ours_reads_the_bucket(clash: dict[str, Any]) -> None:
+    pod = training_pod(volumes=clash["volumes"])
+    if "mounts" in clash:
+        pod["spec"]["containers"][0]["volumeMounts"] = clash["mounts"]
+    answer = admit(pod, cache_spec({}, report=False))
+    assert env(answer.spec["containers"][0])["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
+    assert all(ct["name"] != "cachewarm-copy" for ct in answer.spec.get("initContainers") or [])

@@ -198,11 +198,17 @@ def copier_security(context: Mapping[str, Any]) -> dict[str, Any]:
 
 def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
     """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
-    a Linux pod, a container with an image, and no volume of its own named like ours (one
-    that is ours, on reinvocation, comes with our copier)."""
-    own = any(v.get("name") == LOCAL_VOLUME for v in spec.get("volumes") or []) and \
-        not any(ct.get("name") == COPIER_CONTAINER for ct in spec.get("initContainers") or [])
-    return bool(image) and not own and (spec.get("os") or {}).get("name") != "windows" and \
+    a Linux pod, a container with an image, and no volume of its own named like ours nor
+    mount of its own at LOCAL_DIR (ours, on reinvocation, come with our copier)."""
+    names = {v.get("name") for v in spec.get("volumes") or []}
+    inits = {ct.get("name") for ct in spec.get("initContainers") or []}
+    if COPIER_CONTAINER in inits:  # ours: a reinvocation
+        return bool(image)
+    clash = LOCAL_VOLUME in names or (reporter.VOLUME in names and reporter.COPY_CONTAINER not in inits) or any(
+        str(m.get("mountPath") or "").rstrip("/") == LOCAL_DIR
+        for ct in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+        for m in ct.get("volumeMounts") or [])
+    return bool(image) and not clash and (spec.get("os") or {}).get("name") != "windows" and \
         any(ct.get("image") for ct in spec.get("containers") or [])
 
 
@@ -309,6 +315,10 @@ CA_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CE
 # Volumes whose content is there before any container starts (the kubelet fills them):
 # an emptyDir or a CSI volume may be filled or served by a container that runs after ours.
 READY_VOLUMES = ("configMap", "secret", "projected", "downwardAPI", "hostPath")
+# Where OpenSSL looks by default (Debian/Ubuntu/Alpine, RHEL/Fedora): a CA bundle mounted
+# there (trust-manager's, a proxy's) is the one the main container uses without any env.
+SYSTEM_CA_PATHS = ("/etc/ssl/certs/ca-certificates.crt", "/etc/ssl/cert.pem", "/etc/pki/tls/certs/ca-bundle.crt",
+                   "/etc/pki/tls/cert.pem")
 
 
 def _ca_mounts(original: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -316,17 +326,18 @@ def _ca_mounts(original: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
     the mount's path), read-only, for the copier. Only those: the copier runs before the
     pod's own init containers and sidecars, so a mount of a volume they fill or serve
     (an emptyDir over /etc/ssl/certs, a FUSE CSI volume) could shadow the image's files or
-    keep the copier from starting. Never with subPath or subPathExpr (the kubelet would
-    create a missing one as a directory before the pod's own init container writes the
-    file), nor Bidirectional propagation (a privileged container's only)."""
+    keep the copier from starting, and a subPath into one that is not filled yet the
+    kubelet would create as a directory. The mounts over OpenSSL's default bundles count
+    too (SYSTEM_CA_PATHS). Never with Bidirectional propagation (a privileged container's
+    only)."""
     ready = {v.get("name") for v in volumes if any(kind in v for kind in READY_VOLUMES)}
-    paths = [str(e.get("value") or "") for e in original.get("env") or []
-             if e.get("name") in CA_VARIABLES and "value" in e]
+    paths = [*(str(e.get("value") or "") for e in original.get("env") or []
+               if e.get("name") in CA_VARIABLES and "value" in e), *SYSTEM_CA_PATHS]
     out = []
     for m in original.get("volumeMounts") or []:
         where = str(m.get("mountPath") or "").rstrip("/")
-        if m.get("name") not in ready or m.get("subPath") or m.get("subPathExpr") or not where or \
-                where in (LOCAL_DIR, reporter.DIR) or not any(p == where or p.startswith(f"{where}/") for p in paths):
+        if m.get("name") not in ready or not where or where in (LOCAL_DIR, reporter.DIR) or \
+                not any(p == where or p.startswith(f"{where}/") for p in paths):
             continue
         new = {k: copy.deepcopy(v) for k, v in m.items() if not (k == "mountPropagation" and v == "Bidirectional")}
         new["readOnly"] = True
@@ -346,7 +357,19 @@ def _reinvoked(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
     nothing changes."""
     mount = local_mount(local, namespace, cache_name)
     ours = (reporter.COPY_CONTAINER, reporter.PATH_CONTAINER, COPIER_CONTAINER)
-    wanted = reporter.resources_of(_main_container(containers, annotations))
+    # The main container as at the first admission: the annotation's, else the first of
+    # the copier's image (a sidecar a later webhook put first has another image).
+    copier = next(ct for ct in init_containers if ct.get("name") == COPIER_CONTAINER)
+    named = (annotations or {}).get(DEFAULT_CONTAINER)
+    main = next((ct for ct in containers if named and ct.get("name") == named), None) or \
+        next((ct for ct in containers if ct.get("image") == copier.get("image")), None) or \
+        _main_container(containers, annotations)
+    wanted = reporter.resources_of(main)
+    # The warmer image's copy container follows the reporter's resync when the reporter
+    # is there (builders/reporter.py), this one's when it is not.
+    reported = any(e.get("name") == "PYTHONPATH" and str(e.get("value") or "").startswith(reporter.DIR)
+                   for ct in containers for e in ct.get("env") or [])
+    followers = (COPIER_CONTAINER,) if reported else (COPIER_CONTAINER, reporter.COPY_CONTAINER)
 
     def lacks(ct: Mapping[str, Any]) -> bool:
         return ct.get("name") not in ours and not any(
@@ -354,7 +377,7 @@ def _reinvoked(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
             for m in ct.get("volumeMounts") or [])
 
     def stale(ct: Mapping[str, Any]) -> bool:
-        return ct.get("name") == COPIER_CONTAINER and reporter.resources_of(ct) != wanted
+        return ct.get("name") in followers and reporter.resources_of(ct) != wanted
     if not any(lacks(ct) for ct in [*containers, *init_containers]) and not any(stale(ct) for ct in init_containers):
         return None
     out = [_mounted(ct, mount, summary=True) if lacks(ct) else copy.deepcopy(dict(ct)) for ct in containers]
