@@ -323,7 +323,7 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     bed = cluster.bed
     obj = warm_cache("local", cluster)
     obj["spec"]["warmup"]["targets"] = ["programs:targets"]
-    obj["spec"]["injection"]["localCopy"] = {"sizeLimit": "1Gi"}
+    obj["spec"]["injection"]["localCopy"] = {"sizeLimit": "1Gi", "workers": 4, "timeoutSeconds": 120}
     bucket = obj["spec"]["storage"]["gcs"]["bucket"]
     bed.apply(obj, ns)
     warm = wait_warmed(bed, "local", ns)
@@ -345,6 +345,12 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     assert (summary["source"], summary["copied"], summary["cold"]) == ("manifest", 10, False), summary
     volume = next(v for v in done["spec"]["volumes"] if v["name"] == "cachewarm-cache")
     assert volume == {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "1Gi"}}
+    # workers, timeoutSeconds and sizeLimit (90% of it the budget) reach the copier the
+    # operator's webhook added.
+    copier_env = {e["name"]: e.get("value") for e in next(
+        ct for ct in done["spec"]["initContainers"] if ct["name"] == "cachewarm-copy")["env"]}
+    assert (copier_env["CACHEWARM_COPY_WORKERS"], copier_env["CACHEWARM_COPY_DEADLINE_SECONDS"],
+            copier_env["CACHEWARM_COPY_MAX_BYTES"]) == ("4", "120", str(int(2**30 * 0.9))), copier_env
 
     def reported() -> dict[str, Any] | None:
         usage = ((bed.get_json("ccache", "local", ns) or {}).get("status") or {}).get("usage") or {}

@@ -219,29 +219,26 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the local copy added, each as the rest of
     the patch leaves them (the reporter's init containers, when there, come first), or None
-    when there is nothing to add: already added (webhook reinvocation), a Windows pod, no
-    container with an image.
+    when there is nothing to do: already added and nothing to follow (webhook reinvocation:
+    _reinvoked), or no copy possible (local_copy_possible).
 
     - a volume (LocalCopy.volume) at LOCAL_DIR, read-only in every container and init
       container of the pod's own (JAX_COMPILATION_CACHE_DIR points there: cache_env);
     - the reporter's copy init container (of the warmer image) also copies the copier and
       busybox, or one is added that does just that;
-    - an init container of the training image (the first container's: its pull policy,
-      securityContext, env and envFrom, so it reaches GCS as the pod would, e.g. through
-      its proxy; its CPU, memory and ephemeral-storage) that runs the copier with the
-      image's python, after the reporter's and before the pod's own init containers;
+    - an init container of the training image (the main container's: its pull policy,
+      identity, env and envFrom, so it reaches GCS as the pod would, e.g. through its
+      proxy; its CPU, memory and ephemeral-storage; its CA mounts) that runs the copier
+      with the image's python, after the reporter's and before the pod's own init
+      containers, recording the image's PYTHONPATH in place of the reporter's recorder
+      where it can (_folds_recorder);
     - where the reporter is, CACHEWARM_LOCAL_COPY_SUMMARY, so it reports the copy.
     """
     local = cache.injection.local_copy
     assert local is not None
-    if any(v.get("name") == LOCAL_VOLUME for v in volumes) or \
-            any(v.get("name") == LOCAL_VOLUME for v in spec.get("volumes") or []):
-        # Ours (webhook reinvocation) when our copier is there; a volume of the pod's own
-        # that happens to have the name is left alone.
-        if not any(ct.get("name") == COPIER_CONTAINER for ct in init_containers):
-            return None
-        return _reinvoked(spec, containers, init_containers, volumes, local, namespace, cache_name, annotations)
-    if not local_copy_possible(spec, image):
+    if any(ct.get("name") == COPIER_CONTAINER for ct in init_containers):  # webhook reinvocation
+        return _reinvoked(containers, init_containers, volumes, local, namespace, cache_name, annotations)
+    if not local_copy_possible(spec, image):  # also a pod whose own volumes clash with ours
         return None
     # The pod's main container (kubectl's default-container annotation, else the first):
     # the copier runs its image, env and securityContext, not a sidecar's.
@@ -345,7 +342,7 @@ def _ca_mounts(original: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
     return out
 
 
-def _reinvoked(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
+def _reinvoked(containers: Sequence[Mapping[str, Any]],
                init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]],
                local: LocalCopy, namespace: str, cache_name: str, annotations: Mapping[str, str] | None
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
@@ -367,8 +364,7 @@ def _reinvoked(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
     wanted = reporter.resources_of(main)
     # The warmer image's copy container follows the reporter's resync when the reporter
     # is there (builders/reporter.py), this one's when it is not.
-    reported = any(e.get("name") == "PYTHONPATH" and str(e.get("value") or "").startswith(reporter.DIR)
-                   for ct in containers for e in ct.get("env") or [])
+    reported = any(reporter.takes_reporter(ct) for ct in containers)
     followers = (COPIER_CONTAINER,) if reported else (COPIER_CONTAINER, reporter.COPY_CONTAINER)
 
     def lacks(ct: Mapping[str, Any]) -> bool:

@@ -84,6 +84,12 @@ def _own_pythonpath(container: Mapping[str, Any]) -> tuple[bool, str | None]:
     return True, None if "valueFrom" in own else str(own.get("value") or "")
 
 
+def takes_reporter(container: Mapping[str, Any]) -> bool:
+    """Whether add_reporter gave this container the reporter (its PYTHONPATH starts with ours)."""
+    return any(e.get("name") == "PYTHONPATH" and str(e.get("value") or "").startswith(DIR)
+               for e in container.get("env") or [])
+
+
 def resources_of(container: Mapping[str, Any]) -> dict[str, Any]:
     """The container's requests and limits of CPU, memory and ephemeral storage (not its
     GPUs or TPUs: an init container holding them would gain nothing), {} when it sets none."""
@@ -118,8 +124,7 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
     recorder = next((c for c in init_containers if c.get("name") == PATH_CONTAINER or
                      (c.get("name") == LOCAL_COPY_CONTAINER and RECORD_FILE in (c.get("command") or []))), None)
     first = next((c for c in containers if recorder is not None and c.get("image") == recorder.get("image")
-                  and any(e.get("name") == "PYTHONPATH" and str(e.get("value") or "").startswith(DIR)
-                          for e in c.get("env") or [])), None)
+                  and takes_reporter(c)), None)
     if first is None:
         return None
     wanted = resources_of(first)
