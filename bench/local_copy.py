@@ -15,9 +15,14 @@ different order each round), each a fresh pod on the node:
   (a) none        an unlabelled pod: no persistent cache, every program compiled
   (b) gs://       labelled for a ReadOnly cache: JAX reads the bucket through gcsfs (the
                   training image with gcsfs)
-  (c) local copy  labelled for a ReadOnly cache with localCopy (emptyDir): the copier init
-                  container copies the pool's manifest entries, JAX reads local disk (the
-                  plain image, no GCS library)
+  (c) local copy  labelled for a ReadOnly cache with localCopy (emptyDir), in process: the
+                  pod sets its PYTHONPATH (/app, the image's own), so the webhook knows it
+                  and adds no init container; the pod's python copies the pool's manifest
+                  entries at its start (our sitecustomize), then JAX reads local disk (the
+                  plain image, no GCS library). A pod of the warmup's image that sets no
+                  PYTHONPATH gets the same spec (the warmers report the image's).
+  (c-init)        `--with-init`: the same by init container (the pod sets no PYTHONPATH and
+                  runs another image than the warmup's, so the webhook cannot know it)
   (d) local disk  an unlabelled pod whose JAX_COMPILATION_CACHE_DIR is a hostPath that
                   already holds the entries (copied there beforehand): the floor
 
@@ -59,8 +64,10 @@ REPO = repo_root()
 NS = "bench"
 GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 KINDS = ("none", "gs", "copy", "disk")
-LABELS = {"none": "(a) no cache", "gs": "(b) gs:// direct", "copy": "(c) local copy", "disk": "(d) local disk",
-          "copy+reporter": "(c') local copy, reporter on"}
+LABELS = {"none": "(a) no cache", "gs": "(b) gs:// direct", "copy": "(c) local copy, in process",
+          "disk": "(d) local disk", "copy+reporter": "(c') local copy in process, reporter on",
+          "copy-init": "(c-init) local copy by init container"}
+RATIOS = {"copy": "(c)", "copy+reporter": "(c')", "copy-init": "(c-init)"}
 # (not "1e9": kubectl reads that YAML scalar as a number)
 READER = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1000000000", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
           "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
@@ -173,6 +180,8 @@ class Bench:
             labels = {"cachewarm.dev/cache": f"{workload}-gs"}
         elif kind.startswith("copy"):
             container["env"] = [*env, *self.gcs_env]  # the copier reaches GCS as the pod would
+            if kind != "copy-init":  # the image's own PYTHONPATH, which the webhook then knows
+                container["env"].append({"name": "PYTHONPATH", "value": "/app"})
             labels = {"cachewarm.dev/cache": f"{workload}-copy" + ("-reported" if kind.endswith("reporter") else "")}
         elif kind == "disk":
             container["env"] = [*env, {"name": "JAX_COMPILATION_CACHE_DIR", "value": "/cache"},
@@ -201,7 +210,11 @@ class Bench:
                # container start (what the pod's start costs before any of its own work)
                "started": round(line["started"] - t0, 3) if "started" in line else None}
         if kind.startswith("copy"):
-            copier = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "cachewarm-copy").stdout
+            inits = [ct["name"] for ct in finished["spec"].get("initContainers") or []]
+            if (kind == "copy-init") != ("cachewarm-copy" in inits):
+                raise SystemExit(f"pod {name} ({kind}) got the copy {'by init container' if inits else 'in process'}")
+            # The in-process copy's summary is on the training container's stderr.
+            copier = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "cachewarm-copy" if inits else "train").stdout
             summary = json.loads(next(x for x in copier.splitlines() if "cachewarm-copier" in x))["cachewarm-copier"]
             out.update(copySeconds=summary.get("seconds"), copied=summary.get("copied"), copyBytes=summary.get("bytes"),
                        cold=summary.get("cold"))
@@ -240,9 +253,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             wait = f"{r['kubeletWaitMedian']:.2f} s" if "kubeletWaitMedian" in r else ""
             lines.append(f"| {workload} | {LABELS[kind]} | {r['median']:.2f} s ({r['min']:.2f}–{r['max']:.2f}) | "
                          f"{started} | {wait} | {r['hits']} / {r['compiled']} | {copier} |")
-        for kind in ("copy", "copy+reporter"):
+        for kind, short in RATIOS.items():
             if kind in kinds and "disk" in kinds:
-                lines.append(f"| {workload} | {LABELS[kind][:4]} / (d) | "
+                lines.append(f"| {workload} | {short} / (d) | "
                              f"**{kinds[kind]['median'] / kinds['disk']['median']:.3f}×** | | | | |")
     return "\n".join(lines)
 
@@ -253,6 +266,7 @@ def main() -> None:
     parser.add_argument("--large-layers", default="12")
     parser.add_argument("--large-width", default="512")
     parser.add_argument("--with-reporter", action="store_true", help="also (c) with the reporter on")
+    parser.add_argument("--with-init", action="store_true", help="also (c) by init container")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     exit_on_sigterm()
@@ -271,7 +285,7 @@ def main() -> None:
         eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
         bench.gcs_env = [{"name": k, "value": env[k]} for k in GCS_ENV]
         bench.warm()
-        kinds = [*KINDS, *(["copy+reporter"] if args.with_reporter else [])]
+        kinds = [*KINDS, *(["copy+reporter"] if args.with_reporter else []), *(["copy-init"] if args.with_init else [])]
         for workload in bench.workloads:  # unmeasured: each image's first container start on the node
             for kind in ("none", "gs"):
                 bench.run(workload, kind)

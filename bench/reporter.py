@@ -54,7 +54,7 @@ def main() -> None:
     site = work / "site"
     site.mkdir()
     shutil.copy(REPO / "operator" / "cachewarm" / "reporter.py", site / "cachewarm_reporter.py")
-    shutil.copy(REPO / "warmer_image" / "sitecustomize.py", site / "sitecustomize.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "sitecustomize.py", site / "sitecustomize.py")
     shutil.copy(REPO / "operator" / "cachewarm" / "warmer.py", site / "warm.py")
     url, received = endpoint()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "CACHEWARM_", "PYTHONPATH"))}

@@ -1,11 +1,31 @@
 """cachewarm's copier: a cache's entries from its bucket into a local directory, so that a
 training process reads them as from local disk (issue 14's local copy, the part that runs
-in the pod). The webhook adds it to a training pod as an init container; it is shipped in
-the warmer image at /opt/cachewarm/cachewarm_copier.py and run with the training image's
-own python (`python -I -S cachewarm_copier.py`), as the warmer is, so it needs only the
-standard library and the image needs no GCS library. Where `STORAGE_EMULATOR_HOST` is set
-it talks to that (no auth); otherwise to GCS with the pod's token from the metadata server
-(GKE Workload Identity).
+in the pod). It runs with the training image's own python, as the warmer does, so it needs
+only the standard library and the image needs no GCS library; in one of two ways:
+
+- As an init container (main()): the webhook adds one to a training pod that runs
+  /opt/cachewarm/cachewarm_copier.py, shipped in the warmer image, as `python -I -S
+  cachewarm_copier.py`; its summary goes to stdout.
+- In process (copy_in_process()): no init container, which saves the pod's start the
+  second or so the kubelet takes to notice one's exit. The pod's PYTHONPATH starts with a
+  ConfigMap volume holding this file as cachewarm_copier.py, the reporter, the warmer and
+  cachewarm's sitecustomize.py, which runs the copy at interpreter start (with
+  CACHEWARM_COPY_IN_PROCESS=1), before the process's own code. Once per pod: the process
+  takes an exclusive flock on `<CACHEWARM_COPY_SUMMARY>.lock` (beside the summary, in the
+  pod's emptyDir; opened read-only when another uid made it, and the copy unguarded when it
+  cannot be opened at all) and copies only if the summary file is not there yet, so the
+  pod's other python processes (other containers, subprocesses, torchrun's workers) wait
+  for the first one's copy, then find its summary and go on at once: none starts on a copy
+  half done. Without CACHEWARM_COPY_SUMMARY every process copies. The copy runs in a daemon
+  thread that the process waits for at most the deadline plus the grace; past that the
+  process goes on, the copy left behind to end by its own deadline (the summary says so).
+  It never raises, never exits the process and writes nothing to stdout: its summary line
+  goes to stderr. The modules only a copy needs (ssl, http, hashlib, concurrent.futures)
+  are imported when one starts, so that a process that finds the summary there pays
+  little more than its import.
+
+Where `STORAGE_EMULATOR_HOST` is set it talks to that (no auth); otherwise to GCS with the
+pod's token from the metadata server (GKE Workload Identity).
 
 - What it copies: the union of the entries named by the manifests of the pod's pools (each
   pool's warmer writes one, `<prefix>.cachewarm/pools/<namespace>/<cache>/<pool>.json`:
@@ -41,8 +61,10 @@ it talks to that (no auth); otherwise to GCS with the pod's token from the metad
   cannot be loaded is an error in the summary and the defaults are used; a certificate
   that does not verify is not retried.
 - It never fails the pod: whatever goes wrong (no bucket, no network, a bad entry), it
-  says so in its summary and exits 0; the process then starts with what was copied, a cold
-  start for the rest.
+  says so in its summary and exits 0 (in process: returns); the process then starts with
+  what was copied, a cold start for the rest. A copy still running the grace after its
+  deadline (a read that the deadline cannot interrupt) is stopped (the init container
+  exits) or left behind (in process), cold unless something was copied or present.
 
 Settings (environment):
   CACHEWARM_COPY_BUCKET      the bucket (required)
@@ -53,11 +75,16 @@ Settings (environment):
   CACHEWARM_COPY_MAX_BYTES   byte budget (default 8 GiB)
   CACHEWARM_COPY_WORKERS     downloads at once (default 16, 1..64)
   CACHEWARM_COPY_DEADLINE_SECONDS  no download is started after this (default 300)
-  CACHEWARM_COPY_SUMMARY     if set, a file the summary JSON is also written to (atomically)
+  CACHEWARM_COPY_GRACE_SECONDS  after the deadline, how long a copy still running is waited
+                             for before it is stopped or left behind (default 15)
+  CACHEWARM_COPY_SUMMARY     if set, a file the summary JSON is also written to (atomically);
+                             in process, also the once-per-pod guard (see above)
+  CACHEWARM_COPY_IN_PROCESS  "1": sitecustomize.py runs copy_in_process() (not read here)
   STORAGE_EMULATOR_HOST      a GCS emulator's base URL (no auth) instead of GCS
   REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE  the CAs to trust for HTTPS (see TLS above)
 
-Summary (stdout, one line `{"cachewarm-copier": {...}}`, and CACHEWARM_COPY_SUMMARY):
+Summary (one line `{"cachewarm-copier": {...}}` on stdout, in process on stderr, and
+CACHEWARM_COPY_SUMMARY):
   source "manifest" | "prefix"; wanted (entries planned: copied + present + failed);
   copied, bytes (downloaded); present, presentBytes (already there, kept); failed;
   leftOut {notAnEntry, notInManifest, notInBucket, overBudget}; errors (at most 5, 300
@@ -70,25 +97,23 @@ Summary (stdout, one line `{"cachewarm-copier": {...}}`, and CACHEWARM_COPY_SUMM
 
 from __future__ import annotations
 
-import base64
-import concurrent.futures
-import dataclasses
-import hashlib
-import http.client
+# Only what is cheap to import here: in process, every python process of the pod imports
+# this module, most of them to find the copy done. What a copy needs is imported by the
+# code that needs it.
 import itertools
 import json
 import os
-import random
 import re
-import ssl
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+if TYPE_CHECKING:
+    import ssl
+    import urllib.error
+    from collections.abc import Callable, Iterable, Mapping
+    from typing import TextIO
 
 ENTRY = re.compile(r"^[^/]+-(?P<hash>[0-9a-f]{64})-cache$")
 GCS = "https://storage.googleapis.com"
@@ -104,10 +129,11 @@ STALE_PARTIAL_SECONDS = 3600.0
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ERRORS, MAX_ERROR_CHARS = 5, 300
+SUMMARY_ENV = "CACHEWARM_COPY_SUMMARY"
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
+# NamedTuples, not dataclasses: those import inspect, milliseconds of every process's start.
+class Settings(NamedTuple):
     bucket: str
     prefix: str  # object-name prefix, '' or ending in '/'
     dest: str
@@ -154,8 +180,7 @@ def manifest_entries(data: bytes) -> frozenset[str]:
     return frozenset(names)
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     download: list[Mapping[str, Any]]  # smallest first
     present: list[Mapping[str, Any]]  # already in the destination with GCS's size
     left: dict[str, int]  # left out, by reason
@@ -239,11 +264,16 @@ def retry_after_seconds(value: str | None) -> float | None:
 
 
 def retry_delay(attempt: int, left: float, after: float | None = None,
-                uniform: Callable[[float, float], float] = random.uniform) -> float:
+                uniform: Callable[[float, float], float] | None = None) -> float:
     """Seconds to wait before attempt `attempt` (1: the first retry): the server's
     Retry-After when it gave one, else full jitter, uniform(0, BACKOFF_SECONDS x
-    2^(attempt-1)), so that the pods of a job, started and refused at once, do not all come
-    back at once too; never more than `left`, the time to the deadline. Pure but `uniform`."""
+    2^(attempt-1)) (`uniform`: random.uniform when None), so that the pods of a job,
+    started and refused at once, do not all come back at once too; never more than `left`,
+    the time to the deadline. Pure but `uniform`."""
+    if uniform is None:
+        import random  # noqa: PLC0415
+
+        uniform = random.uniform
     wait = after if after is not None else uniform(0.0, BACKOFF_SECONDS * 2 ** (attempt - 1))
     return max(0.0, min(wait, left))
 
@@ -255,6 +285,8 @@ def ssl_context(ca_bundle: str) -> tuple[ssl.SSLContext | None, str]:
     when not, or when the bundle cannot be loaded, which never stops the copy."""
     if not ca_bundle:
         return None, ""
+    import ssl  # noqa: PLC0415
+
     try:
         context = ssl.create_default_context()
         if os.path.isdir(ca_bundle):
@@ -280,6 +312,8 @@ class Client:
     """The GCS JSON API calls the copier makes (list, media download), with retries."""
 
     def __init__(self, endpoint: str, token: Callable[[], str | None], context: ssl.SSLContext | None = None) -> None:
+        import urllib.request  # noqa: PLC0415
+
         self.endpoint, self.token = endpoint, token
         # urlopen's handlers (the pod's HTTP(S)_PROXY included), with `context` for HTTPS.
         self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
@@ -299,6 +333,8 @@ class Client:
 
     def _open(self, url: str) -> Any:
         """One request, bounded by the time left; urllib's errors as they come."""
+        import urllib.request  # noqa: PLC0415
+
         # Inside the attempts: GKE's metadata server may refuse a pod's first requests for
         # a few seconds after it starts, as an init container does.
         bearer = self.token()
@@ -311,6 +347,10 @@ class Client:
         a connection broken mid-body is retried as one refused at the start. ATTEMPTS at
         most (CORRUPT_ATTEMPTS of them Corrupt), retry_delay apart. Raises CopyError, at
         once for a status not worth retrying and at the deadline."""
+        import http.client  # noqa: PLC0415
+        import ssl  # noqa: PLC0415
+        import urllib.error  # noqa: PLC0415
+
         last: Exception | None = None
         after: float | None = None
         corrupt = 0
@@ -347,6 +387,8 @@ class Client:
         raise CopyError(f"gave up after {ATTEMPTS} attempts: {last}")
 
     def _media(self, bucket: str, name: str) -> str:
+        import urllib.parse  # noqa: PLC0415
+
         return (f"{self.endpoint}/download/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
                 f"{urllib.parse.quote(name, safe='')}?alt=media")
 
@@ -357,6 +399,8 @@ class Client:
         return self._attempts(url, attempt)
 
     def list(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
+        import urllib.parse  # noqa: PLC0415
+
         out: list[dict[str, Any]] = []
         token = ""
         while True:
@@ -404,6 +448,9 @@ class Client:
     def _download_once(self, url: str, obj: Mapping[str, Any], dest: str) -> int:
         """One attempt of download's; its partial file is removed whatever goes wrong. The
         disk's errors are CopyErrors (not retried), the network's as they come."""
+        import base64  # noqa: PLC0415
+        import hashlib  # noqa: PLC0415
+
         name = str(obj["name"])
         final = os.path.join(dest, name.rsplit("/", 1)[-1])
         partial = os.path.join(dest, self.partial_name())
@@ -446,12 +493,14 @@ class Client:
         return size
 
 
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def metadata_token() -> Callable[[], str | None]:
     """The pod's access token from the metadata server, fetched once and then again
     shortly before it expires."""
+    import http.client  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     lock = threading.Lock()
     state: dict[str, Any] = {"token": None, "until": 0.0}
 
@@ -460,8 +509,7 @@ def metadata_token() -> Callable[[], str | None]:
             if state["token"] is None or time.monotonic() > state["until"]:
                 request = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
                 try:
-                    # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
-                    with DIRECT.open(request, timeout=5) as answer:
+                    with direct.open(request, timeout=5) as answer:
                         got = json.load(answer)
                     state["token"] = str(got["access_token"])
                     state["until"] = time.monotonic() + max(float(got.get("expires_in", 300)) - 60, 30)
@@ -538,6 +586,8 @@ def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) 
 def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None) -> dict[str, Any]:
     """Copy what `plan` picks, counting into `summary` (a new_summary; main's watchdog
     reads the same one). Never raises: the summary says what happened."""
+    import concurrent.futures  # noqa: PLC0415
+
     started = time.monotonic()
     client.deadline = started + settings.deadline_seconds
     summary = new_summary("prefix") if summary is None else summary
@@ -594,53 +644,140 @@ def write_summary(path: str, summary: Mapping[str, Any]) -> None:
         raise
 
 
-# After the deadline, this long for requests in flight to give up before the process
-# exits anyway (a read blocked in the kernel cannot be interrupted otherwise).
+# After the deadline, this long (CACHEWARM_COPY_GRACE_SECONDS) for the requests in flight
+# to give up before the init container exits anyway, or the process goes on without them
+# (a read blocked in the kernel, or a name lookup, cannot be interrupted otherwise).
 HARD_STOP_GRACE_SECONDS = 15.0
 
 
-def _hard_stop(summary: dict[str, Any]) -> None:
-    add_error(summary, "still running past the deadline: stopped")
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A setting's seconds; `default` when unset or not a finite number."""
+    try:
+        value = float(env.get(name) or default)
+    except ValueError:
+        return default
+    return value if abs(value) < float("inf") else default  # not nan either
+
+
+def bound_seconds(env: Mapping[str, str]) -> float:
+    """How long a copy is waited for at most: its deadline (at least 1 s) and the grace."""
+    return (max(_seconds(env, "CACHEWARM_COPY_DEADLINE_SECONDS", 300.0), 1.0)
+            + max(_seconds(env, "CACHEWARM_COPY_GRACE_SECONDS", HARD_STOP_GRACE_SECONDS), 0.0))
+
+
+def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
+    """The copy `env`'s settings ask for (its CAs, GCS's token or the emulator), counted
+    into `live` (a new_summary, which may be read meanwhile): its summary, `live` or, for
+    bad settings, a cold one. Never raises. What main and copy_in_process both run."""
+    try:
+        settings = Settings.from_env(env)
+        context, error = ssl_context(settings.ca_bundle)
+        if error:
+            add_error(live, error)
+        client = Client(settings.endpoint, (lambda: None) if env.get("STORAGE_EMULATOR_HOST") else metadata_token(),
+                        context)
+        return run(settings, client, live)
+    except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
+        summary = new_summary("manifest" if env.get("CACHEWARM_COPY_MANIFESTS", "").strip(" ,") else "prefix")
+        summary["cold"] = True
+        add_error(summary, f"{type(exc).__name__}: {exc}")
+        return summary
+
+
+def left_behind(live: Mapping[str, Any], started: float, how: str) -> dict[str, Any]:
+    """The summary of a copy still running past its deadline and grace: what it has done so
+    far (a copy of `live`, which it goes on counting into), an error that says so (room
+    made for it), cold unless something was copied or present."""
+    summary = {**live, "errors": list(live["errors"])[:MAX_ERRORS - 1], "leftOut": dict(live["leftOut"])}
+    add_error(summary, f"still running past the deadline: {how}")
     summary["cold"] = summary["copied"] + summary["present"] == 0
-    path = os.environ.get("CACHEWARM_COPY_SUMMARY")
+    summary["seconds"] = round(time.monotonic() - started, 3)
+    return summary
+
+
+def finish(summary: dict[str, Any], path: str, stream: TextIO | None) -> None:
+    """The summary into the file at `path` when one is given (a failure is one more error)
+    and as one line on `stream`. Never raises."""
     if path:
         try:
             write_summary(path, summary)
-        except Exception:  # noqa: BLE001, S110 - stdout still has it
-            pass
-    print(json.dumps({"cachewarm-copier": summary}, sort_keys=True), flush=True)
+        except Exception as exc:  # noqa: BLE001 - the line still has it
+            add_error(summary, f"summary file: {type(exc).__name__}: {exc}")
+    try:
+        if stream is not None:  # None: no such stream (pythonw)
+            print(json.dumps({"cachewarm-copier": summary}, sort_keys=True), file=stream, flush=True)
+    except Exception:  # noqa: BLE001, S110 - closed: nowhere to say it
+        pass
+
+
+def _hard_stop(live: dict[str, Any], started: float) -> None:
+    finish(left_behind(live, started, "stopped"), os.environ.get(SUMMARY_ENV, ""), sys.stdout)
     os._exit(0)
 
 
 def main() -> None:
-    try:
-        deadline = float(os.environ.get("CACHEWARM_COPY_DEADLINE_SECONDS", "300"))
-    except ValueError:
-        deadline = 300.0
+    """The init container: the copy, its summary on stdout and in its file, exit 0; stopped
+    (os._exit) when it still runs the grace after its deadline."""
     live = new_summary("prefix")
-    watchdog = threading.Timer(max(deadline, 1.0) + HARD_STOP_GRACE_SECONDS, _hard_stop, args=(live,))
+    watchdog = threading.Timer(bound_seconds(os.environ), _hard_stop, args=(live, time.monotonic()))
     watchdog.daemon = True
     watchdog.start()
-    try:
-        settings = Settings.from_env(os.environ)
-        context, error = ssl_context(settings.ca_bundle)
-        if error:
-            add_error(live, error)
-        client = Client(settings.endpoint, (lambda: None) if os.environ.get("STORAGE_EMULATOR_HOST")
-                        else metadata_token(), context)
-        summary = run(settings, client, live)
-    except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
-        summary = new_summary("manifest" if os.environ.get("CACHEWARM_COPY_MANIFESTS", "").strip(" ,") else "prefix")
-        summary["cold"] = True
-        add_error(summary, f"{type(exc).__name__}: {exc}")
-    path = os.environ.get("CACHEWARM_COPY_SUMMARY")
-    if path:
-        try:
-            write_summary(path, summary)
-        except Exception as exc:  # noqa: BLE001 - stdout still has it
-            add_error(summary, f"summary file: {type(exc).__name__}: {exc}")
-    print(json.dumps({"cachewarm-copier": summary}, sort_keys=True), flush=True)
+    finish(copy(os.environ, live), os.environ.get(SUMMARY_ENV, ""), sys.stdout)
     sys.exit(0)
+
+
+def pod_lock(path: str) -> int | None:
+    """A descriptor of the lock file `path` (made if missing, with its directory) holding an
+    exclusive flock, taken once whoever holds it lets go (closing it releases it); read-only
+    when it cannot be opened to write (another uid's file: flock takes a read-only one too).
+    None when it can be neither opened nor locked."""
+    import fcntl  # noqa: PLC0415
+
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError:
+        pass  # then opening it says
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+    return None
+
+
+def copy_in_process() -> None:
+    """From sitecustomize, at interpreter start: the copy, once per pod, waited for at most
+    its deadline and grace (see the module's doc); its summary on stderr and in its file.
+    Never raises, never exits the process, writes nothing to stdout."""
+    try:
+        path = os.environ.get(SUMMARY_ENV, "")
+        # Unguarded when there is no summary to tell that the copy is done, or no lock.
+        lock = pod_lock(f"{path}.lock") if path else None
+        try:
+            if path and os.path.exists(path):
+                return  # another process of the pod copied (or its copy is cold: no better now)
+            live = new_summary("prefix")
+            started = time.monotonic()
+            done: list[dict[str, Any]] = []
+            worker = threading.Thread(target=lambda: done.append(copy(os.environ, live)), name="cachewarm-copier",
+                                      daemon=True)
+            worker.start()
+            worker.join(bound_seconds(os.environ))
+            finish(done[0] if done else left_behind(live, started, "left behind"), path, sys.stderr)
+        finally:
+            if lock is not None:
+                os.close(lock)
+    except Exception as exc:  # noqa: BLE001 - the process starts whatever happens here
+        try:
+            print(f"cachewarm copier: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001, S110 - stderr closed
+            pass
 
 
 if __name__ == "__main__":

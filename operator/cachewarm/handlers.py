@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from cachewarm import conditions, service
+from cachewarm import conditions, service, warmups
 from cachewarm import constants as c
 from cachewarm.builders.reporter import Reporting
 from cachewarm.clients.kube import KubeClient, KubeError
@@ -62,7 +62,9 @@ def index_caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.M
     bucket = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY) or {}
     return {(namespace, name): service.index_entry(spec, generation=int(meta.get("generation") or 0), uid=uid,
                                                    warmed=service.was_warmed(status),
-                                                   refused=bucket.get("reason") in service.REFUSED)}
+                                                   refused=bucket.get("reason") in service.REFUSED,
+                                                   image_pythonpath=warmups.image_pythonpath(
+                                                       (status.get("warmup") or {}).get("pools") or []))}
 
 
 async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun: bool,

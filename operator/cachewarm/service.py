@@ -6,7 +6,9 @@ handlers.py turns these into kopf patches and errors."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
+import importlib.resources
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,7 +19,15 @@ from cachewarm import conditions, reports
 from cachewarm import constants as c
 from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
-from cachewarm.builders.localcopy import add_local_copy, local_copy_possible
+from cachewarm.builders.localcopy import (
+    BOOT_FILES,
+    add_local_copy,
+    add_local_copy_in_process,
+    boot_configmap,
+    boot_configmap_name,
+    local_copy_possible,
+)
+from cachewarm.builders.localcopy import in_process as is_in_process
 from cachewarm.builders.reporter import Reporting, add_reporter
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
@@ -302,8 +312,9 @@ def _publish_env(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], 
     (created, or restored if someone changed it) on every reconcile. Its condition; a
     Warning Event when it newly fails."""
     configmap = env_configmap_name(name)
+    owner = {"name": name, "uid": uid}
     try:
-        kube.apply_configmap(env_configmap(cache, name, namespace, {"name": name, "uid": uid}))
+        kube.apply_configmap(env_configmap(cache, name, namespace, owner))
     except KubeError as exc:
         cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
                     f"ConfigMap {configmap} with the cache env could not be applied: {exc}; pods whose containers "
@@ -311,9 +322,30 @@ def _publish_env(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], 
         if _changed(status, cond):
             events.append(Event("Warning", exc.reason, cond.message))
         return cond
+    boot = ""
+    if cache.injection.local_copy is not None:
+        try:
+            kube.apply_configmap(boot_configmap(name, namespace, owner, boot_files()))
+        except KubeError as exc:
+            cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
+                        f"ConfigMap {boot_configmap_name(name)} with the local copy's code could not be applied: "
+                        f"{exc}; pods that copy in process start cold; retrying"[:1000])
+            if _changed(status, cond):
+                events.append(Event("Warning", exc.reason, cond.message))
+            return cond
+        boot = f"; ConfigMap {boot_configmap_name(name)} holds the code of the local copy pods make in process"
     return Cond(c.Condition.INJECTION_READY, True, c.Reason.RECONCILED,
                 f"ConfigMap {configmap} holds the cache env; containers with envFrom sources read it first, so "
-                "their own env and envFrom values win")
+                f"their own env and envFrom values win{boot}")
+
+
+@functools.cache
+def boot_files() -> dict[str, str]:
+    """The text of the boot ConfigMap's files (localcopy.BOOT_FILES), this package's own
+    modules as installed, read once."""
+    package = importlib.resources.files("cachewarm")
+    return {shipped: package.joinpath(module).read_text(encoding="utf-8")
+            for shipped, module in BOOT_FILES.items()}
 
 
 def inventory_due(status: Mapping[str, Any], generation: int, now: dt.datetime, every: dt.timedelta) -> bool:
@@ -479,17 +511,18 @@ def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any
 
 
 def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool,
-                refused: bool = False) -> dict[str, Any]:
+                refused: bool = False, image_pythonpath: str | None = None) -> dict[str, Any]:
     """What the webhook needs of a cache, parsed once: the typed spec (or why it is
-    invalid), whether it is Warmed, and whether it is refused (BucketReady reason in
-    REFUSED: no pod is held for it)."""
+    invalid), whether it is Warmed, whether it is refused (BucketReady reason in
+    REFUSED: no pod is held for it), and the PYTHONPATH the warmup's image sets, as its
+    warmers reported it (warmups.image_pythonpath; None: not known)."""
     try:
         cache: CacheSpec | None = parse_spec(spec)
         error = ""
     except InvalidSpec as exc:
         cache, error = None, str(exc)
     return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed,
-            "refused": refused}
+            "refused": refused, "image_pythonpath": image_pythonpath}
 
 
 @dataclass
@@ -529,8 +562,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
         # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
         cache = cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": None})})
         out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
-                            "cannot get (a Windows pod, a volume of its own named cachewarm-cache or cachewarm-reporter or "
-                            "mounted at /cachewarm-cache, or no warmer image configured); it reads the bucket")
+                            "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot or "
+                            "cachewarm-reporter or mounted at /cachewarm-cache or /cachewarm-boot, or no warmer image configured); it reads the bucket")
     result = inject_pod(pod, cache_name, entry["generation"], cache)
     if result.changed:
         out.spec["containers"] = result.containers
@@ -541,13 +574,25 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
     containers = result.containers
     init_containers = result.init_containers if result.init_containers is not None else pod_spec.get("initContainers") or []
     volumes = list(pod_spec.get("volumes") or [])
-    if reporting is not None and cache.injection.report:
-        added = add_reporter(pod_spec, containers, init_containers, cache_name, reporting)
+    reports = reporting if cache.injection.report else None
+    in_process = None
+    if cache.injection.local_copy is not None and warmer_image:
+        # In process where the pod's PYTHONPATH is known: no init container at all.
+        in_process = add_local_copy_in_process(
+            pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace, cache_name=cache_name,
+            image_pythonpath=entry.get("image_pythonpath"), reporting=reports, annotations=meta.get("annotations"))
+        if in_process is not None:
+            out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = in_process
+            out.injected = True
+    # Else by init containers (as at the first admission, on reinvocation).
+    by_init = in_process is None and not is_in_process(pod_spec)
+    if by_init and reports is not None:
+        added = add_reporter(pod_spec, containers, init_containers, cache_name, reports)
         if added is not None:
             containers, init_containers, volumes = added
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = added
             out.injected = True
-    if cache.injection.local_copy is not None and warmer_image:
+    if by_init and cache.injection.local_copy is not None and warmer_image:
         copied = add_local_copy(pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace,
                                 cache_name=cache_name, image=warmer_image, annotations=meta.get("annotations"))
         if copied is not None:

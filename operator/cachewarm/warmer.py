@@ -28,6 +28,11 @@ targets mode joins the JAX distributed runtime once; command mode leaves that to
 entrypoint. Only process 0 writes entries, so only its summary counts written entries
 (`processIndex` says which process reported); another process exits 0 when it compiled
 what it was given without error, 2 when it compiled nothing.
+
+Every process's summary carries `imagePythonPath`: the PYTHONPATH this process started
+with ("" when none), which is the image's own (its ENV) unless spec.warmup.env sets one;
+the webhook keeps it behind its own directory in training pods. Left out when longer than
+IMAGE_PYTHONPATH_LIMIT characters or not valid text.
 """
 
 from __future__ import annotations
@@ -47,11 +52,12 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 KEY_HASH_CHARS = 16
 SUMMARY_LIMIT = 4000  # the kubelet keeps at most 4096 bytes of a termination message
+IMAGE_PYTHONPATH_LIMIT = 1000  # characters; the CRD's maxLength of a pool's imagePythonPath
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
 # PJRT plugins whose version goes into a compiled program's key, as jaxlib's does.
@@ -437,7 +443,22 @@ def key_hash(key: str) -> str:
     return key.rsplit("-", 1)[-1][:KEY_HASH_CHARS]
 
 
+def image_pythonpath(environ: Mapping[str, str]) -> dict[str, str]:
+    """{"imagePythonPath": PYTHONPATH} ("" when unset) for the summary, or {} when it is
+    longer than IMAGE_PYTHONPATH_LIMIT characters or not valid text (undecodable bytes):
+    status could not hold it as it is, and a cut one would name other directories."""
+    value = environ.get("PYTHONPATH", "")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return {}
+    return {"imagePythonPath": value} if len(value) <= IMAGE_PYTHONPATH_LIMIT else {}
+
+
 def write_summary(summary: dict[str, Any]) -> None:
+    """Write the summary as JSON within SUMMARY_LIMIT characters: errors and targets are
+    cut first, then keys (said so); imagePythonPath (at most 1000 characters) survives
+    both, and is left out only when the summary would not be whole JSON otherwise."""
     text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     if len(text) > SUMMARY_LIMIT:
         summary = {**summary, "errors": [e[:200] for e in summary.get("errors", [])[:3]], "targets": []}
@@ -447,6 +468,11 @@ def write_summary(summary: dict[str, Any]) -> None:
         # Fewer keys, said so: the operator checks those reported, and knows the count.
         keys = keys[: len(keys) * 3 // 4]
         summary = {**summary, "keys": keys, "keysTruncated": True}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    if len(text) > SUMMARY_LIMIT and "imagePythonPath" in summary:
+        # Only here (e.g. a non-ASCII path, which JSON escapes to several times its length):
+        # without it the webhook falls back; cut, the whole summary would be lost.
+        summary = {k: v for k, v in summary.items() if k != "imagePythonPath"}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     text = text[:SUMMARY_LIMIT]
     path = os.environ.get("CACHEWARM_SUMMARY_FILE", "/dev/termination-log")
@@ -519,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     p_command.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- ENTRYPOINT")
     args = parser.parse_args(argv)
 
+    # Before anything runs here: an in-process entrypoint may change os.environ.
+    pythonpath = image_pythonpath(os.environ)
     cache = CacheDir(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
     if not cache.url:
         log("JAX_COMPILATION_CACHE_DIR is not set; nothing would be cached")
@@ -573,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
         "errors": errors,
         "targets": results,
+        **pythonpath,  # every process reports it, process 0 included
     }
     if fp is not None:
         summary["fingerprint"] = fp

@@ -28,6 +28,7 @@ from cachewarm.model import CacheSpec, Pool
 
 ACTIVE_STATES = ("Pending", "Running")
 MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
+IMAGE_PYTHONPATH_LIMIT = 1000  # characters: the CRD's maxLength (warmer.IMAGE_PYTHONPATH_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,26 @@ def _process_index(summary: Mapping[str, Any]) -> int:
         return 0
 
 
+def _pythonpath(value: Any) -> str | None:
+    """A reported imagePythonPath status can hold as it is: text of at most
+    IMAGE_PYTHONPATH_LIMIT characters ("" is a value: the image sets none)."""
+    if not isinstance(value, str) or len(value) > IMAGE_PYTHONPATH_LIMIT:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | None,
-                summaries: Sequence[Mapping[str, Any]], pods: PodsView | None = None) -> dict[str, Any]:
+                summaries: Sequence[Mapping[str, Any]], pods: PodsView | None = None, *,
+                env_sets_pythonpath: bool = False) -> dict[str, Any]:
     """One entry of status.warmup.pools. Only process 0 of a multi-host warmer writes cache
     entries, so entries and bytes are process 0's (each entry counted once); the compile
-    time is the slowest host's; errors are every host's."""
+    time is the slowest host's; errors are every host's. `imagePythonPath` is process 0's
+    PYTHONPATH, the image's own, unless `env_sets_pythonpath` (spec.warmup.env sets one,
+    so the warmer saw that): then none is recorded."""
     state = _job_state(job) if job is not None else "Pending"
     jstatus = (job or {}).get("status") or {}
     out: dict[str, Any] = {"name": pool.name, "job": name, "specHash": digest, "state": state}
@@ -198,10 +214,23 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
                       and s["fingerprint"]), None)
         if found is not None:
             out["fingerprint"] = fingerprint_status(found, pods.image if pods is not None else "")
+        # The PYTHONPATH the image sets, for the webhook (image_pythonpath).
+        if not env_sets_pythonpath:
+            path = next((p for p in (_pythonpath(s.get("imagePythonPath")) for s in writers) if p is not None), None)
+            if path is not None:
+                out["imagePythonPath"] = path
     errors = [e for s in summaries for e in s.get("errors", [])]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
     return out
+
+
+def image_pythonpath(pools: Sequence[Mapping[str, Any]]) -> str | None:
+    """The PYTHONPATH the warmup image sets, from status.warmup.pools: the value every pool
+    that reports `imagePythonPath` agrees on ("" when the image sets none); pools without
+    one are left out. None when no pool reports one, or when they disagree."""
+    seen = {p["imagePythonPath"] for p in pools if isinstance(p.get("imagePythonPath"), str)}
+    return seen.pop() if len(seen) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -432,7 +461,8 @@ def reconcile_warmup(
             continue
         pods = kube.list_pods(namespace, f"{c.JOB_NAME_LABEL}={job_name}")
         summaries = read_summaries(pods) if state not in ACTIVE_STATES else []
-        status = pool_status(job_name, pool, digest, current, summaries, read_pods(pods))
+        status = pool_status(job_name, pool, digest, current, summaries, read_pods(pods),
+                             env_sets_pythonpath=any(e.name == "PYTHONPATH" for e in warmup.env))
         status["attempt"] = attempt
         if state == "Failed":
             status, _ = plan_retry(status, attempt, failed_at(current) or now, retry, now)

@@ -111,7 +111,7 @@ def local_images() -> dict[str, dict[str, Any]]:
     stage.mkdir(exist_ok=True)
     for name, source in (("warm.py", repo / "operator" / "cachewarm" / "warmer.py"),
                          ("cachewarm_reporter.py", repo / "operator" / "cachewarm" / "reporter.py"),
-                         ("sitecustomize.py", repo / "warmer_image" / "sitecustomize.py"),
+                         ("sitecustomize.py", repo / "operator" / "cachewarm" / "sitecustomize.py"),
                          # The image's static busybox: here the host's (busybox-static, make node-deps).
                          ("busybox", Path(shutil.which("busybox") or "/bin/busybox"))):
         link = stage / name

@@ -73,7 +73,8 @@ class Build:
 BUILDS = (
     Build(OPERATOR_IMAGE, "Dockerfile", ("pyproject.toml", "README.md", "operator"), "PYTHON_IMAGE", "python"),
     Build(WARMER_IMAGE, "warmer_image/Dockerfile", ("operator/cachewarm/warmer.py", "operator/cachewarm/reporter.py",
-                                                    "operator/cachewarm/copier.py", "warmer_image/sitecustomize.py"),
+                                                    "operator/cachewarm/copier.py",
+                                                    "operator/cachewarm/sitecustomize.py"),
           "BUSYBOX_IMAGE", "busybox"),
     Build(f"docker.io/{TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE", "python"),
     Build(f"docker.io/{PLAIN_TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE",

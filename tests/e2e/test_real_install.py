@@ -289,20 +289,34 @@ def local_pod(name: str, cache: str, env: list[dict[str, str]], user: int | None
                     {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}]}}
 
 
-def run_to_end(bed: Testbed, ns: str, pod: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """(the finished pod, the JSON lines of its training container, the copier's summary)."""
+def run_to_end(bed: Testbed, ns: str, pod: dict[str, Any], *, in_process: bool = False
+               ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """(the finished pod, the JSON lines of its training container, the copier's summary).
+    `in_process`: the webhook must have given the pod the copy in process (no init
+    container at all; the summary is in the training container's log), else by init
+    container."""
     name = pod["metadata"]["name"]
     bed.apply(pod, ns)
     done = eventually(lambda: finished(bed, "pod", name, ns), timeout=300, what=f"pod {name} to finish")
     logs = bed.kubectl_run("logs", name, "-n", ns, "-c", "train")
     assert done["status"]["phase"] == "Succeeded", (done["status"], logs.stdout[-3000:], logs.stderr[-3000:])
     lines = [json.loads(line) for line in logs.stdout.splitlines() if line.startswith("{")]
+    train = next(ct for ct in done["spec"]["containers"] if ct["name"] == "train")
+    pythonpath = next((e["value"] for e in train["env"] if e["name"] == "PYTHONPATH"), "")
+    if in_process:
+        assert not done["spec"].get("initContainers") and not done["status"].get("initContainerStatuses"), done["spec"]
+        assert pythonpath == "/cachewarm-boot:/app", pythonpath  # ours, then the image's own
+        # The copy's summary line, on the training container's stderr (kubectl logs has both).
+        [summary] = [line["cachewarm-copier"] for line in lines if "cachewarm-copier" in line]
+        lines = [line for line in lines if "cachewarm-copier" not in line]
+        return done, lines, summary
     copier = bed.kubectl_run("logs", name, "-n", ns, "-c", "cachewarm-copy")
     assert copier.returncode == 0, copier.stderr
     [summary] = [json.loads(line)["cachewarm-copier"] for line in copier.stdout.splitlines() if "cachewarm-copier" in line]
     inits = {s["name"]: s["state"]["terminated"]["exitCode"] for s in done["status"]["initContainerStatuses"]}
     # Two init containers, not three: the copier records the image's PYTHONPATH itself.
     assert inits == {"cachewarm-reporter": 0, "cachewarm-copy": 0}, inits
+    assert pythonpath == "/cachewarm-reporter", pythonpath
     copier_spec = next(ct for ct in done["spec"]["initContainers"] if ct["name"] == "cachewarm-copy")
     assert {"name": "podinfo", "mountPath": "/etc/podinfo", "readOnly": True} in copier_spec["volumeMounts"]
     return done, lines, summary
@@ -352,12 +366,37 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     assert (copier_env["CACHEWARM_COPY_WORKERS"], copier_env["CACHEWARM_COPY_DEADLINE_SECONDS"],
             copier_env["CACHEWARM_COPY_MAX_BYTES"]) == ("4", "120", str(int(2**30 * 0.9))), copier_env
 
-    def reported() -> dict[str, Any] | None:
+    def reported(pods: int) -> dict[str, Any] | None:
         usage = ((bed.get_json("ccache", "local", ns) or {}).get("status") or {}).get("usage") or {}
-        return usage if (usage.get("localCopy") or {}).get("pods") else None
-    usage = eventually(reported, timeout=60, what="status.usage.localCopy from the pod's report")
+        return usage if (usage.get("localCopy") or {}).get("pods") == pods else None
+    usage = eventually(lambda: reported(1), timeout=60, what="status.usage.localCopy from the pod's report")
     assert (usage["hits"], usage["misses"]) == (10, 0), usage
     assert (usage["localCopy"]["pods"], usage["localCopy"]["coldPods"], usage["localCopy"]["entriesCopied"]) == (1, 0, 10)
+
+    # In process, no init container. A pod of the warmup's own image, which sets no
+    # PYTHONPATH: the warmer reported the image's (/app), so the webhook puts ours in
+    # front of it, and `python -m programs` from / finds the program there. The copy runs
+    # in the pod's first python process, before its program; the second process (the
+    # listing) finds it done.
+    assert pool["imagePythonPath"] == "/app", pool
+    own = local_pod("inproc", "local", cluster.client_env())
+    own["spec"]["containers"][0]["image"] = images.TRAIN_IMAGE
+    _, lines, summary = run_to_end(bed, ns, own, in_process=True)
+    assert (lines[-2]["cache_hits"], lines[-2]["compiled"]) == (10, 0), lines
+    assert lines[-1]["copy"] == listed, lines[-1]
+    assert (summary["source"], summary["copied"], summary["cold"]) == ("manifest", 10, False), summary
+    # The plain image (no GCS library) in process: the pod sets its PYTHONPATH itself, so
+    # the webhook knows it whatever the image.
+    plain = local_pod("inproc-plain", "local", [*cluster.client_env(), {"name": "PYTHONPATH", "value": "/app"}])
+    done, lines, summary = run_to_end(bed, ns, plain, in_process=True)
+    assert (lines[-2]["cache_hits"], lines[-2]["compiled"]) == (10, 0) and lines[-1] == {"copy": listed, "gcsfs": False}
+    assert (summary["source"], summary["copied"]) == ("manifest", 10), summary
+    train_env = {e["name"]: e.get("value") for e in done["spec"]["containers"][0]["env"]}
+    assert (train_env["CACHEWARM_COPY_WORKERS"], train_env["CACHEWARM_COPY_DEADLINE_SECONDS"],
+            train_env["CACHEWARM_COPY_MAX_BYTES"]) == ("4", "120", str(int(2**30 * 0.9))), train_env
+    # Both reported their copy, as the copier init container's pod did.
+    usage = eventually(lambda: reported(3), timeout=60, what="status.usage.localCopy from the in-process pods")
+    assert (usage["localCopy"]["coldPods"], usage["localCopy"]["entriesCopied"]) == (0, 30), usage
 
     # HostPath, shared by the cache's pods on the node; no warmup, so no manifest: the
     # whole prefix. The node's directory prepared as an admin would for pods that do not
@@ -381,6 +420,12 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
         assert lines[-2]["cache_hits"] == 10
         _, lines, second = run_to_end(bed, ns, local_pod("second", "node", cluster.client_env()))
         assert (second["copied"], second["present"]) == (0, 11), second
+        assert lines[-2]["cache_hits"] == 10 and lines[-2]["compiled"] == 0
+        # In process, into the same directory: the third pod (it sets its PYTHONPATH, so
+        # the webhook knows it) finds everything there too.
+        third = local_pod("third", "node", [*cluster.client_env(), {"name": "PYTHONPATH", "value": "/app"}])
+        _, lines, summary = run_to_end(bed, ns, third, in_process=True)
+        assert (summary["copied"], summary["present"]) == (0, 11), summary
         assert lines[-2]["cache_hits"] == 10 and lines[-2]["compiled"] == 0
         # On the node, in the cache's own directory under hostPath, nothing beside it; the
         # entries the first pod's copier wrote as its user.
@@ -445,15 +490,25 @@ def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Ins
     run = lines[-2]
     assert (run["programs"], run["cache_hits"], run["compiled"]) == (10, 0, 10), run
     assert lines[-1]["copy"] == []
+    # In process too (the pod sets its PYTHONPATH): the copy gives up inside the training
+    # process, which goes on and trains.
+    _, lines, summary = run_to_end(bed, ns, local_pod("cold-inproc", "away", [*env, {"name": "PYTHONPATH",
+                                                                                      "value": "/app"}]),
+                                   in_process=True)
+    assert summary["cold"] is True and summary["copied"] == 0 and summary["errors"], summary
+    assert (lines[-2]["cache_hits"], lines[-2]["compiled"]) == (0, 10) and lines[-1]["copy"] == []
 
     def reported() -> dict[str, Any] | None:
         usage = ((bed.get_json("ccache", "away", ns) or {}).get("status") or {}).get("usage") or {}
-        return usage if (usage.get("localCopy") or {}).get("pods") else None
-    usage = eventually(reported, timeout=60, what="status.usage.localCopy from the cold pod's report")
-    assert usage["localCopy"]["coldPods"] == 1, usage
-    said = eventually(lambda: [e for e in bed.events_for("away", ns) if e["reason"] == "LocalCopyCold"],
-                      timeout=30, what="a LocalCopyCold Event on the cache")
-    assert "Pod cold started without the cache's entries" in said[0]["message"], said
+        return usage if (usage.get("localCopy") or {}).get("pods") == 2 else None
+    usage = eventually(reported, timeout=60, what="status.usage.localCopy from the cold pods' reports")
+    assert usage["localCopy"]["coldPods"] == 2, usage
+    def cold_events() -> list[str] | None:
+        said = [e["message"] for e in bed.events_for("away", ns) if e["reason"] == "LocalCopyCold"]
+        return said if len(said) == 2 else None
+    said = eventually(cold_events, timeout=30, what="a LocalCopyCold Event on the cache for each pod")
+    for pod in ("cold", "cold-inproc"):
+        assert any(m.startswith(f"Pod {pod} started without the cache's entries") for m in said), said
 
 
 def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:

@@ -35,7 +35,7 @@ def site(tmp_path: Path) -> Path:
     where = tmp_path / "cachewarm-site"
     where.mkdir()
     shutil.copy(REPO / "operator" / "cachewarm" / "reporter.py", where / "cachewarm_reporter.py")
-    shutil.copy(REPO / "warmer_image" / "sitecustomize.py", where / "sitecustomize.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "sitecustomize.py", where / "sitecustomize.py")
     shutil.copy(REPO / "operator" / "cachewarm" / "warmer.py", where / "warm.py")
     return where
 

@@ -25,9 +25,10 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def warm(tmp_path: Path, *args: str, cache: Path | None = None, min_compile: str = "0",
-         env_extra: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
+         env_extra: dict[str, str] | None = None, unset: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], str]:
     summary = tmp_path / "termination-log"
-    env = {**os.environ, **(env_extra or {}), "CACHEWARM_SUMMARY_FILE": str(summary),
+    env = {**{k: v for k, v in os.environ.items() if k not in unset}, **(env_extra or {}),
+           "CACHEWARM_SUMMARY_FILE": str(summary),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": min_compile,
            "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
     if cache is not None:
@@ -124,6 +125,34 @@ def test_command_mode_runs_a_python_entrypoint_in_process(tmp_path: Path) -> Non
     assert code == 1
     assert summary["errors"] == ["entrypoint exited with status 3"]
 
+
+def test_the_summary_carries_the_pythonpath_the_warmer_started_with(tmp_path: Path) -> None:
+    """What the image's ENV set (the Job sets none of its own): as it was, "" without one,
+    even after an entrypoint run in process changed it."""
+    lib = tmp_path / "image-lib"
+    lib.mkdir()
+    (lib / "image_targets.py").write_text("from warm_targets import quick_targets\n")
+    path = f"{lib}:/opt/image/site"
+    code, summary, log = warm(tmp_path, "targets", "image_targets:quick_targets", cache=tmp_path / "c",
+                              env_extra={"PYTHONPATH": path})
+    assert code == 0, log  # the target came from the PYTHONPATH, as in the image
+    assert summary["imagePythonPath"] == path
+    code, summary, log = warm(tmp_path, "targets", "warm_targets:quick_targets", cache=tmp_path / "c",
+                              unset=("PYTHONPATH",))
+    assert code == 0, log
+    assert summary["imagePythonPath"] == ""
+    script = tmp_path / "entry.py"
+    script.write_text("import os, jax, jax.numpy as jnp\n"
+                      "os.environ['PYTHONPATH'] = '/set/by/the/entrypoint'\n"
+                      "print(jax.jit(lambda x: x * 5)(jnp.ones(3)))\n")
+    code, summary, log = warm(tmp_path, "command", "--", "python", str(script), cache=tmp_path / "c",
+                              env_extra={"PYTHONPATH": path})
+    assert code == 0, log
+    assert summary["imagePythonPath"] == path
+    code, summary, log = warm(tmp_path, "targets", "warm_targets:quick_targets", cache=tmp_path / "c",
+                              env_extra={"PYTHONPATH": "/p" * 500 + "x"})
+    assert code == 0, log
+    assert "imagePythonPath" not in summary  # over 1000 characters: left out, never cut
 
 
 def test_an_entrypoint_in_a_child_process_reports_no_keys(tmp_path: Path) -> None:
@@ -317,6 +346,8 @@ def test_two_processes_form_one_runtime_and_count_each_entry_once(tmp_path: Path
     assert first["entriesWritten"] == len(entries) >= 1
     assert first["bytesWritten"] == sum(p.stat().st_size for p in entries)
     assert second["entriesWritten"] == 0 and second["bytesWritten"] == 0
+    # Every process reports the PYTHONPATH it started with, not process 0 alone.
+    assert first["imagePythonPath"] == second["imagePythonPath"] == os.environ.get("PYTHONPATH", "")
 
 
 def test_command_mode_leaves_distributed_init_to_the_entrypoint(tmp_path: Path) -> None:

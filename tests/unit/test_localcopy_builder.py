@@ -266,7 +266,9 @@ def test_the_copier_runs_as_the_main_containers_user_without_its_privileges() ->
 
 @pytest.mark.parametrize(("change", "folded"), [
     pytest.param(lambda ct: None, True, id="same-image-no-own-pythonpath"),
-    pytest.param(lambda ct: ct["env"].append({"name": "PYTHONPATH", "value": "/src"}), False, id="own-pythonpath"),
+    # (A literal one of its own gets the copy in process: test_a_pod_that_sets_its_own_pythonpath_...)
+    pytest.param(lambda ct: ct["env"].append({"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {
+        "name": "team-env", "key": "path"}}}), False, id="own-pythonpath"),
     pytest.param(lambda ct: ct.update(envFrom=[{"configMapRef": {"name": "team-env"}}]), False, id="envFrom"),
 ])
 def test_the_copier_records_the_images_pythonpath_in_place_of_the_recorder_only_when_it_sees_the_images(
@@ -425,3 +427,147 @@ def test_a_pod_whose_own_volumes_clash_with_ours_reads_the_bucket(clash: dict[st
     answer = admit(pod, cache_spec({}, report=False))
     assert env(answer.spec["containers"][0])["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
     assert all(ct["name"] != "cachewarm-copy" for ct in answer.spec.get("initContainers") or [])
+
+
+# --- in process: no init container ---------------------------------------------------------
+
+def admit_known(pod: dict[str, Any], spec: dict[str, Any], image_pythonpath: str | None = "/app", *,
+                reporting: bool = True) -> service.Admission:
+    """admit, with the warmers having reported the warmup image's PYTHONPATH."""
+    entry = service.index_entry(spec, generation=3, uid="uid-1", warmed=True, image_pythonpath=image_pythonpath)
+    return service.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
+                             Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, WARMER)
+
+
+def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_process_without_init_containers() -> None:
+    pod = training_pod()
+    answer = admit_known(pod, cache_spec({}))
+    assert not answer.spec.get("initContainers"), answer.spec.get("initContainers")
+    [train] = answer.spec["containers"]
+    got = env(train)
+    # Ours first, then the image's own, which the warmers reported: nothing to restore.
+    assert got["PYTHONPATH"] == "/cachewarm-boot:/app" and "CACHEWARM_RESTORE_IMAGE_PYTHONPATH" not in got
+    assert got["CACHEWARM_COPY_IN_PROCESS"] == "1" and got["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
+    assert got["CACHEWARM_COPY_DEST"] == "/cachewarm-cache" and got["CACHEWARM_COPY_BUCKET"] == "team-cache"
+    assert got["CACHEWARM_COPY_MANIFESTS"].split(",")[0] == "llama/.cachewarm/pools/team/llama/cpu.json"
+    assert got["CACHEWARM_COPY_SUMMARY"] == got["CACHEWARM_LOCAL_COPY_SUMMARY"] == "/cachewarm-reporter/local-copy.json"
+    assert got["CACHEWARM_REPORT_URL"] == "https://10.96.0.100/report/v1"
+    assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the pod's own env, which the copy uses as it runs
+    mounts = {m["name"]: m for m in train["volumeMounts"]}
+    assert mounts["cachewarm-boot"] == {"name": "cachewarm-boot", "mountPath": "/cachewarm-boot", "readOnly": True}
+    # It writes the copy and its summary itself.
+    assert mounts["cachewarm-cache"] == {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache"}
+    assert mounts["cachewarm-reporter"] == {"name": "cachewarm-reporter", "mountPath": "/cachewarm-reporter"}
+    assert mounts["cachewarm-report-token"]["readOnly"] is True
+    volumes = {v["name"]: v for v in answer.spec["volumes"]}
+    assert volumes["cachewarm-boot"] == {"name": "cachewarm-boot",
+                                         "configMap": {"name": "cachewarm-llama-boot", "optional": True}}
+    assert volumes["cachewarm-cache"] == {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "10Gi"}}
+    assert "emptyDir" in volumes["cachewarm-reporter"] and "projected" in volumes["cachewarm-report-token"]
+
+
+def test_an_image_that_sets_no_pythonpath_gets_ours_alone() -> None:
+    [train] = admit_known(training_pod(), cache_spec({}), image_pythonpath="").spec["containers"]
+    assert env(train)["PYTHONPATH"] == "/cachewarm-boot"
+
+
+def test_a_pod_that_sets_its_own_pythonpath_copies_in_process_whatever_its_image(
+) -> None:
+    """Its own value replaced the image's anyway: ours goes in front of it, in place."""
+    pod = training_pod()
+    pod["spec"]["containers"][0]["image"] = "another:2"
+    pod["spec"]["containers"][0]["env"] = [{"name": "SRC", "value": "/src"}, {"name": "PYTHONPATH", "value": "$(SRC)"},
+                                           {"name": "AFTER", "value": "1"}]
+    answer = admit_known(pod, cache_spec({}), image_pythonpath=None)
+    assert not answer.spec.get("initContainers")
+    [train] = answer.spec["containers"]
+    assert [e["name"] for e in train["env"]][:3] == ["SRC", "PYTHONPATH", "AFTER"]
+    assert env(train)["PYTHONPATH"] == "/cachewarm-boot:$(SRC)"
+
+
+@pytest.mark.parametrize("change, image_pythonpath", [
+    ({}, None),  # the warmers reported nothing (not warmed yet, or spec.warmup.env sets PYTHONPATH)
+    ({"image": "another:2"}, "/app"),  # reported, but of the warmup's image, not this one
+    ({"envFrom": [{"configMapRef": {"name": "settings"}}]}, "/app"),  # may set PYTHONPATH
+    ({"env": [{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "s", "key": "p"}}}]}, "/app"),
+])
+def test_where_the_pythonpath_cannot_be_known_the_copy_is_by_init_container(
+        change: dict[str, Any], image_pythonpath: str | None) -> None:
+    pod = training_pod()
+    pod["spec"]["containers"][0].update(change)
+    answer = admit_known(pod, cache_spec({}), image_pythonpath=image_pythonpath)
+    assert "cachewarm-copy" in [ct["name"] for ct in answer.spec["initContainers"]]
+    assert not any(v["name"] == "cachewarm-boot" for v in answer.spec["volumes"])
+    [train] = answer.spec["containers"]
+    assert "CACHEWARM_COPY_IN_PROCESS" not in env(train)
+
+
+def test_in_process_a_sidecar_of_another_image_only_reads_the_copy_and_a_same_image_init_container_copies_too() -> None:
+    pod = training_pod(initContainers=[{"name": "prepare", "image": "train:1", "command": ["python", "prep.py"]}])
+    pod["spec"]["containers"].append({"name": "proxy", "image": "envoy:1"})
+    answer = admit_known(pod, cache_spec({}))
+    [prepare] = answer.spec["initContainers"]  # the pod's own, and nothing of ours
+    assert env(prepare)["PYTHONPATH"] == "/cachewarm-boot:/app" and env(prepare)["CACHEWARM_COPY_IN_PROCESS"] == "1"
+    proxy = answer.spec["containers"][1]
+    assert "PYTHONPATH" not in env(proxy) and "CACHEWARM_COPY_IN_PROCESS" not in env(proxy)
+    assert proxy["volumeMounts"] == [{"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True}]
+
+
+def test_in_process_without_the_reporter_there_is_no_report_env_nor_token() -> None:
+    answer = admit_known(training_pod(), cache_spec({}, report=False))
+    [train] = answer.spec["containers"]
+    assert "CACHEWARM_REPORT_URL" not in env(train) and "CACHEWARM_LOCAL_COPY_SUMMARY" not in env(train)
+    assert env(train)["CACHEWARM_COPY_IN_PROCESS"] == "1" and env(train)["PYTHONPATH"] == "/cachewarm-boot:/app"
+    assert "cachewarm-report-token" not in {v["name"] for v in answer.spec["volumes"]}
+    assert not answer.spec.get("initContainers")
+
+
+def test_in_process_a_hostpath_copy_is_the_caches_own_subpath_writable_by_the_container() -> None:
+    answer = admit_known(training_pod(), cache_spec({"volume": "HostPath", "hostPath": "/mnt/ssd/cachewarm"}))
+    mount = next(m for m in answer.spec["containers"][0]["volumeMounts"] if m["name"] == "cachewarm-cache")
+    assert mount == {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "subPath": "team/llama"}
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_in_process_reinvocation_changes_nothing(report: bool) -> None:
+    pod = training_pod()
+    spec = cache_spec({}, report=report)
+    once = patched(pod, admit_known(pod, spec))
+    again = admit_known(once, spec)
+    assert again.spec == {} and not again.injected and not again.warnings
+
+
+def test_in_process_a_container_a_later_webhook_added_reads_the_copy_and_no_init_container_appears() -> None:
+    pod = training_pod()
+    once = patched(pod, admit_known(pod, cache_spec({})))
+    once["spec"]["containers"].append({"name": "eval", "image": "other:1", "command": ["python", "eval.py"]})
+    again = admit_known(once, cache_spec({}))
+    [train, evaluator] = again.spec["containers"]
+    assert env(evaluator)["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
+    assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in evaluator["volumeMounts"]
+    assert [m["name"] for m in train["volumeMounts"]].count("cachewarm-cache") == 1
+    assert not again.spec.get("initContainers")
+
+
+def test_a_pods_own_volume_named_like_the_boot_volume_is_not_taken_for_ours() -> None:
+    pod = training_pod(volumes=[{"name": "cachewarm-boot", "emptyDir": {}}])
+    answer = admit_known(pod, cache_spec({}))
+    assert not lc.in_process(pod["spec"])
+    assert answer.warnings  # a clash with ours, said so
+    assert "cachewarm-copy" not in [ct["name"] for ct in answer.spec.get("initContainers") or []]
+
+
+def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_names() -> None:
+    from pathlib import Path
+
+    import cachewarm
+
+    files = service.boot_files()
+    assert sorted(files) == sorted(lc.BOOT_FILES)
+    package = Path(cachewarm.__file__).parent
+    for shipped, module in lc.BOOT_FILES.items():
+        assert files[shipped] == (package / module).read_text(encoding="utf-8")
+    body = lc.boot_configmap("llama", "team", {"name": "llama", "uid": "u1"}, files)
+    assert body["metadata"]["name"] == "cachewarm-llama-boot" and body["data"] == files
+    assert body["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    assert len("".join(files.values()).encode()) < 1024 * 1024  # a ConfigMap's limit

@@ -17,6 +17,7 @@ from cachewarm.warmups import (
     PodsView,
     PoolPlan,
     _job_state,
+    image_pythonpath,
     warmed_condition,
     release_waiting_pods,
     observe,
@@ -30,10 +31,12 @@ from cachewarm.warmups import (
 from memkube import MemoryKube
 
 
-def spec(schedule: str | None = None) -> Any:
+def spec(schedule: str | None = None, env: dict[str, str] | None = None) -> Any:
     warmup: dict[str, Any] = {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}]}
     if schedule:
         warmup["schedule"] = schedule
+    if env:
+        warmup["env"] = [{"name": k, "value": v} for k, v in env.items()]
     return parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": warmup})
 
 
@@ -479,3 +482,117 @@ def test_the_pool_keeps_process_0s_fingerprint_typed_and_bounded_with_the_image_
     assert "devices" not in fingerprint_status({"devices": "many"}, "")
     # A warmer too old to report one (or an entrypoint in a child process): no fingerprint.
     assert "fingerprint" not in pool_status("j", spec().warmup.pools[0], "h", job, [{"entriesWritten": 1}])
+
+
+# --- the image's PYTHONPATH, as the warmer saw it (imagePythonPath) --------------------
+
+DONE = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+
+
+def test_the_pool_records_the_pythonpath_process_0_reported() -> None:
+    pool = spec().warmup.pools[0]
+    summaries = [{"processIndex": 1, "imagePythonPath": "/other"},
+                 {"processIndex": 0, "imagePythonPath": "/app/src:/opt/lib"}]
+    assert pool_status("j", pool, "h", DONE, summaries)["imagePythonPath"] == "/app/src:/opt/lib"
+    # "" is what an image without PYTHONPATH reports: a known value, kept as such.
+    assert pool_status("j", pool, "h", DONE, [{"processIndex": 0, "imagePythonPath": ""}])["imagePythonPath"] == ""
+    # A warmer that did not report one (too long, or an older warmer): none, not "".
+    assert "imagePythonPath" not in pool_status("j", pool, "h", DONE, [{"processIndex": 0, "entriesWritten": 1}])
+    assert "imagePythonPath" not in pool_status("j", pool, "h", DONE,
+                                                [{"processIndex": 0}, {"processIndex": 1, "imagePythonPath": "/x"}])
+
+
+def test_no_pythonpath_is_recorded_when_the_warmup_env_sets_one() -> None:
+    """The warmer then saw spec.warmup.env's PYTHONPATH, not the image's."""
+    summaries = [{"processIndex": 0, "imagePythonPath": "/from/warmup/env"}]
+    status = pool_status("j", spec().warmup.pools[0], "h", DONE, summaries, env_sets_pythonpath=True)
+    assert "imagePythonPath" not in status and status["state"] == "Succeeded"
+
+
+@pytest.mark.parametrize("reported", ["/p" * 500 + "x", 42, ["/app"], None, "/bad\udcff"],
+                         ids=["over-1000", "int", "list", "null", "undecodable"])
+def test_a_pythonpath_status_could_not_hold_as_it_is_is_not_recorded(reported: Any) -> None:
+    status = pool_status("j", spec().warmup.pools[0], "h", DONE, [{"processIndex": 0, "imagePythonPath": reported}])
+    assert "imagePythonPath" not in status
+
+
+def test_a_pythonpath_of_exactly_1000_characters_is_recorded() -> None:
+    path = "/p" * 500
+    status = pool_status("j", spec().warmup.pools[0], "h", DONE, [{"processIndex": 0, "imagePythonPath": path}])
+    assert status["imagePythonPath"] == path
+
+
+def test_the_image_pythonpath_is_the_one_every_reporting_pool_agrees_on() -> None:
+    tpu, gpu, pending = ({"name": "tpu", "imagePythonPath": "/app"}, {"name": "gpu", "imagePythonPath": "/app"},
+                         {"name": "cpu", "state": "Pending"})
+    assert image_pythonpath([tpu, gpu, pending]) == "/app"
+    assert image_pythonpath([pending, tpu]) == "/app"  # pools without one are left out
+    assert image_pythonpath([tpu, {"name": "gpu", "imagePythonPath": "/other"}]) is None  # they disagree
+    assert image_pythonpath([tpu, {"name": "gpu", "imagePythonPath": ""}]) is None  # "" disagrees with "/app"
+    assert image_pythonpath([pending]) is None and image_pythonpath([]) is None  # nobody knows
+    # An image that sets none: "" is known (PYTHONPATH is ours alone), unlike None.
+    assert image_pythonpath([{"name": "tpu", "imagePythonPath": ""}, pending]) == ""
+
+
+def finished_warm(cache: Any, reported: str) -> dict[str, Any]:
+    """reconcile_warmup through a warm whose process 0 reported `reported` as its PYTHONPATH."""
+    cluster = cluster_of([])
+    first = reconcile_warmup(cluster, cache, namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
+                             cache_entries=0, warmer_image="w", now=at(1), generation=2)
+    [job] = cluster.jobs
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    summary = {"processIndex": 0, "entriesWritten": 1, "keys": ["aa"], "imagePythonPath": reported, "errors": []}
+    cluster.pods = [{"metadata": {"name": "warm-0", "namespace": "ml", "labels": {"job-name": job["metadata"]["name"]}},
+                     "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {
+                         "message": json.dumps(summary)}}}]}}]
+    done = reconcile_warmup(cluster, cache, namespace="ml", name="llama", uid="u-1", annotations={},
+                            previous=first.pools, cache_entries=1, warmer_image="w", now=at(2), generation=2)
+    [pool] = done.pools
+    assert pool["state"] == "Succeeded"
+    return pool
+
+
+def test_the_reconcile_records_the_image_pythonpath_unless_the_warmup_env_sets_pythonpath() -> None:
+    assert finished_warm(spec(), "/app")["imagePythonPath"] == "/app"
+    assert finished_warm(spec(env={"PYTHONPATHS": "/x"}), "/app")["imagePythonPath"] == "/app"
+    assert "imagePythonPath" not in finished_warm(spec(env={"PYTHONPATH": "/mine"}), "/mine")
+
+
+def test_the_warmer_reports_its_pythonpath_and_empty_without_one() -> None:
+    from cachewarm import warmer
+
+    assert warmer.image_pythonpath({"PYTHONPATH": "/app:/lib"}) == {"imagePythonPath": "/app:/lib"}
+    assert warmer.image_pythonpath({}) == {"imagePythonPath": ""}
+    assert warmer.image_pythonpath({"PYTHONPATH": "/p" * 500}) == {"imagePythonPath": "/p" * 500}
+    assert warmer.image_pythonpath({"PYTHONPATH": "/p" * 500 + "x"}) == {}  # over 1000: left out, never cut
+    assert warmer.image_pythonpath({"PYTHONPATH": "/bad\udcff"}) == {}  # undecodable bytes (surrogateescape)
+
+
+def test_the_pythonpath_survives_the_summarys_trimming(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys, errors and targets are cut first; a 1000-character PYTHONPATH stays whole."""
+    from cachewarm import warmer
+    out = tmp_path / "termination-log"
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(out))
+    path = ":".join(f"/opt/venv/lib/python3.12/site-packages/p{i:03d}" for i in range(100))[:1000]
+    keys = sorted(f"{i:016x}" for i in range(400))
+    warmer.write_summary({"entriesWritten": 400, "keys": keys, "keyCount": 400, "errors": ["E" * 5000] * 10,
+                          "targets": [{"target": "m:f", "item": i, "seconds": 1.0} for i in range(100)],
+                          "fingerprint": {"jax": "0.10.2", "cacheDir": "gs://b/" + "p" * 200},
+                          "refreshError": "r" * 300, "imagePythonPath": path})
+    text = out.read_text()
+    summary = json.loads(text)
+    assert len(text) <= warmer.SUMMARY_LIMIT and summary["keysTruncated"] is True
+    assert summary["imagePythonPath"] == path and len(path) == 1000
+
+
+def test_a_pythonpath_that_cannot_fit_is_left_out_so_the_summary_stays_whole(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON escapes a non-ASCII character to 6 or 12: a 1000-character path may not fit even
+    with no key left. Cut at the limit, the summary would not be JSON at all."""
+    from cachewarm import warmer
+    out = tmp_path / "termination-log"
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(out))
+    warmer.write_summary({"entriesWritten": 3, "keys": ["aa", "bb"], "keyCount": 2, "errors": [], "targets": [],
+                          "imagePythonPath": "\U0001f600" * 1000})
+    summary = json.loads(out.read_text())
+    assert "imagePythonPath" not in summary and summary["entriesWritten"] == 3 and summary["keysTruncated"] is True

@@ -199,13 +199,15 @@ def copier_security(context: Mapping[str, Any]) -> dict[str, Any]:
 def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
     """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
     a Linux pod, a container with an image, and no volume of its own named like ours nor
-    mount of its own at LOCAL_DIR (ours, on reinvocation, come with our copier)."""
+    mount of its own at LOCAL_DIR or BOOT_DIR (ours, on reinvocation, come with our copier
+    or our boot volume)."""
     names = {v.get("name") for v in spec.get("volumes") or []}
     inits = {ct.get("name") for ct in spec.get("initContainers") or []}
-    if COPIER_CONTAINER in inits:  # ours: a reinvocation
+    if COPIER_CONTAINER in inits or in_process(spec):  # ours: a reinvocation
         return bool(image)
-    clash = LOCAL_VOLUME in names or (reporter.VOLUME in names and reporter.COPY_CONTAINER not in inits) or any(
-        str(m.get("mountPath") or "").rstrip("/") == LOCAL_DIR
+    clash = LOCAL_VOLUME in names or BOOT_VOLUME in names or \
+        (reporter.VOLUME in names and reporter.COPY_CONTAINER not in inits) or any(
+        str(m.get("mountPath") or "").rstrip("/") in (LOCAL_DIR, BOOT_DIR)
         for ct in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
         for m in ct.get("volumeMounts") or [])
     return bool(image) and not clash and (spec.get("os") or {}).get("name") != "windows" and \
@@ -395,3 +397,155 @@ def _mounted(container: Mapping[str, Any], mount: Mapping[str, Any], *, summary:
         new["env"] = [*(e for e in new.get("env") or [] if e.get("name") != SUMMARY_ENV),
                       {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
     return new
+
+
+# --- in process: the copy without an init container --------------------------------------
+
+# Each init container costs the pod up to a second of its start (the kubelet notices an
+# init container's exit at its next relist, once a second with the generic PLEG;
+# BENCHMARKS.md), and the copy itself takes a fraction of that. So where the webhook knows
+# what PYTHONPATH the training container would have had, the copy runs in the container's
+# first python process instead, at its start (our sitecustomize, before any of the
+# program's code), from a ConfigMap volume the kubelet mounts before any container starts.
+BOOT_DIR = "/cachewarm-boot"
+BOOT_VOLUME = "cachewarm-boot"
+IN_PROCESS_ENV = "CACHEWARM_COPY_IN_PROCESS"
+# The files of the boot ConfigMap: their name there (and in BOOT_DIR) -> the package
+# module they are. The same names the warmer image ships them under (warmer_image/Dockerfile).
+BOOT_FILES = {"sitecustomize.py": "sitecustomize.py", "cachewarm_copier.py": "copier.py",
+              "cachewarm_reporter.py": "reporter.py", "warm.py": "warmer.py"}
+
+
+def boot_configmap_name(cache_name: str) -> str:
+    """The ConfigMap holding the in-process copy's code (and the reporter's), in the
+    cache's namespace."""
+    return f"cachewarm-{cache_name}-boot"
+
+
+def boot_configmap(cache_name: str, namespace: str, owner: Mapping[str, Any], files: Mapping[str, str]
+                   ) -> dict[str, Any]:
+    """The boot ConfigMap: `files` (BOOT_FILES' names -> their text), owned by the cache
+    (deleted with it)."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": boot_configmap_name(cache_name), "namespace": namespace,
+                     "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.ENV_FOR_LABEL: cache_name},
+                     "ownerReferences": [{"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+                                          "name": owner["name"], "uid": owner["uid"], "controller": True,
+                                          "blockOwnerDeletion": True}]},
+        "data": {name: files[name] for name in BOOT_FILES},
+    }
+
+
+def pythonpath_without_us(container: Mapping[str, Any], warmup_image: str | None,
+                          image_pythonpath: str | None) -> str | None:
+    """The PYTHONPATH python would have in `container` without cachewarm, when the webhook
+    can know it: the literal value its spec sets, else (it sets none) the one its image
+    sets, if it runs the warmup's image and the warmers reported that image's
+    (`image_pythonpath`, "" for none). None: not known (a value from a reference or an
+    envFrom source, another image, nothing reported): the container's PYTHONPATH cannot be
+    set without perhaps losing the image's, so it gets no in-process copy."""
+    if container.get("envFrom") or not container.get("image"):
+        return None
+    has_own, value = reporter.own_pythonpath(container)
+    if has_own:
+        return value
+    return image_pythonpath if warmup_image and container.get("image") == warmup_image else None
+
+
+def in_process(spec: Mapping[str, Any]) -> bool:
+    """Whether the pod got the in-process copy already (webhook reinvocation)."""
+    return any(v.get("name") == BOOT_VOLUME and str((v.get("configMap") or {}).get("name") or "").endswith("-boot")
+               for v in spec.get("volumes") or [])
+
+
+def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
+                              init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
+                              cache: CacheSpec, namespace: str, cache_name: str, image_pythonpath: str | None,
+                              reporting: reporter.Reporting | None, annotations: Mapping[str, str] | None = None
+                              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """(containers, initContainers, volumes) with the local copy added in process, each
+    as the rest of the patch leaves them (the env injection's; never the reporter's init
+    containers: with `reporting`, the reporter comes in process too), or None when the pod
+    cannot have it (pythonpath_without_us unknown for its main container): then the
+    caller adds the copy by init container (add_local_copy). On reinvocation, see
+    _reinvoked_in_process.
+
+    - the ConfigMap volume BOOT_VOLUME at BOOT_DIR (optional: a pod admitted before the
+      operator applied it starts without our code, cold); an emptyDir at reporter.DIR for
+      the copy's summary and lock (one copy per pod, whichever process starts first);
+      the copy's volume (LocalCopy.volume);
+    - every container and init container of the pod's own whose PYTHONPATH is known (the
+      takers): PYTHONPATH BOOT_DIR then that one, the copier's settings, the copy's volume
+      writable, and with `reporting` the reporter's env and token; the copy runs as the
+      container, with its env, mounts and identity, so it reaches GCS as the pod does;
+    - every other container: the copy's volume read-only (it reads what the takers copied).
+    """
+    local = cache.injection.local_copy
+    assert local is not None
+    if in_process(spec):
+        return _reinvoked_in_process(containers, init_containers, volumes, local, namespace, cache_name)
+    if any(ct.get("name") == COPIER_CONTAINER for ct in init_containers) or \
+            any(v.get("name") == reporter.VOLUME for v in volumes):
+        return None  # by init container (reinvocation), or the reporter's are there already
+    warmup_image = cache.warmup.image if cache.warmup is not None else None
+    main = _main_container(containers, annotations)
+    if pythonpath_without_us(main, warmup_image, image_pythonpath) is None:
+        return None
+    pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
+    ours = [*copier_env(cache, namespace, cache_name, pools, spec), {"name": IN_PROCESS_ENV, "value": "1"}]
+    if reporting is not None:
+        ours += [*reporter.report_env(cache_name, reporting, restore=False), {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
+    mount = local_mount(local, namespace, cache_name)
+    writable = {k: v for k, v in mount.items() if k != "readOnly"}
+    mounts = [{"name": BOOT_VOLUME, "mountPath": BOOT_DIR, "readOnly": True},
+              {"name": reporter.VOLUME, "mountPath": reporter.DIR}, writable,
+              *([{"name": reporter.TOKEN_VOLUME, "mountPath": reporter.TOKEN_DIR, "readOnly": True}]
+                if reporting is not None else [])]
+
+    def patched(container: Mapping[str, Any], summary: bool) -> dict[str, Any]:
+        path = pythonpath_without_us(container, warmup_image, image_pythonpath)
+        if path is None:
+            return _mounted(container, mount, summary=summary)
+        new = copy.deepcopy(dict(container))
+        value = f"{BOOT_DIR}:{path}" if path else BOOT_DIR
+        env = list(new.get("env") or [])
+        if reporter.own_pythonpath(container)[0]:
+            # In place: $(VAR) references in it still see the variables defined before it.
+            env = [{"name": "PYTHONPATH", "value": value} if e.get("name") == "PYTHONPATH" else e for e in env]
+        else:
+            env.append({"name": "PYTHONPATH", "value": value})
+        names = {e["name"] for e in ours}
+        new["env"] = [*(e for e in env if e.get("name") not in names), *copy.deepcopy(ours)]
+        new["volumeMounts"] = [*(new.get("volumeMounts") or []), *copy.deepcopy(mounts)]
+        return new
+
+    out = [patched(ct, summary=True) for ct in containers]
+    init = [patched(ct, summary=False) for ct in init_containers]
+    out_volumes = [copy.deepcopy(dict(v)) for v in volumes]
+    out_volumes += [{"name": BOOT_VOLUME, "configMap": {"name": boot_configmap_name(cache_name), "optional": True}},
+                    {"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}}]
+    if reporting is not None:
+        out_volumes.append({"name": reporter.TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+            "audience": "cachewarm", "expirationSeconds": reporter.TOKEN_SECONDS, "path": "token"}}]}})
+    out_volumes.append(volume(local))
+    return out, init, out_volumes
+
+
+def _reinvoked_in_process(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],
+                          volumes: Sequence[Mapping[str, Any]], local: LocalCopy, namespace: str, cache_name: str
+                          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """A pod with its in-process copy already: a container a later webhook added (it got
+    JAX_COMPILATION_CACHE_DIR from the env injection) gets the copy's volume read-only,
+    unless it mounts something else there; no init container of ours to follow the main
+    container's resources. None when nothing changes."""
+    mount = local_mount(local, namespace, cache_name)
+
+    def lacks(ct: Mapping[str, Any]) -> bool:
+        return not any(m.get("name") == LOCAL_VOLUME or str(m.get("mountPath") or "").rstrip("/") == LOCAL_DIR
+                       for m in ct.get("volumeMounts") or [])
+    if not any(lacks(ct) for ct in [*containers, *init_containers]):
+        return None
+    return ([_mounted(ct, mount, summary=True) if lacks(ct) else copy.deepcopy(dict(ct)) for ct in containers],
+            [_mounted(ct, mount, summary=False) if lacks(ct) else copy.deepcopy(dict(ct)) for ct in init_containers],
+            [copy.deepcopy(dict(v)) for v in volumes])

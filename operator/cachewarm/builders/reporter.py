@@ -61,7 +61,7 @@ class Reporting:
     ca_pem: str
 
 
-def _env(cache_name: str, reporting: Reporting, restore: bool) -> list[dict[str, Any]]:
+def report_env(cache_name: str, reporting: Reporting, restore: bool) -> list[dict[str, Any]]:
     field = [("CACHEWARM_POD_NAMESPACE", "metadata.namespace"), ("CACHEWARM_POD_NAME", "metadata.name"),
              ("CACHEWARM_POD_UID", "metadata.uid")]
     return [
@@ -76,7 +76,7 @@ def _env(cache_name: str, reporting: Reporting, restore: bool) -> list[dict[str,
     ]
 
 
-def _own_pythonpath(container: Mapping[str, Any]) -> tuple[bool, str | None]:
+def own_pythonpath(container: Mapping[str, Any]) -> tuple[bool, str | None]:
     """(set in the spec, its literal value: None when it comes from a reference)."""
     own = next((e for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
     if own is None:
@@ -177,18 +177,18 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
         return _resynced(containers, init_containers, volumes)
     if (spec.get("os") or {}).get("name") == "windows":
         return None
-    eligible = [c for c in containers if not c.get("envFrom") and c.get("image") and _own_pythonpath(c)[1] is not None]
+    eligible = [c for c in containers if not c.get("envFrom") and c.get("image") and own_pythonpath(c)[1] is not None]
     if not eligible:
         return None
     first = eligible[0]
-    takers = [c for c in eligible if c.get("image") == first.get("image") or _own_pythonpath(c)[0]]
+    takers = [c for c in eligible if c.get("image") == first.get("image") or own_pythonpath(c)[0]]
     mounts = [{"name": VOLUME, "mountPath": DIR, "readOnly": True},
               {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
     out = []
     for container in containers:
         new = copy.deepcopy(dict(container))
         if any(container is t for t in takers):
-            has_own, value = _own_pythonpath(container)
+            has_own, value = own_pythonpath(container)
             env = list(new.get("env") or [])
             if has_own:
                 # In place: $(VAR) references in it still see the variables defined before it.
@@ -196,7 +196,7 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
                        if e.get("name") == "PYTHONPATH" else e for e in env]
             else:
                 env.append({"name": "PYTHONPATH", "value": DIR})
-            ours = _env(cache_name, reporting, restore=not has_own)
+            ours = report_env(cache_name, reporting, restore=not has_own)
             names = {e["name"] for e in ours}
             new["env"] = [*(e for e in env if e.get("name") not in names), *ours]
             new["volumeMounts"] = [*(new.get("volumeMounts") or []), *mounts]

@@ -1,0 +1,212 @@
+"""The local copy in process: no init container; cachewarm's sitecustomize.py, first on the
+pod's PYTHONPATH (a ConfigMap volume of four files, built here from the package under their
+shipped names), copies at the start of a python process, before the process's own code,
+against the GCS emulator behind its fidelity proxy. The process's first line sees the whole
+copy; of three processes started at once one copies and the others wait for it, each entry
+downloaded once; a bucket out of reach, or one that never answers, costs the process a
+cold start, never its run, and never more than the deadline and grace; nothing reaches its
+stdout; the image's own sitecustomize runs exactly once, with or without the reporter."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.cloud import storage
+from test_copier import base, downloads, env_for, fill, manifest, process_env
+
+from cachewarm import service
+from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.gcsproxy import ProxyControl
+from cachewarm_testbed.processes import free_port
+
+pytestmark = pytest.mark.integration
+
+# A training program whose first line lists the cache directory (argv[1]).
+LISTS = "import json, os, sys; print(json.dumps(sorted(os.listdir(sys.argv[1]))))"
+LEFT_BEHIND = "still running past the deadline: left behind"
+
+
+def boot_dir(where: Path) -> Path:
+    """The boot volume as the operator fills its ConfigMap (service.boot_files)."""
+    where.mkdir()
+    for shipped, text in service.boot_files().items():
+        (where / shipped).write_text(text, encoding="utf-8")
+    return where
+
+
+def python(boot: Path, settings: dict[str, str], code: str, *args: str, path: tuple[Path, ...] = ()
+           ) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a pod's python process running `code`: the boot
+    volume first on PYTHONPATH (then `path`, the image's own), the copy in process."""
+    env = process_env({**settings, "CACHEWARM_COPY_IN_PROCESS": "1",
+                       "PYTHONPATH": os.pathsep.join(str(p) for p in (boot, *path))})
+    return [sys.executable, "-c", code, *args], env
+
+
+def run(boot: Path, settings: dict[str, str], code: str, *args: str, path: tuple[Path, ...] = (),
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    command, env = python(boot, settings, code, *args, path=path)
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def printed(stderr: str) -> list[dict[str, Any]]:
+    """The copier's summary lines on stderr."""
+    return [json.loads(line)["cachewarm-copier"] for line in stderr.splitlines()
+            if line.startswith('{"cachewarm-copier": ')]
+
+
+def test_the_processs_first_line_sees_the_whole_copy_and_its_stdout_is_its_own(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    bucket, objects = fill(storage_only)
+    p0, p1, _, p3, _ = sorted(objects)
+    pool = manifest(storage_only, bucket, "h100", [p0, p1, p3])
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    out = run(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, manifests=pool,
+                                                   summary=str(summary_file)), LISTS, str(dest))
+    wanted = sorted(base(n) for n in (p0, p1, p3))
+    assert out.stdout == json.dumps(wanted) + "\n"  # the program's line, nothing of ours
+    [summary] = printed(out.stderr)
+    assert {k: summary[k] for k in ("source", "wanted", "copied", "failed", "cold", "errors")} == {
+        "source": "manifest", "wanted": 3, "copied": 3, "failed": 0, "cold": False, "errors": []}
+    assert json.loads(summary_file.read_text()) == summary
+    for name in (p0, p1, p3):
+        assert (dest / base(name)).read_bytes() == objects[name]
+    # Beside the summary only the pod's lock: no temp file left.
+    assert sorted(p.name for p in summary_file.parent.iterdir()) == ["local-copy.json", "local-copy.json.lock"]
+
+
+def test_processes_started_at_once_copy_once_and_each_starts_on_the_whole_copy(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """Three processes of one pod (containers, or torchrun's workers) start at once: one
+    copies, the others wait on the pod's lock, then find the summary and copy nothing. The
+    copy takes a while: its first download hangs 1.5 s, then a 503 (tried again), so that
+    a process not held by the lock would copy meanwhile, and download that entry too."""
+    bucket, objects = fill(storage_only)
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+                          LISTS, str(dest))
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.clear_log()
+    proxy.faults([{"method": "GET", "path": "/download/", "status": 503, "hang": 1.5, "times": 1}])
+    try:
+        started = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for _ in range(3)]
+        results = [p.communicate(timeout=120) for p in started]
+    finally:
+        proxy.clear_faults()
+    assert [p.returncode for p in started] == [0, 0, 0], results
+    wanted = sorted(base(n) for n in objects)
+    assert [json.loads(out) for out, _ in results] == [wanted] * 3
+    assert [downloads(proxy, name) for name in sorted(objects)] == [1] * 5
+    summaries = [s for _, err in results for s in printed(err)]
+    assert len(summaries) == 1, summaries  # one process copied, the others found its summary
+    [summary] = summaries
+    assert (summary["copied"], summary["cold"]) == (5, False)
+    assert json.loads(summary_file.read_text()) == summary
+    for name, data in objects.items():
+        assert (dest / base(name)).read_bytes() == data
+
+
+def test_a_bucket_out_of_reach_is_a_cold_start_and_the_process_runs(tmp_path: Path) -> None:
+    summary_file = tmp_path / "local-copy.json"
+    settings = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}", "CACHEWARM_COPY_BUCKET": "gone",
+                "CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(summary_file)}
+    out = run(boot_dir(tmp_path / "boot"), settings, "print('training')")
+    assert out.stdout == "training\n"
+    [summary] = printed(out.stderr)
+    assert summary["cold"] is True and summary["copied"] == 0 and summary["errors"], summary
+    assert json.loads(summary_file.read_text()) == summary
+
+
+class Drip:
+    """A bucket that answers every request with a 200 and a long body, one byte every
+    0.2 s: no read ever times out, so no deadline of the copier's own ends it."""
+
+    def __init__(self) -> None:
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.stop = threading.Event()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n")
+            while not self.stop.wait(0.2):
+                conn.sendall(b" ")
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.socket.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[str]:
+        threading.Thread(target=self._accept, daemon=True).start()
+        try:
+            yield self.url
+        finally:
+            self.stop.set()
+            self.socket.close()
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[str]:
+    """Connections accepted (the listen backlog), nothing ever answered."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(("bucket", "grace"), [(black_hole, "0"), (lambda: Drip().serving(), "1")],
+                         ids=["black-hole", "drip"])
+def test_a_copy_past_its_deadline_and_grace_is_left_behind_and_the_process_runs(
+        bucket: Any, grace: str, tmp_path: Path) -> None:
+    """The process waits for the copy at most its deadline (1 s) and grace, then runs, cold,
+    the copy left behind, as the summary says. A black-holed bucket: the copier's own bound
+    on each request ends its copy at its deadline, which starts after the process's wait
+    (the copy's thread imports what it needs first), so with no grace the wait ends first.
+    A dripping bucket: the copy never ends by itself (nor the process's wait, without the
+    bound: the test's timeout)."""
+    summary_file = tmp_path / "local-copy.json"
+    with bucket() as url:
+        settings = {"STORAGE_EMULATOR_HOST": url, "CACHEWARM_COPY_BUCKET": "silent",
+                    "CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(summary_file),
+                    "CACHEWARM_COPY_DEADLINE_SECONDS": "1", "CACHEWARM_COPY_GRACE_SECONDS": grace}
+        out = run(boot_dir(tmp_path / "boot"), settings, "print('training')", timeout=30)
+    assert out.stdout == "training\n"
+    [summary] = printed(out.stderr)
+    assert summary["cold"] is True and summary["copied"] == 0, summary
+    assert LEFT_BEHIND in summary["errors"], summary
+    assert json.loads(summary_file.read_text()) == summary
+
+
+@pytest.mark.parametrize("report", [False, True], ids=["without-reporter", "with-reporter"])
+def test_the_images_own_sitecustomize_runs_exactly_once(report: bool, tmp_path: Path) -> None:
+    """Ours shadows the image's (later on PYTHONPATH): run by the reporter when it starts,
+    by sitecustomize itself when it does not (no CACHEWARM_REPORT_URL), once either way."""
+    image = tmp_path / "image-lib"
+    image.mkdir()
+    (image / "sitecustomize.py").write_text("print('image sitecustomize')\n")
+    # No bucket: the copy is a cold start at once (bad settings), this test is not about it.
+    settings = {"CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(tmp_path / "local-copy.json")}
+    if report:
+        settings["CACHEWARM_REPORT_URL"] = f"http://127.0.0.1:{free_port()}/report"
+    reporting = "import sys; print(any(type(f).__name__ == '_JaxWatch' for f in sys.meta_path))"
+    out = run(boot_dir(tmp_path / "boot"), settings, reporting, path=(image,))
+    assert out.stdout.splitlines() == ["image sitecustomize", str(report)]
+    [summary] = printed(out.stderr)  # the copy ran before
+    assert summary["cold"] is True and "CACHEWARM_COPY_BUCKET" in summary["errors"][0], summary
