@@ -64,7 +64,8 @@ def index_caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.M
                                                    warmed=service.was_warmed(status),
                                                    refused=bucket.get("reason") in service.REFUSED,
                                                    image_pythonpath=warmups.image_pythonpath(
-                                                       (status.get("warmup") or {}).get("pools") or []))}
+                                                       (status.get("warmup") or {}).get("pools") or [],
+                                                       str((spec.get("warmup") or {}).get("image") or "")))}
 
 
 async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun: bool,

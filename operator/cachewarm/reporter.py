@@ -425,32 +425,13 @@ class _JaxWatch:
         return spec
 
 
-def chain_sitecustomize(here: Path) -> None:
-    """Run the sitecustomize ours shadows (the image's or the environment's), as python
-    would have, and leave it as `sitecustomize`; its errors are reported as python does."""
-    try:
-        import importlib.machinery  # noqa: PLC0415
-        import importlib.util  # noqa: PLC0415
-        from pathlib import Path  # noqa: PLC0415
-
-        others = [p for p in sys.path if p and Path(p).resolve() != here.resolve()]
-        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
-        if spec is None or spec.loader is None:
-            return
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["sitecustomize"] = module
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - as site.py: say so, go on
-        _warn(f"Error in the image's sitecustomize ({type(exc).__name__}: {exc})")
-
-
 def start(here: Path | None = None, env: dict[str, str] | None = None) -> None:
     """From sitecustomize, at interpreter start. Never raises."""
     try:
         from pathlib import Path  # noqa: PLC0415
 
-        where = here or Path(__file__).resolve().parent
-        chain_sitecustomize(where)
+        # Not resolved: a ConfigMap volume's files are symlinks into a hidden directory.
+        where = here or Path(__file__).parent
         tally = Tally()
         reporter = Reporter(tally, dict(os.environ) if env is None else env, where)
         then: Callable[[ModuleType], None] = lambda jax: on_jax_imported(jax, tally, reporter)  # noqa: E731

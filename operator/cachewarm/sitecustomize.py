@@ -9,9 +9,10 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
 2. With CACHEWARM_COPY_IN_PROCESS=1, the pod's local copy (cachewarm_copier.copy_in_process:
    once per pod, bounded), before the process's own code and the reporter, which reports
    what the copy did.
-3. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
-   reports it to cachewarm; it runs the image's own sitecustomize (the one this file
-   shadows). Without it, only that sitecustomize is run: exactly once either way.
+3. The image's own sitecustomize (the one this file shadows), exactly once.
+4. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
+   reports it to cachewarm (loaded only then: every process pays for what it loads, and
+   a ConfigMap volume keeps no bytecode cache).
 
 The shipped modules are imported by name (importlib), not by import statements: they are
 not this package's modules, nor third-party packages."""
@@ -38,13 +39,31 @@ except Exception:  # noqa: BLE001 - training must start whatever happens here
     pass
 
 try:
-    import importlib
-    import pathlib
+    # The image's own sitecustomize (or the environment's), which this one shadows: run
+    # as python would have run it, once, and left as `sitecustomize`; its errors told as
+    # site.py tells them. Our directory is told by its real path: the kubelet's ConfigMap
+    # volume holds symlinks (key -> ..data/key), so a file's resolved directory is not it.
+    import importlib.machinery
+    import importlib.util
 
-    _reporter = importlib.import_module("cachewarm_reporter")
+    _real = os.path.realpath(_here)
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in sys.path if p and os.path.realpath(p) != _real])
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["sitecustomize"] = _module
+        try:
+            _spec.loader.exec_module(_module)
+        except Exception as _exc:  # noqa: BLE001 - as site.py: say so, go on
+            print(f"cachewarm: error in the image's sitecustomize ({type(_exc).__name__}: {_exc})", file=sys.stderr)
+except Exception:  # noqa: BLE001 - training must start whatever happens here
+    pass
+
+try:
     if os.environ.get("CACHEWARM_REPORT_URL"):
-        _reporter.start()  # runs the image's sitecustomize first
-    else:
-        _reporter.chain_sitecustomize(pathlib.Path(_here))
+        import importlib
+        import pathlib
+
+        importlib.import_module("cachewarm_reporter").start(pathlib.Path(_here))
 except Exception:  # noqa: BLE001 - training must start whatever happens here
     pass

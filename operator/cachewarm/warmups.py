@@ -217,19 +217,27 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         # The PYTHONPATH the image sets, for the webhook (image_pythonpath).
         if not env_sets_pythonpath:
             path = next((p for p in (_pythonpath(s.get("imagePythonPath")) for s in writers) if p is not None), None)
-            if path is not None:
-                out["imagePythonPath"] = path
+            image = next((str(ct.get("image") or "") for ct in ((((job or {}).get("spec") or {}).get("template") or {})
+                                                              .get("spec") or {}).get("containers") or []), "")
+            if path is not None and image:
+                # With the image the Job ran, as spec.warmup.image named it: what a pod's
+                # image is compared with, so a value of an earlier warmup image is never
+                # taken for the current one's.
+                out["imagePythonPath"] = {"image": image[:1000], "value": path}
     errors = [e for s in summaries for e in s.get("errors", [])]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
     return out
 
 
-def image_pythonpath(pools: Sequence[Mapping[str, Any]]) -> str | None:
-    """The PYTHONPATH the warmup image sets, from status.warmup.pools: the value every pool
-    that reports `imagePythonPath` agrees on ("" when the image sets none); pools without
-    one are left out. None when no pool reports one, or when they disagree."""
-    seen = {p["imagePythonPath"] for p in pools if isinstance(p.get("imagePythonPath"), str)}
+def image_pythonpath(pools: Sequence[Mapping[str, Any]], image: str) -> str | None:
+    """The PYTHONPATH `image` (the current spec.warmup.image) sets, from
+    status.warmup.pools: the value every pool whose warmer ran that image reports in
+    `imagePythonPath` agrees on ("" when the image sets none); other pools are left out.
+    None when none reports one, or when they disagree."""
+    seen = {str(p["imagePythonPath"]["value"]) for p in pools
+            if isinstance(p.get("imagePythonPath"), Mapping) and p["imagePythonPath"].get("image") == image
+            and isinstance(p["imagePythonPath"].get("value"), str)}
     return seen.pop() if len(seen) == 1 else None
 
 

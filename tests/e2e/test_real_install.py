@@ -378,7 +378,7 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     # front of it, and `python -m programs` from / finds the program there. The copy runs
     # in the pod's first python process, before its program; the second process (the
     # listing) finds it done.
-    assert pool["imagePythonPath"] == "/app", pool
+    assert pool["imagePythonPath"] == {"image": images.TRAIN_IMAGE, "value": "/app"}, pool
     own = local_pod("inproc", "local", cluster.client_env())
     own["spec"]["containers"][0]["image"] = images.TRAIN_IMAGE
     _, lines, summary = run_to_end(bed, ns, own, in_process=True)

@@ -37,10 +37,17 @@ LEFT_BEHIND = "still running past the deadline: left behind"
 
 
 def boot_dir(where: Path) -> Path:
-    """The boot volume as the operator fills its ConfigMap (service.boot_files)."""
+    """The boot volume as the kubelet lays out the operator's ConfigMap
+    (service.boot_files): the files in a hidden timestamped directory, `..data` a symlink to
+    it, and each file a symlink through `..data`, so a file's resolved directory is not the
+    volume's."""
     where.mkdir()
+    stamped = where / "..2026_11_24_04_00_00.000000001"
+    stamped.mkdir()
+    (where / "..data").symlink_to(stamped.name)
     for shipped, text in service.boot_files().items():
-        (where / shipped).write_text(text, encoding="utf-8")
+        (stamped / shipped).write_text(text, encoding="utf-8")
+        (where / shipped).symlink_to(f"..data/{shipped}")
     return where
 
 

@@ -448,17 +448,19 @@ def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_pr
     # Ours first, then the image's own, which the warmers reported: nothing to restore.
     assert got["PYTHONPATH"] == "/cachewarm-boot:/app" and "CACHEWARM_RESTORE_IMAGE_PYTHONPATH" not in got
     assert got["CACHEWARM_COPY_IN_PROCESS"] == "1" and got["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
-    assert got["CACHEWARM_COPY_DEST"] == "/cachewarm-cache" and got["CACHEWARM_COPY_BUCKET"] == "team-cache"
+    assert got["CACHEWARM_COPY_DEST"] == "/cachewarm-copy" and got["CACHEWARM_COPY_BUCKET"] == "team-cache"
     assert got["CACHEWARM_COPY_MANIFESTS"].split(",")[0] == "llama/.cachewarm/pools/team/llama/cpu.json"
     assert got["CACHEWARM_COPY_SUMMARY"] == got["CACHEWARM_LOCAL_COPY_SUMMARY"] == "/cachewarm-reporter/local-copy.json"
     assert got["CACHEWARM_REPORT_URL"] == "https://10.96.0.100/report/v1"
     assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the pod's own env, which the copy uses as it runs
-    mounts = {m["name"]: m for m in train["volumeMounts"]}
-    assert mounts["cachewarm-boot"] == {"name": "cachewarm-boot", "mountPath": "/cachewarm-boot", "readOnly": True}
-    # It writes the copy and its summary itself.
-    assert mounts["cachewarm-cache"] == {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache"}
-    assert mounts["cachewarm-reporter"] == {"name": "cachewarm-reporter", "mountPath": "/cachewarm-reporter"}
-    assert mounts["cachewarm-report-token"]["readOnly"] is True
+    mounts = {m["mountPath"]: m for m in train["volumeMounts"]}
+    assert mounts["/cachewarm-boot"] == {"name": "cachewarm-boot", "mountPath": "/cachewarm-boot", "readOnly": True}
+    # It writes the copy and its summary itself, the copy where the copier writes; JAX's
+    # directory, the same volume, stays read-only.
+    assert mounts["/cachewarm-copy"] == {"name": "cachewarm-cache", "mountPath": "/cachewarm-copy"}
+    assert mounts["/cachewarm-cache"] == {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True}
+    assert mounts["/cachewarm-reporter"] == {"name": "cachewarm-reporter", "mountPath": "/cachewarm-reporter"}
+    assert mounts["/var/run/secrets/cachewarm"]["readOnly"] is True
     volumes = {v["name"]: v for v in answer.spec["volumes"]}
     assert volumes["cachewarm-boot"] == {"name": "cachewarm-boot",
                                          "configMap": {"name": "cachewarm-llama-boot", "optional": True}}
@@ -502,15 +504,34 @@ def test_where_the_pythonpath_cannot_be_known_the_copy_is_by_init_container(
     assert "CACHEWARM_COPY_IN_PROCESS" not in env(train)
 
 
-def test_in_process_a_sidecar_of_another_image_only_reads_the_copy_and_a_same_image_init_container_copies_too() -> None:
+def test_in_process_only_the_main_containers_image_copies_the_others_and_init_containers_read() -> None:
+    """The copy runs with the main container's image, env and resources, as the copier
+    init container did: not in the pod's own init container (its limits may be small), nor
+    in a sidecar of another image even if it sets its own PYTHONPATH."""
     pod = training_pod(initContainers=[{"name": "prepare", "image": "train:1", "command": ["python", "prep.py"]}])
-    pod["spec"]["containers"].append({"name": "proxy", "image": "envoy:1"})
+    pod["spec"]["containers"].append({"name": "proxy", "image": "envoy:1",
+                                      "env": [{"name": "PYTHONPATH", "value": "/envoy"}]})
+    pod["spec"]["containers"].append({"name": "eval", "image": "train:1", "command": ["python", "eval.py"]})
     answer = admit_known(pod, cache_spec({}))
+    read_only = {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True}
     [prepare] = answer.spec["initContainers"]  # the pod's own, and nothing of ours
-    assert env(prepare)["PYTHONPATH"] == "/cachewarm-boot:/app" and env(prepare)["CACHEWARM_COPY_IN_PROCESS"] == "1"
-    proxy = answer.spec["containers"][1]
-    assert "PYTHONPATH" not in env(proxy) and "CACHEWARM_COPY_IN_PROCESS" not in env(proxy)
-    assert proxy["volumeMounts"] == [{"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True}]
+    assert "CACHEWARM_COPY_IN_PROCESS" not in env(prepare) and prepare["volumeMounts"] == [read_only]
+    train, proxy, evaluator = answer.spec["containers"]
+    assert env(proxy)["PYTHONPATH"] == "/envoy" and "CACHEWARM_COPY_IN_PROCESS" not in env(proxy)
+    assert proxy["volumeMounts"] == [read_only]
+    for taker in (train, evaluator):
+        assert env(taker)["PYTHONPATH"] == "/cachewarm-boot:/app" and env(taker)["CACHEWARM_COPY_IN_PROCESS"] == "1"
+
+
+@pytest.mark.parametrize("probe", ["startupProbe", "livenessProbe", "readinessProbe"])
+def test_a_main_container_with_an_exec_probe_gets_the_copy_by_init_container(probe: str) -> None:
+    """A probe that starts python would wait for an in-process copy, and fail."""
+    pod = training_pod()
+    pod["spec"]["containers"][0][probe] = {"exec": {"command": ["python", "-c", "import health"]}}
+    answer = admit_known(pod, cache_spec({}))
+    assert "cachewarm-copy" in [ct["name"] for ct in answer.spec["initContainers"]]
+    pod["spec"]["containers"][0][probe] = {"httpGet": {"path": "/healthz", "port": 8080}}
+    assert not admit_known(pod, cache_spec({})).spec.get("initContainers")
 
 
 def test_in_process_without_the_reporter_there_is_no_report_env_nor_token() -> None:
@@ -522,10 +543,11 @@ def test_in_process_without_the_reporter_there_is_no_report_env_nor_token() -> N
     assert not answer.spec.get("initContainers")
 
 
-def test_in_process_a_hostpath_copy_is_the_caches_own_subpath_writable_by_the_container() -> None:
+def test_in_process_a_hostpath_copy_is_the_caches_own_subpath_read_only_for_jax_and_writable_for_the_copier() -> None:
     answer = admit_known(training_pod(), cache_spec({"volume": "HostPath", "hostPath": "/mnt/ssd/cachewarm"}))
-    mount = next(m for m in answer.spec["containers"][0]["volumeMounts"] if m["name"] == "cachewarm-cache")
-    assert mount == {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "subPath": "team/llama"}
+    mounts = [m for m in answer.spec["containers"][0]["volumeMounts"] if m["name"] == "cachewarm-cache"]
+    assert mounts == [{"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True, "subPath": "team/llama"},
+                      {"name": "cachewarm-cache", "mountPath": "/cachewarm-copy", "subPath": "team/llama"}]
 
 
 @pytest.mark.parametrize("report", [True, False])
@@ -545,16 +567,30 @@ def test_in_process_a_container_a_later_webhook_added_reads_the_copy_and_no_init
     [train, evaluator] = again.spec["containers"]
     assert env(evaluator)["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
     assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in evaluator["volumeMounts"]
-    assert [m["name"] for m in train["volumeMounts"]].count("cachewarm-cache") == 1
+    assert [m["mountPath"] for m in train["volumeMounts"]].count("/cachewarm-cache") == 1
     assert not again.spec.get("initContainers")
 
 
-def test_a_pods_own_volume_named_like_the_boot_volume_is_not_taken_for_ours() -> None:
-    pod = training_pod(volumes=[{"name": "cachewarm-boot", "emptyDir": {}}])
+@pytest.mark.parametrize("clash", [
+    {"volumes": [{"name": "cachewarm-boot", "emptyDir": {}}]},
+    {"volumes": [{"name": "cachewarm-boot", "configMap": {"name": "team-boot"}}]},
+    {"volumes": [{"name": "cachewarm-report-token", "emptyDir": {}}]},
+    {"mount": "/cachewarm-boot"}, {"mount": "/cachewarm-copy"}, {"mount": "/cachewarm-reporter"},
+    {"mount": "/var/run/secrets/cachewarm"},
+])
+def test_a_pods_own_volume_or_mount_where_the_in_process_copy_goes_is_never_taken_for_ours(
+        clash: dict[str, Any]) -> None:
+    """Else the pod would have two volumes or mounts of one name or path, which the
+    apiserver refuses: the pod reads the bucket, and is told."""
+    pod = training_pod(volumes=clash.get("volumes", [{"name": "mine", "emptyDir": {}}]))
+    if "mount" in clash:
+        pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "mine", "mountPath": clash["mount"]}]
     answer = admit_known(pod, cache_spec({}))
     assert not lc.in_process(pod["spec"])
-    assert answer.warnings  # a clash with ours, said so
-    assert "cachewarm-copy" not in [ct["name"] for ct in answer.spec.get("initContainers") or []]
+    assert any("asks for a local copy, which this pod cannot get" in w for w in answer.warnings), answer.warnings
+    [train] = answer.spec["containers"]
+    assert env(train)["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
+    assert "CACHEWARM_COPY_IN_PROCESS" not in env(train)
 
 
 def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_names() -> None:

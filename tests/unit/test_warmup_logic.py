@@ -486,16 +486,23 @@ def test_the_pool_keeps_process_0s_fingerprint_typed_and_bounded_with_the_image_
 
 # --- the image's PYTHONPATH, as the warmer saw it (imagePythonPath) --------------------
 
-DONE = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+DONE = {"spec": {"template": {"spec": {"containers": [{"name": "warm", "image": "train:7"}]}}},
+        "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+
+
+def recorded(status: dict[str, Any]) -> str:
+    """The PYTHONPATH a pool recorded, checked to be the Job's image's."""
+    assert status["imagePythonPath"]["image"] == "train:7", status
+    return str(status["imagePythonPath"]["value"])
 
 
 def test_the_pool_records_the_pythonpath_process_0_reported() -> None:
     pool = spec().warmup.pools[0]
     summaries = [{"processIndex": 1, "imagePythonPath": "/other"},
                  {"processIndex": 0, "imagePythonPath": "/app/src:/opt/lib"}]
-    assert pool_status("j", pool, "h", DONE, summaries)["imagePythonPath"] == "/app/src:/opt/lib"
+    assert recorded(pool_status("j", pool, "h", DONE, summaries)) == "/app/src:/opt/lib"
     # "" is what an image without PYTHONPATH reports: a known value, kept as such.
-    assert pool_status("j", pool, "h", DONE, [{"processIndex": 0, "imagePythonPath": ""}])["imagePythonPath"] == ""
+    assert recorded(pool_status("j", pool, "h", DONE, [{"processIndex": 0, "imagePythonPath": ""}])) == ""
     # A warmer that did not report one (too long, or an older warmer): none, not "".
     assert "imagePythonPath" not in pool_status("j", pool, "h", DONE, [{"processIndex": 0, "entriesWritten": 1}])
     assert "imagePythonPath" not in pool_status("j", pool, "h", DONE,
@@ -519,19 +526,24 @@ def test_a_pythonpath_status_could_not_hold_as_it_is_is_not_recorded(reported: A
 def test_a_pythonpath_of_exactly_1000_characters_is_recorded() -> None:
     path = "/p" * 500
     status = pool_status("j", spec().warmup.pools[0], "h", DONE, [{"processIndex": 0, "imagePythonPath": path}])
-    assert status["imagePythonPath"] == path
+    assert recorded(status) == path
 
 
-def test_the_image_pythonpath_is_the_one_every_reporting_pool_agrees_on() -> None:
-    tpu, gpu, pending = ({"name": "tpu", "imagePythonPath": "/app"}, {"name": "gpu", "imagePythonPath": "/app"},
-                         {"name": "cpu", "state": "Pending"})
-    assert image_pythonpath([tpu, gpu, pending]) == "/app"
-    assert image_pythonpath([pending, tpu]) == "/app"  # pools without one are left out
-    assert image_pythonpath([tpu, {"name": "gpu", "imagePythonPath": "/other"}]) is None  # they disagree
-    assert image_pythonpath([tpu, {"name": "gpu", "imagePythonPath": ""}]) is None  # "" disagrees with "/app"
-    assert image_pythonpath([pending]) is None and image_pythonpath([]) is None  # nobody knows
+def test_the_image_pythonpath_is_the_one_every_pool_of_that_image_agrees_on() -> None:
+    def pool(name: str, value: str, image: str = "train:7") -> dict[str, Any]:
+        return {"name": name, "imagePythonPath": {"image": image, "value": value}}
+    tpu, gpu, pending = pool("tpu", "/app"), pool("gpu", "/app"), {"name": "cpu", "state": "Pending"}
+    assert image_pythonpath([tpu, gpu, pending], "train:7") == "/app"
+    assert image_pythonpath([pending, tpu], "train:7") == "/app"  # pools without one are left out
+    assert image_pythonpath([tpu, pool("gpu", "/other")], "train:7") is None  # they disagree
+    assert image_pythonpath([tpu, pool("gpu", "")], "train:7") is None  # "" disagrees with "/app"
+    assert image_pythonpath([pending], "train:7") is None and image_pythonpath([], "train:7") is None  # nobody knows
     # An image that sets none: "" is known (PYTHONPATH is ours alone), unlike None.
-    assert image_pythonpath([{"name": "tpu", "imagePythonPath": ""}, pending]) == ""
+    assert image_pythonpath([pool("tpu", ""), pending], "train:7") == ""
+    # A value of an earlier warmup image (kept in status until the new warm ends, or after
+    # a failed reconcile) is never the current image's.
+    assert image_pythonpath([pool("tpu", "/old", image="train:6")], "train:7") is None
+    assert image_pythonpath([pool("tpu", "/old", image="train:6"), gpu], "train:7") == "/app"
 
 
 def finished_warm(cache: Any, reported: str) -> dict[str, Any]:
@@ -553,8 +565,8 @@ def finished_warm(cache: Any, reported: str) -> dict[str, Any]:
 
 
 def test_the_reconcile_records_the_image_pythonpath_unless_the_warmup_env_sets_pythonpath() -> None:
-    assert finished_warm(spec(), "/app")["imagePythonPath"] == "/app"
-    assert finished_warm(spec(env={"PYTHONPATHS": "/x"}), "/app")["imagePythonPath"] == "/app"
+    assert finished_warm(spec(), "/app")["imagePythonPath"] == {"image": spec().warmup.image, "value": "/app"}
+    assert finished_warm(spec(env={"PYTHONPATHS": "/x"}), "/app")["imagePythonPath"]["value"] == "/app"
     assert "imagePythonPath" not in finished_warm(spec(env={"PYTHONPATH": "/mine"}), "/mine")
 
 

@@ -164,14 +164,14 @@ def volume(local: LocalCopy) -> dict[str, Any]:
 
 
 def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str],
-               spec: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+               spec: Mapping[str, Any] | None = None, dest: str = LOCAL_DIR) -> list[dict[str, str]]:
     local = cache.injection.local_copy
     assert local is not None
     gcs = cache.storage.gcs
     return [
         {"name": "CACHEWARM_COPY_BUCKET", "value": gcs.bucket},
         {"name": "CACHEWARM_COPY_PREFIX", "value": gcs.prefix},
-        {"name": "CACHEWARM_COPY_DEST", "value": LOCAL_DIR},
+        {"name": "CACHEWARM_COPY_DEST", "value": dest},
         {"name": "CACHEWARM_COPY_MANIFESTS",
          "value": ",".join(manifest_object(gcs, namespace, cache_name, p) for p in pools)},
         {"name": "CACHEWARM_COPY_MAX_BYTES", "value": str(budget_bytes(local.size_limit, spec, local.volume))},
@@ -199,15 +199,15 @@ def copier_security(context: Mapping[str, Any]) -> dict[str, Any]:
 def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
     """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
     a Linux pod, a container with an image, and no volume of its own named like ours nor
-    mount of its own at LOCAL_DIR or BOOT_DIR (ours, on reinvocation, come with our copier
-    or our boot volume)."""
+    mount of its own where ours go (ours, on reinvocation, come with our copier or our boot
+    volume)."""
     names = {v.get("name") for v in spec.get("volumes") or []}
     inits = {ct.get("name") for ct in spec.get("initContainers") or []}
     if COPIER_CONTAINER in inits or in_process(spec):  # ours: a reinvocation
         return bool(image)
-    clash = LOCAL_VOLUME in names or BOOT_VOLUME in names or \
+    clash = bool({LOCAL_VOLUME, BOOT_VOLUME, reporter.TOKEN_VOLUME} & names) or \
         (reporter.VOLUME in names and reporter.COPY_CONTAINER not in inits) or any(
-        str(m.get("mountPath") or "").rstrip("/") in (LOCAL_DIR, BOOT_DIR)
+        str(m.get("mountPath") or "").rstrip("/") in (LOCAL_DIR, BOOT_DIR, COPY_DIR, reporter.DIR, reporter.TOKEN_DIR)
         for ct in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
         for m in ct.get("volumeMounts") or [])
     return bool(image) and not clash and (spec.get("os") or {}).get("name") != "windows" and \
@@ -409,6 +409,11 @@ def _mounted(container: Mapping[str, Any], mount: Mapping[str, Any], *, summary:
 # program's code), from a ConfigMap volume the kubelet mounts before any container starts.
 BOOT_DIR = "/cachewarm-boot"
 BOOT_VOLUME = "cachewarm-boot"
+# The copy's volume again, writable, where the copier writes (CACHEWARM_COPY_DEST): JAX's
+# directory (LOCAL_DIR) stays read-only, so no JAX setting of the container's own makes
+# it write entries into the copy (past an emptyDir's budget, or into a node's HostPath
+# directory that the cache's pods share).
+COPY_DIR = "/cachewarm-copy"
 IN_PROCESS_ENV = "CACHEWARM_COPY_IN_PROCESS"
 # The files of the boot ConfigMap: their name there (and in BOOT_DIR) -> the package
 # module they are. The same names the warmer image ships them under (warmer_image/Dockerfile).
@@ -455,8 +460,8 @@ def pythonpath_without_us(container: Mapping[str, Any], warmup_image: str | None
 
 def in_process(spec: Mapping[str, Any]) -> bool:
     """Whether the pod got the in-process copy already (webhook reinvocation)."""
-    return any(v.get("name") == BOOT_VOLUME and str((v.get("configMap") or {}).get("name") or "").endswith("-boot")
-               for v in spec.get("volumes") or [])
+    return any(v.get("name") == BOOT_VOLUME and "configMap" in v for v in spec.get("volumes") or []) and any(
+        e.get("name") == IN_PROCESS_ENV for ct in spec.get("containers") or [] for e in ct.get("env") or [])
 
 
 def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
@@ -475,11 +480,14 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
       operator applied it starts without our code, cold); an emptyDir at reporter.DIR for
       the copy's summary and lock (one copy per pod, whichever process starts first);
       the copy's volume (LocalCopy.volume);
-    - every container and init container of the pod's own whose PYTHONPATH is known (the
-      takers): PYTHONPATH BOOT_DIR then that one, the copier's settings, the copy's volume
-      writable, and with `reporting` the reporter's env and token; the copy runs as the
-      container, with its env, mounts and identity, so it reaches GCS as the pod does;
-    - every other container: the copy's volume read-only (it reads what the takers copied).
+    - the containers of the main container's image whose PYTHONPATH is known (the takers,
+      see `known`): PYTHONPATH BOOT_DIR then that one, the copier's settings, the copy's
+      volume read-only at LOCAL_DIR (JAX's) and writable at COPY_DIR (the copier's), and
+      with `reporting` the reporter's env and token; the copy runs in the first of their
+      processes, with the container's env, mounts and identity, so it reaches GCS as the
+      pod does, and the others wait for it;
+    - every other container and init container: the copy's volume read-only (it reads
+      what the takers copied; those of another image may start before the copy is done).
     """
     local = cache.injection.local_copy
     assert local is not None
@@ -490,21 +498,32 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
         return None  # by init container (reinvocation), or the reporter's are there already
     warmup_image = cache.warmup.image if cache.warmup is not None else None
     main = _main_container(containers, annotations)
-    if pythonpath_without_us(main, warmup_image, image_pythonpath) is None:
+
+    def known(container: Mapping[str, Any]) -> str | None:
+        """The container's PYTHONPATH without us, if it takes the copy in process: one of
+        the pod's containers (not an init container: the copy runs with the main
+        container's image, resources and env, as the copier init container did), of the
+        main container's image, with no exec probe (a probe that starts python would wait
+        for the copy, and fail)."""
+        if container.get("image") != main.get("image") or not any(container is ct for ct in containers) or any(
+                "exec" in (container.get(probe) or {}) for probe in ("startupProbe", "livenessProbe", "readinessProbe")):
+            return None
+        return pythonpath_without_us(container, warmup_image, image_pythonpath)
+    if known(main) is None:
         return None
     pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
-    ours = [*copier_env(cache, namespace, cache_name, pools, spec), {"name": IN_PROCESS_ENV, "value": "1"}]
+    ours = [*copier_env(cache, namespace, cache_name, pools, spec, dest=COPY_DIR), {"name": IN_PROCESS_ENV, "value": "1"}]
     if reporting is not None:
         ours += [*reporter.report_env(cache_name, reporting, restore=False), {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
     mount = local_mount(local, namespace, cache_name)
-    writable = {k: v for k, v in mount.items() if k != "readOnly"}
+    writable = {**{k: v for k, v in mount.items() if k != "readOnly"}, "mountPath": COPY_DIR}
     mounts = [{"name": BOOT_VOLUME, "mountPath": BOOT_DIR, "readOnly": True},
-              {"name": reporter.VOLUME, "mountPath": reporter.DIR}, writable,
+              {"name": reporter.VOLUME, "mountPath": reporter.DIR}, dict(mount), writable,
               *([{"name": reporter.TOKEN_VOLUME, "mountPath": reporter.TOKEN_DIR, "readOnly": True}]
                 if reporting is not None else [])]
 
     def patched(container: Mapping[str, Any], summary: bool) -> dict[str, Any]:
-        path = pythonpath_without_us(container, warmup_image, image_pythonpath)
+        path = known(container)
         if path is None:
             return _mounted(container, mount, summary=summary)
         new = copy.deepcopy(dict(container))
