@@ -463,8 +463,11 @@ class Client:
                     out = open(partial, "xb")
                 except OSError as exc:
                     raise CopyError(f"{name}: {exc}") from None
+                # read1: what one receive brings, so a body that trickles in still reaches
+                # the deadline check below (read(n) would wait for all n bytes).
+                read = getattr(answer, "read1", None) or answer.read
                 with out:
-                    while chunk := answer.read(1 << 20):  # a reset or timeout mid-body raises here
+                    while chunk := read(1 << 20):  # a reset or timeout mid-body raises here
                         self._remaining()  # a slow download stops at the deadline too
                         digest.update(chunk)
                         size += len(chunk)

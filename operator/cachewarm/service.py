@@ -562,8 +562,9 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
         # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
         cache = cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": None})})
         out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
-                            "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot or "
-                            "cachewarm-reporter or mounted at /cachewarm-cache or /cachewarm-boot, or no warmer image configured); it reads the bucket")
+                            "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
+                            "cachewarm-reporter or cachewarm-report-token, or mounted at /cachewarm-cache, "
+                            "/cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or /var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
     result = inject_pod(pod, cache_name, entry["generation"], cache)
     if result.changed:
         out.spec["containers"] = result.containers

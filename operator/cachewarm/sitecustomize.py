@@ -55,7 +55,8 @@ try:
         try:
             _spec.loader.exec_module(_module)
         except Exception as _exc:  # noqa: BLE001 - as site.py: say so, go on
-            print(f"cachewarm: error in the image's sitecustomize ({type(_exc).__name__}: {_exc})", file=sys.stderr)
+            print("cachewarm: error in the image's sitecustomize (%s: %s)" % (type(_exc).__name__, _exc),
+                  file=sys.stderr)
 except Exception:  # noqa: BLE001 - training must start whatever happens here
     pass
 

@@ -111,6 +111,10 @@ class PodsView:
     nodes: tuple[str, ...] = ()
     unschedulable: str = ""  # the scheduler's message, verbatim
     image: str = ""  # the image the warm container ran, by digest (its imageID), as the kubelet reports it
+    # The warm container's spec, as admitted, sets PYTHONPATH or may (envFrom): another
+    # webhook's (a tracer's library injection), or the warmup's env; the warmer then saw
+    # that, not the image's own.
+    pythonpath_set: bool = False
 
 
 def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
@@ -124,7 +128,10 @@ def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
     # Every host runs the same image; a tag may have moved, the digest the kubelet pulled not.
     image = next((str(s["imageID"]) for p in pods for s in (p.get("status") or {}).get("containerStatuses") or []
                   if s.get("name") == "warm" and s.get("imageID")), "")
-    return PodsView(tuple(nodes), unschedulable, image)
+    warm = [ct for p in pods for ct in (p.get("spec") or {}).get("containers") or [] if ct.get("name") == "warm"]
+    pythonpath_set = any(ct.get("envFrom") or any(e.get("name") == "PYTHONPATH" for e in ct.get("env") or [])
+                         for ct in warm)
+    return PodsView(tuple(nodes), unschedulable, image, pythonpath_set)
 
 
 FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "platformVersion", "deviceKind", "topology", "error")
@@ -215,7 +222,7 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         if found is not None:
             out["fingerprint"] = fingerprint_status(found, pods.image if pods is not None else "")
         # The PYTHONPATH the image sets, for the webhook (image_pythonpath).
-        if not env_sets_pythonpath:
+        if not env_sets_pythonpath and not (pods is not None and pods.pythonpath_set):
             path = next((p for p in (_pythonpath(s.get("imagePythonPath")) for s in writers) if p is not None), None)
             image = next((str(ct.get("image") or "") for ct in ((((job or {}).get("spec") or {}).get("template") or {})
                                                               .get("spec") or {}).get("containers") or []), "")

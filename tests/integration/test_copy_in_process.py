@@ -203,8 +203,9 @@ def test_a_copy_past_its_deadline_and_grace_is_left_behind_and_the_process_runs(
 
 @pytest.mark.parametrize("report", [False, True], ids=["without-reporter", "with-reporter"])
 def test_the_images_own_sitecustomize_runs_exactly_once(report: bool, tmp_path: Path) -> None:
-    """Ours shadows the image's (later on PYTHONPATH): run by the reporter when it starts,
-    by sitecustomize itself when it does not (no CACHEWARM_REPORT_URL), once either way."""
+    """Ours shadows the image's (later on PYTHONPATH) and runs it itself, once, whether the
+    reporter starts (CACHEWARM_REPORT_URL) or not; from a boot volume laid out as the
+    kubelet does (symlinks), which once made the reporter run ours again and again."""
     image = tmp_path / "image-lib"
     image.mkdir()
     (image / "sitecustomize.py").write_text("print('image sitecustomize')\n")

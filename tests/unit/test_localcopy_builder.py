@@ -439,9 +439,25 @@ def admit_known(pod: dict[str, Any], spec: dict[str, Any], image_pythonpath: str
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, WARMER)
 
 
+def assert_valid(spec: dict[str, Any]) -> None:
+    """What the apiserver checks that a patch could break: volume names unique in the pod,
+    and in each container env names and mount paths unique."""
+    names = [v["name"] for v in spec["volumes"]]
+    assert len(names) == len(set(names)), names
+    for ct in [*spec["containers"], *(spec.get("initContainers") or [])]:
+        paths = [m["mountPath"] for m in ct.get("volumeMounts") or []]
+        assert len(paths) == len(set(paths)), (ct["name"], paths)
+        env_names = [e["name"] for e in ct.get("env") or []]
+        assert len(env_names) == len(set(env_names)), (ct["name"], env_names)
+        assert all(m["name"] in names for m in ct.get("volumeMounts") or []), ct["name"]
+
+
 def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_process_without_init_containers() -> None:
     pod = training_pod()
+    pod["spec"]["containers"][0]["env"] += [{"name": "CACHEWARM_COPY_DEST", "value": "/mine"},
+                                            {"name": "PYTHONPATH_EXTRA", "value": "x"}]
     answer = admit_known(pod, cache_spec({}))
+    assert_valid(answer.spec)
     assert not answer.spec.get("initContainers"), answer.spec.get("initContainers")
     [train] = answer.spec["containers"]
     got = env(train)
@@ -516,6 +532,7 @@ def test_in_process_only_the_main_containers_image_copies_the_others_and_init_co
     read_only = {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True}
     [prepare] = answer.spec["initContainers"]  # the pod's own, and nothing of ours
     assert "CACHEWARM_COPY_IN_PROCESS" not in env(prepare) and prepare["volumeMounts"] == [read_only]
+    assert_valid(answer.spec)
     train, proxy, evaluator = answer.spec["containers"]
     assert env(proxy)["PYTHONPATH"] == "/envoy" and "CACHEWARM_COPY_IN_PROCESS" not in env(proxy)
     assert proxy["volumeMounts"] == [read_only]
@@ -523,14 +540,22 @@ def test_in_process_only_the_main_containers_image_copies_the_others_and_init_co
         assert env(taker)["PYTHONPATH"] == "/cachewarm-boot:/app" and env(taker)["CACHEWARM_COPY_IN_PROCESS"] == "1"
 
 
-@pytest.mark.parametrize("probe", ["startupProbe", "livenessProbe", "readinessProbe"])
-def test_a_main_container_with_an_exec_probe_gets_the_copy_by_init_container(probe: str) -> None:
-    """A probe that starts python would wait for an in-process copy, and fail."""
+@pytest.mark.parametrize(("probe", "kind"), [
+    ("startupProbe", "httpGet"), ("livenessProbe", "tcpSocket"), ("livenessProbe", "exec"), ("readinessProbe", "exec")])
+def test_a_main_container_with_a_probe_that_would_count_the_copy_gets_it_by_init_container(probe: str, kind: str) -> None:
+    """Liveness and startup probes would count the copy's time against the container (up
+    to timeoutSeconds), and a readiness probe that starts python would wait for it: the
+    copier init container's time was never counted."""
     pod = training_pod()
-    pod["spec"]["containers"][0][probe] = {"exec": {"command": ["python", "-c", "import health"]}}
+    pod["spec"]["containers"][0][probe] = {kind: {"command": ["python", "-c", "import health"]} if kind == "exec"
+                                           else {"port": 8080}}
     answer = admit_known(pod, cache_spec({}))
     assert "cachewarm-copy" in [ct["name"] for ct in answer.spec["initContainers"]]
-    pod["spec"]["containers"][0][probe] = {"httpGet": {"path": "/healthz", "port": 8080}}
+
+
+def test_a_readiness_probe_that_starts_no_process_keeps_the_copy_in_process() -> None:
+    pod = training_pod()
+    pod["spec"]["containers"][0]["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": 8080}}
     assert not admit_known(pod, cache_spec({})).spec.get("initContainers")
 
 
@@ -564,6 +589,7 @@ def test_in_process_a_container_a_later_webhook_added_reads_the_copy_and_no_init
     once = patched(pod, admit_known(pod, cache_spec({})))
     once["spec"]["containers"].append({"name": "eval", "image": "other:1", "command": ["python", "eval.py"]})
     again = admit_known(once, cache_spec({}))
+    assert_valid({**once["spec"], **again.spec})
     [train, evaluator] = again.spec["containers"]
     assert env(evaluator)["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
     assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True} in evaluator["volumeMounts"]
@@ -591,6 +617,7 @@ def test_a_pods_own_volume_or_mount_where_the_in_process_copy_goes_is_never_take
     [train] = answer.spec["containers"]
     assert env(train)["JAX_COMPILATION_CACHE_DIR"] == "gs://team-cache/llama"
     assert "CACHEWARM_COPY_IN_PROCESS" not in env(train)
+    assert_valid({**pod["spec"], **answer.spec})  # nor does the reporter add what clashes
 
 
 def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_names() -> None:

@@ -523,6 +523,21 @@ def test_a_pythonpath_status_could_not_hold_as_it_is_is_not_recorded(reported: A
     assert "imagePythonPath" not in status
 
 
+@pytest.mark.parametrize("container", [
+    {"name": "warm", "env": [{"name": "PYTHONPATH", "value": "/datadog-lib"}]},  # another webhook's
+    {"name": "warm", "envFrom": [{"configMapRef": {"name": "team-env"}}]},  # may set one
+])
+def test_no_pythonpath_is_recorded_when_the_warm_containers_spec_sets_or_may_set_one(container: dict[str, Any]) -> None:
+    """The warmer then saw that one, not the image's own; a pod given it would lose the
+    image's paths."""
+    pods = [{"spec": {"containers": [container]}, "status": {}}]
+    summaries = [{"processIndex": 0, "imagePythonPath": "/datadog-lib"}]
+    status = pool_status("j", spec().warmup.pools[0], "h", DONE, summaries, read_pods(pods))
+    assert "imagePythonPath" not in status
+    plain = [{"spec": {"containers": [{"name": "warm", "env": [{"name": "A", "value": "1"}]}]}, "status": {}}]
+    assert recorded(pool_status("j", spec().warmup.pools[0], "h", DONE, summaries, read_pods(plain))) == "/datadog-lib"
+
+
 def test_a_pythonpath_of_exactly_1000_characters_is_recorded() -> None:
     path = "/p" * 500
     status = pool_status("j", spec().warmup.pools[0], "h", DONE, [{"processIndex": 0, "imagePythonPath": path}])

@@ -480,12 +480,14 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
       operator applied it starts without our code, cold); an emptyDir at reporter.DIR for
       the copy's summary and lock (one copy per pod, whichever process starts first);
       the copy's volume (LocalCopy.volume);
-    - the containers of the main container's image whose PYTHONPATH is known (the takers,
-      see `known`): PYTHONPATH BOOT_DIR then that one, the copier's settings, the copy's
+    - the containers of the main container's image whose PYTHONPATH is known and that
+      have no probe that would count the copy's time (the takers, see `known`):
+      PYTHONPATH BOOT_DIR then that one, the copier's settings, the copy's
       volume read-only at LOCAL_DIR (JAX's) and writable at COPY_DIR (the copier's), and
       with `reporting` the reporter's env and token; the copy runs in the first of their
-      processes, with the container's env, mounts and identity, so it reaches GCS as the
-      pod does, and the others wait for it;
+      processes to start (the main container's, or one of the same image), with that
+      container's env, mounts, identity and resources, so it reaches GCS as the pod does,
+      and the others wait for it;
     - every other container and init container: the copy's volume read-only (it reads
       what the takers copied; those of another image may start before the copy is done).
     """
@@ -501,12 +503,14 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
 
     def known(container: Mapping[str, Any]) -> str | None:
         """The container's PYTHONPATH without us, if it takes the copy in process: one of
-        the pod's containers (not an init container: the copy runs with the main
-        container's image, resources and env, as the copier init container did), of the
-        main container's image, with no exec probe (a probe that starts python would wait
-        for the copy, and fail)."""
-        if container.get("image") != main.get("image") or not any(container is ct for ct in containers) or any(
-                "exec" in (container.get(probe) or {}) for probe in ("startupProbe", "livenessProbe", "readinessProbe")):
+        the pod's containers (not an init container, whose limits may be small) of the
+        main container's image, with no liveness or startup probe (they would count the
+        copy's time, up to timeoutSeconds, against the container, which the copier init
+        container's never did) and no exec readiness probe (one that starts python would
+        wait for the copy)."""
+        if container.get("image") != main.get("image") or not any(container is ct for ct in containers) or \
+                container.get("startupProbe") or container.get("livenessProbe") or \
+                "exec" in (container.get("readinessProbe") or {}):
             return None
         return pythonpath_without_us(container, warmup_image, image_pythonpath)
     if known(main) is None:

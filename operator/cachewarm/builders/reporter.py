@@ -167,7 +167,8 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
     its init containers ahead of `init_containers` (both as the rest of the patch leaves
     them), or None when there is nothing to add: already added (webhook reinvocation; then
     only its init containers' resources follow the training container's, see _resynced), a
-    Windows pod, or no container can take it.
+    Windows pod, a pod with a volume or mount of its own where ours go, or no container
+    can take it.
 
     A container takes it when it has no envFrom sources, its PYTHONPATH (if any) is a
     literal value, and it runs the first such container's image (the one whose PYTHONPATH
@@ -177,6 +178,10 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
         return _resynced(containers, init_containers, volumes)
     if (spec.get("os") or {}).get("name") == "windows":
         return None
+    if any(v.get("name") == TOKEN_VOLUME for v in volumes) or any(
+            str(m.get("mountPath") or "").rstrip("/") in (DIR, TOKEN_DIR)
+            for ct in [*containers, *init_containers] for m in ct.get("volumeMounts") or []):
+        return None  # the pod's own volume or mount where ours go: two of one name or path are refused
     eligible = [c for c in containers if not c.get("envFrom") and c.get("image") and own_pythonpath(c)[1] is not None]
     if not eligible:
         return None
