@@ -372,7 +372,8 @@ class FaultInjector(http.server.ThreadingHTTPServer):
     it never asks for an object's metadata), and anything else 404. Its faults (`faults`:
     object name, or "list", -> what its first answers do, in order; then whole): "cut" (the
     headers with the full Content-Length, half the body, then the connection closed), "reset"
-    (the same, ended by a TCP reset), "corrupt" (the full length, every byte flipped). With
+    (the same, ended by a TCP reset), "corrupt" (the full length, every byte flipped),
+    "drip" (the full length, then a byte every 0.2 s, so no read ever times out). With
     `tls`, HTTPS. It counts the requests for each object ("list" for the listing)."""
 
     daemon_threads = True
@@ -431,6 +432,19 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             fault = queued.pop(0) if queued else None
         if fault == "corrupt":
             body = bytes(b ^ 0xFF for b in body)
+        if fault == "drip":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for byte in body:  # never a pause long enough for a socket timeout
+                try:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "application/json" if key == "list" else "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
@@ -475,6 +489,21 @@ def test_a_download_broken_mid_body_is_tried_again_whole(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(base(n) for n in (a, b, c))  # no partial file
     for name in (a, b, c):
         assert (tmp_path / base(name)).read_bytes() == objects[name]
+
+
+def test_a_download_that_trickles_in_is_given_up_at_the_deadline_by_the_copier_itself(tmp_path: Path) -> None:
+    """A body that keeps arriving a byte at a time never times out a read; the copier
+    still stops it at its deadline (it reads what each receive brings and checks the
+    deadline in between), not its watchdog, which in process would leave the download
+    running in the training process."""
+    a, b = f"jax/{entry('jit_a', 'a')}", f"jax/{entry('jit_b', 'b')}"
+    objects = {a: os.urandom(200), b: os.urandom(100)}
+    with FaultInjector(objects, {a: ["drip"]}).serving() as server:
+        summary = run_copier(faulty_env(server, tmp_path, deadline_seconds="3", grace_seconds="30"), timeout=60)
+    assert (summary["copied"], summary["failed"]) == (1, 1), summary
+    assert any("deadline" in e for e in summary["errors"]), summary
+    assert not any("still running past the deadline" in e for e in summary["errors"]), summary  # not the watchdog
+    assert sorted(p.name for p in tmp_path.iterdir()) == [base(b)]  # the partial file removed
 
 
 def test_a_corrupted_download_is_tried_again_then_given_up(tmp_path: Path) -> None:
