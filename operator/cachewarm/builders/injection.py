@@ -77,18 +77,25 @@ def env_configmap_name(cache_name: str) -> str:
     return f"cachewarm-{cache_name}-env"
 
 
-def env_configmap(cache: CacheSpec, cache_name: str, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
-    """The ConfigMap of the env training pods get (cache_env, role pod), owned by the cache
-    (deleted with it). Containers with envFrom sources read the cache env from it."""
+def cache_configmap(name: str, cache_name: str, namespace: str, owner: Mapping[str, Any], data: Mapping[str, str]
+                    ) -> dict[str, Any]:
+    """A ConfigMap of the cache's, in its namespace, owned by it (deleted with it)."""
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": env_configmap_name(cache_name), "namespace": namespace,
+        "metadata": {"name": name, "namespace": namespace,
                      "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.ENV_FOR_LABEL: cache_name},
                      "ownerReferences": [{"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
                                           "name": owner["name"], "uid": owner["uid"], "controller": True,
                                           "blockOwnerDeletion": True}]},
-        "data": {var["name"]: var["value"] for var in cache_env(cache, "pod", local=False)},
+        "data": dict(data),
     }
+
+
+def env_configmap(cache: CacheSpec, cache_name: str, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The ConfigMap of the env training pods get (cache_env, role pod), owned by the cache
+    (deleted with it). Containers with envFrom sources read the cache env from it."""
+    return cache_configmap(env_configmap_name(cache_name), cache_name, namespace, owner,
+                           {var["name"]: var["value"] for var in cache_env(cache, "pod", local=False)})
 
 
 def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], configmap: str,

@@ -15,6 +15,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from cachewarm import constants as c
 from cachewarm.builders import reporter
+from cachewarm.builders.injection import cache_configmap
 from cachewarm.builders.job import placement
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.model import CacheSpec, GcsStorage, LocalCopy, Pool
@@ -431,15 +432,8 @@ def boot_configmap(cache_name: str, namespace: str, owner: Mapping[str, Any], fi
                    ) -> dict[str, Any]:
     """The boot ConfigMap: `files` (BOOT_FILES' names -> their text), owned by the cache
     (deleted with it)."""
-    return {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": boot_configmap_name(cache_name), "namespace": namespace,
-                     "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.ENV_FOR_LABEL: cache_name},
-                     "ownerReferences": [{"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
-                                          "name": owner["name"], "uid": owner["uid"], "controller": True,
-                                          "blockOwnerDeletion": True}]},
-        "data": {name: files[name] for name in BOOT_FILES},
-    }
+    return cache_configmap(boot_configmap_name(cache_name), cache_name, namespace, owner,
+                           {name: files[name] for name in BOOT_FILES})
 
 
 def pythonpath_without_us(container: Mapping[str, Any], warmup_image: str | None,
