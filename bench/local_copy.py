@@ -37,7 +37,7 @@ runs is reported, with the range, and for (c) the copier's own seconds.
 
 Needs root and `make node-deps` (as the real-node tests).
 
-Run: .venv/bin/python bench/local_copy.py [--runs 5] [--json bench-local-copy.json]
+Run: .venv/bin/python bench/local_copy.py [--runs 5] [--with-reporter] [--with-init] [--json bench-local-copy.json]
 """
 
 from __future__ import annotations
