@@ -333,7 +333,9 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     the copy, and status.usage counts it. A second cache on the same prefix, HostPath, no
     warmup (so no manifest): its pods copy the whole prefix, the second one on the node
     finds every entry already there. A third, Ephemeral: the pod's own claim, bound by the
-    scheduler to a local PersistentVolume on the node (no provisioner here), holds the copy."""
+    scheduler to a local PersistentVolume on the node (no provisioner here), holds the copy,
+    made in process with the reporter off. Pods that set their own PYTHONPATH, or run the
+    warmup's image, copy in process; the others by init container."""
     bed = cluster.bed
     obj = warm_cache("local", cluster)
     obj["spec"]["warmup"]["targets"] = ["programs:targets"]
@@ -453,12 +455,18 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
         bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "claim"},
                    "spec": {"storage": {"gcs": {"bucket": bucket, "prefix": "local", "location": "us-central1",
                                                 "create": False}},
-                            "injection": {"mode": "ReadOnly", "localCopy": {
+                            "injection": {"mode": "ReadOnly", "report": False, "localCopy": {
                                 "volume": "Ephemeral", "storageClassName": "cachewarm-local", "sizeLimit": "1Gi"}}}}, ns)
         eventually(lambda: ((bed.get_json("ccache", "claim", ns) or {}).get("status") or {}).get("observedGeneration"),
                    what="cache claim reconciled")
-        done, lines, summary = run_to_end(bed, ns, local_pod("claimed", "claim", cluster.client_env()))
+        # In process (the pod sets its PYTHONPATH), with the reporter off: the claim is the
+        # copy's volume all the same, and no reporter comes with the copy.
+        claimed = local_pod("claimed", "claim", [*cluster.client_env(), {"name": "PYTHONPATH", "value": "/app"}])
+        done, lines, summary = run_to_end(bed, ns, claimed, in_process=True)
         assert (summary["copied"], lines[-2]["cache_hits"], lines[-2]["compiled"]) == (11, 10, 0), (summary, lines)
+        train_env = {e["name"] for e in done["spec"]["containers"][0]["env"]}
+        assert "CACHEWARM_COPY_IN_PROCESS" in train_env and "CACHEWARM_REPORT_URL" not in train_env, train_env
+        assert "cachewarm-report-token" not in {v["name"] for v in done["spec"]["volumes"]}
         claim = bed.get_json("pvc", "claimed-cachewarm-cache", ns) or {}
         assert (claim.get("spec") or {}).get("volumeName") == pv, claim
         assert sorted(p.name for p in disk.iterdir()) == lines[-1]["copy"]  # the copy is on that volume

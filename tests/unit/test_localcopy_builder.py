@@ -171,12 +171,16 @@ def test_a_windows_pod_reads_the_bucket() -> None:
 
 
 @pytest.mark.parametrize("report", [True, False])
-def test_reinvocation_changes_nothing(report: bool) -> None:
+@pytest.mark.parametrize("image_pythonpath", [None, "/app"], ids=["by-init-container", "in-process"])
+def test_reinvocation_changes_nothing(report: bool, image_pythonpath: str | None) -> None:
     pod = training_pod()
     spec = cache_spec({}, report=report)
-    once = patched(pod, admit(pod, spec))
-    again = admit(once, spec)
-    assert again.spec == {} and not again.injected
+    once = patched(pod, admit_known(pod, spec, image_pythonpath))
+    # The path this case is about was taken.
+    assert ("cachewarm-copy" in [ct["name"] for ct in once["spec"].get("initContainers") or []]) is \
+        (image_pythonpath is None)
+    again = admit_known(once, spec, image_pythonpath)
+    assert again.spec == {} and not again.injected and not again.warnings
 
 
 def test_a_container_a_later_webhook_added_gets_the_copys_mount_on_reinvocation() -> None:
@@ -573,15 +577,6 @@ def test_in_process_a_hostpath_copy_is_the_caches_own_subpath_read_only_for_jax_
     mounts = [m for m in answer.spec["containers"][0]["volumeMounts"] if m["name"] == "cachewarm-cache"]
     assert mounts == [{"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True, "subPath": "team/llama"},
                       {"name": "cachewarm-cache", "mountPath": "/cachewarm-copy", "subPath": "team/llama"}]
-
-
-@pytest.mark.parametrize("report", [True, False])
-def test_in_process_reinvocation_changes_nothing(report: bool) -> None:
-    pod = training_pod()
-    spec = cache_spec({}, report=report)
-    once = patched(pod, admit_known(pod, spec))
-    again = admit_known(once, spec)
-    assert again.spec == {} and not again.injected and not again.warnings
 
 
 def test_in_process_a_container_a_later_webhook_added_reads_the_copy_and_no_init_container_appears() -> None:
