@@ -1,13 +1,17 @@
 """Testbed process handling: a process that dies at start is named with its log tail, and
-stopping a process also ends what it spawned."""
+stopping a process also ends what it spawned; the GCS emulator takes connections at once as
+GCS does."""
 
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.processes import Proc, StartError, start, wait_until
 
 pytestmark = pytest.mark.integration
@@ -48,3 +52,24 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     while child.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not child.alive()
+
+
+def test_the_gcs_emulator_takes_many_connections_at_once_as_gcs_does(storage_bed: Testbed) -> None:
+    """The emulator serves one request at a time; connections opened meanwhile must wait in
+    its listen backlog, not be dropped (GCS takes any number at once). The first connection
+    sends no request, so the emulator blocks reading it and accepts nothing else: with
+    socketserver's default backlog of 5 the seventh connect is never answered (Linux drops
+    its SYN while the queue is full) and times out here."""
+    target = ("127.0.0.1", storage_bed.state.gcs_emulator_port)
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(32):
+            conn = socket.create_connection(target, timeout=5)
+            opened.append(conn)
+        assert len(opened) == 32
+    finally:
+        for conn in opened:
+            conn.close()
+    # And it still answers once they are gone.
+    with urllib.request.urlopen(f"{storage_bed.storage_emulator_host}/storage/v1/b?project=testbed", timeout=10) as answer:
+        assert answer.status == 200
