@@ -23,6 +23,7 @@ from cachewarm.builders.localcopy import (
     BOOT_FILES,
     add_local_copy,
     add_local_copy_in_process,
+    boot_bytecode,
     boot_configmap,
     boot_configmap_name,
     local_copy_possible,
@@ -325,7 +326,7 @@ def _publish_env(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], 
     boot = ""
     if cache.injection.local_copy is not None:
         try:
-            kube.apply_configmap(boot_configmap(name, namespace, owner, boot_files()))
+            kube.apply_configmap(boot_configmap(name, namespace, owner, boot_files(), boot_bytecode_files()))
         except KubeError as exc:
             cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
                         f"ConfigMap {boot_configmap_name(name)} with the local copy's code could not be applied: "
@@ -346,6 +347,12 @@ def boot_files() -> dict[str, str]:
     package = importlib.resources.files("cachewarm")
     return {shipped: package.joinpath(module).read_text(encoding="utf-8")
             for shipped, module in BOOT_FILES.items()}
+
+
+@functools.cache
+def boot_bytecode_files() -> dict[str, bytes]:
+    """The boot ConfigMap's bytecode (localcopy.boot_bytecode of boot_files), compiled once."""
+    return boot_bytecode(boot_files())
 
 
 def inventory_due(status: Mapping[str, Any], generation: int, now: dt.datetime, every: dt.timedelta) -> bool:

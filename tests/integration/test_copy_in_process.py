@@ -25,6 +25,7 @@ from google.cloud import storage
 from test_copier import base, downloads, env_for, fill, manifest, process_env
 
 from cachewarm import service
+from cachewarm.builders import localcopy as lc
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl
 from cachewarm_testbed.processes import free_port
@@ -37,17 +38,25 @@ LEFT_BEHIND = "still running past the deadline: left behind"
 
 
 def boot_dir(where: Path) -> Path:
-    """The boot volume as the kubelet lays out the operator's ConfigMap
-    (service.boot_files): the files in a hidden timestamped directory, `..data` a symlink to
-    it, and each file a symlink through `..data`, so a file's resolved directory is not the
-    volume's."""
+    """The boot volume as the kubelet lays out the operator's ConfigMap (service.boot_files
+    and boot_bytecode_files) through the pod's volume items (localcopy.boot_volume): the
+    files in a hidden timestamped directory, `..data` a symlink to it, and each top-level
+    entry (a file, or __pycache__) a symlink through `..data`, so a file's resolved
+    directory is not the volume's."""
     where.mkdir()
     stamped = where / "..2026_11_24_04_00_00.000000001"
     stamped.mkdir()
     (where / "..data").symlink_to(stamped.name)
-    for shipped, text in service.boot_files().items():
-        (stamped / shipped).write_text(text, encoding="utf-8")
-        (where / shipped).symlink_to(f"..data/{shipped}")
+    volume = lc.boot_volume("c")["configMap"]
+    assert volume["items"][:len(lc.BOOT_FILES)] == [{"key": k, "path": k} for k in lc.BOOT_FILES]
+    keys = {**service.boot_files(), **service.boot_bytecode_files()}
+    for item in volume["items"]:  # as the pod's volume maps the ConfigMap's keys
+        path = stamped / item["path"]
+        path.parent.mkdir(exist_ok=True)
+        data = keys[item["key"]]
+        path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
+    for top in {item["path"].split("/")[0] for item in volume["items"]}:
+        (where / top).symlink_to(f"..data/{top}")
     return where
 
 
@@ -218,3 +227,38 @@ def test_the_images_own_sitecustomize_runs_exactly_once(report: bool, tmp_path: 
     assert out.stdout.splitlines() == ["image sitecustomize", str(report)]
     [summary] = printed(out.stderr)  # the copy ran before
     assert summary["cold"] is True and "CACHEWARM_COPY_BUCKET" in summary["errors"][0], summary
+
+
+def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_itself(tmp_path: Path) -> None:
+    """A ConfigMap volume is read-only, so python cannot cache the bytecode of what it loads
+    from there: the operator ships it (boot_bytecode_files, placed by boot_volume's items),
+    and python's import (-v says so) takes all four modules from it, the reporter's too. A
+    source edited in the ConfigMap is compiled and run as it is, never as the bytecode of
+    the operator's text (the pycs are checked-hash ones: with unchecked ones, this fails)."""
+    boot = boot_dir(tmp_path / "boot")
+    settings = {"CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(tmp_path / "local-copy.json"),
+                "CACHEWARM_REPORT_URL": f"http://127.0.0.1:{free_port()}/report"}
+    command, env = python(boot, settings, "print('training')")
+    out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "training\n", out.stderr[-2000:]
+    tag = sys.implementation.cache_tag
+
+    def from_bytecode(shipped: str, stderr: str) -> bool:
+        return f"{boot}/__pycache__/{lc.bytecode_key(shipped, tag)} matches {boot}/{shipped}" in stderr
+    for shipped in ("sitecustomize.py", "cachewarm_copier.py", "cachewarm_reporter.py"):
+        assert from_bytecode(shipped, out.stderr), shipped
+    # The warmer's file, which the reporter loads when it first reports, as it loads it.
+    load = ("import importlib.util as u, sys; s = u.spec_from_file_location('_cachewarm_warmer', sys.argv[1]); "
+            "s.loader.exec_module(u.module_from_spec(s))")
+    out = subprocess.run([sys.executable, "-v", "-c", load, str(boot / "warm.py")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and from_bytecode("warm.py", out.stderr), out.stderr[-2000:]
+    # An edit (the kubelet swaps ..data to a new directory; here the file in place).
+    copier = boot / "..data" / "cachewarm_copier.py"
+    edited = copier.read_text().replace('if __name__ == "__main__":', 'print("edited copier", file=sys.stderr)\n\n'
+                                        'if __name__ == "__main__":')
+    copier.unlink()
+    copier.write_text(edited)
+    out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "edited copier" in out.stderr, out.stderr[-2000:]
+    assert not from_bytecode("cachewarm_copier.py", out.stderr)

@@ -3,7 +3,12 @@ pools' manifests a pod gets, the volume, the copier init container, the mounts."
 
 from __future__ import annotations
 
+import base64
 import copy
+import importlib.util
+import json
+import marshal
+import sys
 from typing import Any
 
 import pytest
@@ -482,8 +487,11 @@ def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_pr
     assert mounts["/cachewarm-reporter"] == {"name": "cachewarm-reporter", "mountPath": "/cachewarm-reporter"}
     assert mounts["/var/run/secrets/cachewarm"]["readOnly"] is True
     volumes = {v["name"]: v for v in answer.spec["volumes"]}
-    assert volumes["cachewarm-boot"] == {"name": "cachewarm-boot",
-                                         "configMap": {"name": "cachewarm-llama-boot", "optional": True}}
+    tag = sys.implementation.cache_tag
+    assert volumes["cachewarm-boot"] == {"name": "cachewarm-boot", "configMap": {
+        "name": "cachewarm-llama-boot", "optional": True,
+        "items": [*({"key": k, "path": k} for k in lc.BOOT_FILES),
+                  *({"key": f"{k[:-3]}.{tag}.pyc", "path": f"__pycache__/{k[:-3]}.{tag}.pyc"} for k in lc.BOOT_FILES)]}}
     assert volumes["cachewarm-cache"] == {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "10Gi"}}
     assert "emptyDir" in volumes["cachewarm-reporter"] and "projected" in volumes["cachewarm-report-token"]
 
@@ -625,7 +633,28 @@ def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_nam
     package = Path(cachewarm.__file__).parent
     for shipped, module in lc.BOOT_FILES.items():
         assert files[shipped] == (package / module).read_text(encoding="utf-8")
-    body = lc.boot_configmap("llama", "team", {"name": "llama", "uid": "u1"}, files)
+    bytecode = service.boot_bytecode_files()
+    body = lc.boot_configmap("llama", "team", {"name": "llama", "uid": "u1"}, files, bytecode)
     assert body["metadata"]["name"] == "cachewarm-llama-boot" and body["data"] == files
+    assert {k: base64.b64decode(v) for k, v in body["binaryData"].items()} == bytecode
     assert body["metadata"]["ownerReferences"][0]["uid"] == "u1"
-    assert len("".join(files.values()).encode()) < 1024 * 1024  # a ConfigMap's limit
+    assert len(json.dumps(body).encode()) < 1024 * 1024  # a ConfigMap's limit
+
+
+def test_the_boot_bytecode_is_this_pythons_checked_hash_pyc_of_each_shipped_text() -> None:
+    """Named as python's import looks for it beside the source, with PEP 552's header: this
+    python's magic, flags 0b11 (hash-based, checked against the source), the hash of the
+    UTF-8 text the kubelet writes; its code that of the text. None for a python that caches
+    no bytecode, and then the volume maps only the sources."""
+    files = {"sitecustomize.py": "x = 'é'\n", "cachewarm_copier.py": "def f():\n    return 2\n"}
+    pycs = lc.boot_bytecode(files, "cpython-311")
+    assert sorted(pycs) == ["cachewarm_copier.cpython-311.pyc", "sitecustomize.cpython-311.pyc"]
+    assert importlib.util.cache_from_source("/b/cachewarm_copier.py").endswith(
+        f"/b/__pycache__/cachewarm_copier.{sys.implementation.cache_tag}.pyc")
+    for shipped, text in files.items():
+        pyc = pycs[lc.bytecode_key(shipped, "cpython-311")]
+        assert pyc[:4] == importlib.util.MAGIC_NUMBER and int.from_bytes(pyc[4:8], "little") == 0b11
+        assert pyc[8:16] == importlib.util.source_hash(text.encode("utf-8"))
+        assert marshal.loads(pyc[16:]) == compile(text, shipped, "exec", dont_inherit=True, optimize=0)
+    assert lc.boot_bytecode(files, None) == {}
+    assert lc.boot_volume("llama", None)["configMap"]["items"] == [{"key": k, "path": k} for k in lc.BOOT_FILES]

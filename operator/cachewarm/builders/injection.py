@@ -7,6 +7,8 @@ key whenever XLA's extra caches are on), and the XLA-cache setting is the same.
 
 from __future__ import annotations
 
+import base64
+
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,10 +79,11 @@ def env_configmap_name(cache_name: str) -> str:
     return f"cachewarm-{cache_name}-env"
 
 
-def cache_configmap(name: str, cache_name: str, namespace: str, owner: Mapping[str, Any], data: Mapping[str, str]
-                    ) -> dict[str, Any]:
-    """A ConfigMap of the cache's, in its namespace, owned by it (deleted with it)."""
-    return {
+def cache_configmap(name: str, cache_name: str, namespace: str, owner: Mapping[str, Any], data: Mapping[str, str],
+                    binary_data: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+    """A ConfigMap of the cache's, in its namespace, owned by it (deleted with it); with
+    `binary_data`, those keys' bytes too (binaryData, base64 as the API has them)."""
+    body: dict[str, Any] = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": namespace,
                      "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.ENV_FOR_LABEL: cache_name},
@@ -89,6 +92,9 @@ def cache_configmap(name: str, cache_name: str, namespace: str, owner: Mapping[s
                                           "blockOwnerDeletion": True}]},
         "data": dict(data),
     }
+    if binary_data:
+        body["binaryData"] = {key: base64.b64encode(value).decode("ascii") for key, value in binary_data.items()}
+    return body
 
 
 def env_configmap(cache: CacheSpec, cache_name: str, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
