@@ -266,8 +266,15 @@ def test_the_reporters_recorder_runs_in_an_image_without_a_shell_or_a_c_library(
 
 # The plain training image has no GCS library; this prints what the pod's local copy held
 # when its program ran, and whether gcsfs could be imported, after the program's own line.
+# Then whether the boot volume (in process) holds, where this python's import looks, the
+# copier's bytecode that import would take: this python's magic, a checked hash, the hash
+# of the source beside it (tests/integration/test_copy_in_process.py sees python take it).
 AFTER_PROGRAMS = ("import importlib.util, json, os; d = os.environ['JAX_COMPILATION_CACHE_DIR']; "
-                  "print(json.dumps({'copy': sorted(os.listdir(d)), 'gcsfs': importlib.util.find_spec('gcsfs') is not None}))")
+                  "s = '/cachewarm-boot/cachewarm_copier.py'; c = importlib.util.cache_from_source(s); "
+                  "b = os.path.exists(c) and open(c, 'rb').read(16) == importlib.util.MAGIC_NUMBER + bytes([3, 0, 0, 0]) "
+                  "+ importlib.util.source_hash(open(s, 'rb').read()); "
+                  "print(json.dumps({'copy': sorted(os.listdir(d)), 'gcsfs': importlib.util.find_spec('gcsfs') is not None, "
+                  "'bootBytecode': b}))")
 
 
 def local_pod(name: str, cache: str, env: list[dict[str, str]], user: int | None = None) -> dict[str, Any]:
@@ -357,7 +364,8 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     run, after = lines[-2], lines[-1]
     assert (run["programs"], run["cache_hits"], run["compiled"]) == (10, 10, 0), run
     assert run["cache_dir"] == "/cachewarm-cache"
-    assert after == {"copy": listed, "gcsfs": False}, after  # only the manifest's entries; no gcsfs at all
+    # Only the manifest's entries; no gcsfs at all; no boot volume by init container.
+    assert after == {"copy": listed, "gcsfs": False, "bootBytecode": False}, after
     assert (summary["source"], summary["copied"], summary["cold"]) == ("manifest", 10, False), summary
     volume = next(v for v in done["spec"]["volumes"] if v["name"] == "cachewarm-cache")
     assert volume == {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "1Gi"}}
@@ -391,7 +399,10 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
     # the webhook knows it whatever the image.
     plain = local_pod("inproc-plain", "local", [*cluster.client_env(), {"name": "PYTHONPATH", "value": "/app"}])
     done, lines, summary = run_to_end(bed, ns, plain, in_process=True)
-    assert (lines[-2]["cache_hits"], lines[-2]["compiled"]) == (10, 0) and lines[-1] == {"copy": listed, "gcsfs": False}
+    assert (lines[-2]["cache_hits"], lines[-2]["compiled"]) == (10, 0)
+    # The kubelet put the operator's bytecode where the pod's python (3.11, as the
+    # operator's) takes it.
+    assert lines[-1] == {"copy": listed, "gcsfs": False, "bootBytecode": True}, lines[-1]
     assert (summary["source"], summary["copied"]) == ("manifest", 10), summary
     train_env = {e["name"]: e.get("value") for e in done["spec"]["containers"][0]["env"]}
     assert (train_env["CACHEWARM_COPY_WORKERS"], train_env["CACHEWARM_COPY_DEADLINE_SECONDS"],
