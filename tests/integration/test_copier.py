@@ -378,6 +378,9 @@ class FaultInjector(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     bucket = "faulty"
+    # Not socketserver's 5: a full backlog drops the SYNs of the copier's parallel
+    # connections, a one-second stall each that GCS never causes (see gcsemulator.py).
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, objects: dict[str, bytes], faults: dict[str, list[str]] | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
@@ -593,3 +596,28 @@ def test_the_copier_that_records_for_the_reporter_writes_the_images_pythonpath_t
                          capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 0 and not missing.exists()
     assert summary_of(out.stdout)["cold"] is True
+
+
+def test_an_https_copy_loads_the_ca_store_once_however_many_connections(
+        tmp_path: Path, tls_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every download is a connection of its own. urllib left to itself makes each one a
+    new TLS context, which loads the system's CA store again (25-35 ms of CPU each here,
+    under the GIL); the copier makes one for the whole copy. Counted in this process
+    (copier.copy, as copy_in_process runs it) by the CA-store loads of the default
+    contexts, which trust the test CA through SSL_CERT_FILE, as a pod's would."""
+    names = [f"jax/{entry('jit_ctx', str(i))}" for i in range(6)]
+    objects = {n: os.urandom(500) for n in names}
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tls_files["cert"], tls_files["key"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_files["ca"]))
+    loads: list[int] = []
+    load_default_certs = ssl.SSLContext.load_default_certs
+
+    def counted(self: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        loads.append(1)
+        load_default_certs(self, *args, **kwargs)
+    monkeypatch.setattr(ssl.SSLContext, "load_default_certs", counted)
+    with FaultInjector(objects, tls=tls).serving() as server:
+        summary = copier.copy(faulty_env(server, tmp_path / "cache"), copier.new_summary("prefix"))
+    assert (summary["copied"], summary["errors"]) == (6, []), summary
+    assert len(loads) == 1

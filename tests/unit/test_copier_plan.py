@@ -183,7 +183,13 @@ def test_a_retry_after_past_the_deadline_gives_up_at_once_rather_than_wait_for_n
 
 
 def test_the_ca_bundle_is_trusted_or_said_to_be_unloadable(tmp_path: Path) -> None:
-    assert ssl_context("") == (None, "")  # urllib's default: OpenSSL's, SSL_CERT_FILE and SSL_CERT_DIR included
+    assert ssl_context("", https=False) == (None, "")  # plain HTTP (an emulator): nothing to load
+    # HTTPS without a bundle: one context of OpenSSL's defaults (SSL_CERT_FILE and SSL_CERT_DIR
+    # included) for every connection, not urllib's default of a new one for each.
+    plain, error = ssl_context("")
+    assert isinstance(plain, ssl.SSLContext) and error == "" and plain.verify_mode == ssl.CERT_REQUIRED
+    assert {c["subject"] for c in plain.get_ca_certs()} == \
+        {c["subject"] for c in ssl.create_default_context().get_ca_certs()}
     ca = tmp_path / "ca.pem"
     ca.write_bytes(certs.make_ca("intercepting-proxy", now=dt.datetime.now(dt.timezone.utc)).cert_pem)
     context, error = ssl_context(str(ca))
@@ -200,7 +206,9 @@ def test_the_ca_bundle_is_trusted_or_said_to_be_unloadable(tmp_path: Path) -> No
         if bad.name == "garbage.pem":
             bad.write_text("not a certificate")
         context, error = ssl_context(str(bad))
-        assert context is None and str(bad) in error and "default CAs" in error
+        assert str(bad) in error and "default CAs" in error
+        assert context is not None and ((("commonName", "intercepting-proxy"),),) not in \
+            [c["subject"] for c in context.get_ca_certs()]  # the defaults alone
 
 
 @pytest.mark.parametrize(("status", "body"), [(404, b"not here"), (200, b'{"no_token": 1}'), (200, b"not json")])
