@@ -11,6 +11,8 @@ import hashlib
 import importlib.resources
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +23,13 @@ from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
 from cachewarm.builders.localcopy import (
     BOOT_FILES,
+    BYTECODE_SCRIPT,
+    BYTECODE_TAG,
     add_local_copy,
     add_local_copy_in_process,
-    boot_bytecode,
     boot_configmap,
     boot_configmap_name,
+    bytecode_key,
     local_copy_possible,
 )
 from cachewarm.builders.localcopy import in_process as is_in_process
@@ -349,10 +353,27 @@ def boot_files() -> dict[str, str]:
             for shipped, module in BOOT_FILES.items()}
 
 
+def compile_boot(files: Mapping[str, str], tag: str | None = BYTECODE_TAG) -> dict[str, bytes]:
+    """`files` (shipped name -> text) compiled by a fresh interpreter of this python
+    (localcopy.BYTECODE_SCRIPT): bytecode_key(name, tag) -> its checked-hash pyc. None
+    when this python caches no bytecode (tag None) or cannot be run again (no
+    sys.executable, or it fails: logged); then pods compile the files, as they always could."""
+    if tag is None or not sys.executable:
+        return {}
+    try:
+        done = subprocess.run([sys.executable, "-S", "-B", "-c", BYTECODE_SCRIPT], input=json.dumps(dict(files)),
+                              capture_output=True, text=True, timeout=60, env={"PYTHONHASHSEED": "0"}, check=True)
+        return {bytecode_key(name, tag): bytes.fromhex(pyc) for name, pyc in json.loads(done.stdout).items()}
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        stderr = getattr(exc, "stderr", None) or ""
+        log.warning("the boot ConfigMap goes without bytecode (pods compile its files): %s %s", exc, stderr[-500:])
+        return {}
+
+
 @functools.cache
 def boot_bytecode_files() -> dict[str, bytes]:
-    """The boot ConfigMap's bytecode (localcopy.boot_bytecode of boot_files), compiled once."""
-    return boot_bytecode(boot_files())
+    """The boot ConfigMap's bytecode (compile_boot of boot_files), compiled once."""
+    return compile_boot(boot_files())
 
 
 def inventory_due(status: Mapping[str, Any], generation: int, now: dt.datetime, every: dt.timedelta) -> bool:

@@ -234,10 +234,12 @@ def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_
     from there: the operator ships it (boot_bytecode_files, placed by boot_volume's items),
     and python's import (-v says so) takes all four modules from it, the reporter's too. A
     source edited in the ConfigMap is compiled and run as it is, never as the bytecode of
-    the operator's text (the pycs are checked-hash ones: with unchecked ones, this fails)."""
+    the operator's text (the pycs are checked-hash ones: with unchecked ones, this fails);
+    bytecode python cannot read is compiled around."""
     boot = boot_dir(tmp_path / "boot")
+    # The volume is read-only (and this test may run as root): python writes no bytecode.
     settings = {"CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(tmp_path / "local-copy.json"),
-                "CACHEWARM_REPORT_URL": f"http://127.0.0.1:{free_port()}/report"}
+                "CACHEWARM_REPORT_URL": f"http://127.0.0.1:{free_port()}/report", "PYTHONDONTWRITEBYTECODE": "1"}
     command, env = python(boot, settings, "print('training')")
     out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == "training\n", out.stderr[-2000:]
@@ -262,3 +264,10 @@ def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_
     out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "edited copier" in out.stderr, out.stderr[-2000:]
     assert not from_bytecode("cachewarm_copier.py", out.stderr)
+    # Bytecode of another python under this one's name (a pre-release sharing its cache
+    # tag): python refuses its magic and compiles the source, and the process runs.
+    pyc = boot / "..data" / "__pycache__" / lc.bytecode_key("cachewarm_copier.py", tag)
+    pyc.write_bytes(bytes([pyc.read_bytes()[0] ^ 0xFF]) + pyc.read_bytes()[1:])
+    out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "training\n" and "edited copier" in out.stderr, out.stderr[-2000:]
+    assert not from_bytecode("cachewarm_copier.py", out.stderr) and from_bytecode("sitecustomize.py", out.stderr)

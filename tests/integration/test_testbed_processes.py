@@ -58,8 +58,8 @@ def test_the_gcs_emulator_takes_many_connections_at_once_as_gcs_does(storage_bed
     """The emulator serves one request at a time; connections opened meanwhile must wait in
     its listen backlog, not be dropped (GCS takes any number at once). The first connection
     sends no request, so the emulator blocks reading it and accepts nothing else: with
-    socketserver's default backlog of 5 the seventh connect is never answered (Linux drops
-    its SYN while the queue is full) and times out here."""
+    socketserver's default backlog of 5, once the queue is full (Linux holds backlog + 1)
+    the next connect is never answered (its SYN is dropped) and times out here."""
     target = ("127.0.0.1", storage_bed.state.gcs_emulator_port)
     opened: list[socket.socket] = []
     try:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import importlib.util
 import json
 import marshal
+import subprocess
 import sys
 from typing import Any
 
@@ -641,20 +643,34 @@ def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_nam
     assert len(json.dumps(body).encode()) < 1024 * 1024  # a ConfigMap's limit
 
 
+def test_the_boot_bytecode_is_the_same_bytes_in_every_operator_process() -> None:
+    """Each replica (and each restart) compiles it: bytes that differed between processes
+    would make every new leader rewrite every cache's boot ConfigMap, and the kubelet every
+    pod's volume. marshal's do differ with the compiling process's reference counts (this
+    one, pytest's, against a fresh one: so it compiles in a fresh interpreter). A process
+    that first imports what the operator runs (kopf, the handlers) gets the same bytes."""
+    code = ("import hashlib, json, kopf, kubernetes; from cachewarm import handlers, service; "
+            "print(json.dumps({k: hashlib.sha256(v).hexdigest() for k, v in service.boot_bytecode_files().items()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    here = {k: hashlib.sha256(v).hexdigest() for k, v in service.boot_bytecode_files().items()}
+    assert json.loads(out.stdout) == here and len(here) == len(lc.BOOT_FILES)
+
+
 def test_the_boot_bytecode_is_this_pythons_checked_hash_pyc_of_each_shipped_text() -> None:
     """Named as python's import looks for it beside the source, with PEP 552's header: this
     python's magic, flags 0b11 (hash-based, checked against the source), the hash of the
     UTF-8 text the kubelet writes; its code that of the text. None for a python that caches
     no bytecode, and then the volume maps only the sources."""
     files = {"sitecustomize.py": "x = 'é'\n", "cachewarm_copier.py": "def f():\n    return 2\n"}
-    pycs = lc.boot_bytecode(files, "cpython-311")
+    pycs = service.compile_boot(files, "cpython-311")
     assert sorted(pycs) == ["cachewarm_copier.cpython-311.pyc", "sitecustomize.cpython-311.pyc"]
     assert importlib.util.cache_from_source("/b/cachewarm_copier.py").endswith(
-        f"/b/__pycache__/cachewarm_copier.{sys.implementation.cache_tag}.pyc")
+        f"/b/__pycache__/{lc.bytecode_key('cachewarm_copier.py', sys.implementation.cache_tag)}")
     for shipped, text in files.items():
         pyc = pycs[lc.bytecode_key(shipped, "cpython-311")]
         assert pyc[:4] == importlib.util.MAGIC_NUMBER and int.from_bytes(pyc[4:8], "little") == 0b11
         assert pyc[8:16] == importlib.util.source_hash(text.encode("utf-8"))
         assert marshal.loads(pyc[16:]) == compile(text, shipped, "exec", dont_inherit=True, optimize=0)
-    assert lc.boot_bytecode(files, None) == {}
+    assert service.compile_boot(files, None) == {}
     assert lc.boot_volume("llama", None)["configMap"]["items"] == [{"key": k, "path": k} for k in lc.BOOT_FILES]

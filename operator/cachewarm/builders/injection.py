@@ -8,7 +8,6 @@ key whenever XLA's extra caches are on), and the XLA-cache setting is the same.
 from __future__ import annotations
 
 import base64
-
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field

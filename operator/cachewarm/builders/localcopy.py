@@ -7,8 +7,6 @@ Pure: spec in, spec out.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import marshal
 import sys
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
@@ -421,6 +419,9 @@ COPY_DIR = "/cachewarm-copy"
 IN_PROCESS_ENV = "CACHEWARM_COPY_IN_PROCESS"
 # The files of the boot ConfigMap: their name there (and in BOOT_DIR) -> the package
 # module they are. The same names the warmer image ships them under (warmer_image/Dockerfile).
+# A pod's volume lists its keys (boot_volume's items), so a pod admitted before a release
+# that adds a file never gets that file, while the kubelet does update the files it lists
+# (sitecustomize.py among them): a file added here must be one the others do without.
 BOOT_FILES = {"sitecustomize.py": "sitecustomize.py", "cachewarm_copier.py": "copier.py",
               "cachewarm_reporter.py": "reporter.py", "warm.py": "warmer.py"}
 
@@ -434,14 +435,32 @@ def boot_configmap_name(cache_name: str) -> str:
 # Every python process of a pod that copies in process loads these files at its start, and
 # a ConfigMap volume is read-only: python cannot cache their bytecode, so each process
 # compiled them (copier 8 ms, reporter and warmer 12 ms, on this machine's CPU). The
-# ConfigMap also holds their bytecode, compiled by the operator, and the volume puts it
-# where python's import looks for it (__pycache__/<module>.<cache tag>.pyc). It is the
-# bytecode of the operator's own python (its cache tag, e.g. cpython-311): a pod whose
-# python is another version looks for another file name, finds none, and compiles as
-# before. Checked-hash pycs (PEP 552): python uses one only while the hash of the source
-# beside it matches, so an edited source is never run as stale bytecode.
+# ConfigMap also holds their bytecode, compiled by the operator's python (service.
+# boot_bytecode_files runs BYTECODE_SCRIPT), and the volume puts it where python's import
+# looks for it (__pycache__/<module>.<cache tag>.pyc). A pod whose python is another
+# version looks for another file name, finds none, and compiles as before. Checked-hash
+# pycs (PEP 552): python uses one only while the hash of the source beside it matches, so
+# an edited source is never run as stale bytecode.
 BYTECODE_TAG = sys.implementation.cache_tag
-_CHECKED_HASH = (0b11).to_bytes(4, "little")  # PEP 552's flags: hash-based, check the source
+# Run by a fresh `python -S -B`, the shipped texts as JSON on stdin, their pycs (hex) on
+# stdout: each compiled at optimization level 0 (the level whose file name has no
+# `.opt-N`) from its UTF-8 bytes, as the kubelet writes it, behind PEP 552's header (this
+# python's magic, flags 0b11: hash-based and checked, the source's hash). In a fresh
+# interpreter because marshal writes an object that has other references as a
+# back-reference, so its bytes follow the reference counts of the process compiling: the
+# same text compiled in two operator processes (replicas, or one after a restart) came out
+# different, and a new leader would rewrite every cache's boot ConfigMap and the kubelet
+# every pod's volume.
+BYTECODE_SCRIPT = """
+import importlib.util, json, marshal, sys
+out = {}
+for name, text in json.load(sys.stdin).items():
+    source = text.encode("utf-8")
+    code = compile(source, name, "exec", dont_inherit=True, optimize=0)
+    out[name] = (importlib.util.MAGIC_NUMBER + (0b11).to_bytes(4, "little") + importlib.util.source_hash(source)
+                 + marshal.dumps(code)).hex()
+json.dump(out, sys.stdout)
+"""
 
 
 def bytecode_key(shipped: str, tag: str) -> str:
@@ -450,26 +469,10 @@ def bytecode_key(shipped: str, tag: str) -> str:
     return f"{shipped.removesuffix('.py')}.{tag}.pyc"
 
 
-def boot_bytecode(files: Mapping[str, str], tag: str | None = BYTECODE_TAG) -> dict[str, bytes]:
-    """Each of `files` (shipped name -> text) compiled by this python into the checked-hash
-    pyc its import would write for the text as the kubelet writes it (UTF-8), keyed by
-    bytecode_key; none when this python caches no bytecode (tag None). Compiled at
-    optimization level 0: the level whose file name has no `.opt-N`."""
-    if tag is None:
-        return {}
-    out = {}
-    for shipped, text in files.items():
-        source = text.encode("utf-8")
-        code = compile(source, shipped, "exec", dont_inherit=True, optimize=0)
-        out[bytecode_key(shipped, tag)] = (importlib.util.MAGIC_NUMBER + _CHECKED_HASH
-                                           + importlib.util.source_hash(source) + marshal.dumps(code))
-    return out
-
-
 def boot_configmap(cache_name: str, namespace: str, owner: Mapping[str, Any], files: Mapping[str, str],
                    bytecode: Mapping[str, bytes] | None = None) -> dict[str, Any]:
     """The boot ConfigMap: `files` (BOOT_FILES' names -> their text) and `bytecode`
-    (boot_bytecode's), owned by the cache (deleted with it)."""
+    (bytecode_key -> a pyc), owned by the cache (deleted with it)."""
     return cache_configmap(boot_configmap_name(cache_name), cache_name, namespace, owner,
                            {name: files[name] for name in BOOT_FILES}, bytecode)
 
