@@ -285,8 +285,8 @@ def ssl_context(ca_bundle: str, https: bool = True) -> tuple[ssl.SSLContext | No
     given, `ca_bundle`'s (a PEM file, or a directory of c_rehash'ed ones); the defaults
     alone when the bundle cannot be loaded, which never stops the copy. One for the whole
     copy: without one, urllib's HTTPSConnection makes a new context for each connection,
-    and each loads the system's CA store again (25-35 ms of CPU here, held under the GIL:
-    a copy of 100 entries from GCS spent seconds on it, whatever its workers). None when
+    and each loads the system's CA store again (25-35 ms of CPU here: a copy of 100
+    entries from GCS spent seconds of CPU on it). None when
     the endpoint is not HTTPS (`https` false) and no bundle is given: nothing to load."""
     if not ca_bundle and not https:
         return None, ""

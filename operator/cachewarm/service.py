@@ -11,8 +11,11 @@ import hashlib
 import importlib.resources
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -360,9 +363,14 @@ def compile_boot(files: Mapping[str, str], tag: str | None = BYTECODE_TAG) -> di
     sys.executable, or it fails: logged); then pods compile the files, as they always could."""
     if tag is None or not sys.executable:
         return {}
+    # -S: no site (nothing of the environment's loaded first), -B: writes nothing (a
+    # read-only root), -P: not the working directory on sys.path. Of the environment only
+    # what running python itself may need, and a fixed hash seed.
+    env = {k: v for k, v in os.environ.items() if k in ("LD_LIBRARY_PATH", "PYTHONHOME")}
     try:
-        done = subprocess.run([sys.executable, "-S", "-B", "-c", BYTECODE_SCRIPT], input=json.dumps(dict(files)),
-                              capture_output=True, text=True, timeout=60, env={"PYTHONHASHSEED": "0"}, check=True)
+        done = subprocess.run([sys.executable, "-S", "-B", "-P", "-c", BYTECODE_SCRIPT], input=json.dumps(dict(files)),
+                              capture_output=True, text=True, timeout=60, env={**env, "PYTHONHASHSEED": "0"},
+                              check=True)
         return {bytecode_key(name, tag): bytes.fromhex(pyc) for name, pyc in json.loads(done.stdout).items()}
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         stderr = getattr(exc, "stderr", None) or ""
@@ -370,10 +378,26 @@ def compile_boot(files: Mapping[str, str], tag: str | None = BYTECODE_TAG) -> di
         return {}
 
 
-@functools.cache
+_bytecode: dict[str, bytes] | None = None
+_bytecode_failed_at = -float("inf")
+_bytecode_lock = threading.Lock()
+BYTECODE_RETRY_SECONDS = 300.0
+
+
 def boot_bytecode_files() -> dict[str, bytes]:
-    """The boot ConfigMap's bytecode (compile_boot of boot_files), compiled once."""
-    return compile_boot(boot_files())
+    """The boot ConfigMap's bytecode (compile_boot of boot_files): compiled once, by one
+    reconcile while the others wait; a failure is not kept, but tried again at most every
+    BYTECODE_RETRY_SECONDS (meanwhile, and until then, the ConfigMap goes without it), so a
+    passing failure does not leave this replica applying ConfigMaps unlike another's."""
+    global _bytecode, _bytecode_failed_at  # noqa: PLW0603 - the process's one compile
+    with _bytecode_lock:
+        if _bytecode is None and time.monotonic() - _bytecode_failed_at >= BYTECODE_RETRY_SECONDS:
+            compiled = compile_boot(boot_files())
+            if compiled or BYTECODE_TAG is None:
+                _bytecode = compiled
+            else:
+                _bytecode_failed_at = time.monotonic()
+        return _bytecode or {}
 
 
 def inventory_due(status: Mapping[str, Any], generation: int, now: dt.datetime, every: dt.timedelta) -> bool:

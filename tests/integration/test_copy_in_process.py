@@ -265,9 +265,12 @@ def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_
     assert out.returncode == 0 and "edited copier" in out.stderr, out.stderr[-2000:]
     assert not from_bytecode("cachewarm_copier.py", out.stderr)
     # Bytecode of another python under this one's name (a pre-release sharing its cache
-    # tag): python refuses its magic and compiles the source, and the process runs.
-    pyc = boot / "..data" / "__pycache__" / lc.bytecode_key("cachewarm_copier.py", tag)
+    # tag), beside a source it was compiled from: python refuses its magic (-v says so) and
+    # compiles the source, and the process runs, reporter and all.
+    pyc = boot / "..data" / "__pycache__" / lc.bytecode_key("cachewarm_reporter.py", tag)
     pyc.write_bytes(bytes([pyc.read_bytes()[0] ^ 0xFF]) + pyc.read_bytes()[1:])
     out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout == "training\n" and "edited copier" in out.stderr, out.stderr[-2000:]
-    assert not from_bytecode("cachewarm_copier.py", out.stderr) and from_bytecode("sitecustomize.py", out.stderr)
+    assert out.returncode == 0 and out.stdout == "training\n", out.stderr[-2000:]
+    assert "bad magic number in 'cachewarm_reporter'" in out.stderr
+    assert not from_bytecode("cachewarm_reporter.py", out.stderr) and from_bytecode("sitecustomize.py", out.stderr)
+    assert f"code object from {boot}/cachewarm_reporter.py\n" in out.stderr

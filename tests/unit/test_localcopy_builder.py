@@ -674,3 +674,33 @@ def test_the_boot_bytecode_is_this_pythons_checked_hash_pyc_of_each_shipped_text
         assert marshal.loads(pyc[16:]) == compile(text, shipped, "exec", dont_inherit=True, optimize=0)
     assert service.compile_boot(files, None) == {}
     assert lc.boot_volume("llama", None)["configMap"]["items"] == [{"key": k, "path": k} for k in lc.BOOT_FILES]
+
+
+def test_a_failed_bytecode_compile_is_not_kept_but_tried_again_later_and_a_success_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A passing failure (a timeout while the operator's pod starts) must not leave this
+    replica applying boot ConfigMaps without bytecode for its whole life (unlike another
+    replica's: every change of leader would rewrite them); nor is it retried on every
+    reconcile."""
+    import types
+
+    results = iter([{}, {}, {"sitecustomize.x.pyc": b"pyc"}])
+    calls: list[int] = []
+
+    def compile_boot(files: dict[str, str]) -> dict[str, bytes]:
+        calls.append(1)
+        return next(results)
+    clock = [1000.0]
+    monkeypatch.setattr(service, "compile_boot", compile_boot)
+    monkeypatch.setattr(service, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(service, "_bytecode", None)
+    monkeypatch.setattr(service, "_bytecode_failed_at", -float("inf"))
+    assert service.boot_bytecode_files() == {} and len(calls) == 1
+    clock[0] += service.BYTECODE_RETRY_SECONDS - 1
+    assert service.boot_bytecode_files() == {} and len(calls) == 1  # not yet
+    clock[0] += 1
+    assert service.boot_bytecode_files() == {} and len(calls) == 2  # tried again, failed again
+    clock[0] += service.BYTECODE_RETRY_SECONDS
+    assert service.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3
+    clock[0] += 10 * service.BYTECODE_RETRY_SECONDS
+    assert service.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3  # kept
