@@ -17,9 +17,10 @@ different order each round), each a fresh pod on the node:
                   training image with gcsfs)
   (c) local copy  labelled for a ReadOnly cache with localCopy (emptyDir), in process: the
                   pod sets its PYTHONPATH (/app, the image's own), so the webhook knows it
-                  and adds no init container; the pod's python copies the pool's manifest
-                  entries at its start (our sitecustomize), then JAX reads local disk (the
-                  plain image, no GCS library). A pod of the warmup's image that sets no
+                  and adds no init container; the pod's python starts a child that copies
+                  the pool's manifest entries (our sitecustomize) and waits for it when
+                  its `import jax` returns, then JAX reads local disk (the plain image, no
+                  GCS library). A pod of the warmup's image that sets no
                   PYTHONPATH gets the same spec (the warmers report the image's).
   (c-init)        `--with-init`: the same by init container (the pod sets no PYTHONPATH and
                   runs another image than the warmup's, so the webhook cannot know it)
@@ -32,7 +33,8 @@ where the cache is; `--with-reporter` adds (c) with the reporter on (the CRD's d
 The time is from just before the pod is created (`kubectl apply`, run here) to the
 moment the program finished its first step (time.time() in the pod; the same host
 clock), so it counts scheduling, every init container (the copy included), container
-start, python and jax start-up, and each program compiled or loaded. The median of the
+start, python and jax start-up (in process, whatever of the copy has not overlapped them
+by the end of `import jax`), and each program compiled or loaded. The median of the
 runs is reported, with the range, and for (c) the copier's own seconds.
 
 Needs root and `make node-deps` (as the real-node tests).

@@ -6,23 +6,28 @@ only the standard library and the image needs no GCS library; in one of two ways
 - As an init container (main()): the webhook adds one to a training pod that runs
   /opt/cachewarm/cachewarm_copier.py, shipped in the warmer image, as `python -I -S
   cachewarm_copier.py`; its summary goes to stdout.
-- In process (copy_in_process()): no init container, which saves the pod's start the
-  second or so the kubelet takes to notice one's exit. The pod's PYTHONPATH starts with a
-  ConfigMap volume holding this file as cachewarm_copier.py, the reporter, the warmer and
-  cachewarm's sitecustomize.py, which runs the copy at interpreter start (with
-  CACHEWARM_COPY_IN_PROCESS=1), before the process's own code. Once per pod: the process
-  takes an exclusive flock on `<CACHEWARM_COPY_SUMMARY>.lock` (beside the summary, in the
-  pod's emptyDir; opened read-only when another uid made it, and the copy unguarded when it
-  cannot be opened at all) and copies only if the summary file is not there yet, so the
-  pod's other python processes (other containers, subprocesses, torchrun's workers) wait
-  for the first one's copy, then find its summary and go on at once: none starts on a copy
-  half done. Without CACHEWARM_COPY_SUMMARY every process copies. The copy runs in a daemon
-  thread that the process waits for at most the deadline plus the grace; past that the
-  process goes on, the copy left behind to end by its own deadline (the summary says so).
-  It never raises, never exits the process and writes nothing to stdout: its summary line
-  goes to stderr. The modules only a copy needs (ssl, http, hashlib, concurrent.futures)
-  are imported when one starts, so that a process that finds the summary there pays
-  little more than its import.
+- In process: no init container, which saves the pod's start the second or so the kubelet
+  takes to notice one's exit. The pod's PYTHONPATH starts with a ConfigMap volume holding
+  this file as cachewarm_copier.py, the reporter, the warmer and cachewarm's
+  sitecustomize.py, which starts the copy at interpreter start (with
+  CACHEWARM_COPY_IN_PROCESS=1). Once per pod: the process takes an exclusive flock on
+  `<CACHEWARM_COPY_SUMMARY>.lock` (beside the summary, in the pod's emptyDir), and if the
+  summary file is not there yet it starts this file as its child (child(): `python -I -S`,
+  the locked descriptor inherited, so the lock is held until the child exits; its stdout
+  /dev/null, its summary on stderr) and goes on with its own code. Every process of the
+  pod that started before the copy was done (this one, the pod's other python processes:
+  other containers, subprocesses, torchrun's workers) waits for the lock when its `import
+  jax` returns, at most the deadline plus the grace, so JAX, which reads its cache only
+  when it compiles, never reads a copy half done; a process that never imports jax never
+  waits. The child stops itself the grace after its deadline (as main(), the summary
+  says so). Where no child can be started (no lock file can be opened, no python to
+  spawn) or the child ended without a summary, copy_in_process() copies in the process
+  itself, before its own code: a daemon thread that the process waits for at most the
+  deadline plus the grace, past which it goes on, the copy left behind to end by its own
+  deadline (the summary says so); it never raises, never exits the process and writes
+  nothing to stdout. Without CACHEWARM_COPY_SUMMARY every process copies, in process. The
+  modules only a copy needs (ssl, http, hashlib, concurrent.futures) are imported when one
+  starts.
 
 Where `STORAGE_EMULATOR_HOST` is set it talks to that (no auth); otherwise to GCS with the
 pod's token from the metadata server (GKE Workload Identity).
@@ -80,12 +85,13 @@ Settings (environment):
                              for before it is stopped or left behind (default 15)
   CACHEWARM_COPY_SUMMARY     if set, a file the summary JSON is also written to (atomically);
                              in process, also the once-per-pod guard (see above)
-  CACHEWARM_COPY_IN_PROCESS  "1": sitecustomize.py runs copy_in_process() (not read here)
+  CACHEWARM_COPY_IN_PROCESS  "1": sitecustomize.py starts child() or runs copy_in_process()
+                             (not read here)
   STORAGE_EMULATOR_HOST      a GCS emulator's base URL (no auth) instead of GCS
   REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE  the CAs to trust for HTTPS (see TLS above)
 
-Summary (one line `{"cachewarm-copier": {...}}` on stdout, in process on stderr, and
-CACHEWARM_COPY_SUMMARY):
+Summary (one line `{"cachewarm-copier": {...}}` on stdout, in process (child or not) on
+stderr, and in CACHEWARM_COPY_SUMMARY):
   source "manifest" | "prefix"; wanted (entries planned: copied + present + failed);
   copied, bytes (downloaded); present, presentBytes (already there, kept); failed;
   leftOut {notAnEntry, notInManifest, notInBucket, overBudget}; errors (at most 5, 300
@@ -722,20 +728,28 @@ def finish(summary: dict[str, Any], path: str, stream: TextIO | None) -> None:
         pass
 
 
-def _hard_stop(live: dict[str, Any], started: float) -> None:
-    finish(left_behind(live, started, "stopped"), os.environ.get(SUMMARY_ENV, ""), sys.stdout)
+def _hard_stop(live: dict[str, Any], started: float, stream: TextIO | None) -> None:
+    finish(left_behind(live, started, "stopped"), os.environ.get(SUMMARY_ENV, ""), stream)
     os._exit(0)
 
 
-def main() -> None:
-    """The init container: the copy, its summary on stdout and in its file, exit 0; stopped
-    (os._exit) when it still runs the grace after its deadline."""
+def main(stream: TextIO | None = None) -> None:
+    """The init container: the copy, its summary on `stream` (stdout unless given) and in its
+    file, exit 0; stopped (os._exit) when it still runs the grace after its deadline."""
+    out = sys.stdout if stream is None else stream
     live = new_summary("prefix")
-    watchdog = threading.Timer(bound_seconds(os.environ), _hard_stop, args=(live, time.monotonic()))
+    watchdog = threading.Timer(bound_seconds(os.environ), _hard_stop, args=(live, time.monotonic(), out))
     watchdog.daemon = True
     watchdog.start()
-    finish(copy(os.environ, live), os.environ.get(SUMMARY_ENV, ""), sys.stdout)
+    finish(copy(os.environ, live), os.environ.get(SUMMARY_ENV, ""), out)
     sys.exit(0)
+
+
+def child() -> None:
+    """The copier child of a pod's python process (sitecustomize starts it, `python -I -S`,
+    holding the pod's lock for it): main, its summary on stderr, the process's; its stdout
+    is /dev/null, the process's own is the program's."""
+    main(sys.stderr)
 
 
 def pod_lock(path: str) -> int | None:

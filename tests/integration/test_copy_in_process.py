@@ -1,11 +1,14 @@
 """The local copy in process: no init container; cachewarm's sitecustomize.py, first on the
 pod's PYTHONPATH (a ConfigMap volume of four files, built here from the package under their
-shipped names), copies at the start of a python process, before the process's own code,
-against the GCS emulator behind its fidelity proxy. The process's first line sees the whole
-copy; of three processes started at once one copies and the others wait for it, each entry
-downloaded once; a bucket out of reach, or one that never answers, costs the process a
-cold start, never its run, and never more than the deadline and grace; nothing reaches its
-stdout; the image's own sitecustomize runs exactly once, with or without the reporter."""
+shipped names), starts the copy at the start of a python process, in a child process that
+holds the pod's lock, and the process waits for it when its `import jax` (the real one)
+returns, against the GCS emulator behind its fidelity proxy. The process's own code runs
+while the copy is under way, and after `import jax` it sees the whole copy; of three
+processes started at once one copies and the others wait for it, each entry downloaded
+once; a bucket out of reach, or one that never answers, costs the process a cold start,
+never its run, and never more than the deadline and grace; nothing reaches its stdout;
+the image's own sitecustomize runs exactly once, with or without the reporter; where no
+child can hold the pod's lock, the copy runs in the process, before its first line."""
 
 from __future__ import annotations
 
@@ -32,9 +35,11 @@ from cachewarm_testbed.processes import free_port
 
 pytestmark = pytest.mark.integration
 
-# A training program whose first line lists the cache directory (argv[1]).
-LISTS = "import json, os, sys; print(json.dumps(sorted(os.listdir(sys.argv[1]))))"
-LEFT_BEHIND = "still running past the deadline: left behind"
+# A training program that imports jax, then lists the cache directory (argv[1]).
+LISTS = "import json, os, sys, jax; print(json.dumps(sorted(os.listdir(sys.argv[1]))))"
+# The same at its first line, before any import of jax.
+LISTS_FIRST = "import json, os, sys; print(json.dumps(sorted(os.listdir(sys.argv[1]))))"
+STOPPED = "still running past the deadline: stopped"
 
 
 def boot_dir(where: Path) -> Path:
@@ -83,7 +88,7 @@ def printed(stderr: str) -> list[dict[str, Any]]:
             if line.startswith('{"cachewarm-copier": ')]
 
 
-def test_the_processs_first_line_sees_the_whole_copy_and_its_stdout_is_its_own(
+def test_jax_imported_sees_the_whole_copy_and_the_processs_stdout_is_its_own(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     bucket, objects = fill(storage_only)
     p0, p1, _, p3, _ = sorted(objects)
@@ -101,6 +106,74 @@ def test_the_processs_first_line_sees_the_whole_copy_and_its_stdout_is_its_own(
         assert (dest / base(name)).read_bytes() == objects[name]
     # Beside the summary only the pod's lock: no temp file left.
     assert sorted(p.name for p in summary_file.parent.iterdir()) == ["local-copy.json", "local-copy.json.lock"]
+
+
+@pytest.mark.parametrize("report", [False, True], ids=["without-reporter", "with-reporter"])
+def test_the_program_starts_while_the_copy_runs_and_jax_returns_after_it(
+        report: bool, tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """The copy overlaps the process's start: its first download hangs 1.5 s, and the
+    program's first line runs meanwhile (no summary yet); `import jax` returns only once
+    the copy is whole, with the reporter's own hook on jax's import too (both wrap jax's
+    loader), which leaves jax its own loader."""
+    bucket, objects = fill(storage_only)
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    program = ("import json, os, sys, time; s = sys.argv[2]; first = (os.path.exists(s), time.time()); "
+               "import jax; print(json.dumps({'first': first, 'imported': time.time(), "
+               "'listed': sorted(os.listdir(sys.argv[1])), 'jaxLoader': type(jax.__loader__).__name__, "
+               "'jaxSpecLoader': type(jax.__spec__.loader).__name__, 'hooks': [type(f).__name__ for f in sys.meta_path]}))")
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": "/download/", "hang": 1.5, "times": 1}])
+    try:
+        settings = env_for(storage_bed, bucket, dest, summary=str(summary_file))
+        if report:
+            settings["CACHEWARM_REPORT_URL"] = f"http://127.0.0.1:{free_port()}/report"
+        out = run(boot_dir(tmp_path / "boot"), settings, program, str(dest), str(summary_file))
+    finally:
+        proxy.clear_faults()
+    line = json.loads(out.stdout)
+    [summary] = printed(out.stderr)
+    assert line["first"][0] is False  # the program's first line ran before the copy's end
+    assert line["listed"] == sorted(base(n) for n in objects) and summary["copied"] == 5
+    assert line["imported"] - line["first"][1] >= 1.4  # jax's import returned after the hang
+    # jax keeps its own loader; our hook is gone once it waited.
+    assert (line["jaxLoader"], line["jaxSpecLoader"]) == ("SourceFileLoader", "SourceFileLoader")
+    assert not {"_WaitForCopy", "_JaxWatch"} & set(line["hooks"]), line["hooks"]
+
+
+def test_a_process_forked_before_jax_waits_for_the_copy_too(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """A process that forks (a data loader, a multiprocessing worker) while the copy runs:
+    the fork inherits the wait at `import jax` (the copier is not its child: it waits on
+    the pod's lock), and both see the whole copy."""
+    bucket, objects = fill(storage_only)
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    program = ("import json, os, sys; pid = os.fork(); import jax; "
+               "print(json.dumps({'fork': pid == 0, 'listed': sorted(os.listdir(sys.argv[1]))}), flush=True); "
+               "pid and os.waitpid(pid, 0)")
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": "/download/", "hang": 1.5, "times": 1}])
+    try:
+        out = run(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+                  program, str(dest))
+    finally:
+        proxy.clear_faults()
+    lines = sorted((json.loads(line) for line in out.stdout.splitlines()), key=lambda line: line["fork"])
+    assert lines == [{"fork": f, "listed": sorted(base(n) for n in objects)} for f in (False, True)]
+    assert len(printed(out.stderr)) == 1
+
+
+def test_where_no_child_can_hold_the_pods_lock_the_copy_runs_before_the_first_line(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """The summary's directory cannot be made (a file stands in its way), so there is no
+    lock file to hand a child: the process copies itself, before its own first line."""
+    bucket, objects = fill(storage_only)
+    (tmp_path / "pod").write_text("not a directory")
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    out = run(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+              LISTS_FIRST, str(dest))
+    assert json.loads(out.stdout) == sorted(base(n) for n in objects)
+    [summary] = printed(out.stderr)
+    assert summary["copied"] == 5 and summary["errors"] and "summary file" in summary["errors"][0], summary
 
 
 def test_processes_started_at_once_copy_once_and_each_starts_on_the_whole_copy(
@@ -189,25 +262,46 @@ def black_hole() -> Iterator[str]:
 
 @pytest.mark.parametrize(("bucket", "grace"), [(black_hole, "0"), (lambda: Drip().serving(), "1")],
                          ids=["black-hole", "drip"])
-def test_a_copy_past_its_deadline_and_grace_is_left_behind_and_the_process_runs(
+def test_a_copy_past_its_deadline_and_grace_is_stopped_and_the_process_runs(
         bucket: Any, grace: str, tmp_path: Path) -> None:
-    """The process waits for the copy at most its deadline (1 s) and grace, then runs, cold,
-    the copy left behind, as the summary says. A black-holed bucket: the copier's own bound
-    on each request ends its copy at its deadline, which starts after the process's wait
-    (the copy's thread imports what it needs first), so with no grace the wait ends first.
-    A dripping bucket: the copy never ends by itself (nor the process's wait, without the
+    """The copier child is stopped at its deadline (1 s) and grace (its watchdog), its
+    summary says so, and the process, waiting for it at `import jax`, runs on, cold. A
+    black-holed bucket: the copier's own bound on each request would end it too. A
+    dripping bucket: the copy never ends by itself (nor the process's wait, without the
     bound: the test's timeout)."""
     summary_file = tmp_path / "local-copy.json"
     with bucket() as url:
         settings = {"STORAGE_EMULATOR_HOST": url, "CACHEWARM_COPY_BUCKET": "silent",
                     "CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(summary_file),
                     "CACHEWARM_COPY_DEADLINE_SECONDS": "1", "CACHEWARM_COPY_GRACE_SECONDS": grace}
-        out = run(boot_dir(tmp_path / "boot"), settings, "print('training')", timeout=30)
+        out = run(boot_dir(tmp_path / "boot"), settings, "import jax; print('training')", timeout=30)
     assert out.stdout == "training\n"
     [summary] = printed(out.stderr)
     assert summary["cold"] is True and summary["copied"] == 0, summary
-    assert LEFT_BEHIND in summary["errors"], summary
+    assert STOPPED in summary["errors"], summary
     assert json.loads(summary_file.read_text()) == summary
+
+
+def test_a_pod_lock_never_let_go_holds_the_process_at_most_the_deadline_and_grace(tmp_path: Path) -> None:
+    """Another process of the pod holds the lock and never lets go (here: this test): the
+    process starts no copy of its own, waits at `import jax` for the deadline (1 s) and
+    grace (1 s), then runs, cold, and copies nothing after (the copy is not over)."""
+    import fcntl
+    import time
+
+    summary_file = tmp_path / "local-copy.json"
+    settings = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}", "CACHEWARM_COPY_BUCKET": "held",
+                "CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(summary_file),
+                "CACHEWARM_COPY_DEADLINE_SECONDS": "1", "CACHEWARM_COPY_GRACE_SECONDS": "1"}
+    program = "import time; t = time.time(); import jax; print(round(time.time() - t, 1))"
+    with open(f"{summary_file}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        out = run(boot_dir(tmp_path / "boot"), settings, program, timeout=30)
+        took = time.monotonic() - started
+    # At least the bound, plus jax's own import; never the test's timeout (no bound).
+    assert 2.0 <= float(out.stdout) < 8 and took < 10, (out.stdout, took)
+    assert printed(out.stderr) == [] and not summary_file.exists() and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("report", [False, True], ids=["without-reporter", "with-reporter"])
@@ -232,13 +326,15 @@ def test_the_images_own_sitecustomize_runs_exactly_once(report: bool, tmp_path: 
 def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_itself(tmp_path: Path) -> None:
     """A ConfigMap volume is read-only, so python cannot cache the bytecode of what it loads
     from there: the operator ships it (boot_bytecode_files, placed by boot_volume's items),
-    and python's import (-v says so) takes all four modules from it, the reporter's too. A
+    and python's import (-v says so) takes all four modules from it, the reporter's too (the
+    copier's in the copier child, which gets the process's -v). A
     source edited in the ConfigMap is compiled and run as it is, never as the bytecode of
     the operator's text (the pycs are checked-hash ones: with unchecked ones, this fails);
     bytecode python cannot read is compiled around."""
     boot = boot_dir(tmp_path / "boot")
     # The volume is read-only (and this test may run as root): python writes no bytecode.
-    settings = {"CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(tmp_path / "local-copy.json"),
+    summary_file = tmp_path / "local-copy.json"
+    settings = {"CACHEWARM_COPY_DEST": str(tmp_path / "cache"), "CACHEWARM_COPY_SUMMARY": str(summary_file),
                 "CACHEWARM_REPORT_URL": f"http://127.0.0.1:{free_port()}/report", "PYTHONDONTWRITEBYTECODE": "1"}
     command, env = python(boot, settings, "print('training')")
     out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
@@ -261,6 +357,7 @@ def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_
                                         'if __name__ == "__main__":')
     copier.unlink()
     copier.write_text(edited)
+    summary_file.unlink()  # else the copy is done: no copier starts
     out = subprocess.run([command[0], "-v", *command[1:]], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "edited copier" in out.stderr, out.stderr[-2000:]
     assert not from_bytecode("cachewarm_copier.py", out.stderr)
