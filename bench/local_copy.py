@@ -130,6 +130,7 @@ class Bench:
             "large": {"command": ["python", "-m", "train", "--steps", "1"], "target": "train:targets", "env": large},
         }
         self.disk = Path(f"/var/tmp/cachewarm-bench-{uuid.uuid4().hex[:8]}")
+        self.last_logs = ""  # the training container's log of the last pod run
 
     def cache(self, name: str, prefix: str, *, local: bool, report: bool, warm: dict[str, Any] | None) -> None:
         spec: dict[str, Any] = {
@@ -204,6 +205,7 @@ class Bench:
             return got if (got.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
         finished = eventually(done, timeout=900, what=f"pod {name}")
         logs = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "train").stdout
+        self.last_logs = logs  # for bench/local_copy_gc.py
         if finished["status"]["phase"] != "Succeeded":
             raise SystemExit(f"pod {name} failed: {logs[-2000:]}")
         line = json.loads(next(x for x in reversed(logs.splitlines()) if x.startswith("{")))

@@ -12,7 +12,7 @@ only the standard library and the image needs no GCS library; in one of two ways
   sitecustomize.py, which starts the copy at interpreter start (with
   CACHEWARM_COPY_IN_PROCESS=1). Once per pod: the process takes an exclusive flock on
   `<CACHEWARM_COPY_SUMMARY>.lock` (beside the summary, in the pod's emptyDir), and if the
-  summary file is not there yet it starts this file as its child (child(): `python -I -S`,
+  summary file is not there yet it starts this file as its child (child(): `python -s -S`,
   the locked descriptor inherited, so the lock is held until the child exits; its stdout
   /dev/null, its summary on stderr) and goes on with its own code. Every process of the
   pod that started before the copy was done (this one, the pod's other python processes:
@@ -21,8 +21,9 @@ only the standard library and the image needs no GCS library; in one of two ways
   when it compiles, never reads a copy half done; a process that never imports jax never
   waits. The child stops itself the grace after its deadline (as main(), the summary
   says so). Where no child can be started (no lock file can be opened, no python to
-  spawn) or the child ended without a summary, copy_in_process() copies in the process
-  itself, before its own code: a daemon thread that the process waits for at most the
+  spawn), copy_in_process() copies in the process itself, before its own code, and where
+  the copier ended without a summary (killed), the process that finds so at `import jax`
+  does: a daemon thread that the process waits for at most the
   deadline plus the grace, past which it goes on, the copy left behind to end by its own
   deadline (the summary says so); it never raises, never exits the process and writes
   nothing to stdout. Without CACHEWARM_COPY_SUMMARY every process copies, in process. The
@@ -746,7 +747,7 @@ def main(stream: TextIO | None = None) -> None:
 
 
 def child() -> None:
-    """The copier child of a pod's python process (sitecustomize starts it, `python -I -S`,
+    """The copier child of a pod's python process (sitecustomize starts it, `python -s -S`,
     holding the pod's lock for it): main, its summary on stderr, the process's; its stdout
     is /dev/null, the process's own is the program's."""
     main(sys.stderr)
@@ -778,7 +779,8 @@ def pod_lock(path: str) -> int | None:
 
 
 def copy_in_process() -> None:
-    """From sitecustomize, at interpreter start: the copy, once per pod, waited for at most
+    """From sitecustomize, where no copier child can copy (at interpreter start) or one
+    ended without a summary (at `import jax`): the copy, once per pod, waited for at most
     its deadline and grace (see the module's doc); its summary on stderr and in its file.
     Never raises, never exits the process, writes nothing to stdout."""
     try:

@@ -389,28 +389,35 @@ class _JaxWatch:
     def __init__(self, then: Callable[[ModuleType], None]) -> None:
         self.then = then
         self.done = False
+        self.searching = False
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "jax" or self.done:
+        # Left in place until jax's module runs: a find_spec that imports nothing (an "is
+        # jax installed" check) must not take it out.
+        if fullname != "jax" or self.done or self.searching:
             return None
-        self.done = True
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
         import importlib.util  # noqa: PLC0415
 
-        spec = importlib.util.find_spec("jax")
+        self.searching = True
+        try:
+            spec = importlib.util.find_spec("jax")
+        finally:
+            self.searching = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader, then = spec.loader, self.then
+        loader, then, watch = spec.loader, self.then, self
 
         class _Loader:
             def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
                 return loader.create_module(spec)
 
             def exec_module(self, module: ModuleType) -> None:
+                watch.done = True
+                try:
+                    sys.meta_path.remove(watch)
+                except ValueError:
+                    pass
                 # jax's own loader again, for whatever reads it later (importlib.resources).
                 module.__loader__ = loader
                 if module.__spec__ is not None:

@@ -8,16 +8,19 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
    interpreter, a broken file) still leaves the process the paths its image set.
 2. With CACHEWARM_COPY_IN_PROCESS=1, the pod's local copy, once per pod: the first process
    (the one that takes the pod's lock, `<CACHEWARM_COPY_SUMMARY>.lock`, and finds no
-   summary) starts the copier as a child process (`python -I -S`, the lock handed to it,
+   summary) starts the copier as a child process (`python -s -S`, the lock handed to it,
    released when it exits), and every process of the pod that started while no summary was
    there waits for the copy when its `import jax` returns (a meta path hook wraps jax's
-   loader), at most the copy's deadline and grace, before JAX can read the cache: the copy
-   overlaps the program's own start and imports, and leaves nothing in the process (a copy
-   in process left its modules and objects behind, which in the benchmark's program
-   moved a full garbage collection of ~40 ms into its first step). Where the child cannot
-   be started (no lock file, no python to spawn), the copy runs in process before the
-   program's own code (cachewarm_copier.copy_in_process), as it does after a wait that
-   found no summary (the child died before writing one).
+   loader), polling the summary and the lock for at most the copy's deadline and grace,
+   before JAX can read the cache. The copy overlaps the program's own start and imports,
+   and none of the copier's modules or objects stay in the process (a copy in process left
+   them behind, which in the benchmark's program moved a full garbage collection of ~40 ms
+   into its first step): what stays is this module, the hook until jax is imported, and
+   the child's pid until it is reaped (after the wait; a process that never imports jax
+   keeps it a zombie). Where the child cannot be started (no lock file, no python to
+   spawn), the copy runs in process before the program's own code
+   (cachewarm_copier.copy_in_process); where the wait finds the lock free and no summary
+   (the copier died), at `import jax`.
 3. The image's own sitecustomize (the one this file shadows), exactly once.
 4. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
    reports it to cachewarm (loaded only then: every process pays for what it loads, and
@@ -44,7 +47,7 @@ except Exception:  # noqa: BLE001 - no file (nothing recorded) or anything else:
 
 MYPY = False
 if MYPY:  # the annotations are comments: this file is read by any Python 3
-    from typing import Any, Optional
+    from typing import Any, List, Optional
 
 
 def _copy_in_process():  # type: () -> None
@@ -55,7 +58,8 @@ def _copy_in_process():  # type: () -> None
 
 def _bound():  # type: () -> float
     """How long a process waits for the copy at most: its deadline (at least 1 s) and its
-    grace, as the copier reads them (cachewarm_copier.bound_seconds)."""
+    grace, as the copier reads them (cachewarm_copier.bound_seconds, which the process
+    does not import)."""
     total = 0.0
     for name, default, least in (("DEADLINE", 300.0, 1.0), ("GRACE", 15.0, 0.0)):
         try:
@@ -66,25 +70,64 @@ def _bound():  # type: () -> float
     return total
 
 
+def _copy_done(lock_path, summary):  # type: (str, str) -> bool
+    """Whether the pod's copy is over: its summary is there, or nobody holds its lock."""
+    import fcntl
+
+    if os.path.exists(summary):
+        return True
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return True  # no lock file: nothing holds a copy
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and the lock with it: this process never keeps it
+
+
+def _wait(lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
+    """Wait for the pod's copy, at most _bound(): polled (the summary, then the lock taken
+    and let go at once), so that a wait that gives up leaves nothing behind that could take
+    the lock later. A copy that ended without a summary (its copier died) is done here, in
+    process."""
+    import time
+
+    deadline = time.monotonic() + _bound()
+    pause = 0.002
+    done = _copy_done(lock_path, summary)
+    while not done and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        done = _copy_done(lock_path, summary)
+    if child is not None:
+        try:  # reaped: it lets go of the lock as it exits (else it is left behind)
+            os.waitpid(child, 0 if done else os.WNOHANG)
+        except OSError:
+            pass  # a forked process, or the program reaped it
+    if done and not os.path.exists(summary):
+        _copy_in_process()
+
+
 class _WaitForCopy(object):
     """A meta path finder, first on sys.meta_path, for `jax` only: it gives jax's own spec
-    with a loader that, once jax's __init__ has run, waits for the pod's copy (the pod's
-    lock free), then takes itself out. JAX reads its persistent cache only when it
-    compiles, which needs `jax` imported; the lock is held by the copier child for as long
-    as it copies (and that ends at its deadline and grace: its watchdog)."""
+    with a loader that, once jax's __init__ has run, waits for the pod's copy, then takes
+    this finder out. JAX reads its persistent cache only when it compiles, which needs
+    `jax` imported. A find_spec that imports nothing (an "is jax installed" check) leaves
+    it in place."""
 
     def __init__(self, lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
         self.lock_path, self.summary, self.child = lock_path, summary, child
+        self.done = False
 
     def find_spec(self, name, path=None, target=None):  # type: (str, Any, Any) -> Any
-        if name != "jax":
+        if name != "jax" or self.done:
             return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None) if finder is not self else None
             spec = find(name, path, target) if find is not None else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
@@ -93,35 +136,14 @@ class _WaitForCopy(object):
         return None
 
     def wait(self):  # type: () -> None
-        import fcntl
-        import threading
-
+        if self.done:
+            return
+        self.done = True
         try:
-            fd = os.open(self.lock_path, os.O_RDONLY)
-        except OSError:
-            fd = None
-        ended = True  # no lock file (removed): nothing holds the copy
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the copy is done: the usual case
-                os.close(fd)
-            except OSError:
-                waiter = threading.Thread(target=fcntl.flock, args=(fd, fcntl.LOCK_EX), daemon=True,
-                                          name="cachewarm-copy-wait")
-                waiter.start()
-                waiter.join(_bound())
-                ended = not waiter.is_alive()
-                if ended:
-                    os.close(fd)
-                # else: left behind (the copier's child says so); the fd stays with the thread.
-        if self.child is not None:
-            try:
-                # Reaped: the lock is let go as the child exits (else it is left behind).
-                os.waitpid(self.child, 0 if ended else os.WNOHANG)
-            except OSError:
-                pass  # a forked process: not its child
-        if ended and not os.path.exists(self.summary):
-            _copy_in_process()  # the copier died before its summary: copy here (once per pod)
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        _wait(self.lock_path, self.summary, self.child)
 
 
 class _Waiting(object):
@@ -139,14 +161,44 @@ class _Waiting(object):
     def exec_module(self, module):  # type: (Any) -> None
         try:
             self.loader.exec_module(module)
-        finally:
-            module.__loader__ = self.loader  # jax's own, as if we had never been there
-            if getattr(module, "__spec__", None) is not None:
+        finally:  # jax's own loader, as if we had never been there (another's, not ours)
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self.loader
+            if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
                 module.__spec__.loader = self.loader
         try:
             self.hook.wait()
         except Exception:  # noqa: BLE001 - training goes on whatever happens here
             pass
+
+
+def _spawn_copier(fd):  # type: (int) -> int
+    """The copier child, holding the lock `fd` (moved to 3 or above, the only descriptor it
+    gets beyond stderr: stdin and stdout /dev/null, so that it keeps no pipe of the
+    process's open but stderr, where its summary goes). python -s -S -P: no site, no user
+    site, no script directory; the environment without PYTHON* (the pod's PYTHONPATH
+    starts with this directory) but PYTHONHOME, which some images need to start."""
+    import fcntl
+
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD, 3)  # stays open in the child (F_DUPFD: inheritable)
+    try:
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                   (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)]  # type: List[Any]
+        for name in os.listdir("/proc/self/fd"):
+            other = int(name)
+            try:
+                if other > 2 and other != high and os.get_inheritable(other):
+                    actions.append((os.POSIX_SPAWN_CLOSE, other))
+            except OSError:
+                pass  # listdir's own descriptor, closed since
+        env = dict((k, v) for k, v in os.environ.items() if not k.startswith("PYTHON") or k == "PYTHONHOME")
+        flags = ["-s", "-S"] + (["-P"] if sys.version_info >= (3, 11) else []) + ["-v"] * sys.flags.verbose
+        code = ("import sys; sys.path[:] = [p for p in sys.path if p]; sys.path.insert(0, %r); "
+                "import cachewarm_copier; cachewarm_copier.child()" % _here)
+        os.set_inheritable(high, True)
+        return os.posix_spawn(sys.executable, [sys.executable] + flags + ["-c", code], env, file_actions=actions)
+    finally:
+        os.close(high)
 
 
 def _start_copy():  # type: () -> bool
@@ -155,9 +207,10 @@ def _start_copy():  # type: () -> bool
     import fcntl
 
     summary = os.environ.get("CACHEWARM_COPY_SUMMARY", "")
-    spawn = getattr(os, "posix_spawn", None)
-    if not summary or not sys.executable or spawn is None:
+    if not summary or not sys.executable or getattr(os, "posix_spawn", None) is None:
         return False
+    if os.path.exists(summary):
+        return True  # copied already: the usual case for every process but the first
     lock_path = summary + ".lock"
     try:
         os.makedirs(os.path.dirname(lock_path) or ".", exist_ok=True)
@@ -172,25 +225,25 @@ def _start_copy():  # type: () -> bool
             continue
     if fd is None:
         return False
+    hook = None
     try:  # every way out closes fd: copy_in_process, after, takes the lock on another
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another process of the pod copies: wait for it when jax is imported
-            sys.meta_path.insert(0, _WaitForCopy(lock_path, summary, None))
-            return True
-        if os.path.exists(summary):
-            return True  # copied already
-        argv = [sys.executable, "-I", "-S"] + ["-v"] * sys.flags.verbose + [
-            "-c", "import sys; sys.path.insert(0, %r); import cachewarm_copier; cachewarm_copier.child()" % _here]
-        os.set_inheritable(fd, True)  # the child holds the lock while it copies
-        child = spawn(sys.executable, argv, dict(os.environ),
-                      file_actions=[(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)])
-        sys.meta_path.insert(0, _WaitForCopy(lock_path, summary, child))
-        return True
+            hook = _WaitForCopy(lock_path, summary, None)
+        else:
+            if os.path.exists(summary):
+                return True  # copied meanwhile
+            hook = _WaitForCopy(lock_path, summary, _spawn_copier(fd))
     except Exception:  # noqa: BLE001 - no child: the caller copies in process
         return False
     finally:
         os.close(fd)
+    if "jax" in sys.modules:  # imported before us (a .pth file): wait now
+        hook.wait()
+    else:
+        sys.meta_path.insert(0, hook)
+    return True
 
 
 try:

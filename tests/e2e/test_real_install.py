@@ -509,8 +509,8 @@ def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Ins
     run = lines[-2]
     assert (run["programs"], run["cache_hits"], run["compiled"]) == (10, 0, 10), run
     assert lines[-1]["copy"] == []
-    # In process too (the pod sets its PYTHONPATH): the copy gives up inside the training
-    # process, which goes on and trains.
+    # In process too (the pod sets its PYTHONPATH): the copier child gives up, and the
+    # training process, which waited for it at `import jax`, goes on and trains.
     _, lines, summary = run_to_end(bed, ns, local_pod("cold-inproc", "away", [*env, {"name": "PYTHONPATH",
                                                                                       "value": "/app"}]),
                                    in_process=True)
