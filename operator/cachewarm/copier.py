@@ -12,7 +12,7 @@ only the standard library and the image needs no GCS library; in one of two ways
   sitecustomize.py, which starts the copy at interpreter start (with
   CACHEWARM_COPY_IN_PROCESS=1). Once per pod: the process takes an exclusive flock on
   `<CACHEWARM_COPY_SUMMARY>.lock` (beside the summary, in the pod's emptyDir), and if the
-  summary file is not there yet it starts this file as its child (child(): `python -s -S`,
+  summary file is not there yet it starts this file as its child (child(): `python -s -S -P`,
   the locked descriptor inherited, so the lock is held until the child exits; its stdout
   /dev/null, its summary on stderr) and goes on with its own code. Every process of the
   pod that started before the copy was done (this one, the pod's other python processes:
@@ -747,17 +747,20 @@ def main(stream: TextIO | None = None) -> None:
 
 
 def child() -> None:
-    """The copier child of a pod's python process (sitecustomize starts it, `python -s -S`,
+    """The copier child of a pod's python process (sitecustomize starts it, `python -s -S -P`,
     holding the pod's lock for it): main, its summary on stderr, the process's; its stdout
     is /dev/null, the process's own is the program's."""
     main(sys.stderr)
 
 
-def pod_lock(path: str) -> int | None:
+def pod_lock(path: str, summary: str, until: float) -> int | None:
     """A descriptor of the lock file `path` (made if missing, with its directory) holding an
     exclusive flock, taken once whoever holds it lets go (closing it releases it); read-only
     when it cannot be opened to write (another uid's file: flock takes a read-only one too).
-    None when it can be neither opened nor locked."""
+    None when it can be neither opened nor locked, or when the file `summary` appears
+    meanwhile (the copy is done). Polled, never past `until` (time.monotonic()): then
+    TimeoutError (whoever holds it may hold it for good: a forked worker of a process that
+    copied, a stopped copier)."""
     import fcntl  # noqa: PLC0415
 
     try:
@@ -769,12 +772,23 @@ def pod_lock(path: str) -> int | None:
             fd = os.open(path, flags, 0o666)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            os.close(fd)
-            return None
-        return fd
+        pause = 0.002
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                pass
+            except OSError:
+                os.close(fd)
+                return None
+            if os.path.exists(summary) or time.monotonic() >= until:
+                os.close(fd)
+                if os.path.exists(summary):
+                    return None
+                raise TimeoutError(f"the pod's copy lock {path} still held")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
     return None
 
 
@@ -786,7 +800,10 @@ def copy_in_process() -> None:
     try:
         path = os.environ.get(SUMMARY_ENV, "")
         # Unguarded when there is no summary to tell that the copy is done, or no lock.
-        lock = pod_lock(f"{path}.lock") if path else None
+        try:
+            lock = pod_lock(f"{path}.lock", path, time.monotonic() + bound_seconds(os.environ)) if path else None
+        except TimeoutError:
+            return  # another copy still holds the pod's lock: go on without (its copy may finish)
         try:
             if path and os.path.exists(path):
                 return  # another process of the pod copied (or its copy is cold: no better now)

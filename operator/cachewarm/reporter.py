@@ -389,21 +389,22 @@ class _JaxWatch:
     def __init__(self, then: Callable[[ModuleType], None]) -> None:
         self.then = then
         self.done = False
-        self.searching = False
+        self.searching: set[int] = set()  # the threads in our own find_spec("jax")
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
         # Left in place until jax's module runs: a find_spec that imports nothing (an "is
         # jax installed" check) must not take it out.
-        if fullname != "jax" or self.done or self.searching:
+        me = threading.get_ident()
+        if fullname != "jax" or self.done or me in self.searching:
             return None
         import importlib.util  # noqa: PLC0415
 
-        self.searching = True
+        self.searching.add(me)
         try:
             spec = importlib.util.find_spec("jax")
         finally:
-            self.searching = False
+            self.searching.discard(me)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, then, watch = spec.loader, self.then, self

@@ -8,7 +8,7 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
    interpreter, a broken file) still leaves the process the paths its image set.
 2. With CACHEWARM_COPY_IN_PROCESS=1, the pod's local copy, once per pod: the first process
    (the one that takes the pod's lock, `<CACHEWARM_COPY_SUMMARY>.lock`, and finds no
-   summary) starts the copier as a child process (`python -s -S`, the lock handed to it,
+   summary) starts the copier as a child process (`python -s -S -P`, the lock handed to it,
    released when it exits), and every process of the pod that started while no summary was
    there waits for the copy when its `import jax` returns (a meta path hook wraps jax's
    loader), polling the summary and the lock for at most the copy's deadline and grace,
@@ -20,7 +20,8 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
    keeps it a zombie). Where the child cannot be started (no lock file, no python to
    spawn), the copy runs in process before the program's own code
    (cachewarm_copier.copy_in_process); where the wait finds the lock free and no summary
-   (the copier died), at `import jax`.
+   (the copier died), at `import jax` (another deadline and grace at most). A process
+   whose jax was imported before this file ran (a .pth file) waits here, at once.
 3. The image's own sitecustomize (the one this file shadows), exactly once.
 4. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
    reports it to cachewarm (loaded only then: every process pays for what it loads, and
@@ -96,18 +97,24 @@ def _wait(lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
     process."""
     import time
 
-    deadline = time.monotonic() + _bound()
+    start = time.monotonic()
+    deadline = start + _bound()
     pause = 0.002
     done = _copy_done(lock_path, summary)
     while not done and time.monotonic() < deadline:
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        time.sleep(pause)  # 10 ms at most while a copy is likely (5 s), then 50 ms
+        pause = min(pause * 2, 0.01 if time.monotonic() - start < 5 else 0.05)
         done = _copy_done(lock_path, summary)
     if child is not None:
-        try:  # reaped: it lets go of the lock as it exits (else it is left behind)
-            os.waitpid(child, 0 if done else os.WNOHANG)
-        except OSError:
-            pass  # a forked process, or the program reaped it
+        # Reaped: once done, it is exiting (the summary is its last act); 1 s at most.
+        for tries_left in range(99 if done else 0, -1, -1):
+            try:
+                if os.waitpid(child, os.WNOHANG)[0]:
+                    break
+            except OSError:
+                break  # a forked process (not its child), or the program reaped it
+            if tries_left:
+                time.sleep(0.01)
     if done and not os.path.exists(summary):
         _copy_in_process()
 
@@ -184,7 +191,11 @@ def _spawn_copier(fd):  # type: (int) -> int
     try:
         actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                    (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)]  # type: List[Any]
-        for name in os.listdir("/proc/self/fd"):
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError:
+            names = []  # no /proc: the child keeps what it inherits
+        for name in names:
             other = int(name)
             try:
                 if other > 2 and other != high and os.get_inheritable(other):
