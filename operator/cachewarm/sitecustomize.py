@@ -215,13 +215,12 @@ def _spawn_copier(fd):  # type: (int) -> int
 def _start_copy():  # type: () -> bool
     """The copy started by a child process, or waited for; False where neither can be (the
     caller then copies in process)."""
-    import fcntl
-
     summary = os.environ.get("CACHEWARM_COPY_SUMMARY", "")
     if not summary or not sys.executable or getattr(os, "posix_spawn", None) is None:
         return False
     if os.path.exists(summary):
         return True  # copied already: the usual case for every process but the first
+    import fcntl
     lock_path = summary + ".lock"
     try:
         os.makedirs(os.path.dirname(lock_path) or ".", exist_ok=True)
