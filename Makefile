@@ -8,7 +8,7 @@ BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit lint dev-up dev-down demo demo-simulated clean
+.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit mutants lint dev-up dev-down demo demo-simulated clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -41,6 +41,9 @@ test: venv bin node-deps images lint-manifests kstatus ## Run the whole suite: m
 
 test-unit: venv ## Run the unit tests only (no processes)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+mutants: venv bin node-deps images kstatus ## Apply each tests/mutants/*.patch in a throwaway worktree and expect its named tests to fail (MUTANT=path picks one)
+	hack/mutants.sh $(MUTANT)
 
 lint: venv ## Type-check the package (mypy strict)
 	$(PY) -m mypy
