@@ -6,6 +6,7 @@ the leader posts once per pod whose copy failed."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import json
 from pathlib import Path
@@ -219,9 +220,14 @@ def test_the_leader_posts_local_copy_cold_once_and_removes_a_local_copy_no_pod_r
     controller.reports.record(parse(raw(report(pod__name="t-2", pod__uid="u-2"))), now)
 
     async def flush() -> None:
+        """One round of the leader's usage flush, waited for until every write it sent
+        (status patches, Events) has been made: a fresh executor per round, shut down with
+        wait=True, so what the assertions see is all the round did, however slow the
+        machine (no window to outlast)."""
         controller._loop = asyncio.get_running_loop()
+        controller._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flush")
         controller._flush_usage()
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(controller._executor.shutdown, wait=True)
     asyncio.run(flush())
     [(_, _, status)] = kube.status_patches
     assert status["usage"]["localCopy"] is None and status["usage"]["pods"] == 1  # named, so the merge removes it
