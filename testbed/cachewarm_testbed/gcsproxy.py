@@ -30,6 +30,13 @@ Faults: `POST /_proxy/faults` with a JSON list of rules makes matching requests 
 an HTTP status (429, 503, ...) or hang for a while, without reaching the emulator. `GET
 /_proxy/log` lists the requests that did reach it, so tests can count writes.
 
+Holds: a rule with `"hold": NAME` keeps each request it matches waiting until the test
+releases NAME (`POST /_proxy/release` with `{"hold": NAME}`), then answers its status as
+any fault does. `GET /_proxy/holds` says, per name, how many requests arrived there and
+how many wait there now, so a test waits for the event it means (the request is held)
+and lets it go when it has seen what it wanted to see meanwhile, instead of a hang that
+must outlast something on a loaded machine. New rules or a clear release every hold.
+
 Run: python -m cachewarm_testbed.gcsproxy --port P --upstream http://127.0.0.1:Q
 """
 
@@ -63,9 +70,19 @@ class Rule:
     status: int
     hang: float
     times: int
+    hold: str = ""  # a gate's name: wait there until released
 
     def matches(self, request: web.Request) -> bool:
         return (self.method in ("*", request.method)) and bool(self.path.search(request.path))
+
+
+@dataclass
+class Gate:
+    """A named hold: requests wait on `opened` until the test releases it."""
+
+    opened: asyncio.Event
+    arrived: int = 0
+    waiting: int = 0
 
 
 class Proxy:
@@ -75,19 +92,44 @@ class Proxy:
         self.log: list[dict[str, Any]] = []
         self.session: aiohttp.ClientSession | None = None
         self.metadata_writes = asyncio.Lock()
+        self.gates: dict[str, Gate] = {}
+
+    def _release_all(self) -> None:
+        for gate in self.gates.values():
+            gate.opened.set()
+        self.gates = {}
+
+    def _gate(self, name: str) -> Gate:
+        return self.gates.setdefault(name, Gate(asyncio.Event()))
 
     async def set_faults(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self._release_all()
         self.rules = [
             Rule(method=r.get("method", "*"), path=re.compile(r.get("path", ".*")), status=int(r.get("status", 503)),
-                 hang=float(r.get("hang", 0)), times=int(r.get("times", 1)))
+                 hang=float(r.get("hang", 0)), times=int(r.get("times", 1)), hold=str(r.get("hold", "")))
             for r in body
         ]
+        for rule in self.rules:
+            if rule.hold:
+                self._gate(rule.hold)
         return web.json_response({"rules": len(self.rules)})
 
     async def clear_faults(self, _: web.Request) -> web.Response:
         self.rules = []
+        self._release_all()
         return web.json_response({})
+
+    async def release(self, request: web.Request) -> web.Response:
+        """Let every request held at the named gate go, and any that arrives there later."""
+        name = str((await request.json()).get("hold", ""))
+        gate = self._gate(name)
+        gate.opened.set()
+        return web.json_response({"hold": name, "arrived": gate.arrived, "waiting": gate.waiting})
+
+    async def get_holds(self, _: web.Request) -> web.Response:
+        return web.json_response({name: {"arrived": g.arrived, "waiting": g.waiting, "released": g.opened.is_set()}
+                                  for name, g in self.gates.items()})
 
     async def get_log(self, _: web.Request) -> web.Response:
         return web.json_response(self.log)
@@ -106,6 +148,14 @@ class Proxy:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         rule = self._fault(request)
         if rule is not None:
+            if rule.hold:
+                gate = self._gate(rule.hold)
+                gate.arrived += 1
+                gate.waiting += 1
+                try:
+                    await gate.opened.wait()
+                finally:
+                    gate.waiting -= 1
             if rule.hang:
                 await asyncio.sleep(rule.hang)
             return web.json_response(
@@ -293,6 +343,8 @@ def make_app(upstream: str) -> web.Application:
     app.router.add_post("/_proxy/faults", proxy.set_faults)
     app.router.add_delete("/_proxy/faults", proxy.clear_faults)
     app.router.add_get("/_proxy/log", proxy.get_log)
+    app.router.add_post("/_proxy/release", proxy.release)
+    app.router.add_get("/_proxy/holds", proxy.get_holds)
     app.router.add_delete("/_proxy/log", proxy.clear_log)
     app.router.add_route("*", "/{tail:.*}", proxy.forward)
     return app
@@ -327,8 +379,30 @@ class ProxyControl:
             return json.loads(resp.read() or b"null")
 
     def faults(self, rules: list[dict[str, Any]]) -> None:
-        """Each rule: method ("*"), path (regex), status (503), hang (seconds), times (1)."""
+        """Each rule: method ("*"), path (regex), status (503), hang (seconds), times (1),
+        hold (a name: each matching request waits until `release(name)`, then answers)."""
         self._call("POST", "/_proxy/faults", rules)
+
+    def release(self, hold: str) -> dict[str, Any]:
+        """Let the requests held at `hold` go (and any that arrives there later); returns
+        how many arrived and how many were waiting."""
+        result: dict[str, Any] = self._call("POST", "/_proxy/release", {"hold": hold})
+        return result
+
+    def holds(self) -> dict[str, dict[str, Any]]:
+        """Per hold: requests that arrived, are waiting now, and whether it was released."""
+        result: dict[str, dict[str, Any]] = self._call("GET", "/_proxy/holds")
+        return result
+
+    def wait_held(self, hold: str, count: int = 1, timeout: float = 120) -> None:
+        """Until `count` requests wait at `hold` (the timeout only a failure guard)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while (self.holds().get(hold) or {}).get("waiting", 0) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {count} requests held at {hold!r} within {timeout:.0f}s: {self.holds()}")
+            time.sleep(0.05)
 
     def clear_faults(self) -> None:
         self._call("DELETE", "/_proxy/faults")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from google.cloud import storage
@@ -83,6 +84,61 @@ def run(boot: Path, settings: dict[str, str], code: str, *args: str, path: tuple
     return out
 
 
+class Lines:
+    """A process's stdout read line by line in a thread, so that the test waits for the
+    line it means; the timeout is only a failure guard (a process that never prints fails
+    the test instead of hanging it)."""
+
+    def __init__(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def next(self, what: str, timeout: float = 120) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line within {timeout:.0f}s: {what}") from None
+        assert line is not None, f"the output ended before {what}"
+        return line.rstrip("\n")
+
+    def rest(self, timeout: float = 120) -> list[str]:
+        """Every line until the output ends."""
+        out: list[str] = []
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"the output did not end within {timeout:.0f}s: {out}") from None
+            if line is None:
+                return out
+            out.append(line.rstrip("\n"))
+
+
+# Started at a program's first line: a thread that prints "waiting" once the main thread is
+# inside sitecustomize's wait for the pod's copy (`_wait`, which the hook on jax's loader
+# calls once jax's own module has run), and nothing when it never gets there. The test
+# holds the copy's download at the proxy until it reads this line, so `import jax`
+# returning only after the copy is shown by the order of events, not by a hang that must
+# outlast jax's import.
+WATCH = ("import sys as _s, threading as _t, time as _tm\n"
+         "def _watch(main):\n"
+         "    while main in _s._current_frames():\n"
+         "        f = _s._current_frames().get(main)\n"
+         "        while f is not None:\n"
+         "            if f.f_code.co_name == '_wait' and f.f_code.co_filename.endswith('sitecustomize.py'):\n"
+         "                print('waiting', flush=True)\n"
+         "                return\n"
+         "            f = f.f_back\n"
+         "        _tm.sleep(0.005)\n"
+         "_t.Thread(target=_watch, args=(_t.get_ident(),), daemon=True).start()\n")
+
+
 def printed(stderr: str) -> list[dict[str, Any]]:
     """The copier's summary lines on stderr."""
     return [json.loads(line)["cachewarm-copier"] for line in stderr.splitlines()
@@ -109,41 +165,56 @@ def test_jax_imported_sees_the_whole_copy_and_the_processs_stdout_is_its_own(
     assert sorted(p.name for p in summary_file.parent.iterdir()) == ["local-copy.json", "local-copy.json.lock"]
 
 
-HANG = 5.0  # the first download's hang: longer than jax's import, however loaded the machine
 # The program's first line: is jax installed (a find_spec that imports nothing, as
-# libraries check), is the copy done; then, right after `import jax`, is it done.
-AROUND_JAX = ("import importlib.util, json, os, sys; s = sys.argv[2]; "
-              "first = [importlib.util.find_spec('jax') is not None, os.path.exists(s)]; "
-              "import jax; after = os.path.exists(s); import jax._src.monitoring as m; "
-              "print(json.dumps({'first': first, 'after': after, 'listed': sorted(os.listdir(sys.argv[1])), "
-              "'loaders': [type(jax.__loader__).__name__, type(jax.__spec__.loader).__name__], "
-              "'hooks': [type(f).__name__ for f in sys.meta_path], "
-              "'reporting': any(getattr(f, '__qualname__', '') == 'Tally.on_event' for f in m.get_event_listeners())}), "
-              "flush=True)")
+# libraries check), is the copy done (printed at once); then, right after `import jax`, is
+# it done.
+AROUND_JAX = WATCH + (
+    "import importlib.util, json, os, sys; s = sys.argv[2]\n"
+    "print(json.dumps([importlib.util.find_spec('jax') is not None, os.path.exists(s)]), flush=True)\n"
+    "import jax; after = os.path.exists(s); import jax._src.monitoring as m\n"
+    "print(json.dumps({'after': after, 'listed': sorted(os.listdir(sys.argv[1])), "
+    "'loaders': [type(jax.__loader__).__name__, type(jax.__spec__.loader).__name__], "
+    "'hooks': [type(f).__name__ for f in sys.meta_path], "
+    "'reporting': any(getattr(f, '__qualname__', '') == 'Tally.on_event' for f in m.get_event_listeners())}), "
+    "flush=True)")
+HELD = "download"  # the proxy's hold on the copy's first download
 
 
 @pytest.mark.parametrize("report", [False, True], ids=["without-reporter", "with-reporter"])
 def test_the_program_starts_while_the_copy_runs_and_jax_returns_after_it(
         report: bool, tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
-    """The copy overlaps the process's start: its first download hangs, and the program's
-    first line runs meanwhile (no summary yet), asking first whether jax is installed (a
-    find_spec that must not take the wait away); `import jax` returns only once the copy
-    is done. With the reporter, its own hook on jax's import runs too (both wrap jax's
-    loader), and jax keeps its own loader."""
+    """The copy overlaps the process's start: its first download is held at the proxy, and
+    the program's first line runs meanwhile (no summary yet), asking first whether jax is
+    installed (a find_spec that must not take the wait away); once jax's own module has
+    run, the process waits for the copy inside `import jax` (seen from within it), and the
+    download is let go only then; `import jax` returns with the copy done. With the
+    reporter, its own hook on jax's import runs too (both wrap jax's loader), and jax keeps
+    its own loader."""
     bucket, objects = fill(storage_only)
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    settings = env_for(storage_bed, bucket, dest, summary=str(summary_file))
+    if report:
+        settings["CACHEWARM_REPORT_URL"] = f"http://127.0.0.1:{free_port()}/report"
+    command, env = python(boot_dir(tmp_path / "boot"), settings, AROUND_JAX, str(dest), str(summary_file))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
-    proxy.faults([{"method": "GET", "path": "/download/", "hang": HANG, "times": 1}])
-    try:
-        settings = env_for(storage_bed, bucket, dest, summary=str(summary_file))
-        if report:
-            settings["CACHEWARM_REPORT_URL"] = f"http://127.0.0.1:{free_port()}/report"
-        out = run(boot_dir(tmp_path / "boot"), settings, AROUND_JAX, str(dest), str(summary_file))
-    finally:
-        proxy.clear_faults()
-    line = json.loads(out.stdout)
-    [summary] = printed(out.stderr)
-    assert line["first"] == [True, False]  # installed; the first line ran before the copy's end
+    proxy.faults([{"method": "GET", "path": "/download/", "hold": HELD, "times": 1}])
+    with (tmp_path / "stderr").open("w+") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            out = Lines(process.stdout)
+            # installed; the first line ran before the copy's end
+            assert json.loads(out.next("the program's first line")) == [True, False]
+            assert out.next("the process waiting for the copy at `import jax`") == "waiting"
+            proxy.wait_held(HELD)  # the copy is under way: listed, its first download held
+            assert not summary_file.exists()
+            proxy.release(HELD)
+            line = json.loads(out.next("the program's line after `import jax`"))
+            assert out.rest() == [] and process.wait(timeout=60) == 0
+        finally:
+            proxy.clear_faults()
+            process.kill()
+        stderr.seek(0)
+        [summary] = printed(stderr.read())
     assert line["after"] is True and summary["copied"] == 5
     assert line["listed"] == sorted(base(n) for n in objects)
     assert line["loaders"] == ["SourceFileLoader", "SourceFileLoader"]
@@ -155,22 +226,35 @@ def test_a_process_forked_before_jax_waits_for_the_copy_too(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     """A process that forks (a data loader, a multiprocessing worker) while the copy runs:
     the fork inherits the wait at `import jax` (the copier is not its child: it waits on
-    the pod's lock), and both find the copy done right after it."""
+    the pod's lock): both are seen waiting there while the copy's first download is held,
+    and both find the copy done right after it."""
     bucket, objects = fill(storage_only)
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
-    program = ("import json, os, sys; pid = os.fork(); import jax; "
-               "print(json.dumps({'fork': pid == 0, 'done': os.path.exists(sys.argv[2]), "
+    program = ("import json, os, sys; pid = os.fork()\n" + WATCH +
+               "import jax; print(json.dumps({'fork': pid == 0, 'done': os.path.exists(sys.argv[2]), "
                "'listed': sorted(os.listdir(sys.argv[1]))}), flush=True); pid and os.waitpid(pid, 0)")
+    command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+                          program, str(dest), str(summary_file))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
-    proxy.faults([{"method": "GET", "path": "/download/", "hang": HANG, "times": 1}])
-    try:
-        out = run(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
-                  program, str(dest), str(summary_file))
-    finally:
-        proxy.clear_faults()
-    lines = sorted((json.loads(line) for line in out.stdout.splitlines()), key=lambda line: line["fork"])
+    proxy.faults([{"method": "GET", "path": "/download/", "hold": HELD, "times": 1}])
+    with (tmp_path / "stderr").open("w+") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            out = Lines(process.stdout)
+            assert [out.next("both processes waiting at `import jax`") for _ in range(2)] == ["waiting"] * 2
+            proxy.wait_held(HELD)
+            assert not summary_file.exists()
+            proxy.release(HELD)
+            rest = out.rest()
+            assert process.wait(timeout=60) == 0
+        finally:
+            proxy.clear_faults()
+            process.kill()
+        stderr.seek(0)
+        err = stderr.read()
+    lines = sorted((json.loads(line) for line in rest), key=lambda line: line["fork"])
     assert lines == [{"fork": f, "done": True, "listed": sorted(base(n) for n in objects)} for f in (False, True)]
-    assert len(printed(out.stderr)) == 1
+    assert len(printed(err)) == 1
 
 
 def copier_child(parent: int) -> int:
@@ -192,10 +276,9 @@ def copier_child(parent: int) -> int:
 def test_a_copier_killed_midway_is_followed_by_a_copy_in_the_process(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     """The copier child is killed (OOM, say) during its first download (its listing is
-    done, its downloads hang): it leaves no summary and lets go of the pod's lock, and the
-    process, at `import jax`, copies itself (once per pod: the summary is then its own)."""
-    import time
-
+    done, its downloads held at the proxy): it leaves no summary and lets go of the pod's
+    lock, and the process, at `import jax`, copies itself (once per pod: the summary is
+    then its own)."""
     bucket, objects = fill(storage_only)
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
     go = tmp_path / "go"
@@ -207,16 +290,13 @@ def test_a_copier_killed_midway_is_followed_by_a_copy_in_the_process(
                           program, str(dest), str(summary_file), str(go))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
     proxy.clear_log()
-    proxy.faults([{"method": "GET", "path": "/download/", "hang": 30, "times": 5}])
+    proxy.faults([{"method": "GET", "path": "/download/", "hold": HELD, "times": 5}])
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None and process.stdout.readline() == "started\n"
         copier = copier_child(process.pid)
-        for _ in range(200):  # until the copier has listed the bucket (then its downloads hang)
-            if any(r["path"].endswith("/o") for r in proxy.log()):
-                break
-            time.sleep(0.05)
-        time.sleep(0.5)
+        proxy.wait_held(HELD)  # the copier listed the bucket and is in its first download
+        assert any(r["path"].endswith("/o") for r in proxy.log())
         os.kill(copier, signal.SIGKILL)
         proxy.clear_faults()
         go.touch()
@@ -249,22 +329,30 @@ def test_processes_started_at_once_copy_once_and_each_starts_on_the_whole_copy(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     """Three processes of one pod (containers, or torchrun's workers) start at once: one
     copies, the others wait on the pod's lock, then find the summary and copy nothing. The
-    copy takes a while: its first download hangs (longer than jax's import), then a 503
-    (tried again), so that a process not held by the lock would copy meanwhile, and
-    download that entry too, or list the copy half done."""
+    copy's first download is held at the proxy until all three are seen waiting at their
+    `import jax`, then answers a 503 (tried again), so that a process not held by the lock
+    would copy meanwhile, and download that entry too, or list the copy half done."""
     bucket, objects = fill(storage_only)
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
     command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
-                          LISTS, str(dest))
+                          WATCH + LISTS, str(dest))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
     proxy.clear_log()
-    proxy.faults([{"method": "GET", "path": "/download/", "status": 503, "hang": HANG, "times": 1}])
+    proxy.faults([{"method": "GET", "path": "/download/", "status": 503, "hold": HELD, "times": 1}])
+    started: list[subprocess.Popen[str]] = []
     try:
         started = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for _ in range(3)]
+        for p in started:
+            assert p.stdout is not None and p.stdout.readline() == "waiting\n"
+        proxy.wait_held(HELD)
+        assert not summary_file.exists()
+        proxy.release(HELD)
         results = [p.communicate(timeout=120) for p in started]
     finally:
         proxy.clear_faults()
+        for p in started:
+            p.kill()
     assert [p.returncode for p in started] == [0, 0, 0], results
     wanted = sorted(base(n) for n in objects)
     assert [json.loads(out) for out, _ in results] == [wanted] * 3
@@ -357,9 +445,10 @@ def test_a_copy_past_its_deadline_and_grace_is_stopped_and_the_process_runs(
 def test_a_pod_lock_never_let_go_holds_the_process_at_most_the_deadline_and_grace(tmp_path: Path) -> None:
     """Another process of the pod holds the lock and never lets go (here: this test): the
     process starts no copy of its own, waits at `import jax` for the deadline (1 s) and
-    grace (5 s: longer than jax's import alone), then runs, cold, copies nothing, and
-    leaves nothing behind that would take the lock once the holder lets go (the lock is
-    then free to anyone)."""
+    grace (5 s), then runs, cold, copies nothing, and leaves nothing behind that would take
+    the lock once the holder lets go (the lock is then free to anyone). That the wait is
+    bounded is shown by the order of events: the process goes on while this test still
+    holds the lock (an unbounded wait never would: the read below would fail)."""
     import fcntl
     import time
 
@@ -372,20 +461,21 @@ def test_a_pod_lock_never_let_go_holds_the_process_at_most_the_deadline_and_grac
     command, env = python(boot_dir(tmp_path / "boot"), settings, program, str(go))
     with open(f"{summary_file}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        started = time.monotonic()
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert process.stdout is not None
-        waited = float(process.stdout.readline())
-        took = time.monotonic() - started
+        out = Lines(process.stdout)
+        waited = float(out.next("the process going on past its wait, the lock still held"))
     for _ in range(20):  # let go above; for 1 s, while the process runs, nothing takes it
         with open(f"{summary_file}.lock") as again:
             fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if something of it took it
         time.sleep(0.05)
     go.touch()
-    _, err = process.communicate(timeout=30)
-    assert process.returncode == 0, err
-    # At least the bound, plus jax's own import; never the test's timeout (no bound).
-    assert 6.0 <= waited < 60 and took < 90, (waited, took)
+    assert out.rest() == []
+    assert process.stderr is not None
+    err = process.stderr.read()
+    assert process.wait(timeout=30) == 0, err
+    # It did not give up early: at least the bound (plus jax's own import, which a loaded
+    # machine only lengthens; no upper bound is asserted, the order of events above is it).
+    assert waited >= 6.0, waited
     assert printed(err) == [] and not summary_file.exists() and not (tmp_path / "cache").exists()
 
 
