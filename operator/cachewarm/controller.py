@@ -4,8 +4,9 @@ worker threads, on the leader only.
 kopf watches the caches (on every replica, for the webhook's index) and hands each watch
 event to `Controller.observe`; the controller decides whether it is worth a reconcile
 (a new cache, a new generation, changed annotations or finalizers, a deletion), and its
-own timers add the periodic resync and the fast poll of caches with warmers running or
-pods waiting. The queue is the one rule that keeps reconciles safe:
+own timers add the periodic resync, the fast poll of caches with warmers running or pods
+waiting, and a wake-up at the time a reconcile asked for (a cron schedule's next slot,
+which no watch event marks). The queue is the one rule that keeps reconciles safe:
 
 - a key is in the queue at most once, and never reconciled by two workers at once: a key
   enqueued while it is being reconciled is reconciled again right after (client-go's
@@ -28,7 +29,7 @@ import copy
 import dataclasses
 import datetime as dt
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from cachewarm import constants as c
@@ -107,19 +108,29 @@ def wanted_finalizers(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> list[
     return None
 
 
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
 @dataclasses.dataclass
 class Result:
     """How a reconcile ended: `retry` asks for a retry with backoff, `again` for an
-    immediate one (the object changed under us)."""
+    immediate one (the object changed under us), `requeue_at` for one at that time (the
+    cache's next cron slot)."""
 
     retry: bool = False
     again: bool = False
+    requeue_at: dt.datetime | None = None
 
 
 class Controller:
     def __init__(self, settings: Settings, gcs: GcsClient, kube: KubeClient, injections: RecentInjections,
-                 leader: Leader, metrics: Metrics | None = None, reports: Store | None = None) -> None:
+                 leader: Leader, metrics: Metrics | None = None, reports: Store | None = None,
+                 clock: Callable[[], dt.datetime] = utcnow) -> None:
+        """`clock`: the time a reconcile acts at and wake-ups are counted from (tests
+        drive it)."""
         self.settings = settings
+        self.clock = clock
         self.metrics = metrics or Metrics()
         self.reports = reports or Store(dt.timedelta(seconds=settings.report_window_seconds))
         self._fingerprints_seen: dict[Key, str] = {}  # what the last reconcile compared with the warmers
@@ -134,6 +145,8 @@ class Controller:
         self._processing: set[Key] = set()
         self._dirty: set[Key] = set()
         self._retries: dict[Key, int] = {}
+        # The earliest wake-up a reconcile asked for, per cache: (when, its loop timer).
+        self._wakeups: dict[Key, tuple[dt.datetime, asyncio.TimerHandle]] = {}
         self._queue: asyncio.Queue[Key] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="reconcile")
@@ -151,6 +164,7 @@ class Controller:
         if event_type == "DELETED":
             self.store.pop(key, None)
             self._retries.pop(key, None)
+            self._cancel_wakeup(key)
             self.metrics.forget_cache(*key)
             self._release_deleted(body)
             return
@@ -184,22 +198,47 @@ class Controller:
             self._queued.add(key)
             self._queue.put_nowait(key)
 
+    @property
+    def running(self) -> bool:
+        """Whether the queue takes caches (run() listed them all and started its workers)."""
+        return self._queue is not None
+
+    @property
+    def queued(self) -> frozenset[Key]:
+        """The caches waiting in the queue for a worker."""
+        return frozenset(self._queued)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a cache is queued, being reconciled or due again right after (backoff
+        timers and wake-ups are not counted: they queue it later)."""
+        return bool(self._queued or self._processing or self._dirty)
+
     def enqueue_all(self) -> None:
         for key in list(self.store):
             self.enqueue(key)
 
     def leadership_changed(self, leading: bool) -> None:
         """From the election's thread: a new leader reconciles every cache and releases
-        pods held for caches that are gone (what it missed while it did not lead)."""
+        pods held for caches that are gone (what it missed while it did not lead); a
+        replica that lost the lead drops its wake-ups."""
         if self._loop is None:
             return
-        if leading:
-            self._loop.call_soon_threadsafe(self._on_lead)
+        try:
+            self._loop.call_soon_threadsafe(self._on_lead if leading else self._on_lose)
+        except RuntimeError:  # the loop closed: the process is stopping
+            pass
 
     def _on_lead(self) -> None:
         self.enqueue_all()
         assert self._loop is not None
         self._loop.run_in_executor(self._executor, self.release_orphans)
+
+    def _on_lose(self) -> None:
+        """The lead went: this replica's wake-ups are the new leader's business now (its
+        first reconcile of each cache asks for them again)."""
+        for key in list(self._wakeups):
+            self._cancel_wakeup(key)
 
     async def _prime(self) -> None:
         """Every cache, listed once before the first reconcile: a reconcile plans a
@@ -240,6 +279,8 @@ class Controller:
         finally:
             for task in self._tasks:
                 task.cancel()
+            for key in list(self._wakeups):
+                self._cancel_wakeup(key)
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _every(self, seconds: float, fn: Any) -> None:
@@ -345,6 +386,35 @@ class Controller:
             self._loop.call_later(backoff(self.settings.retry_delay_seconds, retry), self.enqueue, key)
         else:
             self._retries.pop(key, None)
+        if result.requeue_at is not None:
+            self.wake_at(key, result.requeue_at)
+
+    def wake_at(self, key: Key, when: dt.datetime) -> None:
+        """Queue the cache at `when` (by self.clock), leader only. One wake-up per cache,
+        the earliest asked for: a later one is dropped (the reconcile at the earlier one
+        asks again). None for a cache that is gone."""
+        if self._loop is None or not self.leader.is_leader or key not in self.store:
+            return
+        pending = self._wakeups.get(key)
+        if pending is not None:
+            if pending[0] <= when:
+                return
+            pending[1].cancel()
+        delay = max(0.0, (when - self.clock()).total_seconds())
+        self._wakeups[key] = (when, self._loop.call_later(delay, self._wake, key))
+
+    def _wake(self, key: Key) -> None:
+        self._wakeups.pop(key, None)
+        self.enqueue(key)
+
+    def _cancel_wakeup(self, key: Key) -> None:
+        pending = self._wakeups.pop(key, None)
+        if pending is not None:
+            pending[1].cancel()
+
+    def wakeups(self) -> dict[Key, dt.datetime]:
+        """The pending wake-ups: when each cache is queued again."""
+        return {key: when for key, (when, _) in self._wakeups.items()}
 
     # --- one reconcile (a worker thread) ---
 
@@ -371,13 +441,14 @@ class Controller:
             except KubeError as exc:
                 log.warning("Could not set the finalizers of %s/%s: %s", namespace, name, exc)
                 return Result(retry=True)
+        now = self.clock()
         outcome = service.reconcile_cache(
             gcs=self.gcs, kube=self.kube, warmer_image=self.settings.warmer_image, injections=self.injections,
             spec=spec, meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
-            now=dt.datetime.now(dt.timezone.utc), instance=self.settings.instance,
+            now=now, instance=self.settings.instance,
             warm_retry=WarmRetry(self.settings.warm_retries, self.settings.warm_retry_seconds),
             inventory_every=dt.timedelta(seconds=self.settings.inventory_seconds),
-            pod_fingerprints=self.reports.fingerprints(namespace, name, dt.datetime.now(dt.timezone.utc)),
+            pod_fingerprints=self.reports.fingerprints(namespace, name, now),
         )
         patch = dict(outcome.status)
         if "kopf" in status:
@@ -394,7 +465,7 @@ class Controller:
             log.warning("Could not write the status of %s/%s: %s", namespace, name, exc)
             self.metrics.reconcile_errors.labels(exc.reason).inc()
             self._post(body, outcome.events)
-            return Result(retry=True)
+            return Result(retry=True, requeue_at=outcome.requeue_at)
         failure = outcome.failure
         self.metrics.record_reconcile(namespace, name, status, after, None if failure is None else
                                       str(getattr(failure, "reason", None) or c.Reason.RECONCILE_ERROR))
@@ -402,7 +473,7 @@ class Controller:
         if outcome.invalid is not None:
             log.warning("%s %s/%s cannot be acted on: %s", c.KIND, namespace, name, outcome.invalid)
             return Result()
-        return Result(retry=outcome.failure is not None)
+        return Result(retry=outcome.failure is not None, requeue_at=outcome.requeue_at)
 
     def _finalize(self, body: Mapping[str, Any]) -> Result:
         """A cache being deleted: with our finalizer, delete its data (deletionPolicy

@@ -44,7 +44,7 @@ from cachewarm.events import Event
 from cachewarm.injections import RecentInjections
 from cachewarm.model import CacheSpec, InvalidSpec, parse_spec
 from cachewarm.reconcile import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
-from cachewarm.warmups import (ACTIVE_STATES, BUCKET_VERDICTS, WarmRetry, WarmupOutcome,
+from cachewarm.warmups import (ACTIVE_STATES, BUCKET_VERDICTS, WarmRetry, WarmupOutcome, next_scheduled_warm,
                                reconcile_warmup, release_waiting_pods, warmed_condition)
 
 ClaimLookup = Callable[[str], Iterable[Claim]]  # bucket -> the caches on it
@@ -55,12 +55,14 @@ log = logging.getLogger("cachewarm.service")
 @dataclass
 class Outcome:
     """What a reconcile wants written and said. `failure` is worth a retry; `invalid`
-    means the spec cannot be acted on until it changes."""
+    means the spec cannot be acted on until it changes; `requeue_at`: reconcile the cache
+    again at this time (its next cron slot), which no watch event would mark."""
 
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
     failure: Exception | None = None
     invalid: str | None = None
+    requeue_at: dt.datetime | None = None
 
 
 @dataclass
@@ -311,7 +313,7 @@ def _reconcile(
         if matched is False and _changed(status, seen.keys_match):
             events.append(Event("Warning", reason, message))
     return Outcome(_status(status, generation, seen, injection, cache.warmup is not None, now, failure is not None),
-                   events, failure)
+                   events, failure, requeue_at=next_scheduled_warm(cache, now))
 
 
 def _publish_env(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *, namespace: str, name: str,

@@ -55,13 +55,41 @@ class WarmupOutcome:
         return any(p.get("state") in ACTIVE_STATES for p in self.pools)
 
 
+def last_slot(schedule: str, now: dt.datetime) -> dt.datetime:
+    """The most recent slot of a cron `schedule` at `now` (UTC): the latest one not after
+    `now`, so a slot counts from its very instant and not a moment before."""
+    slot: dt.datetime = croniter(schedule, now).get_prev(dt.datetime)  # exclusive of `now`
+    following: dt.datetime = croniter(schedule, slot).get_next(dt.datetime)
+    return following if following <= now else slot
+
+
+def next_slot(schedule: str, now: dt.datetime) -> dt.datetime:
+    """The first slot of a cron `schedule` after `now` (UTC)."""
+    slot: dt.datetime = croniter(schedule, now).get_next(dt.datetime)  # exclusive of `now`
+    return slot
+
+
+def scheduled_slot(cache: CacheSpec, now: dt.datetime) -> dt.datetime | None:
+    """The cron slot the cache's warmers run for at `now` (None: no schedule)."""
+    if cache.warmup is None or not cache.warmup.schedule:
+        return None
+    return last_slot(cache.warmup.schedule, now)
+
+
+def next_scheduled_warm(cache: CacheSpec, now: dt.datetime) -> dt.datetime | None:
+    """When the cache's next cron slot asks for a new warm (None: no schedule): the time
+    the controller reconciles it again, since no event marks a slot's start."""
+    if cache.warmup is None or not cache.warmup.schedule:
+        return None
+    return next_slot(cache.warmup.schedule, now)
+
+
 def rewarm_token(cache: CacheSpec, annotations: Mapping[str, str], now: dt.datetime) -> str:
     """What forces a new warm for an unchanged program: the manual annotation and the most
     recent cron slot."""
     token = annotations.get(c.REWARM_ANNOTATION, "")
-    if cache.warmup is not None and cache.warmup.schedule:
-        # get_prev is exclusive of `now`; a slot that starts this very second counts.
-        slot = croniter(cache.warmup.schedule, now + dt.timedelta(seconds=1)).get_prev(dt.datetime)
+    slot = scheduled_slot(cache, now)
+    if slot is not None:
         token += "|" + slot.strftime("%Y-%m-%dT%H:%MZ")
     return token
 
@@ -374,6 +402,8 @@ def reconcile_warmup(
     warmup = cache.warmup
     assert warmup is not None
     token = rewarm_token(cache, annotations, now)
+    slot = scheduled_slot(cache, now)
+    digests: dict[str, str] = {}  # pool -> the hash of its current program
     prev_by_pool = {p.get("name"): p for p in previous}
     selector = f"{c.LABEL_WARMER_FOR}={name}"
     observed = kube.list_jobs(namespace, selector)
@@ -413,6 +443,7 @@ def reconcile_warmup(
                 events.append(Event("Warning", exc.reason, f"Pool {pool.name}: {exc}"))
             pools.append(invalid)
             continue
+        digests[pool.name] = digest
         job_name = jobs.job_name(name, pool, digest)
         plan = plan_pool(seen, job_name, generation)
         if plan.superseded:
@@ -513,6 +544,12 @@ def reconcile_warmup(
         if _pool_of(svc) in untouchable or svc_name in keep_services:
             continue
         kube.delete_service(namespace, svc_name)
+    if slot is not None:
+        # The slot each pool's current warmer is for (the slot is part of its hash), so the
+        # Job's creationTimestamp can be compared with the slot it was due at.
+        for entry in pools:
+            if entry.get("specHash") is not None and entry.get("specHash") == digests.get(str(entry.get("name"))):
+                entry["scheduledTime"] = _iso(slot)
     return WarmupOutcome(warmed_condition(pools, cache_entries, warmed_before, entry_keys), pools, events)
 
 
