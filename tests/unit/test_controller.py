@@ -1,12 +1,17 @@
 """The controller's rules: which watch events ask for a reconcile, which finalizers a cache
 should carry, and its work queue (one reconcile of a cache at a time, a change during a
-reconcile reconciled right after, nothing reconciled by a replica that does not lead)."""
+reconcile reconciled right after, nothing reconciled by a replica that does not lead).
+
+Nothing here is timed: a test waits for the state it means (a reconcile started, the queue
+idle, a timer asked for), with a deadline only as a guard against a hang. Reconciles that
+must overlap something block on a gate the test opens."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -61,23 +66,36 @@ class Lead:
 
 
 def _controller(monkeypatch: pytest.MonkeyPatch, reconcile: Any, leading: bool = True) -> Controller:
-    settings = Settings(workers=4, resync_seconds=3600, warm_poll_seconds=3600, retry_delay_seconds=0.05)
+    # Resync, poll and usage timers an hour away: only what a test does queues a cache.
+    settings = Settings(workers=4, resync_seconds=3600, warm_poll_seconds=3600, usage_flush_seconds=3600,
+                        retry_delay_seconds=0.05)
     controller = Controller(settings, None, MemoryKube(), RecentInjections(60), Lead(leading))  # type: ignore[arg-type]
     monkeypatch.setattr(controller, "reconcile_one", reconcile)
     monkeypatch.setattr(controller, "release_orphans", lambda: None)
     return controller
 
 
-async def _drive(controller: Controller, steps: Any, settle: float = 0.5) -> None:
+async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait for `check` to hold, looking again at each turn of the event loop. The
+    deadline only guards against a hang: the test waits for the state, not the clock."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.001)
+
+
+async def _drive(controller: Controller, steps: Callable[[], Awaitable[None]]) -> None:
+    """Run the controller (its workers and timers) while `steps` runs."""
     task = asyncio.create_task(controller.run())
-    await asyncio.sleep(0.05)  # primed, workers up
-    await steps()
-    await asyncio.sleep(settle)
-    task.cancel()
     try:
-        await task
-    except asyncio.CancelledError:
-        pass
+        await until(lambda: controller.running, "the controller listed the caches and started its workers")
+        await steps()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def test_one_reconcile_of_a_cache_at_a_time_and_a_change_meanwhile_is_reconciled_after(
@@ -86,6 +104,7 @@ def test_one_reconcile_of_a_cache_at_a_time_and_a_change_meanwhile_is_reconciled
     overlap: list[Key] = []
     calls: list[Key] = []
     guard = threading.Lock()
+    gate = threading.Event()  # every reconcile waits here until the test opens it
 
     def reconcile(key: Key) -> Result:
         with guard:
@@ -93,7 +112,7 @@ def test_one_reconcile_of_a_cache_at_a_time_and_a_change_meanwhile_is_reconciled
             if running[key] > 1:
                 overlap.append(key)
             calls.append(key)
-        time.sleep(0.1)
+        gate.wait(10)
         with guard:
             running[key] -= 1
         return Result()
@@ -103,11 +122,19 @@ def test_one_reconcile_of_a_cache_at_a_time_and_a_change_meanwhile_is_reconciled
     async def steps() -> None:
         controller.enqueue(("ml", "a"))
         controller.enqueue(("ml", "b"))
-        await asyncio.sleep(0.03)  # both being reconciled now
+        await until(lambda: sorted(calls) == [("ml", "a"), ("ml", "b")], "both caches being reconciled")
         for _ in range(5):  # five changes of "a" while it is reconciled: one more reconcile
             controller.enqueue(("ml", "a"))
+        # Not in the queue, where one of the two idle workers would take it at once: due
+        # again once the reconcile in flight ends.
+        assert controller.queued == frozenset()
+        gate.set()
+        await until(lambda: not controller.busy, "nothing queued or being reconciled")
 
-    asyncio.run(_drive(controller, steps))
+    try:
+        asyncio.run(_drive(controller, steps))
+    finally:
+        gate.set()
     assert overlap == []
     assert calls.count(("ml", "a")) == 2 and calls.count(("ml", "b")) == 1
 
@@ -115,31 +142,60 @@ def test_one_reconcile_of_a_cache_at_a_time_and_a_change_meanwhile_is_reconciled
 def test_a_replica_that_does_not_lead_reconciles_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Key] = []
     controller = _controller(monkeypatch, lambda key: calls.append(key) or Result(), leading=False)
+    lead: Lead = controller.leader  # type: ignore[assignment]
 
     async def steps() -> None:
         controller.observe(None, body())
         controller.enqueue(("ml", "llama"))
+        await until(lambda: not controller.busy, "the queue drained")
+        assert calls == [] and ("ml", "llama") in controller.store
+        # The same replica, once it leads, reconciles the cache it kept in its store.
+        lead.is_leader = True
+        controller.leadership_changed(True)
+        await until(lambda: calls == [("ml", "llama")] and not controller.busy, "the new leader's reconcile")
 
-    asyncio.run(_drive(controller, steps, settle=0.2))
-    assert calls == [] and ("ml", "llama") in controller.store
+    asyncio.run(_drive(controller, steps))
 
 
 def test_a_failed_reconcile_is_retried_with_backoff_and_a_success_resets_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    times: list[float] = []
+    outcomes = [Result(retry=True), Result(retry=True), Result(), Result(retry=True), Result()]
+    calls: list[Key] = []
+    delays: list[float] = []  # the backoff each retry was queued after
+    pending: list[int] = [0]  # retry timers not fired yet
 
     def reconcile(key: Key) -> Result:
-        times.append(time.monotonic())
-        return Result(retry=len(times) < 3)
+        calls.append(key)
+        return outcomes[len(calls) - 1]
 
     controller = _controller(monkeypatch, reconcile)
 
     async def steps() -> None:
-        controller.enqueue(("ml", "llama"))
+        loop = asyncio.get_running_loop()
+        later = loop.call_later
 
-    asyncio.run(_drive(controller, steps, settle=0.6))
-    assert len(times) == 3  # two failures, then a success and no more
-    # Backoff doubles from retry_delay_seconds (0.05 s, then 0.1 s).
-    assert times[1] - times[0] >= 0.05 and times[2] - times[1] >= 0.1
+        def call_later(delay: float, fn: Any, *args: Any) -> asyncio.TimerHandle:
+            if fn != controller.enqueue:
+                return later(delay, fn, *args)  # asyncio's own sleeps
+            delays.append(delay)  # recorded, and queued at once: the wait is not what is tested
+            pending[0] += 1
+
+            def fire() -> None:
+                pending[0] -= 1
+                fn(*args)
+            return later(0, fire)
+
+        monkeypatch.setattr(loop, "call_later", call_later)
+        quiet = lambda: not controller.busy and pending[0] == 0  # noqa: E731
+        controller.enqueue(("ml", "llama"))
+        await until(lambda: len(calls) == 3 and quiet(), "two failures, a success, and nothing more queued")
+        # Backoff doubles from retry_delay_seconds: 0.05 s, then 0.1 s.
+        assert delays == [0.05, 0.1]
+        controller.enqueue(("ml", "llama"))
+        await until(lambda: len(calls) == 5 and quiet(), "a failure after the success, retried once")
+        assert delays == [0.05, 0.1, 0.05]  # the success reset the backoff
+
+    asyncio.run(_drive(controller, steps))
+    assert len(calls) == 5
 
 
 def test_status_writes_do_not_requeue_but_a_new_generation_does(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,37 +204,41 @@ def test_status_writes_do_not_requeue_but_a_new_generation_does(monkeypatch: pyt
 
     async def steps() -> None:
         controller.observe(None, body(1))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(calls) == 1 and not controller.busy, "the new cache reconciled")
         controller.observe("MODIFIED", {**body(1), "status": {"conditions": [{"type": "Ready"}]}})
-        await asyncio.sleep(0.1)
+        assert not controller.busy  # nothing queued: only observe queues, and it did not
         controller.observe("MODIFIED", body(2))
+        await until(lambda: len(calls) == 2 and not controller.busy, "the new generation reconciled")
 
-    asyncio.run(_drive(controller, steps, settle=0.2))
+    asyncio.run(_drive(controller, steps))
     assert calls == [("ml", "llama"), ("ml", "llama")]
 
 
 def test_shutdown_waits_for_the_reconciles_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    finished: list[float] = []
+    started, gate, finished = threading.Event(), threading.Event(), threading.Event()
 
     def reconcile(key: Key) -> Result:
-        time.sleep(0.3)
-        finished.append(time.monotonic())
+        started.set()
+        gate.wait(10)
+        finished.set()
         return Result()
 
     controller = _controller(monkeypatch, reconcile)
 
-    async def scenario() -> tuple[bool, float]:
-        task = asyncio.create_task(controller.run())
-        await asyncio.sleep(0.05)
+    async def steps() -> None:
         controller.enqueue(("ml", "llama"))
-        await asyncio.sleep(0.05)  # being reconciled now
-        drained = await controller.drain(5)
-        returned = time.monotonic()
-        task.cancel()
-        return drained, returned
+        await until(started.is_set, "the reconcile started")
+        drain = asyncio.create_task(controller.drain(30))
+        await asyncio.sleep(0)  # drain's first look: the reconcile is still in flight
+        assert not drain.done()
+        gate.set()
+        assert await drain  # returned True: every reconcile ended
+        assert finished.is_set() and not controller.busy
 
-    drained, returned = asyncio.run(scenario())
-    assert drained and finished and finished[0] <= returned
+    try:
+        asyncio.run(_drive(controller, steps))
+    finally:
+        gate.set()
 
 
 def test_a_cache_moved_to_another_bucket_leaves_the_old_buckets_claims(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,7 +313,8 @@ def test_usage_goes_when_its_window_emptied_and_stays_while_a_new_leader_has_not
     async def flush() -> None:
         controller._loop = asyncio.get_running_loop()
         controller._flush_usage()
-        await asyncio.sleep(0.3)
+        # The writes _flush_usage handed to the reconcile threads, all done.
+        await asyncio.to_thread(controller._executor.shutdown, True)
     asyncio.run(flush())
     kube: MemoryKube = controller.kube  # type: ignore[assignment]
     written = {name: status["usage"] for _, name, status in kube.status_patches}
