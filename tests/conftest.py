@@ -129,12 +129,7 @@ def node_agent(controller_manager: Testbed) -> Proc:
     """kube-scheduler and the stand-in kubelet for simulated GKE nodes (a CPU node, an
     a3-highgpu-8g H100 node, a v5e 2x4 host, a v5p 2x2x1 host and two node pools of a
     two-host v5p 2x2x2 slice each): the scheduler places pods, the agent runs what is bound to its nodes."""
-    return controller_manager.start_node_agent(IMAGES)
-
-
-# Images the node agent knows (a local folder each): like a Dockerfile's ENV, an image's
-# `env` is all a container gets besides its own spec and the node's GCS endpoint.
-IMAGES = local_images()
+    return controller_manager.start_node_agent(local_images())
 
 
 @pytest.fixture(scope="session")

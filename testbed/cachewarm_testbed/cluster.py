@@ -34,7 +34,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachewarm import certs
-from cachewarm_testbed import nodes
+from cachewarm_testbed import nodes, simimages
 from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
 from cachewarm_testbed.realnode import NODE_IP, RealNode
 
@@ -100,11 +100,23 @@ def bin_dir() -> Path:
 
 
 def local_images() -> dict[str, dict[str, Any]]:
-    """The images the node agent knows, each a local folder of this checkout: the warmer
-    image (its one file) and the stand-ins for training images (demo/, tests/data/), whose
-    `python` is this environment's interpreter."""
+    """The images the node agent knows (cachewarm_testbed.nodeagent's image map), each
+    with content of its own (cachewarm_testbed.simimages), built from the Dockerfile that
+    builds it for the real node where there is one:
+
+    - the warmer image: warmer_image/Dockerfile's /opt/cachewarm (its files linked to this
+      checkout's; `cp A B DIR` keeps the names), no python;
+    - the demo's training image (demo/train:1, and cachewarm/demo-train:0.1.0 as
+      cachewarm_testbed.images names it for the real node) and its stage `plain`
+      (cachewarm/demo-train-plain:0.1.0: no GCS library): demo/Dockerfile's files, WORKDIR,
+      ENV and a python holding what its `pip install` lines name;
+    - demo/train:2: the same Dockerfile built again, a folder of its own;
+    - test/targets:1: demo/Dockerfile's python and ENV with tests/data's programs in /app.
+
+    Raises simimages.ImageError when this environment cannot give an image what its
+    Dockerfile installs."""
     repo = repo_root()
-    trainer = {"root": str(repo / "demo"), "python": sys.executable}
+    cache = simimages.default_cache(repo)
     # The warmer image's /opt/cachewarm, as warmer_image/Dockerfile lays it out (the file
     # names matter: `cp A B DIR` keeps them), linked to this checkout's files.
     stage = Path(tempfile.gettempdir()) / f"cachewarm-warmer-image-{uuid.uuid5(uuid.NAMESPACE_URL, str(repo)).hex[:12]}"
@@ -112,6 +124,7 @@ def local_images() -> dict[str, dict[str, Any]]:
     for name, source in (("warm.py", repo / "operator" / "cachewarm" / "warmer.py"),
                          ("cachewarm_reporter.py", repo / "operator" / "cachewarm" / "reporter.py"),
                          ("sitecustomize.py", repo / "operator" / "cachewarm" / "sitecustomize.py"),
+                         ("cachewarm_copier.py", repo / "operator" / "cachewarm" / "copier.py"),
                          # The image's static busybox: here the host's (busybox-static, make node-deps).
                          ("busybox", Path(shutil.which("busybox") or "/bin/busybox"))):
         link = stage / name
@@ -119,13 +132,18 @@ def local_images() -> dict[str, dict[str, Any]]:
             link.unlink(missing_ok=True)
             with contextlib.suppress(FileExistsError):  # another process of this run made it
                 link.symlink_to(source)
+    stages = simimages.parse_dockerfile(repo / "demo" / "Dockerfile", repo)
+    train, plain = stages[""], stages["plain"]
+    targets = train.copy()
+    targets.files = {f"/app/{p.name}": p for p in sorted((repo / "tests" / "data").glob("*.py"))}
     return {
-        "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm": str(stage)}},
-        "demo/train:1": trainer,
+        "cachewarm/warmer:0.1.0": {"paths": {"/opt/cachewarm": str(stage)}, "workdir": "/"},
+        "demo/train:1": simimages.image("demo/train:1", train, cache),
         # The name of the image demo/Dockerfile builds for the real node (cachewarm_testbed.images).
-        "cachewarm/demo-train:0.1.0": dict(trainer),
-        "demo/train:2": dict(trainer),
-        "test/targets:1": {"root": str(repo / "tests" / "data"), "python": sys.executable},
+        "cachewarm/demo-train:0.1.0": simimages.image("cachewarm/demo-train:0.1.0", train, cache),
+        "cachewarm/demo-train-plain:0.1.0": simimages.image("cachewarm/demo-train-plain:0.1.0", plain, cache),
+        "demo/train:2": simimages.image("demo/train:2", train, cache),
+        "test/targets:1": simimages.image("test/targets:1", targets, cache),
     }
 
 

@@ -26,10 +26,18 @@ capacity), and the agent runs only what is bound to its nodes. What it does like
   deletion; a Job deleted with foreground propagation therefore goes away only when its
   pods have really stopped.
 
-What it is not (said here so no test leans on it): an image is a local directory
-(`--image-map`: working directory, path rewrites for files the image would contain, which
-python `python` means, and its env); pods of unknown images wait with ErrImageNeverPull;
-volume mount paths in arguments and env values are rewritten to per-pod directories; a
+What it is not (said here so no test leans on it): an image is a local folder
+(`--image-map`, built by cachewarm_testbed.simimages from the image's Dockerfile: its files
+under their image paths, its WORKDIR and ENV, and a python holding only what its Dockerfile
+installs; the host's tools run for anything but `python`, which an image without one does
+not have: the container fails to start, as runc's exec would); pods of unknown images wait
+with ErrImageNeverPull; image paths and volume mount paths in arguments, the working
+directory and env values are rewritten to local ones (a container sees no /app, but the
+folder that stands for it, and its writes there land in that folder, which every container
+of the image shares, where a real container writes to a layer of its own); each volume mount is bound, in the container's own mount
+namespace, from the volume's directory or the file or directory its subPath names (a
+missing one made a directory), read-only where the mount is readOnly, so the container
+cannot write there while the pod's other containers can (subPathExpr is refused); a
 projected serviceAccountToken volume gets a token the apiserver issues for the pod
 (TokenRequest with the volume's audience and expiry, bound to the Pod, as a kubelet asks for
 it; never refreshed, since pods here live minutes); the other projected sources (the CA
@@ -66,6 +74,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -88,6 +97,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # what runc puts
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KUBELET_VERSION = "v0.0.0-cachewarm-testbed"
 HEARTBEAT_SECONDS = 10.0
+START_ERROR_CODE = 128  # containerd: a container whose process could not be started
 
 
 def _rewrite(value: str, rewrites: dict[str, str]) -> str:
@@ -96,6 +106,11 @@ def _rewrite(value: str, rewrites: dict[str, str]) -> str:
         if value == path or value.startswith(path.rstrip("/") + "/"):
             return local + value[len(path):]
     return value
+
+
+def _rewrite_list(value: str, rewrites: dict[str, str]) -> str:
+    """An env value with each of its ':'-separated parts rewritten (PYTHONPATH, PATH)."""
+    return ":".join(_rewrite(part, rewrites) for part in value.split(":"))
 
 
 def now() -> str:
@@ -333,7 +348,8 @@ class Agent:
 
     @staticmethod
     def terminated(container: Any, code: int, message: str, started: str) -> dict[str, Any]:
-        term: dict[str, Any] = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+        reason = "Completed" if code == 0 else "StartError" if code == START_ERROR_CODE else "Error"
+        term: dict[str, Any] = {"exitCode": code, "reason": reason,
                                 "startedAt": started, "finishedAt": now()}
         if message:
             term["message"] = message
@@ -388,22 +404,40 @@ class Agent:
                 path.chmod(0o600)
 
     def plan(self, pod: Any, container: Any, root: Path, hostname: str) -> dict[str, Any]:
+        """How to start one container: its argv, working directory and env (with the
+        container paths rewritten to local ones) and its volume mounts. Raises
+        ContainerConfigError for what a kubelet would report as CreateContainerConfigError."""
         if (container.termination_message_path or TERMINATION_LOG) != TERMINATION_LOG:
             raise ContainerConfigError(f"container {container.name}: the node agent supports only "
                                        f"terminationMessagePath {TERMINATION_LOG}")
-        argv, cwd = self.argv_of(container, root)
         image = self.images[container.image]
+        rewrites, mounts = self.mount_paths(container, root)
+        argv, cwd, start_error = self.argv_of(container, rewrites, root)
         # containerd sets PATH and HOME when the image does not; the kubelet sets HOSTNAME.
-        rewrites = self.mount_paths(container, root)
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **image.get("env", {}), "HOSTNAME": hostname, **self.node_env,
-               **{k: _rewrite(v, rewrites) for k, v in self.env_of(pod, container).items()}}
-        return {"argv": argv, "cwd": cwd, "env": env, "root": root, "policy": container.termination_message_policy}
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root",
+               **{k: _rewrite_list(v, rewrites) for k, v in image.get("env", {}).items()},
+               "HOSTNAME": hostname, **self.node_env,
+               **{k: _rewrite_list(v, rewrites) for k, v in self.env_of(pod, container).items()}}
+        return {"argv": argv, "cwd": cwd, "env": env, "root": root, "policy": container.termination_message_policy,
+                "mounts": mounts, "start_error": start_error}
 
     def run_container(self, key: tuple[str, str], plan: dict[str, Any], container: Any) -> tuple[int, str]:
         root: Path = plan["root"]
         message_file = root / f"{container.name}.termination-log"
         message_file.write_text("")
         log = root / f"{container.name}.log"
+        if plan["start_error"]:
+            # What runc answers for an executable the image does not have: the container
+            # never runs (containerd's StartError, exit code 128).
+            log.write_text(plan["start_error"] + "\n")
+            return START_ERROR_CODE, plan["start_error"]
+        try:
+            binds = self.prepare_mounts(plan["mounts"])
+        except ContainerConfigError as exc:
+            # A kubelet keeps such a container waiting (CreateContainerConfigError); here it
+            # fails to start, which no test tells apart.
+            log.write_text(f"{exc}\n")
+            return START_ERROR_CODE, str(exc)
         # Private mount and UTS namespaces, set up as a container runtime would: the pod's
         # hostname, our /etc/hosts, and a /dev of the container's own (a tmpfs with the usual
         # device nodes bind-mounted from the host's, and the termination-log file). Nothing
@@ -416,7 +450,7 @@ class Agent:
             '&& mkdir "$5/pts" "$5/shm" && mount --rbind /dev/pts "$5/pts" && mount -t tmpfs -o mode=1777 shm "$5/shm" '
             '&& ln -s /proc/self/fd "$5/fd" && ln -s fd/0 "$5/stdin" && ln -s fd/1 "$5/stdout" '
             '&& ln -s fd/2 "$5/stderr" && touch "$5/$3" && mount --bind "$2" "$5/$3" '
-            '&& mount --move "$5" /dev && shift 5 && exec "$@"'
+            f'{binds}&& mount --move "$5" /dev && cd {shlex.quote(str(plan["cwd"]))} && shift 5 && exec "$@"'
         )
         staging = root / f"{container.name}.dev"
         staging.mkdir(exist_ok=True)
@@ -498,29 +532,79 @@ class Agent:
                 return str((values or {}).get(path[len(prefix) + 2:-2], ""))
         raise ContainerConfigError(f"fieldRef {path} is not supported by the node agent")
 
-    def mount_paths(self, container: Any, root: Path) -> dict[str, str]:
-        """Where the container's paths are here: the image's own files, and each volume
-        mount's directory (made if missing)."""
+    def mount_paths(self, container: Any, root: Path) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """Where the container's paths are here: the image's own files (its folder, shared
+        by every container of the image), and each volume mount's mount point, a folder
+        of the container's own onto which its private mount namespace binds the volume's
+        directory, or the file or directory its subPath names, read-only where the mount
+        is readOnly (prepare_mounts, at the container's start, as a kubelet prepares
+        subPaths). Returns the rewrites and the mounts. Raises ContainerConfigError for a
+        subPathExpr (not supported) or a subPath that is not a relative path inside the
+        volume."""
         rewrites: dict[str, str] = dict(self.images[container.image].get("paths", {}))
-        for mount in container.volume_mounts or []:
-            rewrites[mount.mount_path] = str(root / "volumes" / mount.name)
-            (root / "volumes" / mount.name).mkdir(parents=True, exist_ok=True)
-        return rewrites
+        mounts: list[dict[str, Any]] = []
+        for index, mount in enumerate(container.volume_mounts or []):
+            if mount.sub_path_expr:
+                raise ContainerConfigError(f"volumeMount {mount.name}: subPathExpr is not supported by the node agent")
+            sub = mount.sub_path or ""
+            if sub.startswith("/") or ".." in Path(sub).parts:
+                raise ContainerConfigError(f"volumeMount {mount.name}: subPath {sub!r} must be a relative path "
+                                           "inside the volume")
+            volume = root / "volumes" / mount.name
+            volume.mkdir(parents=True, exist_ok=True)
+            point = root / "mounts" / container.name / str(index)
+            rewrites[mount.mount_path] = str(point)
+            mounts.append({"volume": str(volume), "subPath": sub, "point": str(point),
+                           "readOnly": bool(mount.read_only), "name": mount.name})
+        return rewrites, mounts
 
-    def argv_of(self, container: Any, root: Path) -> tuple[list[str], Path]:
+    @staticmethod
+    def prepare_mounts(mounts: list[dict[str, Any]]) -> str:
+        """Make each mount's source (a subPath missing in its volume becomes a directory,
+        as the kubelet makes it) and mount point (a file for a file), and return the shell
+        steps that bind them in the container's mount namespace, remounting read-only
+        binds read-only: the container cannot write there, while the volume stays writable
+        for the pod's other containers. Raises ContainerConfigError for a subPath that
+        leads out of its volume (through a symlink)."""
+        steps = ""
+        for mount in mounts:
+            volume = Path(mount["volume"])
+            source = volume / mount["subPath"] if mount["subPath"] else volume
+            if mount["subPath"] and not source.exists() and not source.is_symlink():
+                source.mkdir(parents=True)
+            if not source.resolve().is_relative_to(volume.resolve()):
+                raise ContainerConfigError(f"volumeMount {mount['name']}: subPath {mount['subPath']!r} leads out "
+                                           "of the volume")
+            point = Path(mount["point"])
+            point.parent.mkdir(parents=True, exist_ok=True)
+            if source.resolve().is_dir():
+                point.mkdir(exist_ok=True)
+            else:
+                point.touch()
+            steps += f"&& mount --bind {shlex.quote(str(source.resolve()))} {shlex.quote(str(point))} "
+            if mount["readOnly"]:
+                steps += f"&& mount -o remount,bind,ro {shlex.quote(str(point))} "
+        return steps
+
+    def argv_of(self, container: Any, rewrites: dict[str, str], root: Path) -> tuple[list[str], Path, str]:
+        """The container's argv and working directory, rewritten to local paths, and a
+        start error ("" if none): `python` where the image has none."""
         image = self.images[container.image]
-        rewrites = self.mount_paths(container, root)
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
             raise ContainerConfigError(f"container {container.name} has no command; the node agent cannot run "
                                        "image defaults")
         out = [_rewrite(arg, rewrites) for arg in argv]
-        if out[0] in ("python", "python3") and image.get("python"):
-            out[0] = image["python"]
-        cwd = Path(image.get("root", root))
-        if container.working_dir:
-            cwd = Path(rewrites.get(container.working_dir, str(cwd)))
-        return out, cwd
+        error = ""
+        if out[0] in ("python", "python3"):
+            if image.get("python"):
+                out[0] = image["python"]
+            else:
+                error = (f'failed to create containerd task: exec: "{out[0]}": executable file not found in $PATH '
+                         f"(image {container.image} has no python)")
+        workdir = container.working_dir or image.get("workdir") or "/"
+        local = _rewrite(workdir, rewrites)
+        return out, Path(local) if local != workdir else root, error
 
     # -- start and stop ------------------------------------------------------------------
 
