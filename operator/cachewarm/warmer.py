@@ -42,6 +42,7 @@ import concurrent.futures
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -74,6 +75,22 @@ def log(message: str, **fields: Any) -> None:
     extra = " ".join(f"{k}={v}" for k, v in fields.items())
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} warmer: {message} {extra}".rstrip(),
           file=sys.stderr, flush=True)
+
+
+def missing_libraries(url: str) -> list[str]:
+    """What this image lacks to use the cache directory `url`: JAX reads and writes a
+    non-local one through etils.epath (without it JAX only warns at each compile and caches
+    nothing), which reaches gs:// through gcsfs. Empty for a local path."""
+    if "://" not in url:
+        return []
+    missing = []
+    try:
+        importlib.import_module("etils.epath")
+    except ImportError:
+        missing.append("etils[epath]")
+    if url.startswith("gs://") and importlib.util.find_spec("gcsfs") is None:
+        missing.append("gcsfs")
+    return missing
 
 
 class CacheDir:
@@ -551,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cache.url:
         log("JAX_COMPILATION_CACHE_DIR is not set; nothing would be cached")
     sys.path.insert(0, os.getcwd())
-    before = cache.entries()
+    lacking = missing_libraries(cache.url)
+    before = cache.entries() if not lacking else {}
     counters = Counters()
     used = UsedKeys()
     used.install()
@@ -562,27 +580,34 @@ def main(argv: list[str] | None = None) -> int:
     counted = True  # whether JAX's counters saw the compiles
     index = process_index()
     distributed = False
+    if lacking:
+        # Nothing to compile for: every entry would be lost, and the failure would read as
+        # programs below the write thresholds.
+        errors.append(f"JAX_COMPILATION_CACHE_DIR is {cache.url}, which this image cannot use: it lacks "
+                      f"{' and '.join(lacking)} (install them in the image: pip install {' '.join(lacking)})")
+        log("The image lacks what the cache directory needs", url=cache.url, missing=",".join(lacking))
     try:
-        counters.install()
-        if args.mode == "targets":
-            # command mode: the entrypoint initializes the distributed runtime itself (as it
-            # does in training); calling it here too would fail its second initialize().
-            distributed = initialize_distributed()
-            results, errors = run_targets(args.targets, args.parallel)
-        else:
-            command = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
-            code = run_command(command)
-            counted = in_process(command)
-            if code != 0:
-                errors.append(f"entrypoint exited with status {code}")
+        if not lacking:
+            counters.install()
+            if args.mode == "targets":
+                # command mode: the entrypoint initializes the distributed runtime itself (as it
+                # does in training); calling it here too would fail its second initialize().
+                distributed = initialize_distributed()
+                results, errors = run_targets(args.targets, args.parallel)
+            else:
+                command = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
+                code = run_command(command)
+                counted = in_process(command)
+                if code != 0:
+                    errors.append(f"entrypoint exited with status {code}")
     except Exception as exc:  # noqa: BLE001
         errors.append(f"{type(exc).__name__}: {exc}")
         traceback.print_exc(file=sys.stderr)
     # While the runtime is up (a multi-host warmer's devices are the whole slice's).
-    fp = fingerprint() if index == 0 and counted else None
+    fp = fingerprint() if index == 0 and counted and not lacking else None
     if distributed or distributed_by_entrypoint():
         shutdown_distributed()
-    after = cache.entries()
+    after = cache.entries() if not lacking else {}
     # Only process 0 writes cache entries; what another process sees appear in a shared
     # cache directory is process 0's work, so it is not counted twice.
     written = {k: v for k, v in after.items() if k not in before} if index == 0 else {}
