@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,4 +41,17 @@ def stuck_targets() -> Iterator[Any]:
 
 def quick_targets() -> Iterator[Any]:
     """The same program as slow_targets, without the wait."""
+    yield step, (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))
+
+
+def held_targets() -> Iterator[Any]:
+    """The same program as quick_targets, compiled once the file $WARM_RELEASE_FILE exists:
+    a test holds the warm while it looks at what holding means and then lets it go (on the
+    node agent every pod shares the host's files). Raises TimeoutError after 300 s."""
+    release = Path(os.environ["WARM_RELEASE_FILE"])
+    deadline = time.monotonic() + 300
+    while not release.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} did not appear")
+        time.sleep(0.05)
     yield step, (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32))

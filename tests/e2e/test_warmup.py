@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -282,6 +283,29 @@ def test_warmer_that_compiles_nothing_or_fails_leaves_warmed_false(
     assert scrape(operator.metrics_url, "cachewarm_warmer_runs_total", **runs, outcome="Succeeded") == 0
 
 
+def test_a_warmer_in_an_image_without_the_gcs_libraries_fails_and_says_so(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """demo/Dockerfile's stage `plain` installs jax alone. Its warmer cannot reach a gs://
+    cache (JAX would only warn and cache nothing): the warm fails, and the cache says what
+    the image lacks rather than blaming the write thresholds."""
+    bed = controller_manager
+    bed.apply(warm_cache("plain", f"plain-{uuid.uuid4().hex[:8]}",
+                         {"targets": ["train:targets"], "image": "cachewarm/demo-train-plain:0.1.0"}), namespace)
+
+    def given_up() -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", "plain", namespace) or {}
+        pools = ((obj.get("status") or {}).get("warmup") or {}).get("pools") or []
+        return obj if pools and pools[0].get("state") == "Failed" and pools[0].get("attempt") == 2 else None
+    obj = eventually(given_up, timeout=180, what="the plain image's warmer failed, retried once, and left Failed")
+    warmed = conditions(obj)["Warmed"]
+    assert (warmed["status"], warmed["reason"]) == ("False", "WarmupFailed")
+    lacking = "which this image cannot use: it lacks etils[epath] and gcsfs"
+    assert lacking in warmed["message"]
+    [pool] = obj["status"]["warmup"]["pools"]
+    assert lacking in pool["lastError"] and pool.get("entriesWritten", 0) == 0
+
+
 def test_image_change_rewarms_and_same_spec_does_not(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:
@@ -303,8 +327,13 @@ def test_image_change_rewarms_and_same_spec_does_not(
     second = eventually(rewarmed, timeout=180, what="a second warm for the new image")
     assert sorted(j["metadata"]["name"] for j in jobs(controller_manager, namespace, "rw")) == sorted([first, second])
     obj = wait_warmed(controller_manager, namespace, "rw")
-    # The same program in a new image is found in the cache: nothing new written.
-    assert obj["status"]["warmup"]["pools"][0]["entriesFound"] >= 1
+    # The same program in a new image (demo/Dockerfile built again: a folder of its own on
+    # the node agent, test_node_agent shows) is found in the cache: nothing new written.
+    [pod] = json.loads(controller_manager.kubectl_run("get", "pods", "-n", namespace, "-l", f"job-name={second}",
+                                                      "-o", "json").stdout)["items"]
+    assert pod["spec"]["containers"][0]["image"] == "demo/train:2" and pod["status"]["phase"] == "Succeeded"
+    [pool] = obj["status"]["warmup"]["pools"]
+    assert pool["entriesFound"] >= 1 and pool["entriesWritten"] == 0, pool
 
     annotated = controller_manager.kubectl_run("annotate", "ccache", "rw", "-n", namespace, "cachewarm.dev/rewarm=1")
     assert annotated.returncode == 0, annotated.stderr
@@ -339,10 +368,15 @@ def create_labelled_pod(bed: Testbed, ns: str, name: str, cache: str) -> dict[st
     return manifest
 
 
-def create_gated_setup(bed: Testbed, ns: str, cache: str, target: str, timeout: int, pod: str) -> dict[str, Any]:
+def create_gated_setup(bed: Testbed, ns: str, cache: str, target: str, timeout: int, pod: str,
+                       release: Path | None = None) -> dict[str, Any]:
     """A cache with waitForWarm and the given warmup target, Ready, and a labelled pod
-    created right after; returns the pod manifest for reuse."""
-    bed.apply(warm_cache(cache, f"{cache}-{uuid.uuid4().hex[:8]}", {"targets": [target], "image": "test/targets:1"},
+    created right after; returns the pod manifest for reuse. `release`: the file that lets
+    warm_targets:held_targets compile (its warmers wait while it does not exist)."""
+    warmup: dict[str, Any] = {"targets": [target], "image": "test/targets:1"}
+    if release is not None:
+        warmup["env"] = [{"name": "WARM_RELEASE_FILE", "value": str(release)}]
+    bed.apply(warm_cache(cache, f"{cache}-{uuid.uuid4().hex[:8]}", warmup,
                          injection={"waitForWarm": {"enabled": True, "timeoutSeconds": timeout}}), ns)
     wait_ready(bed, ns, cache)
     return create_labelled_pod(bed, ns, pod, cache)
@@ -353,12 +387,16 @@ def gates(bed: Testbed, ns: str, pod: str) -> list[str]:
 
 
 def test_wait_for_warm_holds_pods_until_the_cache_is_warm(
-    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, tmp_path: Path,
 ) -> None:
+    """The warm is held (its target waits for a file) until the pod has been seen held, so
+    the pod is created while the cache cannot be warm, whatever the machine's speed."""
     bed = controller_manager
-    create_gated_setup(bed, namespace, "gated", "warm_targets:slow_targets", 600, "waiter")
+    release = tmp_path / "release"
+    create_gated_setup(bed, namespace, "gated", "warm_targets:held_targets", 600, "waiter", release)
     assert gates(bed, namespace, "waiter") == ["cachewarm.dev/wait-for-warm"]
     assert conditions(bed.get_json("ccache", "gated", namespace))["Warmed"]["status"] == "False"
+    release.touch()
     wait_warmed(bed, namespace, "gated")
     eventually(lambda: gates(bed, namespace, "waiter") == [], timeout=30, what="gate removed once Warmed")
     eventually(lambda: any(e["reason"] == "PodReleased" and "the cache is warm" in e["message"]
@@ -450,21 +488,37 @@ def test_a_cache_deleted_while_the_operator_is_down_releases_held_pods_at_its_st
 
 
 def test_a_pod_created_while_a_warmed_cache_rewarms_is_not_held(
-    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, tmp_path: Path,
 ) -> None:
+    """The re-warm is held (its target waits for a file the test creates only afterwards),
+    so the cache is Rewarming from before the pod's creation until after it: the status
+    read before and after shows the same Rewarming condition and the re-warm's Job still
+    running. The gate is decided at admission (schedulingGates can only be removed later)."""
     bed = controller_manager
-    create_gated_setup(bed, namespace, "again", "warm_targets:slow_targets", 600, "first")
-    wait_warmed(bed, namespace, "again", timeout=50)
+    release = tmp_path / "release"
+    release.touch()  # the first warm runs through
+    create_gated_setup(bed, namespace, "again", "warm_targets:held_targets", 600, "first", release)
+    first_job = wait_warmed(bed, namespace, "again", timeout=120)["status"]["warmup"]["pools"][0]["job"]
+    release.unlink()  # hold the re-warm
     annotated = bed.kubectl_run("annotate", "ccache", "again", "-n", namespace, "cachewarm.dev/rewarm=1")
     assert annotated.returncode == 0, annotated.stderr
 
-    def rewarming() -> dict[str, Any] | None:
-        warmed = conditions(bed.get_json("ccache", "again", namespace)).get("Warmed") or {}
-        return warmed if warmed.get("reason") == "Rewarming" else None
-    warmed = eventually(rewarming, timeout=20, what="Warmed True, reason Rewarming")
-    assert warmed["status"] == "True" and "Re-warming: cpu" in warmed["message"]
+    def rewarming() -> tuple[dict[str, Any], str] | None:
+        obj = bed.get_json("ccache", "again", namespace)
+        warmed = conditions(obj).get("Warmed") or {}
+        pool = (((obj or {}).get("status") or {}).get("warmup") or {}).get("pools", [{}])[0]
+        held = pool.get("job") != first_job and pool.get("state") == "Running"
+        return (warmed, pool["job"]) if warmed.get("reason") == "Rewarming" and held else None
+    before, job = eventually(rewarming, timeout=60, what="Warmed True, reason Rewarming, the re-warm Job running")
+    assert before["status"] == "True" and "Re-warming: cpu" in before["message"]
     create_labelled_pod(bed, namespace, "during", "again")
     assert gates(bed, namespace, "during") == []
+    after = rewarming()
+    assert after is not None and after == (before, job), (before, after)
+    [running] = [j for j in jobs(bed, namespace, "again") if j["metadata"]["name"] == job]
+    assert not (running.get("status") or {}).get("conditions"), running.get("status")  # neither Complete nor Failed
+    release.touch()
+    wait_warmed(bed, namespace, "again", timeout=120)
 
 
 def test_a_refused_cache_holds_no_pod(
