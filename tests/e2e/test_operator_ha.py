@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import http.client
 import os
 import signal
 import socket
@@ -42,14 +43,53 @@ def bed(own_install: Testbed) -> Testbed:
 
 def served_certificate(port: int) -> bytes:
     """The DER certificate a new TLS connection to the webhook port is given."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock, \
-            context.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
+            unverified().wrap_socket(sock, server_hostname="127.0.0.1") as tls:
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return der
+
+
+def unverified() -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+class KeptConnection:
+    """One HTTP/1.1 keep-alive connection to the webhook port. A certificate reloaded in
+    place leaves it open with the certificate it was opened with (OpenSSL copies it into
+    each connection as it starts); a restart of the process, even one in place (exec, same
+    pid), closes it."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPSConnection("127.0.0.1", port, context=unverified(), timeout=10)
+        self.conn.connect()
+        self.sock = self.conn.sock
+        assert isinstance(self.sock, ssl.SSLSocket)
+        certificate = self.sock.getpeercert(binary_form=True)
+        assert certificate is not None
+        self.certificate = certificate
+
+    def ask(self) -> int:
+        """A GET on this very connection (405: the webhook takes POSTs only). Raises OSError
+        (http.client's RemoteDisconnected is one) when the server closed it, and fails when
+        http.client had to open another."""
+        self.conn.request("GET", "/")
+        answer = self.conn.getresponse()
+        answer.read()
+        assert self.conn.sock is self.sock, "the kept connection was closed and opened again"
+        return answer.status
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def started(pid: int) -> str:
+    """The process's start time (/proc/<pid>/stat field 22): with the pid, one process's
+    identity; a new process under a reused pid has another."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
 def ready(bed: Testbed, name: str, namespace: str) -> bool:
@@ -111,7 +151,16 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         eventually(lambda: ready(bed, "after", namespace), timeout=60, what="Ready under the new leader")
         assert "Created bucket after-" in second.log.read_text(errors="replace")
 
-        # A renewed certificate (same CA, as cert renewals are) is served without a restart.
+        # A renewed certificate (same CA, as cert renewals are) is served without a restart:
+        # the same process (taken before the renewal), which started once, and a connection
+        # opened before the renewal still open with the old certificate.
+        pid_before, started_before = second.pid, started(second.pid)
+        starts = second.log.read_text(errors="replace").count("Started cachewarm operator")
+        assert starts == 1
+        kept = KeptConnection(port)  # to `second`: the only replica left
+        old_der = kept.certificate
+        assert old_der == x509.load_pem_x509_certificate(tls_pem).public_bytes(Encoding.DER)
+        assert kept.ask() == 405
         ca = certs.KeyPair(ca_pem, base64.b64decode(secret["data"]["ca.key"]))
         san = x509.load_pem_x509_certificate(tls_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
         hosts = [*san.value.get_values_for_type(x509.DNSName), *map(str, san.value.get_values_for_type(x509.IPAddress))]
@@ -120,13 +169,23 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         secret["data"]["tls.key"] = base64.b64encode(renewed.key_pem).decode()
         bed.apply(secret, NS)
         new_der = x509.load_pem_x509_certificate(renewed.cert_pem).public_bytes(Encoding.DER)
-        eventually(lambda: served_certificate(port) == new_der or None, timeout=30,
-                   what="the renewed certificate served")
-        pid_before = second.pid
+
+        def renewed() -> bool | None:
+            # The kept connection used at each look (aiohttp closes one idle for 75 s); it
+            # raises, failing the test at once, if the process closed it.
+            kept.ask()
+            return served_certificate(port) == new_der or None
+        eventually(renewed, timeout=30, what="the renewed certificate served")
         hooks = (bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "default") or {})["webhooks"]
         assert {base64.b64decode(h["clientConfig"]["caBundle"]) for h in hooks} == {ca_pem}
-        assert second.pid == pid_before  # reloaded in place
-        assert "Serving a new webhook certificate" in second.log.read_text(errors="replace")
+        # Reloaded in place: the connection from before still answers, with the old
+        # certificate; the same process (pid and start time), alive, and started once.
+        assert kept.ask() == 405 and kept.certificate == old_der
+        kept.close()
+        assert second.proc.alive() and (second.pid, started(second.pid)) == (pid_before, started_before)
+        log = second.log.read_text(errors="replace")
+        assert log.count("Started cachewarm operator") == starts
+        assert "Serving a new webhook certificate" in log
 
         # Stopped cleanly, the last replica gives the Lease up.
         second.stop()
