@@ -392,7 +392,7 @@ class Controller:
     def wake_at(self, key: Key, when: dt.datetime) -> None:
         """Queue the cache at `when` (by self.clock), leader only. One wake-up per cache,
         the earliest asked for: a later one is dropped (the reconcile at the earlier one
-        asks again). None for a cache that is gone."""
+        asks again). A cache that is gone gets none."""
         if self._loop is None or not self.leader.is_leader or key not in self.store:
             return
         pending = self._wakeups.get(key)
