@@ -54,9 +54,12 @@ def main() -> None:
     value.block_until_ready()
     requests = events["/jax/compilation_cache/compile_requests_use_cache"]
     hits = events["/jax/compilation_cache/cache_hits"]
+    # JAX counts a miss only when this process writes the entry it compiled
+    # (compilation_cache.put_executable_and_time): the entries this process wrote.
+    misses = events["/jax/compilation_cache/cache_misses"]
     print(json.dumps({"process_index": jax.process_index(), "process_count": jax.process_count(),
-                      "cache_hits": hits, "compiled": requests - hits,
-                      "cache_dir": jax.config.jax_compilation_cache_dir}), flush=True)
+                      "requests": requests, "cache_hits": hits, "compiled": requests - hits,
+                      "cache_misses": misses, "cache_dir": jax.config.jax_compilation_cache_dir}), flush=True)
     jax.distributed.shutdown()
 
 
