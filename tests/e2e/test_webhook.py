@@ -1,6 +1,8 @@
 """The pod admission webhook, through the real apiserver: labelled pods get the cache env,
 everything else is left alone, user settings win, ReadOnly pods read but never write
-(real JAX processes), and the webhook can neither block pods nor crash."""
+(real JAX processes in pods the node agent runs with the env the cluster gave them), and
+the webhook can neither block pods (the apiserver's own deadline and fail-open record) nor
+crash."""
 
 from __future__ import annotations
 
@@ -9,22 +11,18 @@ import json
 import os
 import signal
 import ssl
-import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from google.cloud import storage
+from prometheus_client.parser import text_string_to_metric_families
 
-from cachewarm.builders.injection import cache_env
-from cachewarm.model import parse_spec
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
-from cachewarm_testbed.podrun import run_container
+from cachewarm_testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +30,6 @@ JAX_VARS = {
     "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES",
 }
-TRAIN = Path(__file__).parent.parent / "data" / "jax_train.py"
 
 
 def make_cache(bed: Testbed, ns: str, name: str, report: bool | None = False, **spec: Any) -> dict[str, Any]:
@@ -164,51 +161,92 @@ def test_missing_or_foreign_cache_admits_pod_unchanged_with_warning(
         controller_manager.kubectl_run("delete", "namespace", other, "--wait=false")
 
 
+def finished(bed: Testbed, ns: str, name: str) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        obj = bed.get_json("pod", name, ns) or {}
+        return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+    return eventually(done, timeout=180, what=f"pod {ns}/{name} to finish")
+
+
 def test_read_only_pods_read_hits_and_never_write(
-    operator: OperatorHandle, controller_manager: Testbed, namespace: str, gcs: storage.Client
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, gcs: storage.Client
 ) -> None:
-    obj = make_cache(controller_manager, namespace, "ro", jax={"minCompileTimeSecs": 0},
-                     injection={"mode": "ReadOnly"})
+    """On the node agent, so every env is the one the cluster gave: the operator's warmer
+    Job (the env its Job builder wrote) fills the cache; a training pod created through
+    the apiserver, admitted by the webhook and run with exactly the env stored for it reads
+    every entry and writes none, even for a program the warmer never compiled (--extra)."""
+    bed = controller_manager
+    make_cache(bed, namespace, "ro", jax={"minCompileTimeSecs": 0}, injection={"mode": "ReadOnly"},
+               warmup={"image": "test/targets:1", "command": ["python", "jax_train.py"], "pools": [{"name": "cpu"}]})
+
+    def warmed() -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", "ro", namespace) or {}
+        cond = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}.get("Warmed") or {}
+        return obj if cond.get("status") == "True" and cond.get("reason") not in ("Warming", "Rewarming") else None
+    obj = eventually(warmed, timeout=180, what="the cache Warmed by its warmer Job")
     gcs_spec = obj["spec"]["storage"]["gcs"]
-    base_env = controller_manager.env()
-
-    # A warmer (the same env builder, role "warmer") writes the entries.
-    warmer_env = {e["name"]: e["value"] for e in cache_env(parse_spec(obj["spec"]), "warmer")}
-    warm = run_container({"spec": {"containers": [{"name": "w", "env": [
-        {"name": k, "value": v} for k, v in warmer_env.items()]}]}},
-        [sys.executable, str(TRAIN)], base_env=base_env)
-    assert warm.returncode == 0, warm.stderr[-2000:]
-    warmed = json.loads(warm.stdout.splitlines()[-1])
-    assert warmed["compiled"] > 0 and warmed["hits"] == 0
+    [pool] = obj["status"]["warmup"]["pools"]
     entries = {b.name for b in gcs.list_blobs(gcs_spec["bucket"])}
-    assert len(entries) == warmed["compiled"]
+    assert pool["entriesWritten"] > 0 and entries == {b.name for b in gcs.list_blobs(gcs_spec["bucket"], prefix="jax/")}
+    assert len([e for e in entries if e.endswith("-cache")]) == pool["entriesWritten"]
 
-    # A training pod admitted through the webhook reads them and writes nothing, even for
-    # a program the warmer never compiled (--extra).
-    stored, _ = create_pod(controller_manager, namespace, pod("reader", "ro"))
+    reader = pod("reader", "ro")
+    reader["spec"]["restartPolicy"] = "Never"
+    reader["spec"]["containers"][0].update(image="test/targets:1", command=["python", "jax_train.py", "--extra"])
+    stored, _ = create_pod(bed, namespace, reader)
     assert env_of(stored)["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "1e9"
-    read = run_container(stored, [sys.executable, str(TRAIN), "--extra"], base_env=base_env)
-    assert read.returncode == 0, read.stderr[-2000:]
-    result = json.loads(read.stdout.splitlines()[-1])
-    assert result["hits"] == warmed["compiled"]
-    assert result["compiled"] == 1, (result, warmed)  # evaluate() was never warmed
-    assert "Error" not in read.stderr and "Warning" not in read.stderr, read.stderr[-2000:]
+    done = finished(bed, namespace, "reader")
+    log = bed.pod_log(namespace, "reader", "train")
+    assert done["status"]["phase"] == "Succeeded", log[-2000:]
+    result = json.loads(log.strip().splitlines()[-1])
+    assert result["hits"] == pool["entriesWritten"], (result, pool)
+    assert result["compiled"] == 1, (result, pool)  # evaluate() was never warmed
+    assert "Error" not in log and "Warning" not in log, log[-2000:]
     assert {b.name for b in gcs.list_blobs(gcs_spec["bucket"])} == entries
+
+
+def apiserver_metric(bed: Testbed, metric: str, **labels: str) -> float:
+    """The sum of the samples with `labels` of the apiserver's own metric family `metric`
+    (the parser names a counter's samples with a _total suffix the apiserver does not write)."""
+    got = bed.kubectl_run("get", "--raw", "/metrics")
+    assert got.returncode == 0, got.stderr
+    return sum(sample.value for family in text_string_to_metric_families(got.stdout) if family.name == metric
+               for sample in family.samples if labels.items() <= sample.labels.items())
 
 
 def test_pods_are_created_while_the_operator_is_stopped(
     operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
-    make_cache(controller_manager, namespace, "llama")
+    """With the operator stopped (SIGSTOP: its port accepts the connection, nothing
+    answers), the apiserver gives up on the webhook at the configuration's timeoutSeconds,
+    3 s as the README says, fails open (failurePolicy Ignore) and stores the pod as it came.
+    Shown by what the apiserver recorded, not by a clock of ours: its call carried its own
+    deadline (`?timeout=3s`), ended on that deadline (context deadline exceeded), and its
+    fail-open counter for our webhook went up by one."""
+    bed = controller_manager
+    make_cache(bed, namespace, "llama")
+    config = bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "")
+    assert config is not None
+    [hook] = config["webhooks"]
+    assert (hook["timeoutSeconds"], hook["failurePolicy"]) == (3, "Ignore")
+    log = bed.workdir / "logs" / "kube-apiserver.log"
+    offset = log.stat().st_size
+    failed_open = apiserver_metric(bed, "apiserver_admission_webhook_fail_open_count", name=hook["name"], type="admit")
     os.kill(operator.pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
-        stored, _ = create_pod(controller_manager, namespace, pod("while-down", "llama"))
-        waited = time.monotonic() - t0
+        stored, _ = create_pod(bed, namespace, pod("while-down", "llama"))
     finally:
         os.kill(operator.pid, signal.SIGCONT)
     assert "env" not in stored["spec"]["containers"][0]
-    assert waited < 30  # bounded by the webhook timeout, not by the operator coming back
+    assert "cachewarm.dev/injected" not in (stored["metadata"].get("annotations") or {})
+    assert apiserver_metric(bed, "apiserver_admission_webhook_fail_open_count", name=hook["name"],
+                            type="admit") == failed_open + 1
+
+    def failed_open_lines() -> list[str]:  # klog flushes its buffer every few seconds
+        text = log.read_bytes()[offset:].decode(errors="replace")
+        return [line for line in text.splitlines() if f"Failed calling webhook, failing open {hook['name']}" in line]
+    [line] = eventually(failed_open_lines, timeout=30, what="the apiserver's fail-open log line")
+    assert "/inject-cache?timeout=3s" in line and "context deadline exceeded" in line, line
 
 
 def test_pods_in_operator_and_system_namespaces_are_never_sent(
