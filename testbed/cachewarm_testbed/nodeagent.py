@@ -618,7 +618,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--image-map", default="{}", help="JSON: image -> {root, paths, python, env}")
+    parser.add_argument("--image-map", default="{}", help="JSON: image -> {paths, workdir, python, env} (cachewarm_testbed.simimages)")
     parser.add_argument("--nodes", required=True, help="JSON list of {name, pool, machine, topology, address}")
     parser.add_argument("--node-env", default="{}", help="JSON env every container on these nodes gets")
     args = parser.parse_args()
