@@ -34,7 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -270,18 +270,18 @@ def image_files(name: str, files: Mapping[str, Path], cache: Path) -> Path:
     return final
 
 
-def _tops(paths: Iterable[str]) -> list[str]:
-    return sorted({"/" + PurePosixPath(p).parts[1] for p in paths})
-
-
 def image(name: str, stage: Stage, cache: Path) -> dict[str, Any]:
     """The node agent's entry for one image (cachewarm_testbed.nodeagent's --image-map):
-    `paths` maps each top folder of the image's files to the local copy, `workdir` is
-    the container's default working directory, `python` the environment's interpreter
-    (absent: the image has no python), `env` its ENV. Raises ImageError."""
+    `paths` maps the folders holding the image's files (and the marker file itself) to
+    their local copies, and nothing else of the image's filesystem (a pod's /etc/hosts
+    stays the node agent's), `workdir` is the container's default working directory,
+    `python` the environment's interpreter (absent: the image has no python), `env` its
+    ENV. Raises ImageError."""
     tree = image_files(name, stage.files, cache)
+    folders = {str(PurePosixPath(path).parent) for path in stage.files} | {stage.workdir}
+    local = {folder: str(tree / folder.lstrip("/")) for folder in folders if folder != "/"}
     entry: dict[str, Any] = {
-        "paths": {top: str(tree / top.lstrip("/")) for top in _tops([*stage.files, MARKER])},
+        "paths": {**local, MARKER: str(tree / MARKER.lstrip("/"))},
         "workdir": stage.workdir,
         "env": dict(stage.env),
     }
