@@ -18,6 +18,8 @@ operator wrote against GCS's documented semantics, here and only here
   noncurrent ones never).
 
 A condition this module does not know raises, so a test never passes by ignoring one.
+tests/unit/test_lifecycle_gcs_docs.py pins each reading above to the sentence of GCS's
+documentation it comes from.
 """
 
 from __future__ import annotations

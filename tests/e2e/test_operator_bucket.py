@@ -4,7 +4,6 @@ GCS emulator: create, adopt, region check, drift, deletion policies and GCS faul
 from __future__ import annotations
 
 import datetime as dt
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from google.cloud import storage
 from cachewarm.builders import bucket as b
 from cachewarm.builders.injection import cache_env
 from cachewarm.clients.gcs import GcsClient
-from cachewarm.model import parse_spec
+from cachewarm.model import GcsStorage, parse_spec
+from cachewarm.reconcile import reconcile_bucket
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.gcsproxy import ProxyControl
@@ -72,6 +72,22 @@ def bucket_writes(proxy: ProxyControl, bucket: str) -> list[dict[str, Any]]:
     return [w for w in proxy.writes() if bucket in w["path"] or w["path"].rstrip("/") == "/storage/v1/b"]
 
 
+def bucket_reads(proxy: ProxyControl, bucket: str) -> int:
+    """Reads of the bucket's metadata that reached GCS since the proxy's log was cleared."""
+    return sum(1 for r in proxy.log() if r["method"] == "GET" and r["path"].rstrip("/") == f"/storage/v1/b/{bucket}")
+
+
+def wait_reconciles(proxy: ProxyControl, bucket: str, reads: int, timeout: float = 60) -> None:
+    """Until the operator read the bucket `reads` times since proxy.clear_log(): the
+    operator's own record that it reconciled. Every reconcile of a cache on the bucket
+    starts with one read of it (one more only when a write of its races someone else's),
+    and reconciles of one cache never overlap (the controller's queue), so with one cache on
+    the bucket, read n+1 means n reconciles ended: their status written, their Events
+    posted. The test itself must not read the bucket meanwhile."""
+    eventually(lambda: bucket_reads(proxy, bucket) >= reads, timeout=timeout,
+               what=f"{reads} reads of bucket {bucket} by the operator's reconciles")
+
+
 def test_sample_creates_configured_bucket_and_reaches_ready(
     operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, repo: Path,
     proxy: ProxyControl,
@@ -110,13 +126,16 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
     assert created["message"].endswith("with labels, lifecycle, softDeletePolicy"), created["message"]
     assert [w["method"] for w in bucket_writes(proxy, "team-jax-cache")] == ["POST"], proxy.writes()
 
-    # Applying the same file again changes nothing on the object, even across resyncs.
+    # Applying the same file again changes nothing on the object, even across resyncs: two
+    # resyncs are seen to end (three reads of the bucket) before the object is compared.
     before = installed.get_json("ccache", "llama-8b", namespace)
     out = installed.apply(sample, namespace)
     assert "unchanged" in out
-    time.sleep(7)  # two resync ticks
+    proxy.clear_log()
+    wait_reconciles(proxy, "team-jax-cache", 3)
     after = installed.get_json("ccache", "llama-8b", namespace)
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert bucket_writes(proxy, "team-jax-cache") == []
 
 
 def test_spec_change_is_applied_and_generation_observed(
@@ -451,8 +470,7 @@ def test_caches_sharing_a_bucket_report_conflicts_and_leave_it_alone(
 
     # Every cache resyncs (each reads the bucket) a few times: nothing is written again.
     proxy.clear_log()
-    eventually(lambda: len([r for r in proxy.log() if r["method"] == "GET" and r["path"].rstrip("/")
-                            == f"/storage/v1/b/{name}"]) >= 12, timeout=60, what="three resyncs of every cache")
+    wait_reconciles(proxy, name, 12)  # three resyncs of each of the four caches
     assert bucket_writes(proxy, name) == []
     assert gcs.get_bucket(name).metageneration == metageneration
     for cache_name in ("first", "nested", "root", "sibling"):
@@ -467,21 +485,168 @@ def test_resyncs_of_an_unchanged_cache_list_no_objects_until_the_inventory_is_du
 ) -> None:
     """A resync (3 s in the suite) reads the bucket for drift but lists no entries: the
     inventory is taken at a new spec, after a warm, and at its own cadence
-    (CACHEWARM_INVENTORY_SECONDS, 10 s in the suite, 1 h by default)."""
+    (CACHEWARM_INVENTORY_SECONDS, 10 s in the suite, 1 h by default). Waited for by what the
+    operator did (its requests, in order, and the listedTime it records), not by the clock."""
     name = unique_bucket("quiet")
     installed.apply(cache("quiet", name, prefix="q"), namespace)
     obj = wait_condition(installed, namespace, "quiet", "Ready", "True")
     listed_at = obj["status"]["cache"]["listedTime"]
-    listed = dt.datetime.strptime(listed_at, "%Y-%m-%dT%H:%M:%SZ").replace(
-        tzinfo=dt.timezone.utc)
     proxy.clear_log()
-    # Until one second before the cadence is due (listedTime has whole seconds).
-    time.sleep(max(0.0, (listed + dt.timedelta(seconds=9) - dt.datetime.now(dt.timezone.utc)).total_seconds()))
-    quiet = [(e["method"], e["path"]) for e in proxy.log() if f"/b/{name}" in e["path"]]
-    assert ("GET", f"/storage/v1/b/{name}") in quiet  # resyncs ran and read the bucket
-    assert ("GET", f"/storage/v1/b/{name}/o") not in quiet, quiet
-    eventually(lambda: any(e["path"] == f"/storage/v1/b/{name}/o" for e in proxy.log()) or None,
-               timeout=30, what="the inventory at its cadence")
+    bucket, listing = ("GET", f"/storage/v1/b/{name}"), ("GET", f"/storage/v1/b/{name}/o")
+
+    def until_listed() -> tuple[list[tuple[str, str]]] | None:
+        seen = [(e["method"], e["path"].rstrip("/")) for e in proxy.log() if f"/b/{name}" in e["path"]]
+        return (seen[:seen.index(listing)],) if listing in seen else None
+    [before] = eventually(until_listed, timeout=60, what="the inventory at its cadence")
+    # Before it, reconciles only read the bucket: the one that lists read it first, and at
+    # least one resync before that read it and listed nothing.
+    assert before and set(before) == {bucket}, before
+    assert len(before) >= 2, before
     relisted = eventually(lambda: (lambda o: o if o["status"]["cache"]["listedTime"] > listed_at else None)(
         installed.get_json("ccache", "quiet", namespace) or {}), timeout=15, what="a new listedTime")
     assert relisted["status"]["cache"]["entries"] == 0
+    assert relisted["status"]["observedGeneration"] == relisted["metadata"]["generation"] == 1  # no new spec
+    # The operator's own record: the new listing came at the cadence, not sooner.
+    first, second = (dt.datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")
+                     for t in (listed_at, relisted["status"]["cache"]["listedTime"]))
+    assert second - first >= dt.timedelta(seconds=10), (listed_at, relisted["status"]["cache"]["listedTime"])
+
+
+# --- what cachewarm leaves alone, driven through the operator: the rule limit, a copy of its
+# rule it did not record, another operator instance on the bucket ---------------------------
+
+def warning_events(bed: Testbed, ns: str, name: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in bed.events_for(name, ns) if e["reason"] == reason and e["type"] == "Warning"]
+
+
+def test_a_rule_that_no_longer_fits_under_gcs_limit_is_a_condition_and_nothing_is_written(
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    """GCS allows 100 lifecycle rules per bucket. A team's bucket holds 99: the first cache
+    takes the last place, the next one (another deleteAfterDays: its own rule) reports
+    RuleLimitReached, once, and the operator writes nothing for it, resync after resync.
+    (Caches are ordered by creationTimestamp, whole seconds, then by name: "first" is the
+    older even when both were created in the same second.)"""
+    name = unique_bucket("full")
+    gcs.create_bucket(name, location="us-central1")
+    theirs = [{"action": {"type": "Delete"}, "condition": {"age": 100 + i, "matchesPrefix": [f"logs{i}/"]}}
+              for i in range(b.MAX_LIFECYCLE_RULES - 1)]
+    bucket = gcs.get_bucket(name)
+    bucket.lifecycle_rules = theirs
+    bucket.patch()
+    installed.apply(cache("first", name, create=False, prefix="a", lifecycle={"deleteAfterDays": 10}), namespace)
+    wait_condition(installed, namespace, "first", "LifecycleReady", "True", "Reconciled")
+    full = gcs.get_bucket(name)
+    assert [dict(r) for r in full.lifecycle_rules] == [*theirs, ours(10, "a/")]
+
+    proxy.clear_log()
+    installed.apply(cache("second", name, create=False, prefix="b", lifecycle={"deleteAfterDays": 20}), namespace)
+    obj = wait_condition(installed, namespace, "second", "LifecycleReady", "False", "RuleLimitReached")
+    lifecycle = condition(obj, "LifecycleReady")
+    assert "holds 99 lifecycle rules of others and 1 of cachewarm's" in lifecycle["message"]
+    assert "no rule for 20 days fits" in lifecycle["message"]
+    assert condition(obj, "BucketReady")["status"] == "True"  # the bucket itself is fine
+    assert obj["status"]["bucket"].get("deleteAfterDays") is None  # no rule of cachewarm's covers b/
+    # Several resyncs of both caches later (each reads the bucket once): nothing was written,
+    # the first cache keeps its place, the second was announced once.
+    wait_reconciles(proxy, name, 7)
+    assert bucket_writes(proxy, name) == []
+    after = gcs.get_bucket(name)
+    assert after.metageneration == full.metageneration
+    rules = [dict(r) for r in after.lifecycle_rules]
+    assert rules == [*theirs, ours(10, "a/")]
+    [said] = warning_events(installed, namespace, "second", "RuleLimitReached")
+    assert said["message"] == lifecycle["message"]
+    assert condition(installed.get_json("ccache", "first", namespace), "LifecycleReady")["reason"] == "Reconciled"
+    # As the rules say: nothing ever deletes the second cache's entries, the first's expire.
+    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=365)
+    now = dt.datetime.now(dt.timezone.utc)
+    assert ev.rules_matching_name(rules, f"b/{ENTRY}") == []
+    assert not ev.deletes(rules, ev.ObjectState(f"b/{ENTRY}", long_ago, long_ago), now)
+    assert ev.deletes(rules, ev.ObjectState(f"a/{ENTRY}", long_ago, long_ago), now)
+
+
+def test_the_rule_a_cache_needs_already_there_unrecorded_is_reported_and_never_copied(
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    """The bucket already holds, byte for byte, the rule the cache needs, but not recorded
+    as this operator's (a team's copy, or ours with its label stripped by a tool): the cache
+    reports IdenticalForeignRule, once, the operator adds no second copy and records none,
+    and entries expire as that rule says. Removing the copy lets cachewarm manage it again."""
+    name = unique_bucket("identical")
+    gcs.create_bucket(name, location="us-central1")
+    needed = ours(10, "jax/")
+    bucket = gcs.get_bucket(name)
+    bucket.lifecycle_rules = [LOGS_RULE, needed]
+    bucket.patch()
+    bucket = gcs.get_bucket(name)
+    proxy.clear_log()
+    installed.apply(cache("copy", name, create=False, prefix="jax", lifecycle={"deleteAfterDays": 10}), namespace)
+    obj = wait_condition(installed, namespace, "copy", "LifecycleReady", "False", "IdenticalForeignRule")
+    lifecycle = condition(obj, "LifecycleReady")
+    assert "neither adds a second copy nor takes one over" in lifecycle["message"]
+    assert condition(obj, "BucketReady")["status"] == "True"
+    wait_reconciles(proxy, name, 4)  # the first reconcile and two resyncs ended
+    assert bucket_writes(proxy, name) == []
+    after = gcs.get_bucket(name)
+    assert after.metageneration == bucket.metageneration
+    assert [dict(r) for r in after.lifecycle_rules] == [LOGS_RULE, needed]
+    assert after.labels == bucket.labels and b.rule_label(needed) not in after.labels
+    [said] = warning_events(installed, namespace, "copy", "IdenticalForeignRule")
+    assert said["message"] == lifecycle["message"]
+    # Entries expire as that rule says: deleteAfterDays after their customTime.
+    stamped = dt.datetime.now(dt.timezone.utc)
+    entry = ev.ObjectState(f"jax/{ENTRY}", stamped, stamped)
+    rules = [dict(r) for r in after.lifecycle_rules]
+    assert not ev.deletes(rules, entry, stamped + dt.timedelta(days=10) - dt.timedelta(seconds=1))
+    assert ev.deletes(rules, entry, stamped + dt.timedelta(days=10))
+
+    # The unrecorded copy removed: the operator writes the rule as its own (recorded).
+    bucket = gcs.get_bucket(name)
+    bucket.lifecycle_rules = [LOGS_RULE]
+    bucket.patch()
+    wait_condition(installed, namespace, "copy", "LifecycleReady", "True", "Reconciled", timeout=30)
+    managed = gcs.get_bucket(name)
+    assert [dict(r) for r in managed.lifecycle_rules] == [LOGS_RULE, needed]
+    assert managed.labels[b.rule_label(needed)] == "default"
+
+
+def test_a_bucket_another_operator_instance_uses_is_reported_and_its_rules_are_left_alone(
+    operator: OperatorHandle, installed: Testbed, namespace: str, gcs: storage.Client, proxy: ProxyControl
+) -> None:
+    """Another cachewarm operator (instance ops-b, another cluster) keeps a cache on the same
+    bucket. It is played by the product's own reconcile_bucket with instance ops-b, as that
+    operator would run it; the operator under test (instance default) reports
+    SharedWithOtherOperator, once, adds its own rule after the other's and never changes the
+    other's rule or label, and the two reach a fixed point (neither writes again)."""
+    name = unique_bucket("two-ops")
+    gcs.create_bucket(name, location="us-central1")
+    other_spec = GcsStorage.model_validate({"bucket": name, "location": "us-central1", "create": False,
+                                            "prefix": "b", "lifecycle": {"deleteAfterDays": 20}})
+    other_claim = b.Claim.of(other_spec, created="2026-01-01T00:00:00Z", namespace="team-b", name="b")
+    other = GcsClient(client=gcs, timeout=10)
+    reconcile_bucket(other, other_spec, mine=other_claim, claims=[], spec_changed=True, instance="ops-b")
+    theirs = b.last_use_rule(20, ["b/"])
+    assert [dict(r) for r in gcs.get_bucket(name).lifecycle_rules] == [theirs]
+
+    installed.apply(cache("mine", name, create=False, prefix="a", lifecycle={"deleteAfterDays": 10}), namespace)
+    obj = wait_condition(installed, namespace, "mine", "LifecycleReady", "True", "SharedWithOtherOperator")
+    lifecycle = condition(obj, "LifecycleReady")
+    assert "instance(s) ops-b (this one is default)" in lifecycle["message"]
+    assert obj["status"]["bucket"]["deleteAfterDays"] == 10
+    shared = gcs.get_bucket(name)
+    assert [dict(r) for r in shared.lifecycle_rules] == [theirs, ours(10, "a/")]
+    assert shared.labels[b.rule_label(theirs)] == "ops-b" and shared.labels[b.rule_label(ours(10, "a/"))] == "default"
+
+    # The other operator's next reconcile finds its rule as it left it and writes nothing;
+    # it sees the operator under test as the other instance.
+    again = reconcile_bucket(other, other_spec, mine=other_claim, claims=[], spec_changed=False, instance="ops-b")
+    assert again.events == [] and again.settings[0].reason == "SharedWithOtherOperator"
+    assert "instance(s) default (this one is ops-b)" in again.settings[0].message
+    # ...and neither does the operator under test, resync after resync.
+    proxy.clear_log()
+    wait_reconciles(proxy, name, 3)
+    assert bucket_writes(proxy, name) == []
+    assert gcs.get_bucket(name).metageneration == shared.metageneration
+    [said] = warning_events(installed, namespace, "mine", "SharedWithOtherOperator")
+    assert said["message"] == lifecycle["message"]
