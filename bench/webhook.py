@@ -1,12 +1,28 @@
-"""Admission webhook latency and throughput, on the local control plane.
+"""Admission webhook latency and throughput, on the local control plane, with every
+comparison made within one run, in interleaved rounds.
 
-Two paths, each at several concurrency levels, a fixed number of requests per level:
-  direct     AdmissionReview POSTs straight to the operator's webhook over HTTPS;
-  apiserver  pod creations through kube-apiserver: labelled pods (sent to the webhook)
-             against unlabelled pods (never sent), so the difference is the webhook's cost.
+Two paths, each at several concurrency levels:
+  direct     AdmissionReview POSTs straight to the operator's webhook over HTTPS (every
+             answer checked to carry a patch);
+  apiserver  pod creations through kube-apiserver: labelled pods (sent to the webhook;
+             each stored pod checked for the injected env) against unlabelled pods (never
+             sent; the baseline), so the difference is the webhook's cost.
 
-Run: .venv/bin/python bench/webhook.py [--requests 400] [--pods 150] [--json out.json]
-(after `make bin`). Prints a Markdown table; everything runs on loopback and stops itself.
+The work is split into `--rounds` rounds. In each round, at each apiserver level, a chunk of
+unlabelled and a chunk of labelled pods are created, in the order unlabelled, labelled in
+even rounds and labelled, unlabelled in odd ones (A B, B A, ...), so that the machine's drift
+over the run hits both alike; a round's ratio labelled/unlabelled (of its p50 and of its
+mean) is a paired one, and their median, min and max over the rounds are reported.
+
+With --baseline REV, the operator of git revision REV (its operator/ unpacked, run with
+PYTHONPATH at it; this tree's manifests/ installed) is the "before" side: each round runs
+both operators in turn (A B, then B A), one at a time on the same webhook port, each only
+once its webhook answers with the CA that the webhook configuration names; per round and
+level, after/before ratios of the direct path's and the labelled pods' p50 are reported.
+
+Run: .venv/bin/python bench/webhook.py [--requests 400] [--pods 300] [--rounds 6]
+     [--baseline REV] [--json out.json]
+(after `make bin`). Prints Markdown tables; everything runs on loopback and stops itself.
 """
 
 from __future__ import annotations
@@ -15,12 +31,15 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import platform
+import shutil
 import ssl
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,8 +47,15 @@ from typing import Any
 
 import aiohttp
 from kubernetes import client, config
+from rounds import REPO, imported_from, order, paired, unpack
 
-from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
+from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm
+from cachewarm_testbed.processes import Proc, free_port
+
+NS = "bench"
+KINDS = ("unlabelled", "labelled")
+PATHS = {"direct": "direct HTTPS", "unlabelled": "apiserver, unlabelled pod (baseline)",
+         "labelled": "apiserver, labelled pod (webhook)"}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,6 +71,27 @@ def summarize(path: str, concurrency: int, latencies: list[float], wall: float, 
         "mean_ms": round(statistics.fmean(latencies) * 1000, 2),
         "throughput_rps": round(len(latencies) / wall, 1),
     }
+
+
+class Chunk:
+    """One timed batch: its latencies, wall time and errors."""
+
+    def __init__(self, latencies: list[float], wall: float, errors: int) -> None:
+        self.latencies, self.wall, self.errors = latencies, wall, errors
+
+    @property
+    def p50(self) -> float:
+        return percentile(self.latencies, 0.5)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.latencies)
+
+
+def pooled(path: str, concurrency: int, chunks: list[Chunk]) -> dict[str, Any]:
+    """The chunks of one path and level over all rounds, as one row."""
+    return summarize(path, concurrency, [x for c in chunks for x in c.latencies], sum(c.wall for c in chunks),
+                     sum(c.errors for c in chunks))
 
 
 def review(namespace: str, cache: str, i: int) -> bytes:
@@ -63,7 +110,7 @@ def review(namespace: str, cache: str, i: int) -> bytes:
         "operation": "CREATE", "userInfo": {"username": "bench"}, "object": pod}}).encode()
 
 
-async def direct(url: str, ca: bytes, namespace: str, cache: str, concurrency: int, total: int) -> dict[str, Any]:
+async def direct(url: str, ca: bytes, namespace: str, cache: str, concurrency: int, total: int) -> Chunk:
     ctx = ssl.create_default_context(cadata=ca.decode())
     latencies: list[float] = []
     errors = 0
@@ -88,11 +135,11 @@ async def direct(url: str, ca: bytes, namespace: str, cache: str, concurrency: i
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return summarize("direct HTTPS", concurrency, latencies, wall, errors)
+    return Chunk(latencies, wall, errors)
 
 
 def through_apiserver(api: client.CoreV1Api, namespace: str, cache: str | None, concurrency: int,
-                      total: int) -> dict[str, Any]:
+                      total: int) -> Chunk:
     label = {"cachewarm.dev/cache": cache} if cache else {}
     run = uuid.uuid4().hex[:6]
 
@@ -111,64 +158,179 @@ def through_apiserver(api: client.CoreV1Api, namespace: str, cache: str | None, 
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(create, range(total)))
     wall = time.perf_counter() - t0
-    path = "apiserver, labelled pod (webhook)" if cache else "apiserver, unlabelled pod (baseline)"
-    return summarize(path, concurrency, [r[0] for r in results], wall, sum(1 for r in results if not r[1]))
+    return Chunk([r[0] for r in results], wall, sum(1 for r in results if not r[1]))
+
+
+def quiet(pid: int, window: float = 0.5, share: float = 0.05) -> bool:
+    """Whether process `pid` and its reaped children used less than `share` of a core over
+    the next `window` seconds (an operator's start-up work, e.g. compiling the pods' boot
+    files in a child, is over)."""
+    def used() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    before = used()
+    time.sleep(window)
+    return used() - before < share * window
+
+
+class Operators:
+    """One operator at a time, each side's own code, always on the same webhook port (the
+    webhook configuration's URL stays; its caBundle is what the running one keeps there)."""
+
+    def __init__(self, bed: Testbed, kubeconfig: Path, sides: dict[str, str | None]) -> None:
+        self.bed, self.kubeconfig, self.sides = bed, kubeconfig, sides
+        port = free_port()
+        self.url = f"https://127.0.0.1:{port}"
+        self.env = {"CACHEWARM_LOG_LEVEL": "WARNING", "CACHEWARM_WEBHOOK_PORT": str(port),
+                    "CACHEWARM_WEBHOOK_URL": self.url, "CACHEWARM_REPORT_URL": f"{self.url}/report/v1"}
+        self.running: tuple[str, Proc] | None = None
+        self.ca = b""
+
+    def use(self, side: str) -> None:
+        """Side `side`'s operator running and its webhook the one the apiserver calls."""
+        if self.running is not None and self.running[0] == side:
+            return
+        self.stop()
+        pythonpath = self.sides[side]
+        proc = self.bed.start_operator(self.kubeconfig, {**self.env, **({"PYTHONPATH": pythonpath}
+                                                                       if pythonpath else {})})
+        self.running = (side, proc)
+        self.ca = eventually(self._answering, timeout=60, what=f"the {side} operator's webhook, by the configured CA")
+        eventually(lambda: quiet(proc.pid), timeout=60, what=f"the {side} operator idle after its start")
+
+    def _answering(self) -> bytes | None:
+        """The configured CA, once the running webhook's certificate verifies with it and
+        it answers a review with a patch."""
+        cfg = self.bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "")
+        bundle = (cfg or {}).get("webhooks", [{}])[0].get("clientConfig", {}).get("caBundle")
+        if not bundle:
+            return None
+        ca = base64.b64decode(bundle)
+        request = urllib.request.Request(f"{self.url}/inject-cache", data=review(NS, "c", 0), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=5,  # noqa: S310 - our own loopback webhook
+                                        context=ssl.create_default_context(cadata=ca.decode())) as answer:
+                return ca if "patch" in json.loads(answer.read())["response"] else None
+        except (OSError, ssl.SSLError, KeyError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        if self.running is not None:
+            self.running[1].stop()
+            self.running = None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=400, help="direct requests per concurrency level")
-    parser.add_argument("--pods", type=int, default=150, help="pod creations per level and kind")
+    parser.add_argument("--requests", type=int, default=400, help="direct requests per concurrency level (all rounds)")
+    parser.add_argument("--pods", type=int, default=300, help="pod creations per level and kind (all rounds)")
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", default="1,4,16,64", help="direct levels (apiserver uses those <= 16)")
+    parser.add_argument("--baseline", help="git revision whose operator is the 'before' side (default: none)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    api_levels = [x for x in levels if x <= 16]
     exit_on_sigterm()
 
+    sides: dict[str, str | None] = {"after": None}
+    tree = None
+    meta: dict[str, Any] = {"after": {"cachewarm_from": imported_from(None)}}
+    if args.baseline:
+        tree, commit = unpack(args.baseline, ("operator",))
+        sides["before"] = str(tree / "operator")
+        meta["before"] = {"commit": commit, "cachewarm_from": imported_from(sides["before"])}
+        assert meta["before"]["cachewarm_from"].startswith(str(tree)), meta
+    # chunks[side][path][level]: one Chunk per round
+    chunks: dict[str, dict[str, dict[int, list[Chunk]]]] = {
+        side: {path: {} for path in PATHS} for side in sides}
     bed = Testbed().start(controller_manager=True)
-    operator = None
+    operators = None
     try:
-        assert bed.kubectl_run("apply", "-k", str(repo_root() / "manifests")).returncode == 0
+        assert bed.kubectl_run("apply", "-k", str(REPO / "manifests")).returncode == 0
         bed.kubectl_run("wait", "--for=condition=Established", "crd/compilationcaches.cachewarm.dev")
         kubeconfig = bed.service_account_kubeconfig(
             "cachewarm-system", "cachewarm-operator", Path(tempfile.mkdtemp()) / "kubeconfig")
-        operator = bed.start_operator(kubeconfig, {"CACHEWARM_LOG_LEVEL": "WARNING"})
-        ns = "bench"
-        bed.kubectl_run("create", "namespace", ns)
+        operators = Operators(bed, kubeconfig, sides)
+        bed.kubectl_run("create", "namespace", NS)
+        # The cache first: an operator counts as up once its webhook patches a pod of it.
         bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "c"},
-                   "spec": {"storage": {"gcs": {"bucket": "bench-cache", "location": "us-central1"}}}}, ns)
-        eventually(lambda: bed.get_json("serviceaccount", "default", ns), what="default ServiceAccount")
-        eventually(lambda: "True" in json.dumps((bed.get_json("ccache", "c", ns) or {}).get("status", {})),
+                   "spec": {"storage": {"gcs": {"bucket": "bench-cache", "location": "us-central1"}}}}, NS)
+        operators.use("after")
+        eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
+        eventually(lambda: "True" in json.dumps((bed.get_json("ccache", "c", NS) or {}).get("status", {})),
                    what="cache Ready")
-        cfg = bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "")
-        assert cfg is not None
-        ca = base64.b64decode(cfg["webhooks"][0]["clientConfig"]["caBundle"])
-
-        results = []
-        for level in levels:
-            results.append(asyncio.run(direct(f"{operator.webhook_url}/inject-cache", ca, ns, "c", level,
-                                              args.requests)))
         config.load_kube_config(str(bed.kubeconfig))
         api = client.CoreV1Api()
-        through_apiserver(api, ns, "c", 1, 5)  # warm-up
-        for level in [x for x in levels if x <= 16]:
-            results.append(through_apiserver(api, ns, None, level, args.pods))
-            results.append(through_apiserver(api, ns, "c", level, args.pods))
-    finally:
-        if operator is not None:
-            operator.stop()
-        bed.stop()
 
+        for i in range(args.rounds):
+            for side in order(i, list(sides)):
+                operators.use(side)
+                through_apiserver(api, NS, "c", 1, 5)  # warm-up: the apiserver's connection to this webhook
+                print(f"round {i + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
+                for level in levels:
+                    chunks[side]["direct"].setdefault(level, []).append(asyncio.run(direct(
+                        f"{operators.url}/inject-cache", operators.ca, NS, "c", level, args.requests // args.rounds)))
+                for level in api_levels:
+                    for kind in order(i, KINDS):
+                        chunks[side][kind].setdefault(level, []).append(through_apiserver(
+                            api, NS, "c" if kind == "labelled" else None, level, args.pods // args.rounds))
+    finally:
+        if operators is not None:
+            operators.stop()
+        bed.stop()
+        if tree is not None:
+            shutil.rmtree(tree, ignore_errors=True)
+
+    result: dict[str, Any] = {"rounds": args.rounds, "requests_per_round": args.requests // args.rounds,
+                              "pods_per_round": args.pods // args.rounds, **meta, "sides": {}}
     print(f"\nmachine: {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
-          f"cores: {__import__('os').cpu_count()}\n")
-    print("| path | concurrency | requests | p50 ms | p99 ms | mean ms | throughput req/s | errors |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['path']} | {r['concurrency']} | {r['requests']} | {r['p50_ms']} | {r['p99_ms']} | "
-              f"{r['mean_ms']} | {r['throughput_rps']} | {r['errors']} |")
+          f"cores: {os.cpu_count()}; {args.rounds} rounds\n")
+    for side in sides:
+        rows = [pooled(PATHS["direct"], level, chunks[side]["direct"][level]) for level in levels]
+        for level in api_levels:
+            rows += [pooled(PATHS[kind], level, chunks[side][kind][level]) for kind in KINDS]
+        webhook_cost = {
+            level: {"p50": paired([c.p50 for c in chunks[side]["labelled"][level]],
+                                  [c.p50 for c in chunks[side]["unlabelled"][level]]),
+                    "mean": paired([c.mean for c in chunks[side]["labelled"][level]],
+                                   [c.mean for c in chunks[side]["unlabelled"][level]])}
+            for level in api_levels}
+        result["sides"][side] = {"rows": rows, "labelled_over_unlabelled": webhook_cost}
+        print(f"### {side}{' (this tree)' if side == 'after' else ' (' + args.baseline + ')'}\n")
+        print("| path | concurrency | requests | p50 ms | p99 ms | mean ms | throughput req/s | errors |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['path']} | {r['concurrency']} | {r['requests']} | {r['p50_ms']} | {r['p99_ms']} | "
+                  f"{r['mean_ms']} | {r['throughput_rps']} | {r['errors']} |")
+        print("\n| concurrency | labelled/unlabelled p50, per round | median | min | max "
+              "| labelled/unlabelled mean: median | min | max |")
+        print("|---|---|---|---|---|---|---|---|")
+        for level, cost in webhook_cost.items():
+            p50, mean = cost["p50"], cost["mean"]
+            print(f"| {level} | {', '.join(str(x) for x in p50['ratios'])} | {p50['median']} | {p50['min']} | "
+                  f"{p50['max']} | {mean['median']} | {mean['min']} | {mean['max']} |")
+        print()
+    if "before" in sides:
+        versus = {
+            **{f"direct p50, concurrency {level}": paired([c.p50 for c in chunks["after"]["direct"][level]],
+                                                         [c.p50 for c in chunks["before"]["direct"][level]])
+               for level in levels},
+            **{f"labelled pod p50, concurrency {level}": paired(
+                [c.p50 for c in chunks["after"]["labelled"][level]],
+                [c.p50 for c in chunks["before"]["labelled"][level]]) for level in api_levels},
+            **{f"unlabelled pod p50, concurrency {level}": paired(
+                [c.p50 for c in chunks["after"]["unlabelled"][level]],
+                [c.p50 for c in chunks["before"]["unlabelled"][level]]) for level in api_levels}}
+        result["after_over_before"] = versus
+        print("| after / before | per round | median | min | max |\n|---|---|---|---|---|")
+        for name, ratio in versus.items():
+            print(f"| {name} | {', '.join(str(x) for x in ratio['ratios'])} | {ratio['median']} | {ratio['min']} | "
+                  f"{ratio['max']} |")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    if any(r["errors"] for r in results):
+        args.json.write_text(json.dumps(result, indent=2))
+    if any(r["errors"] for s in result["sides"].values() for r in s["rows"]):
         sys.exit(1)
 
 
