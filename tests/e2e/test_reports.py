@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import ssl
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -76,10 +75,14 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
     bed = installed
     assert bed.kubectl_run("create", "serviceaccount", "trainer", "-n", namespace).returncode == 0
     bucket = f"rep-{uuid.uuid4().hex[:8]}"
-    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
-               "spec": {"storage": {"gcs": {"bucket": bucket, "location": "us-central1"}}}}, namespace)
-    eventually(lambda: (bed.get_json("ccache", "llama", namespace) or {}).get("status", {}).get("bucket"),
-               what="the cache reconciled")
+    # llama, and a second cache whose usage shows that usage flushes ran (a flush goes over
+    # every cache in one pass).
+    for cache, gcs_bucket in (("llama", bucket), ("control", f"{bucket}-c")):
+        bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": cache},
+                   "spec": {"storage": {"gcs": {"bucket": gcs_bucket, "location": "us-central1"}}}}, namespace)
+    for cache in ("llama", "control"):
+        eventually(lambda: (bed.get_json("ccache", cache, namespace) or {}).get("status", {}).get("bucket"),
+                   what=f"the cache {cache} reconciled")
     for name in ("trainer-a", "trainer-b"):
         bed.apply(pod(name), namespace)
     mine, theirs = token(bed, namespace, "trainer-a"), token(bed, namespace, "trainer-b")
@@ -102,8 +105,16 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
         "no token": 401, "forged token": 401, "another pod's token": 403, "the apiserver's audience": 401,
         "a cache in another namespace": 403, "a cache that does not exist": 404, "malformed": 400, "oversized": 413}
     assert "belongs to pod" in refused["another pod's token"][1]
-    # ...and they changed nothing.
-    time.sleep(2)  # two usage flushes
+    # ...and they changed nothing: not the metrics (a report is counted before it is
+    # answered), not status.usage once usage flushes ran after them. The flushes are seen in
+    # the other cache's usage: two reports of trainer-b for it, each written by a later flush.
+    assert scrape(operator.metrics_url, "cachewarm_cache_hits_total", **scope) == hits_before
+    for pid in (1, 2):
+        other = {**report(bed, namespace, "trainer-b", cache="control"),
+                 "process": {"pid": pid, "started": 1_763_900_000, "index": 0}}
+        assert post(bed, operator, json.dumps(other).encode(), theirs)[0] == 202
+        eventually(lambda: (((bed.get_json("ccache", "control", namespace) or {}).get("status") or {})
+                            .get("usage") or {}).get("processes") == pid, timeout=30, what=f"flush {pid} of usage")
     assert "usage" not in (bed.get_json("ccache", "llama", namespace) or {}).get("status", {})
     assert scrape(operator.metrics_url, "cachewarm_cache_hits_total", **scope) == hits_before
 
@@ -117,7 +128,7 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
     assert got["compileSecondsSaved"] == 9.5 and got["lastMisses"] == [
         {"pod": "trainer-a", "program": "jit_eval", "key": "jit_eval-" + "e" * 64}]
     assert scrape(operator.metrics_url, "cachewarm_cache_hits_total", **scope) == hits_before + 3
-    assert scrape(operator.metrics_url, "cachewarm_reports_total", code="202") == taken_before + 1
+    assert scrape(operator.metrics_url, "cachewarm_reports_total", code="202") == taken_before + 3  # 2 for control
 
 
 def test_keys_match_compares_the_pods_fingerprints_with_the_warmers_and_names_the_difference(
@@ -194,7 +205,16 @@ def test_local_copies_land_in_usage_once_per_pod_and_a_cold_one_is_said_in_an_ev
                    "maxSeconds": 30.25}
     eventually(lambda: [e for e in bed.events_for("llama", namespace) if e["reason"] == "LocalCopyCold"],
                timeout=30, what="a LocalCopyCold Event")
-    time.sleep(2)  # two more usage flushes: said once
+    # Said once: two more usage flushes after it, each seen writing the usage of another
+    # process of the cold pod (the same cold copy), post no second Event.
+    cold = token(bed, namespace, "cold-pod")
+    for pid, processes in ((44, 5), (45, 6)):
+        body = {**report(bed, namespace, "cold-pod"), "process": {"pid": pid, "started": 1_763_900_000, "index": 0},
+                "localCopy": copies["cold-pod"]}
+        assert post(bed, operator, json.dumps(body).encode(), cold)[0] == 202
+        eventually(lambda: (((bed.get_json("ccache", "llama", namespace) or {}).get("status") or {})
+                            .get("usage") or {}).get("processes") == processes, timeout=30,
+                   what=f"usage of {processes} processes written")
     said = [e for e in bed.events_for("llama", namespace) if e["reason"] == "LocalCopyCold"]
     assert len(said) == 1 and said[0]["type"] == "Warning"
     assert said[0]["message"].startswith("Pod cold-pod started without the cache's entries: the local copy failed "
