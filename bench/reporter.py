@@ -263,6 +263,10 @@ def main() -> None:
             "exit_tail_ms_min_max": {m: [round(min(v) * 1000, 1), round(max(v) * 1000, 1)] for m, v in tails.items()},
             "exit_tail_paired_difference_to_off_ms": {
                 m: difference(tails[m], tails["off"]) for m in MODES if m != "off"},
+            # What TLS and the operator add to a report over the plain endpoint; what the review adds.
+            "exit_tail_paired_difference_ms": {
+                f"{a} - {b}": difference(tails[a], tails[b])
+                for a, b in (("operator", "local"), ("reviewed", "local"), ("operator", "reviewed"))},
             # Warm-ups included: one operator and one reviewed run each.
             "reports_sent_to_operator": taken["operator"] + taken["reviewed"],
             "reports_received": final["202"],
