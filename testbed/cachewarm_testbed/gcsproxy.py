@@ -25,6 +25,10 @@ depends on it:
 - customTime: the emulator silently keeps the old value when a PATCH moves it backwards;
   GCS refuses that request (400: customTime can only move forward). The proxy answers 400.
   The emulator stores and returns customTime otherwise, as GCS does.
+- Lifecycle rules: GCS allows at most 100 on a bucket
+  (https://cloud.google.com/storage/docs/lifecycle) and refuses a PATCH or PUT with more
+  (400); the emulator stores any number. The proxy answers 400. (GCS's exact message is
+  not reproduced; a client must not depend on it.)
 
 Faults: `POST /_proxy/faults` with a JSON list of rules makes matching requests fail with
 an HTTP status (429, 503, ...) or hang for a while, without reaching the emulator. `GET
@@ -57,6 +61,7 @@ from aiohttp import web
 HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 INSERT_FIELDS = ("location", "storageClass", "labels", "iamConfiguration", "lifecycle", "softDeletePolicy")
 PRECONDITIONS = ("ifGenerationMatch", "ifMetagenerationMatch", "ifGenerationNotMatch", "ifMetagenerationNotMatch")
+MAX_LIFECYCLE_RULES = 100  # per bucket (GCS's documented limit)
 METADATA_PATH = re.compile(r"^/storage/v1/b/[^/]+(/o/.+)?/?$")
 BUCKET_PATH = re.compile(r"^/storage/v1/b/[^/]+/?$")
 LIST_PATH = re.compile(r"^/storage/v1/b/[^/]+/o/?$")
@@ -306,6 +311,10 @@ def _refusal(request: web.Request, data: bytes, current: dict[str, Any] | None) 
             return _error(412, f"At least one of the pre-conditions you specified did not hold ({param}={wanted}, "
                                f"current {have})")
     body = json.loads(data or b"{}") if request.method in ("PATCH", "PUT") else {}
+    rules = ((body.get("lifecycle") or {}).get("rule") or []) if isinstance(body, dict) else []
+    if BUCKET_PATH.match(request.path) and len(rules) > MAX_LIFECYCLE_RULES:
+        return _error(400, f"A bucket may have at most {MAX_LIFECYCLE_RULES} lifecycle rules; this request sets "
+                           f"{len(rules)}")
     new_time = body.get("customTime") if isinstance(body, dict) else None
     old_time = current.get("customTime")
     if new_time and old_time and _rfc3339(str(new_time)) < _rfc3339(str(old_time)):

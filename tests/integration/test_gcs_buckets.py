@@ -1,6 +1,6 @@
 """cachewarm's GCS client and bucket reconcile against the emulator behind its fidelity
 proxy: what GCS answers (upper-case locations, 412 on a stale metageneration, merged
-labels, customTime only forward) and what cachewarm does with it (re-read and re-merge on
+labels, customTime only forward, at most 100 lifecycle rules) and what cachewarm does with it (re-read and re-merge on
 412, entries stamped with a customTime)."""
 
 from __future__ import annotations
@@ -87,6 +87,22 @@ def test_custom_time_only_moves_forward(storage_only: storage.Client) -> None:
     with pytest.raises(gexc.BadRequest):
         blob.patch()
     assert storage_only.bucket(name).get_blob(ENTRY).custom_time == later
+
+
+def test_more_than_100_lifecycle_rules_are_refused_as_gcs_does(storage_only: storage.Client) -> None:
+    """GCS allows 100 lifecycle rules on a bucket; the emulator alone stores any number."""
+    name = new_bucket(storage_only)
+    rules = [{"action": {"type": "Delete"}, "condition": {"age": 30 + i, "matchesPrefix": [f"t{i}/"]}}
+             for i in range(101)]
+    bucket = storage_only.get_bucket(name)
+    bucket.lifecycle_rules = rules
+    with pytest.raises(gexc.BadRequest):
+        bucket.patch()
+    assert list(storage_only.get_bucket(name).lifecycle_rules) == []
+    bucket = storage_only.get_bucket(name)
+    bucket.lifecycle_rules = rules[:100]
+    bucket.patch()
+    assert len(list(storage_only.get_bucket(name).lifecycle_rules)) == 100
 
 
 class EditedAfterFirstRead(GcsClient):
