@@ -137,7 +137,8 @@ import importlib.util, json, os, sys
 found = {m: importlib.util.find_spec(m) is not None
          for m in ("jax", "gcsfs", "etils", "kubernetes", "cachewarm", "cachewarm_testbed", "pytest", "yaml")}
 print(json.dumps({"marker": open(sys.argv[1]).read().strip(), "cwd": os.getcwd(), "files": sorted(os.listdir()),
-                  "pythonpath": os.environ.get("PYTHONPATH"), "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
+                  "pythonpath": os.path.realpath(os.environ.get("PYTHONPATH") or "."),
+                  "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
                   "prefix": sys.prefix, "found": found}))
 """
 
