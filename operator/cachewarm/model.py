@@ -4,11 +4,20 @@ stored before a default existed read the same)."""
 
 from __future__ import annotations
 
+import datetime as dt
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+# A cron schedule as the CRD's pattern has it: an @alias or exactly five fields.
+CRON_FORM = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
+# croniter's random field `R` (alone or as R(a-b)): month and day names never stand alone as one letter.
+RANDOM_FIELD = re.compile(r"(?:^|[\s,/-])R(?:$|[\s,/(-])")
+CRON_PROBE = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)  # croniter searches 50 years on from here
 
 
 class InvalidSpec(ValueError):
@@ -132,8 +141,20 @@ class Warmup(_Model):
     @field_validator("schedule")
     @classmethod
     def _cron(cls, value: str | None) -> str | None:
-        if value is not None and not croniter.is_valid(value):
+        """Five fields or an @alias (the CRD's pattern; croniter alone takes a sixth,
+        seconds, field), no random or hashed field (croniter's `R` draws a new value at
+        each parse, so every reconcile would see another slot and replace the warmer), and
+        a slot that exists (`0 0 30 2 *` never comes: croniter raises at each reconcile)."""
+        if value is None:
+            return value
+        if not (CRON_FORM.match(value) and croniter.is_valid(value)):
             raise ValueError(f"{value!r} is not a valid cron schedule (5 fields, e.g. '0 3 * * *')")
+        if RANDOM_FIELD.search(value):
+            raise ValueError(f"{value!r} has a random field (R): a schedule's slots must be the same at every reading")
+        try:
+            croniter(value, CRON_PROBE).get_next(dt.datetime)
+        except CroniterBadDateError:
+            raise ValueError(f"{value!r} never fires (no such date)") from None
         return value
 
 

@@ -153,8 +153,26 @@ def test_spec_missing_bucket_names_the_field() -> None:
         parse_spec({"storage": {"gcs": {"location": "US"}}})
 
 
-def test_invalid_cron_schedule_names_the_field() -> None:
+@pytest.mark.parametrize(("schedule", "why"), [
+    ("99 * * * *", "not a valid cron schedule"),
+    # croniter takes a sixth (seconds) field: a wake-up every second; the CRD says 5 fields.
+    ("* * * * * *", "not a valid cron schedule"),
+    # croniter's R draws another minute at each parse: every reconcile another slot, another warmer.
+    ("R * * * *", "random field"),
+    ("0 R(1-5) * * *", "random field"),
+    # No 30th of February: croniter raises at every reconcile.
+    ("0 0 30 2 *", "never fires"),
+])
+def test_invalid_cron_schedule_names_the_field(schedule: str, why: str) -> None:
     spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
-            "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}], "schedule": "99 * * * *"}}
-    with pytest.raises(InvalidSpec, match=r"spec\.warmup\.schedule: .*not a valid cron schedule"):
+            "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}], "schedule": schedule}}
+    with pytest.raises(InvalidSpec, match=rf"spec\.warmup\.schedule: .*{why}"):
         parse_spec(spec)
+
+
+@pytest.mark.parametrize("schedule", ["0 3 * * *", "@daily", "*/5 * * * *", "0 0 29 2 *", "0 3 * MAR,APR FRI"])
+def test_valid_cron_schedules_are_taken(schedule: str) -> None:
+    spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
+            "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}], "schedule": schedule}}
+    warmup = parse_spec(spec).warmup
+    assert warmup is not None and warmup.schedule == schedule
