@@ -15,13 +15,14 @@ over the run hits both alike; a round's ratio labelled/unlabelled (of its p50 an
 mean) is a paired one, and their median, min and max over the rounds are reported.
 
 With --baseline REV, the operator of git revision REV (its operator/ unpacked, run with
-PYTHONPATH at it; this tree's manifests/ installed) is the "before" side: each round runs
+PYTHONPATH at it; this tree's manifests/ installed) is the "before" side (and with
+--revision REV2, REV2's operator the "after" side instead of this tree's): each round runs
 both operators in turn (A B, then B A), one at a time on the same webhook port, each only
 once its webhook answers with the CA that the webhook configuration names; per round and
 level, after/before ratios of the direct path's and the labelled pods' p50 are reported.
 
 Run: .venv/bin/python bench/webhook.py [--requests 400] [--pods 300] [--rounds 6]
-     [--baseline REV] [--json out.json]
+     [--baseline REV [--revision REV2]] [--json out.json]
 (after `make bin`). Prints Markdown tables; everything runs on loopback and stops itself.
 """
 
@@ -185,6 +186,7 @@ class Operators:
                     "CACHEWARM_WEBHOOK_URL": self.url, "CACHEWARM_REPORT_URL": f"{self.url}/report/v1"}
         self.running: tuple[str, Proc] | None = None
         self.ca = b""
+        self.patch_bytes: dict[str, int] = {}  # per side: the size of its patch (base64 JSON Patch) for review()
 
     def use(self, side: str) -> None:
         """Side `side`'s operator running and its webhook the one the apiserver calls."""
@@ -211,9 +213,14 @@ class Operators:
         try:
             with urllib.request.urlopen(request, timeout=5,  # noqa: S310 - our own loopback webhook
                                         context=ssl.create_default_context(cadata=ca.decode())) as answer:
-                return ca if "patch" in json.loads(answer.read())["response"] else None
+                patch = json.loads(answer.read())["response"].get("patch")
         except (OSError, ssl.SSLError, KeyError, ValueError):
             return None
+        if not patch:
+            return None
+        assert self.running is not None
+        self.patch_bytes[self.running[0]] = len(base64.b64decode(patch))
+        return ca
 
     def stop(self) -> None:
         if self.running is not None:
@@ -228,20 +235,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--concurrency", default="1,4,16,64", help="direct levels (apiserver uses those <= 16)")
     parser.add_argument("--baseline", help="git revision whose operator is the 'before' side (default: none)")
+    parser.add_argument("--revision", help="git revision whose operator is the 'after' side (default: this tree)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     api_levels = [x for x in levels if x <= 16]
     exit_on_sigterm()
 
-    sides: dict[str, str | None] = {"after": None}
-    tree = None
-    meta: dict[str, Any] = {"after": {"cachewarm_from": imported_from(None)}}
-    if args.baseline:
-        tree, commit = unpack(args.baseline, ("operator",))
-        sides["before"] = str(tree / "operator")
-        meta["before"] = {"commit": commit, "cachewarm_from": imported_from(sides["before"])}
-        assert meta["before"]["cachewarm_from"].startswith(str(tree)), meta
+    sides: dict[str, str | None] = {}
+    trees: list[Path] = []
+    meta: dict[str, Any] = {}
+    for side, rev in (("after", args.revision), ("before", args.baseline)):
+        if side == "after" and rev is None:
+            sides[side] = None
+            meta[side] = {"commit": "this tree", "cachewarm_from": imported_from(None)}
+        elif rev is not None:
+            tree, commit = unpack(rev, ("operator",))
+            trees.append(tree)
+            sides[side] = str(tree / "operator")
+            meta[side] = {"commit": commit, "cachewarm_from": imported_from(sides[side])}
+            assert meta[side]["cachewarm_from"].startswith(str(tree)), meta
     # chunks[side][path][level]: one Chunk per round
     chunks: dict[str, dict[str, dict[int, list[Chunk]]]] = {
         side: {path: {} for path in PATHS} for side in sides}
@@ -280,7 +293,7 @@ def main() -> None:
         if operators is not None:
             operators.stop()
         bed.stop()
-        if tree is not None:
+        for tree in trees:
             shutil.rmtree(tree, ignore_errors=True)
 
     result: dict[str, Any] = {"rounds": args.rounds, "requests_per_round": args.requests // args.rounds,
@@ -297,8 +310,10 @@ def main() -> None:
                     "mean": paired([c.mean for c in chunks[side]["labelled"][level]],
                                    [c.mean for c in chunks[side]["unlabelled"][level]])}
             for level in api_levels}
-        result["sides"][side] = {"rows": rows, "labelled_over_unlabelled": webhook_cost}
-        print(f"### {side}{' (this tree)' if side == 'after' else ' (' + args.baseline + ')'}\n")
+        result["sides"][side] = {"rows": rows, "labelled_over_unlabelled": webhook_cost,
+                                 "patch_bytes": operators.patch_bytes.get(side) if operators else None}
+        print(f"### {side} ({meta[side]['commit']}; its patch for the direct path's pod: "
+              f"{result['sides'][side]['patch_bytes']} bytes)\n")
         print("| path | concurrency | requests | p50 ms | p99 ms | mean ms | throughput req/s | errors |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
