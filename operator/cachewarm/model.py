@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # A cron schedule as the CRD's pattern has it: an @alias or exactly five fields.
 CRON_FORM = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
-# croniter's random field `R` (alone or as R(a-b)): month and day names never stand alone as one letter.
-RANDOM_FIELD = re.compile(r"(?:^|[\s,/-])R(?:$|[\s,/(-])")
+# croniter's random field `R` or `r` (alone or as R(a-b)): month and day names never stand alone as one letter.
+RANDOM_FIELD = re.compile(r"(?:^|[\s,/-])R(?:$|[\s,/(-])", re.IGNORECASE)
 CRON_PROBE = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)  # croniter searches 50 years on from here
 
 

@@ -160,6 +160,7 @@ def test_spec_missing_bucket_names_the_field() -> None:
     # croniter's R draws another minute at each parse: every reconcile another slot, another warmer.
     ("R * * * *", "random field"),
     ("0 R(1-5) * * *", "random field"),
+    ("r * * * *", "random field"),  # croniter takes it lower-case too
     # No 30th of February: croniter raises at every reconcile.
     ("0 0 30 2 *", "never fires"),
 ])
