@@ -9,11 +9,12 @@
 # For every patch: a throwaway worktree of HEAD, the patch applied there, and the named
 # tests run against it (PYTHONPATH puts the worktree's operator/ and testbed/ before the
 # editable install; .cache is shared, so binaries and images are not rebuilt). A mutant is
-# KILLED when pytest reports failed tests (exit 1), SURVIVED when they pass, and an ERROR
-# when the patch does not apply or pytest could not run them (exit 2-5: usage, collection,
-# no tests). Before the mutants, the named tests run once on unmutated HEAD the same way and
-# must pass, so a test that fails anyway cannot count as a kill (MUTANTS_SKIP_BASELINE=1
-# skips that).
+# KILLED when every test it names FAILED in its own body (pytest's FAILED line: an
+# assertion or an exception in the test, not a fixture's setup ERROR); a `kills:` line that
+# names a module or a parametrized test needs one of its cases to fail. It SURVIVED when a
+# named test did not fail, and is an ERROR when the patch does not apply. Before the
+# mutants, the named tests run once on unmutated HEAD the same way and must pass, so a test
+# that fails anyway cannot count as a kill (MUTANTS_SKIP_BASELINE=1 skips that).
 #
 # Usage: hack/mutants.sh [PATCH...]     (default: every tests/mutants/*.patch)
 # Exit status: 0 when every mutant was killed, 1 otherwise.
@@ -46,7 +47,7 @@ new_worktree() {  # a detached worktree of HEAD sharing this checkout's .venv an
 run_tests() {  # run_tests WORKTREE LOG TEST... ; prints pytest's exit status
   local wt=$1 log=$2
   shift 2
-  (cd "$wt" && PYTHONPATH="$wt/operator:$wt/testbed" "$py" -m pytest -q -x -p no:cacheprovider "$@" >"$log" 2>&1)
+  (cd "$wt" && PYTHONPATH="$wt/operator:$wt/testbed" "$py" -m pytest -q -rfE -p no:cacheprovider "$@" >"$log" 2>&1)
   echo $?
 }
 
@@ -81,11 +82,15 @@ for patch in "${patches[@]}"; do
     continue
   fi
   rc=$(run_tests "$wt" "$logdir/$name.log" "${kills[@]}")
-  case "$rc" in
-    1) killed=$((killed + 1)); echo "KILLED     $name ($(grep -m1 -E '^FAILED|^ERROR' "$logdir/$name.log" | cut -c1-120))" ;;
-    0) echo "SURVIVED   $name: ${kills[*]} passed with the mutant" ;;
-    *) echo "ERROR      $name: pytest exit $rc; see $logdir/$name.log" ;;
-  esac
+  survivors=()
+  for k in "${kills[@]}"; do  # each named test (or one case of it) FAILED in its body
+    grep -q -F -e "FAILED $k" "$logdir/$name.log" || survivors+=("$k")
+  done
+  if [ ${#survivors[@]} -eq 0 ]; then
+    killed=$((killed + 1)); echo "KILLED     $name ($(grep -m1 '^FAILED' "$logdir/$name.log" | cut -c1-120))"
+  else
+    echo "SURVIVED   $name: did not fail (pytest exit $rc): ${survivors[*]}; see $logdir/$name.log"
+  fi
   git -C "$root" worktree remove --force "$wt" >/dev/null 2>&1
 done
 echo "mutants: $killed of $total killed"
