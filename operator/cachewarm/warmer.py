@@ -80,17 +80,25 @@ def log(message: str, **fields: Any) -> None:
 def missing_libraries(url: str) -> list[str]:
     """What this image lacks to use the cache directory `url`: JAX reads and writes a
     non-local one through etils.epath (without it JAX only warns at each compile and caches
-    nothing), which reaches gs:// through gcsfs. Empty for a local path."""
+    nothing). Which library epath then needs is epath's choice (gcsfs through fsspec, or
+    tensorflow's gfile where tensorflow is installed), so epath is asked: one lookup of the
+    directory, and only an ImportError counts as lacking (any other error is the bucket's
+    or the network's, reported where entries are listed). Empty for a local path."""
     if "://" not in url:
         return []
-    missing = []
     try:
-        importlib.import_module("etils.epath")
+        from etils import epath  # noqa: PLC0415 - only non-local caches need it
     except ImportError:
-        missing.append("etils[epath]")
-    if url.startswith("gs://") and importlib.util.find_spec("gcsfs") is None:
-        missing.append("gcsfs")
-    return missing
+        # Nothing to ask: name what epath would need too, unless tensorflow serves it.
+        gs_library = url.startswith("gs://") and not importlib.util.find_spec("tensorflow")
+        return ["etils[epath]"] + (["gcsfs"] if gs_library and not importlib.util.find_spec("gcsfs") else [])
+    try:
+        epath.Path(url).exists()
+    except ImportError as exc:
+        return ["gcsfs" if url.startswith("gs://") and "gcsfs" in str(exc) else (exc.name or str(exc)[:200])]
+    except Exception:  # noqa: BLE001 - not a missing library (see the docstring)
+        return []
+    return []
 
 
 class CacheDir:

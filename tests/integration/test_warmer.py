@@ -364,3 +364,27 @@ def test_command_mode_leaves_distributed_init_to_the_entrypoint(tmp_path: Path) 
     assert "Joined the JAX distributed runtime" not in log1
     assert (first["processIndex"], second["processIndex"]) == (0, 1)
     assert first["entriesWritten"] >= 1 and second["entriesWritten"] == 0
+
+
+def test_a_gs_cache_needs_gcsfs_only_where_epath_would_use_it(tmp_path: Path) -> None:
+    """etils.epath reaches gs:// through tensorflow's gfile where tensorflow is installed
+    (a TF training image without gcsfs caches fine): the warmer asks epath, so it blames
+    gcsfs only where epath would need it. Here tensorflow is a stand-in package whose
+    gfile answers `exists`; gcsfs is hidden in both runs."""
+    stub = tmp_path / "tf"
+    (stub / "tensorflow" / "io").mkdir(parents=True)
+    (stub / "tensorflow" / "__init__.py").write_text("from . import io\n")
+    (stub / "tensorflow" / "io" / "__init__.py").write_text("from . import gfile\n")
+    (stub / "tensorflow" / "io" / "gfile.py").write_text("def exists(path):\n    return False\n")
+    probe = ("import sys; sys.modules['gcsfs'] = None; sys.path.insert(0, sys.argv[1]); import warmer; "
+             "print(warmer.missing_libraries('gs://a-bucket/jax'))")
+
+    def lacking(*path: Path) -> str:
+        out = subprocess.run([sys.executable, "-c", probe, str(WARMER.parent)], capture_output=True, text=True,
+                             timeout=120, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                               "PYTHONPATH": os.pathsep.join(map(str, path)),
+                                               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+    assert lacking() == "['gcsfs']"
+    assert lacking(stub) == "[]"
