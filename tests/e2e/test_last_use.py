@@ -88,8 +88,11 @@ def test_a_warmer_that_may_not_set_custom_time_is_said_in_status_and_an_event_an
     assert [(e["type"], e["message"]) for e in events] == [
         ("Warning", f"Warmer Job {again['job']} could not refresh entries' customTime: {again['refreshError']}")]
 
-    # The bucket as the rule says: no customTime moved (no object PATCH reached GCS), so each
-    # entry is deleted deleteAfterDays after the refresh of the first warm, not of this one.
+    # Context, not a claim about the operator: the fault rule refuses every object PATCH, so
+    # no PATCH reaches GCS and no customTime can move, whatever the operator or warmer does.
+    # These two lines describe the fault (and that the proxy applied it); the claims are the
+    # status and the Event above. What follows is what that means for the entries: each is
+    # deleted deleteAfterDays after the refresh of the first warm, not of this one.
     assert [r for r in proxy.writes() if r["method"] == "PATCH" and f"/b/{bucket}/o/" in r["path"]] == []
     assert entries(gcs, bucket) == refreshed
     rules = [dict(r) for r in gcs.get_bucket(bucket).lifecycle_rules]
