@@ -7,7 +7,7 @@ its warmer is for (status.warmup.pools[].scheduledTime).
 The controller runs for real (its queue, workers and reconcile_one) against an in-memory
 apiserver and bucket, on a fake clock: its wake-up timers are caught where the event loop
 would start them, and the test fires each when it moves the clock to the timer's time. No
-test sleeps; the e2e (tests/e2e/test_schedule.py) measures the same on the real operator."""
+test sleeps; the e2e (tests/e2e/test_cron_wakeup.py) measures the same on the real operator."""
 
 from __future__ import annotations
 
