@@ -33,8 +33,10 @@ installs; the host's tools run for anything but `python`, which an image without
 not have: the container fails to start, as runc's exec would); pods of unknown images wait
 with ErrImageNeverPull; image paths and volume mount paths in arguments, the working
 directory and env values are rewritten to local ones (a container sees no /app, but the
-folder that stands for it, and its writes there land in that folder, which every container
-of the image shares, where a real container writes to a layer of its own); each volume mount is bound, in the container's own mount
+folder that stands for it); in the container's own mount namespace each such folder is
+overlaid with a writable layer of the container's own (overlayfs, as containerd's
+snapshotter does), so what one container writes into its image's files no other container
+sees; each volume mount is bound, in the container's own mount
 namespace, from the volume's directory or the file or directory its subPath names (a
 missing one made a directory), read-only where the mount is readOnly, so the container
 cannot write there while the pod's other containers can (subPathExpr is refused); a
@@ -419,7 +421,8 @@ class Agent:
                "HOSTNAME": hostname, **self.node_env,
                **{k: _rewrite_list(v, rewrites) for k, v in self.env_of(pod, container).items()}}
         return {"argv": argv, "cwd": cwd, "env": env, "root": root, "policy": container.termination_message_policy,
-                "mounts": mounts, "start_error": start_error}
+                "mounts": mounts, "start_error": start_error,
+                "layers": self.layer_folders(image)}
 
     def run_container(self, key: tuple[str, str], plan: dict[str, Any], container: Any) -> tuple[int, str]:
         root: Path = plan["root"]
@@ -432,7 +435,8 @@ class Agent:
             log.write_text(plan["start_error"] + "\n")
             return START_ERROR_CODE, plan["start_error"]
         try:
-            binds = self.prepare_mounts(plan["mounts"])
+            binds = self.image_layers(plan["layers"], root / "layers" / container.name)
+            binds += self.prepare_mounts(plan["mounts"])
         except ContainerConfigError as exc:
             # A kubelet keeps such a container waiting (CreateContainerConfigError); here it
             # fails to start, which no test tells apart.
@@ -557,6 +561,29 @@ class Agent:
             mounts.append({"volume": str(volume), "subPath": sub, "point": str(point),
                            "readOnly": bool(mount.read_only), "name": mount.name})
         return rewrites, mounts
+
+    @staticmethod
+    def layer_folders(image: dict[str, Any]) -> list[str]:
+        """The image's local folders that get a layer: directories (a path may name a
+        file), the outermost only (a layer over a folder covers what is inside it)."""
+        folders = sorted({str(Path(p).resolve()) for p in dict(image.get("paths", {})).values() if Path(p).is_dir()})
+        return [f for f in folders if not any(Path(f).is_relative_to(o) and f != o for o in folders)]
+
+    @staticmethod
+    def image_layers(folders: list[str], layers: Path) -> str:
+        """The shell steps that overlay each of the image's folders with a writable layer
+        of this container's own under `layers` (upper and work directories, made here):
+        the container reads the image's files and writes into its layer, never into the
+        folder every container of the image shares."""
+        steps = ""
+        for index, folder in enumerate(folders):
+            upper, work = layers / str(index) / "upper", layers / str(index) / "work"
+            upper.mkdir(parents=True, exist_ok=True)
+            work.mkdir(parents=True, exist_ok=True)
+            lower = shlex.quote(str(Path(folder).resolve()))
+            steps += (f"&& mount -t overlay cachewarm-layer -o lowerdir={lower},upperdir={shlex.quote(str(upper))},"
+                      f"workdir={shlex.quote(str(work))} {shlex.quote(folder)} ")
+        return steps
 
     @staticmethod
     def prepare_mounts(mounts: list[dict[str, Any]]) -> str:

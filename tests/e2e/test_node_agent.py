@@ -9,6 +9,7 @@ honour subPath and readOnly; and the termination message is what the container w
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -240,3 +241,24 @@ def test_volume_mounts_honour_subpath_and_read_only(
     assert seen["sub"] == ["inner.txt"] and seen["sub_write"] == "ok"
     assert seen["file"] == "top" and seen["file_write"] == "EROFS"
     assert seen["made"] is True
+
+
+def test_what_a_container_writes_into_its_images_files_no_later_container_sees(
+    node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """Each container writes into a layer of its own over the image's files (as containerd's
+    snapshots do): a file a first pod leaves in its working directory (/app) is not there for
+    a second pod of the same image, nor in the image's folder every container reads."""
+    bed = controller_manager
+    write = "import os; open('left-by-first', 'w').write('x'); print(os.getcwd())"
+    look = "import json, os; print(json.dumps(sorted(os.listdir())))"
+    create(bed, namespace, pod("first", {"image": "demo/train:1", "command": ["python", "-c", write]}))
+    obj = run_to_end(bed, namespace, "first")
+    assert obj["status"]["phase"] == "Succeeded", bed.pod_log(namespace, "first", "c")
+    image_folder = bed.pod_log(namespace, "first", "c").strip().splitlines()[-1]
+    create(bed, namespace, pod("second", {"image": "demo/train:1", "command": ["python", "-c", look]}))
+    obj = run_to_end(bed, namespace, "second")
+    assert obj["status"]["phase"] == "Succeeded", bed.pod_log(namespace, "second", "c")
+    files = json.loads(bed.pod_log(namespace, "second", "c").strip().splitlines()[-1])
+    assert "train.py" in files and "left-by-first" not in files, files
+    assert not (Path(image_folder) / "left-by-first").exists()
