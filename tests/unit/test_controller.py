@@ -20,6 +20,7 @@ from cachewarm import constants as c
 from cachewarm.controller import Controller, Key, Result, merged, wanted_finalizers, worth_reconciling
 from cachewarm.injections import RecentInjections
 from cachewarm.settings import Settings
+from memgcs import until
 from memkube import MemoryKube
 
 
@@ -73,17 +74,6 @@ def _controller(monkeypatch: pytest.MonkeyPatch, reconcile: Any, leading: bool =
     monkeypatch.setattr(controller, "reconcile_one", reconcile)
     monkeypatch.setattr(controller, "release_orphans", lambda: None)
     return controller
-
-
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for `check` to hold, looking again at each turn of the event loop. The
-    deadline only guards against a hang: the test waits for the state, not the clock."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.001)
 
 
 async def _drive(controller: Controller, steps: Callable[[], Awaitable[None]]) -> None:

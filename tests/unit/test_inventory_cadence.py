@@ -7,16 +7,14 @@ warmers' outcome is given (the e2e tests run real ones)."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from cachewarm import service
-from cachewarm.builders.bucket import BucketInfo
-from cachewarm.clients.gcs import ObjectInfo
 from cachewarm.injections import RecentInjections
 from cachewarm.warmups import WarmupOutcome
+from memgcs import MemoryBucket
 from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)
@@ -30,32 +28,6 @@ def iso(when: dt.datetime) -> str:
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class CountingGcs:
-    """A configured bucket holding entries with the given key hashes; counts listings."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = keys
-        self.listings = 0
-        self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD",
-                                 soft_delete_seconds=7 * 86400, metageneration=1)
-
-    def get_bucket(self, name: str) -> BucketInfo:
-        return self.bucket
-
-    def patch_bucket(self, current: BucketInfo, patch: dict[str, Any]) -> BucketInfo:
-        labels = {**self.bucket.labels, **{k: v for k, v in (patch.get("labels") or {}).items() if v is not None}}
-        rules = patch["lifecycle"]["rule"] if "lifecycle" in patch else self.bucket.lifecycle_rules
-        self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD", labels=labels,
-                                 lifecycle_rules=rules, soft_delete_seconds=self.bucket.soft_delete_seconds,
-                                 metageneration=self.bucket.metageneration + 1)
-        return self.bucket
-
-    def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
-        self.listings += 1
-        for key in self.keys:
-            yield ObjectInfo(f"p/jit_f-{key}{'0' * 48}-cache", 10, custom_time=NOW)
-
-
 def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) -> None:
     """The warmers' reconcile finds these pools (its Warmed verdict from the keys it is given)."""
     def reconcile_warmup(kube: Any, cache: Any, *, cache_entries: int, warmed_before: bool,
@@ -65,7 +37,7 @@ def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) 
     monkeypatch.setattr(service, "reconcile_warmup", reconcile_warmup)
 
 
-def reconcile(gcs: CountingGcs, status: dict[str, Any], now: dt.datetime = NOW) -> service.Outcome:
+def reconcile(gcs: MemoryBucket, status: dict[str, Any], now: dt.datetime = NOW) -> service.Outcome:
     return service.reconcile_cache(gcs=gcs, kube=MemoryKube(), warmer_image="w", injections=RecentInjections(60), spec=SPEC,
                                    meta=META, status=status, namespace="ml", name="llama",
                                    claims=lambda bucket: [], now=now, inventory_every=HOUR)
@@ -80,7 +52,7 @@ POOL = {"name": "a", "job": "llama-a-1", "state": "Succeeded", "completionTime":
 KEYS = ["1111111111111111", "2222222222222222"]
 
 
-def settled(gcs: CountingGcs, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+def settled(gcs: MemoryBucket, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The status a first reconcile (which lists) leaves, merged as the apiserver would."""
     finished_warm(monkeypatch, [POOL])
     first = reconcile(gcs, {})
@@ -105,7 +77,7 @@ def test_when_the_inventory_is_due(cache: dict[str, Any] | None, generation: int
 def test_a_resync_of_an_unchanged_warm_cache_lists_nothing_and_keeps_its_verdict(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gcs = CountingGcs(KEYS)
+    gcs = MemoryBucket(KEYS, custom_time=NOW)
     status = settled(gcs, monkeypatch)
     again = reconcile(gcs, status, NOW + dt.timedelta(minutes=5))
     assert gcs.listings == 1
@@ -116,7 +88,7 @@ def test_a_resync_of_an_unchanged_warm_cache_lists_nothing_and_keeps_its_verdict
 def test_a_warm_that_finished_since_the_last_listing_is_checked_against_a_new_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gcs = CountingGcs(KEYS)
+    gcs = MemoryBucket(KEYS, custom_time=NOW)
     status = settled(gcs, monkeypatch)
     rewarmed = {**POOL, "job": "llama-a-2", "completionTime": "2026-11-22T07:03:00Z",
                 "keys": ["1111111111111111", "3333333333333333"]}
@@ -136,7 +108,7 @@ def test_a_warm_that_finishes_after_a_due_listing_is_checked_against_a_listing_t
 ) -> None:
     """A listing due anyway (here: a new spec) runs before the Jobs are read; a warmer that
     writes its last entry and finishes in between must not be judged by that listing."""
-    gcs = CountingGcs(KEYS)
+    gcs = MemoryBucket(KEYS, custom_time=NOW)
     status = settled(gcs, monkeypatch)
     rewarmed = {**POOL, "job": "llama-a-2", "completionTime": "2026-11-22T07:03:00Z",
                 "keys": ["1111111111111111", "3333333333333333"]}
@@ -156,7 +128,7 @@ def test_an_entry_deleted_behind_the_operators_back_is_seen_at_the_slow_cadence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The price of listing by change: a deletion nothing announces waits for the cadence."""
-    gcs = CountingGcs(KEYS)
+    gcs = MemoryBucket(KEYS, custom_time=NOW)
     status = settled(gcs, monkeypatch)
     gcs.keys = KEYS[:1]
     assert warmed(reconcile(gcs, status, NOW + HOUR - dt.timedelta(seconds=1)))["reason"] == "Warmed"
@@ -165,7 +137,7 @@ def test_an_entry_deleted_behind_the_operators_back_is_seen_at_the_slow_cadence(
 
 
 def test_a_warm_in_progress_is_polled_without_listings(monkeypatch: pytest.MonkeyPatch) -> None:
-    gcs = CountingGcs(KEYS)
+    gcs = MemoryBucket(KEYS, custom_time=NOW)
     status = settled(gcs, monkeypatch)
     finished_warm(monkeypatch, [{**POOL, "job": "llama-a-2", "state": "Running", "completionTime": None}])
     for minute in range(1, 6):
@@ -177,7 +149,7 @@ def test_a_warm_in_progress_is_polled_without_listings(monkeypatch: pytest.Monke
 def test_the_warmed_verdict_is_not_reused_for_a_condition_that_does_not_come_from_a_listing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gcs = CountingGcs(KEYS)
+    gcs = MemoryBucket(KEYS, custom_time=NOW)
     status = settled(gcs, monkeypatch)
     status["conditions"] = [c if c["type"] != "Warmed" else {**c, "reason": "Warming", "status": "False"}
                             for c in status["conditions"]]

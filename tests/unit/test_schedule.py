@@ -15,19 +15,18 @@ import asyncio
 import contextlib
 import copy
 import datetime as dt
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from cachewarm import service
-from cachewarm.builders.bucket import BucketInfo
-from cachewarm.clients.gcs import ObjectInfo
 from cachewarm.controller import Controller, Key, merged
 from cachewarm.injections import RecentInjections
 from cachewarm.model import parse_spec
 from cachewarm.settings import Settings
 from cachewarm.warmups import last_slot, next_slot, rewarm_token
+from memgcs import MemoryBucket, until
 from memkube import MemoryKube
 
 UTC = dt.timezone.utc
@@ -76,32 +75,10 @@ def test_the_token_changes_at_the_slot_and_names_it_by_the_minute() -> None:
     assert rewarm_token(cache, {}, SLOT) == "|2026-11-22T03:00Z"
 
 
-class Bucket:
-    """A configured bucket with no entries: enough for a reconcile to reach the warmers."""
-
-    def __init__(self) -> None:
-        self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD",
-                                 soft_delete_seconds=7 * 86400, metageneration=1)
-
-    def get_bucket(self, name: str) -> BucketInfo:
-        return self.bucket
-
-    def patch_bucket(self, current: BucketInfo, patch: dict[str, Any]) -> BucketInfo:
-        labels = {**self.bucket.labels, **{k: v for k, v in (patch.get("labels") or {}).items() if v is not None}}
-        rules = patch["lifecycle"]["rule"] if "lifecycle" in patch else self.bucket.lifecycle_rules
-        self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD", labels=labels,
-                                 lifecycle_rules=rules, soft_delete_seconds=self.bucket.soft_delete_seconds,
-                                 metageneration=self.bucket.metageneration + 1)
-        return self.bucket
-
-    def list_objects(self, bucket: str, prefix: str, *, glob: str | None = None) -> Iterator[ObjectInfo]:
-        return iter(())
-
-
 def reconcile(schedule: str | None, now: dt.datetime) -> tuple[service.Outcome, MemoryKube]:
     kube = MemoryKube()
     outcome = service.reconcile_cache(
-        gcs=Bucket(), kube=kube, warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
+        gcs=MemoryBucket(), kube=kube, warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
         spec=spec(schedule), meta={"generation": 1, "uid": "u-1", "creationTimestamp": "2026-11-01T00:00:00Z"},
         status={}, namespace="ml", name="llama", claims=lambda bucket: [], now=now)
     return outcome, kube
@@ -181,16 +158,6 @@ class Timers:
         return len(due)
 
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for `check` to hold (a deadline only against a hang: nothing here is timed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.001)
-
-
 def cache_body(schedule: str | None = DAILY) -> dict[str, Any]:
     return {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
             "metadata": {"namespace": "ml", "name": "llama", "generation": 1, "uid": "u-1",
@@ -218,7 +185,7 @@ def drive(monkeypatch: pytest.MonkeyPatch, scenario: Scenario, schedule: str | N
     class Lead:
         is_leader = True
 
-    controller = Controller(settings, Bucket(), kube, RecentInjections(60), Lead(),  # type: ignore[arg-type]
+    controller = Controller(settings, MemoryBucket(), kube, RecentInjections(60), Lead(),  # type: ignore[arg-type]
                             clock=clock)
 
     async def run() -> None:
