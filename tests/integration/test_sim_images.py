@@ -1,13 +1,12 @@
 """The node agent's images are no kinder than real ones (cachewarm_testbed.simimages): an
 image's python imports what its Dockerfile installs and nothing of the test runner's,
 and the warmer run by the python of an image without GCS libraries fails on a gs://
-cache saying what the image lacks. podrun gives a process the env a kubelet would, none
-of the runner's."""
+cache saying what the image lacks. (What env a container gets is the node agent's test,
+tests/e2e/test_node_agent.py: pods run there with the env their spec resolves to.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from cachewarm_testbed.cluster import local_images, repo_root
-from cachewarm_testbed.podrun import run_container
 
 pytestmark = pytest.mark.integration
 
@@ -65,22 +63,3 @@ def test_a_warmer_in_an_image_without_gcs_libraries_says_what_it_lacks(
                                 "it lacks etils[epath] and gcsfs (install them in the image: pip install etils[epath] "
                                 "gcsfs)"]
     assert report["programs"] == 0 and report["entriesWritten"] == 0
-
-
-def test_podrun_gives_the_kubelets_env_and_none_of_the_runners(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CACHEWARM_RUNNER_ONLY", "leaked")
-    pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "env": [
-        {"name": "FROM_SPEC", "value": "spec"}, {"name": "SHARED", "value": "spec wins"}]}]}}
-    out = run_container(pod, [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
-                        node_env={"STORAGE_EMULATOR_HOST": "http://node", "SHARED": "node"},
-                        image_env={"PYTHONUNBUFFERED": "1", "SHARED": "image"}, timeout=60)
-    assert out.returncode == 0, out.stderr
-    env = json.loads(out.stdout)
-    env.pop("LC_CTYPE", None)  # python's own locale coercion
-    assert env == {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
-                   "HOSTNAME": "p", "PYTHONUNBUFFERED": "1", "STORAGE_EMULATOR_HOST": "http://node",
-                   "FROM_SPEC": "spec", "SHARED": "spec wins"}
-    assert "CACHEWARM_RUNNER_ONLY" in os.environ
-    with pytest.raises(ValueError, match="valueFrom"):
-        run_container({"spec": {"containers": [{"name": "c", "env": [{"name": "X", "valueFrom": {}}]}]}},
-                      ["true"], node_env={})
