@@ -27,7 +27,8 @@ sys.path[:0] = [str(REPO / "tests" / "integration"), str(REPO / "tests")]
 
 import test_copier as tc  # noqa: E402 - the tests' fault injector
 
-from cachewarm import certs, copier  # noqa: E402
+from cachewarm.admission import certificates as certs
+from cachewarm.agents import copier  # noqa: E402
 
 SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 

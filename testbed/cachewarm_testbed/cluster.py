@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachewarm import certs
+from cachewarm.admission import certificates as certs
+from cachewarm.agents import payload
 from cachewarm_testbed import nodes, simimages
 from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
 from cachewarm_testbed.realnode import NODE_IP, RealNode
@@ -121,12 +122,10 @@ def local_images() -> dict[str, dict[str, Any]]:
     # names matter: `cp A B DIR` keeps them), linked to this checkout's files.
     stage = Path(tempfile.gettempdir()) / f"cachewarm-warmer-image-{uuid.uuid5(uuid.NAMESPACE_URL, str(repo)).hex[:12]}"
     stage.mkdir(exist_ok=True)
-    for name, source in (("warm.py", repo / "operator" / "cachewarm" / "warmer.py"),
-                         ("cachewarm_reporter.py", repo / "operator" / "cachewarm" / "reporter.py"),
-                         ("sitecustomize.py", repo / "operator" / "cachewarm" / "sitecustomize.py"),
-                         ("cachewarm_copier.py", repo / "operator" / "cachewarm" / "copier.py"),
+    agents = repo / "operator" / "cachewarm" / "agents"
+    for name, source in (*((shipped, agents / module) for shipped, module in payload.MODULES.items()),
                          # The image's static busybox: here the host's (busybox-static, make node-deps).
-                         ("busybox", Path(shutil.which("busybox") or "/bin/busybox"))):
+                         (payload.BUSYBOX, Path(shutil.which("busybox") or "/bin/busybox"))):
         link = stage / name
         if not (link.is_symlink() and link.resolve() == source.resolve()):
             link.unlink(missing_ok=True)

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachewarm.agents import payload
 from cachewarm_testbed.processes import StartError
 from cachewarm_testbed.realnode import BUSYBOX, busybox_layer, oci_archive
 
@@ -72,9 +73,7 @@ class Build:
 
 BUILDS = (
     Build(OPERATOR_IMAGE, "Dockerfile", ("pyproject.toml", "README.md", "operator"), "PYTHON_IMAGE", "python"),
-    Build(WARMER_IMAGE, "warmer_image/Dockerfile", ("operator/cachewarm/warmer.py", "operator/cachewarm/reporter.py",
-                                                    "operator/cachewarm/copier.py",
-                                                    "operator/cachewarm/sitecustomize.py"),
+    Build(WARMER_IMAGE, "warmer_image/Dockerfile", tuple(f"operator/cachewarm/agents/{m}" for m in payload.MODULES.values()),
           "BUSYBOX_IMAGE", "busybox"),
     Build(f"docker.io/{TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE", "python"),
     Build(f"docker.io/{PLAIN_TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE",

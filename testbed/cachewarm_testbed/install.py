@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from cachewarm.leader import parse_identity
+from cachewarm.runtime.leader import parse_identity
 from cachewarm_testbed.processes import StartError
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cachewarm.builders.injection import cache_env
-from cachewarm.model import parse_spec
+from cachewarm.api.model import parse_spec
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import Proc
 

@@ -15,9 +15,10 @@ import pytest
 from kubernetes import client, config
 
 from cachewarm.builders import job as jb
+from cachewarm.builders import placement
 from cachewarm.builders.tpu import TPU_SHAPES, tpu_shape
 from cachewarm.clients.kube import KubeClient, KubeError
-from cachewarm.model import parse_spec
+from cachewarm.api.model import parse_spec
 from cachewarm_testbed.cluster import Testbed
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +71,7 @@ def objects(namespace: str, pool: dict[str, Any], mode: dict[str, Any]) -> list[
     p = spec.warmup.pools[0]
     out = [jb.warmer_job(spec, cache_name="llama", namespace=namespace, pool=p, digest=jb.spec_hash(spec, p),
                          owner=OWNER, warmer_image="cachewarm/warmer:0.1.0", generation=3)]
-    if jb.pool_shape(p).hosts > 1:
+    if placement.pool_shape(p).hosts > 1:
         out.insert(0, jb.headless_service("llama", namespace, p, OWNER))
     return out
 
@@ -135,7 +136,7 @@ def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: Ku
     })
     assert spec.warmup is not None
     pool = spec.warmup.pools[0]
-    assert jb.pool_shape(pool).hosts == hosts
+    assert placement.pool_shape(pool).hosts == hosts
     for obj in [jb.headless_service(cache_name, namespace, pool, OWNER),
                 jb.warmer_job(spec, cache_name=cache_name, namespace=namespace, pool=pool,
                               digest=jb.spec_hash(spec, pool), owner=OWNER, warmer_image="w:1")]:

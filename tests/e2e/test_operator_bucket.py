@@ -14,8 +14,8 @@ from google.cloud import storage
 
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import GcsClient
-from cachewarm.model import GcsStorage
-from cachewarm.reconcile import reconcile_bucket
+from cachewarm.api.model import GcsStorage
+from cachewarm.reconcile.bucket import reconcile_bucket
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.gcsproxy import ProxyControl

@@ -25,7 +25,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from cachewarm import certs
+from cachewarm.admission import certificates as certs
 from cachewarm_testbed import install
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import free_port

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cachewarm import constants as c
-from cachewarm.handlers import WEBHOOK_ID
+from cachewarm.api import constants as c
+from cachewarm.runtime.handlers import WEBHOOK_ID
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, repo_root
 
 pytestmark = pytest.mark.e2e

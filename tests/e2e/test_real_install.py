@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from cachewarm import certs
+from cachewarm.admission import certificates as certs
 
 from cachewarm_testbed import images, install
 from cachewarm_testbed.cluster import Testbed, eventually, repo_root

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from cachewarm.leader import parse_identity
+from cachewarm.runtime.leader import parse_identity
 from cachewarm_testbed import install
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 

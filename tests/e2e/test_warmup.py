@@ -20,8 +20,8 @@ import pytest
 import yaml
 from google.cloud import storage
 
-from cachewarm.builders.localcopy import manifest_object
-from cachewarm.model import GcsStorage
+from cachewarm.builders.placement import manifest_object
+from cachewarm.api.model import GcsStorage
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 from cachewarm_testbed.processes import Proc
 

@@ -37,7 +37,8 @@ from typing import Any
 import pytest
 from google.cloud import storage
 
-from cachewarm import certs, copier
+from cachewarm.admission import certificates as certs
+from cachewarm.agents import copier
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl
 from cachewarm_testbed.processes import free_port

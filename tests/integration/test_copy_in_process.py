@@ -29,7 +29,7 @@ import pytest
 from google.cloud import storage
 from test_copier import base, downloads, env_for, fill, manifest, process_env
 
-from cachewarm import service
+from cachewarm.reconcile import cache as service
 from cachewarm.builders import localcopy as lc
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl

@@ -16,10 +16,10 @@ from google.api_core import exceptions as gexc
 from google.cloud import storage
 
 from cachewarm.builders import bucket as b
-from cachewarm.builders import localcopy
+from cachewarm.builders import placement
 from cachewarm.clients.gcs import GcsClient, GcsPreconditionFailed
-from cachewarm.model import GcsStorage
-from cachewarm.reconcile import delete_cache_data, reconcile_bucket
+from cachewarm.api.model import GcsStorage
+from cachewarm.reconcile.bucket import delete_cache_data, reconcile_bucket
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl
@@ -258,11 +258,11 @@ def test_delete_removes_this_caches_manifests_and_keeps_every_other_caches(stora
     a created bucket holding only the cache's entries and manifests is deleted."""
     name = new_bucket(storage_only, **b.owner_labels("ns", "c"))
     gcs_spec = spec(name, prefix="jax")
-    ours = [localcopy.manifest_object(gcs_spec, "ns", "c", pool) for pool in ("cpu", "h100")]
-    theirs = [localcopy.manifest_object(gcs_spec, "ns", "c2", "cpu"),
-              localcopy.manifest_object(gcs_spec, "team-b", "c", "cpu"),
-              localcopy.manifest_object(spec(name, prefix="other"), "ns", "c", "cpu"),
-              localcopy.manifest_object(spec(name), "ns", "c", "cpu"),  # a cache of that name at the bucket root
+    ours = [placement.manifest_object(gcs_spec, "ns", "c", pool) for pool in ("cpu", "h100")]
+    theirs = [placement.manifest_object(gcs_spec, "ns", "c2", "cpu"),
+              placement.manifest_object(gcs_spec, "team-b", "c", "cpu"),
+              placement.manifest_object(spec(name, prefix="other"), "ns", "c", "cpu"),
+              placement.manifest_object(spec(name), "ns", "c", "cpu"),  # a cache of that name at the bucket root
               "jax/.cachewarm/pools/ns/c/notes.txt", "jax/.cachewarm/pools/ns/c/sub/cpu.json"]
     assert ours == ["jax/.cachewarm/pools/ns/c/cpu.json", "jax/.cachewarm/pools/ns/c/h100.json"]
     for obj in [f"jax/{ENTRY}", *ours, *theirs]:
@@ -276,7 +276,7 @@ def test_delete_removes_this_caches_manifests_and_keeps_every_other_caches(stora
     # A created bucket with nothing but the cache's own objects: the manifests hold nothing back.
     name = new_bucket(storage_only, **b.owner_labels("ns", "c"))
     root = spec(name)
-    for obj in [ENTRY, localcopy.manifest_object(root, "ns", "c", "cpu")]:
+    for obj in [ENTRY, placement.manifest_object(root, "ns", "c", "cpu")]:
         storage_only.bucket(name).blob(obj).upload_from_string(b"x")
     events = delete_cache_data(client, root, namespace="ns", name="c")
     assert [e.reason for e in events] == ["DataDeleted", "BucketDeleted"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from cachewarm import certs
+from cachewarm.admission import certificates as certs
 
 pytestmark = pytest.mark.integration
 
@@ -249,7 +249,7 @@ def test_the_recorders_command_writes_the_images_pythonpath_with_only_busybox(tm
     """The recorder init container's exact command, with the static busybox the copy puts
     in the emptyDir and an environment with nothing else on PATH (as in an image without
     a shell): the file holds the image's PYTHONPATH (empty when it sets none), exit 0."""
-    from cachewarm.builders.reporter import RECORD_PYTHONPATH
+    from cachewarm.builders.reporting import RECORD_PYTHONPATH
 
     shutil.copy(shutil.which("busybox") or "", tmp_path / "busybox")
     target = tmp_path / "image-pythonpath"

@@ -15,7 +15,7 @@ import pytest
 from google.cloud import storage
 
 from cachewarm.builders import bucket as b
-from cachewarm.model import GcsStorage
+from cachewarm.api.model import GcsStorage
 from cachewarm_testbed import lifecycle_eval as ev
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachewarm import constants as c
+from cachewarm.api import constants as c
 from cachewarm.builders import bucket as b
-from cachewarm.builders import localcopy
-from cachewarm.model import GcsStorage
+from cachewarm.builders import placement
+from cachewarm.api.model import GcsStorage
 from cachewarm_testbed import lifecycle_eval as ev
 
 DAY = 86400
@@ -375,7 +375,7 @@ def test_property_a_deletion_never_matches_another_caches_manifest(
     and its pool part can name a pool, whatever the prefixes (one under the other, or
     shaped like a manifest folder themselves)."""
     prefix, namespace, name = mine
-    theirs = localcopy.manifest_object(spec(prefix=other[0]), other[1], other[2], pool)
+    theirs = placement.manifest_object(spec(prefix=other[0]), other[1], other[2], pool)
     assert theirs == manifest_folder(*other) + f"{pool}.json"  # the documented layout
     own = other == mine and POOL_LABEL.fullmatch(pool) is not None and len(pool) <= 63
     assert b.is_own_manifest(theirs, spec(prefix=prefix), namespace, name) is own
@@ -421,7 +421,7 @@ def test_property_every_manifest_a_warmer_writes_is_removed_with_its_cache(cache
                                                                            pool: str) -> None:
     """Any pool name the CRD allows (a DNS label of at most 20 characters)."""
     prefix, namespace, name = cache
-    assert deletes(localcopy.manifest_object(spec(prefix=prefix), namespace, name, pool), spec(prefix=prefix),
+    assert deletes(placement.manifest_object(spec(prefix=prefix), namespace, name, pool), spec(prefix=prefix),
                    namespace, name)
 
 

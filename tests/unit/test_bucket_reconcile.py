@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from typing import Any
 
 
-from cachewarm import reconcile as r
-from cachewarm import service
+from cachewarm.reconcile import bucket as r
+from cachewarm.reconcile import cache as service
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import ObjectInfo
-from cachewarm.injections import RecentInjections
-from cachewarm.model import GcsStorage
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.api.model import GcsStorage
 from memkube import MemoryKube
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)

@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 from cryptography import x509
 
-from cachewarm import certs
+from cachewarm.admission import certificates as certs
 
 NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
 

@@ -8,11 +8,11 @@ import datetime as dt
 import pytest
 from pydantic import ValidationError
 
-from cachewarm import conditions
-from cachewarm.conditions import Cond
-from cachewarm.controller import backoff
-from cachewarm.model import InvalidSpec, parse_spec
-from cachewarm.settings import Settings
+from cachewarm.api import conditions
+from cachewarm.api.conditions import Cond
+from cachewarm.runtime.controller import backoff
+from cachewarm.api.model import InvalidSpec, parse_spec
+from cachewarm.runtime.settings import Settings
 
 T0 = dt.datetime(2026, 11, 22, 1, 0, tzinfo=dt.timezone.utc)
 T1 = T0 + dt.timedelta(minutes=5)

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from cachewarm import constants as c
-from cachewarm.controller import Controller, Key, Result, merged, wanted_finalizers, worth_reconciling
-from cachewarm.injections import RecentInjections
-from cachewarm.settings import Settings
+from cachewarm.api import constants as c
+from cachewarm.runtime.controller import Controller, Key, Result, merged, wanted_finalizers, worth_reconciling
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.runtime.settings import Settings
 from memgcs import until
 from memkube import MemoryKube
 
@@ -264,7 +264,7 @@ def test_a_status_patch_is_skipped_only_when_merging_it_changes_nothing(
 def test_a_reconcile_whose_status_would_not_change_writes_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """reconcile_one compares the merged patch with the stored status: the same status is
     no PATCH (and posts nothing), a changed one is one PATCH of the patch itself."""
-    from cachewarm import service
+    from cachewarm.reconcile import cache as service
 
     kube = MemoryKube()
     stored = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True"}], "cache": {"entries": 2}}
@@ -288,7 +288,7 @@ def test_usage_goes_when_its_window_emptied_and_stays_while_a_new_leader_has_not
 
     from reportdata import GOOD
 
-    from cachewarm.reports import parse
+    from cachewarm.reports.store import parse
 
     controller = _controller(monkeypatch, lambda key: Result())
     now = dt.datetime.now(dt.timezone.utc)

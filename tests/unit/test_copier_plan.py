@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from cachewarm import certs, copier
-from cachewarm.copier import Settings, manifest_entries, plan, retry_after_seconds, retry_delay, ssl_context
+from cachewarm.admission import certificates as certs
+from cachewarm.agents import copier
+from cachewarm.agents.copier import Settings, manifest_entries, plan, retry_after_seconds, retry_delay, ssl_context
 
 A, B, C, D = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 STEP, EVAL, INIT = f"jit_step-{A}-cache", f"jit_eval-{B}-cache", f"jit_init-{C}-cache"
@@ -145,7 +146,7 @@ def test_retry_after_is_read_in_its_seconds_form_only(value: str | None, seconds
 def test_a_429_or_503_retry_after_is_what_the_client_waits(
         status: int, header: str, slept: list[float] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     waits: list[float] = []
-    monkeypatch.setattr("cachewarm.copier.time.sleep", waits.append)
+    monkeypatch.setattr("cachewarm.agents.copier.time.sleep", waits.append)
     client = copier.Client("http://gcs.invalid", lambda: None)
     client.deadline = time.monotonic() + 50.0
     answers = iter([status, 200])
@@ -167,7 +168,7 @@ def test_a_429_or_503_retry_after_is_what_the_client_waits(
 def test_a_retry_after_past_the_deadline_gives_up_at_once_rather_than_wait_for_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     waits: list[float] = []
-    monkeypatch.setattr("cachewarm.copier.time.sleep", waits.append)
+    monkeypatch.setattr("cachewarm.agents.copier.time.sleep", waits.append)
     client = copier.Client("http://gcs.invalid", lambda: None)
     client.deadline = time.monotonic() + 50.0
     calls = []
@@ -232,7 +233,7 @@ def test_the_metadata_servers_failures_are_connection_errors_not_gcs_answers(
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         monkeypatch.setattr(copier, "METADATA_TOKEN", f"http://127.0.0.1:{server.server_address[1]}/token")
-        monkeypatch.setattr("cachewarm.copier.time.sleep", lambda _: None)
+        monkeypatch.setattr("cachewarm.agents.copier.time.sleep", lambda _: None)
         client = copier.Client("http://127.0.0.1:9", copier.metadata_token())
         client.deadline = time.monotonic() + 30.0
         with pytest.raises(copier.CopyError) as raised:

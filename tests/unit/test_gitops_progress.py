@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cachewarm.conditions import Cond
-from cachewarm.service import STALLED_BUCKET, STALLED_WARM, progress
+from cachewarm.api.conditions import Cond
+from cachewarm.reconcile.cache import STALLED_BUCKET, STALLED_WARM, progress
 
 BUCKET_OK = Cond("BucketReady", True, "Reconciled", "ok")
 ENV_OK = Cond("InjectionReady", True, "Reconciled", "ok")

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
-from cachewarm import service
-from cachewarm.builders.reporter import Reporting
-from cachewarm.injections import RecentInjections
-from cachewarm.model import parse_spec
+from cachewarm.reconcile import cache as service
+from cachewarm.builders.reporting import Reporting
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.api.model import parse_spec
 from memgcs import MemoryBucket
 from memkube import MemoryKube
 

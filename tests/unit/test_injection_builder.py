@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from cachewarm.builders.injection import Kept, cache_env, env_configmap, env_configmap_name, inject_pod
-from cachewarm.model import CacheSpec, parse_spec
+from cachewarm.api.model import CacheSpec, parse_spec
 
 
 def spec(mode: str = "ReadWrite", prefix: str = "llama", **jax: Any) -> CacheSpec:

@@ -9,9 +9,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cachewarm.cli import cli
+from cachewarm.cli.main import cli
 from cachewarm.clients.gcs import ObjectInfo
-from cachewarm.inspection import InspectError, as_json, as_table, parse_url, programs
+from cachewarm.cli.inspection import InspectError, as_json, as_table, parse_url, programs
 
 T1 = dt.datetime(2026, 11, 22, 1, tzinfo=dt.timezone.utc)
 T2 = dt.datetime(2026, 11, 22, 2, tzinfo=dt.timezone.utc)

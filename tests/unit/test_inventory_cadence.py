@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from cachewarm import service
-from cachewarm.injections import RecentInjections
-from cachewarm.warmups import WarmupOutcome
+from cachewarm.reconcile import cache as service
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.warmup import WarmupOutcome
 from memgcs import MemoryBucket
 from memkube import MemoryKube
 

@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from cachewarm import constants as c
-from cachewarm import warmer
+from cachewarm.api import constants as c
+from cachewarm.agents import warmer
 from cachewarm.builders import job as jb
-from cachewarm.builders import localcopy
+from cachewarm.builders import placement
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.clients import kube
-from cachewarm.model import CacheSpec, Pool, parse_spec
+from cachewarm.api.model import CacheSpec, Pool, parse_spec
 
 OWNER = {"name": "llama", "uid": "0000-1111"}
 
@@ -188,7 +188,7 @@ def test_hash_changes_with_jax_settings_accelerator_and_token() -> None:
 ])
 def test_job_name_leaves_room_for_indexed_pod_hostnames(pool: dict[str, Any], hosts: int) -> None:
     p = Pool.model_validate({"name": "a" * 20, **pool})
-    assert jb.pool_shape(p).hosts == hosts
+    assert placement.pool_shape(p).hosts == hosts
     name = jb.job_name("c" * 52, p, "0123456789")
     assert len(f"{name}-{hosts - 1}") <= 63
     # Up to 1000 hosts the name is what it always was (no re-warm on upgrade).
@@ -265,7 +265,7 @@ def test_the_pods_of_a_multi_host_job_share_one_node_pool() -> None:
 def test_a_stored_hosts_1_reads_as_derived_on_a_multi_host_slice(pool: dict[str, Any], hosts: int,
                                                                   per_host: int) -> None:
     p = Pool.model_validate({"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, **pool})
-    shape = jb.pool_shape(p)
+    shape = placement.pool_shape(p)
     assert (shape.hosts, shape.chips_per_host) == (hosts, per_host)
 
 
@@ -285,7 +285,7 @@ def test_a_legacy_hosts_1_does_not_change_the_hash() -> None:
 def test_other_contradictions_stay_invalid(override: dict[str, int]) -> None:
     p = Pool.model_validate({"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}, **override})
     with pytest.raises(TpuShapeError) as err:
-        jb.pool_shape(p)
+        placement.pool_shape(p)
     assert err.value.reason == "InvalidTpuShape"
 
 
@@ -311,7 +311,7 @@ def test_each_pools_warmer_is_told_where_its_manifest_goes() -> None:
         assert names.count("CACHEWARM_MANIFEST") == 1
         url = env(job)["CACHEWARM_MANIFEST"]
         assert url == f"gs://team-cache/llama/.cachewarm/pools/ml/llama/{pool}.json"
-        assert url == localcopy.manifest_url(spec.storage.gcs, "ml", "llama", pool)
+        assert url == placement.manifest_url(spec.storage.gcs, "ml", "llama", pool)
     root = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
         "image": "img", "targets": ["t:t"], "pools": [{"name": "cpu"}]}})
     assert env(build(root))["CACHEWARM_MANIFEST"] == "gs://b-1/.cachewarm/pools/ml/llama/cpu.json"

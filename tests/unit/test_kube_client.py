@@ -66,7 +66,7 @@ def test_the_lease_lock_gives_up_on_a_hung_apiserver(silent_server: tuple[str, l
 
     import urllib3
 
-    from cachewarm.leader import _FencedLeaseLock
+    from cachewarm.runtime.leader import _FencedLeaseLock
 
     url, connections = silent_server
     kube = KubeClient.for_configuration(client.Configuration(host=url), timeout=0.3)

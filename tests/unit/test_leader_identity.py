@@ -12,7 +12,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.leaderelection.leaderelectionrecord import LeaderElectionRecord
 
 from cachewarm.clients.kube import KubeClient
-from cachewarm.leader import AlwaysLeader, _FencedLeaseLock, address, identity, parse_identity
+from cachewarm.runtime.leader import AlwaysLeader, _FencedLeaseLock, address, identity, parse_identity
 
 
 @pytest.mark.parametrize(("host", "port", "expected"), [

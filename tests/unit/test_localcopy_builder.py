@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from cachewarm import service
+from cachewarm.reconcile import cache as service
+from cachewarm.agents import payload
 from cachewarm.builders import localcopy as lc
-from cachewarm.builders.reporter import Reporting
-from cachewarm.model import parse_spec
+from cachewarm.builders.reporting import Reporting
+from cachewarm.api.model import parse_spec
 
 POOLS = [
     {"name": "cpu"},
@@ -632,8 +633,8 @@ def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_nam
 
     files = service.boot_files()
     assert sorted(files) == sorted(lc.BOOT_FILES)
-    package = Path(cachewarm.__file__).parent
-    for shipped, module in lc.BOOT_FILES.items():
+    package = Path(cachewarm.__file__).parent / "agents"
+    for shipped, module in payload.MODULES.items():
         assert files[shipped] == (package / module).read_text(encoding="utf-8")
     bytecode = service.boot_bytecode_files()
     body = lc.boot_configmap("llama", "team", {"name": "llama", "uid": "u1"}, files, bytecode)
@@ -649,7 +650,7 @@ def test_the_boot_bytecode_is_the_same_bytes_in_every_operator_process() -> None
     pod's volume. marshal's do differ with the compiling process's reference counts (this
     one, pytest's, against a fresh one: so it compiles in a fresh interpreter). A process
     that first imports what the operator runs (kopf, the handlers) gets the same bytes."""
-    code = ("import hashlib, json, kopf, kubernetes; from cachewarm import handlers, service; "
+    code = ("import hashlib, json, kopf, kubernetes; from cachewarm.runtime import handlers; from cachewarm.reconcile import cache as service; "
             "print(json.dumps({k: hashlib.sha256(v).hexdigest() for k, v in service.boot_bytecode_files().items()}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

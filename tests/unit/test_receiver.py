@@ -12,9 +12,9 @@ import aiohttp.web
 from aiohttp.test_utils import TestClient, TestServer
 
 from cachewarm.clients.kube import KubeError
-from cachewarm.metrics import Metrics
-from cachewarm.receiver import PATH, Receiver
-from cachewarm.reports import Store
+from cachewarm.runtime.metrics import Metrics
+from cachewarm.reports.receiver import PATH, Receiver
+from cachewarm.reports.store import Store
 from memkube import MemoryKube
 from reportdata import GOOD, REPORT, REVIEW, bearer
 

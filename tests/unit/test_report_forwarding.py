@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import aiohttp.web
 from aiohttp.test_utils import TestClient, TestServer
 
-from cachewarm import certs
-from cachewarm.metrics import Metrics
-from cachewarm.receiver import FORWARDED_HEADER, PATH, Forwarder, Receiver
-from cachewarm.reports import MAX_BODY_BYTES, Store
-from cachewarm.servingcert import TlsMaterial
-from cachewarm.webhook import ServingTls
+from cachewarm.admission import certificates as certs
+from cachewarm.runtime.metrics import Metrics
+from cachewarm.reports.receiver import FORWARDED_HEADER, PATH, Forwarder, Receiver
+from cachewarm.reports.store import MAX_BODY_BYTES, Store
+from cachewarm.admission.keeper import TlsMaterial
+from cachewarm.admission.server import ServingTls
 from memkube import MemoryKube
 from reportdata import GOOD, REVIEW, bearer
 

@@ -17,11 +17,11 @@ import pytest
 from memkube import MemoryKube
 from reportdata import REPORT
 
-from cachewarm import reporter
-from cachewarm.controller import Controller
-from cachewarm.injections import RecentInjections
-from cachewarm.reports import MAX_BODY_BYTES, ReportError, Store, cold_message, parse
-from cachewarm.settings import Settings
+from cachewarm.agents import reporter
+from cachewarm.runtime.controller import Controller
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reports.store import MAX_BODY_BYTES, ReportError, Store, cold_message, parse
+from cachewarm.runtime.settings import Settings
 
 NOW = dt.datetime(2026, 11, 23, 12, tzinfo=dt.timezone.utc)
 COPY = {"copied": 12, "present": 3, "bytes": 4_096_000, "failed": 0, "cold": False, "seconds": 2.5,

@@ -11,7 +11,7 @@ import pytest
 
 from reportdata import REVIEW
 
-from cachewarm.reports import MAX_BODY_BYTES, ReportError, Store, check_identity, keys_match, parse
+from cachewarm.reports.store import MAX_BODY_BYTES, ReportError, Store, check_identity, keys_match, parse
 
 NOW = dt.datetime(2026, 11, 23, 12, tzinfo=dt.timezone.utc)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cachewarm.builders.reporter import Reporting, add_reporter
+from cachewarm.builders.reporting import Reporting, add_reporter
 
 REPORTING = Reporting(image="cachewarm/warmer:0.1.0", url="https://op/report/v1", ca_pem="-----BEGIN CERTIFICATE-----")
 

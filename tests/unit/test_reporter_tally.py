@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 
-from cachewarm import reporter
-from cachewarm.reports import MAX_BODY_BYTES, parse
+from cachewarm.agents import reporter
+from cachewarm.reports.store import MAX_BODY_BYTES, parse
 
 
 def hit_record(program: str, key: str) -> logging.LogRecord:

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from cachewarm import service
-from cachewarm.controller import Controller, Key, merged
-from cachewarm.injections import RecentInjections
-from cachewarm.model import parse_spec
-from cachewarm.settings import Settings
-from cachewarm.warmups import last_slot, next_slot, rewarm_token
+from cachewarm.reconcile import cache as service
+from cachewarm.runtime.controller import Controller, Key, merged
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.api.model import parse_spec
+from cachewarm.runtime.settings import Settings
+from cachewarm.reconcile.warmup import last_slot, next_slot, rewarm_token
 from memgcs import MemoryBucket, until
 from memkube import MemoryKube
 

@@ -7,9 +7,9 @@ import datetime as dt
 from typing import Any
 
 
-from cachewarm import service
-from cachewarm.conditions import Cond
-from cachewarm.model import parse_spec
+from cachewarm.reconcile import cache as service
+from cachewarm.api.conditions import Cond
+from cachewarm.api.model import parse_spec
 from memkube import MemoryKube
 
 SPEC: dict[str, Any] = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}}

@@ -13,11 +13,11 @@ from typing import Any
 import pydantic
 import pytest
 
-from cachewarm import service
+from cachewarm.reconcile import cache as service
 from cachewarm.builders.bucket import BucketInfo
 from cachewarm.clients.kube import KubeError
 from cachewarm.clients.gcs import GcsUnavailable, ObjectInfo
-from cachewarm.injections import RecentInjections
+from cachewarm.reconcile.injections import RecentInjections
 from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from cachewarm.builders.job import service_name
-from cachewarm.model import parse_spec
-from cachewarm.warmups import (
+from cachewarm.api.model import parse_spec
+from cachewarm.reconcile.warmup import (
     ObservedJob,
     WarmupOutcome,
     PodsView,
@@ -354,7 +354,7 @@ def failed_job(name: str, when: str = "2026-11-22T01:00:00Z") -> dict[str, Any]:
 
 
 def test_a_failed_warmer_is_retried_after_backoff_then_left_failed() -> None:
-    from cachewarm.warmups import WarmRetry
+    from cachewarm.reconcile.warmup import WarmRetry
     retry = WarmRetry(retries=2, delay_seconds=60)
     cluster = cluster_of([])
     first = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
@@ -397,7 +397,7 @@ def test_a_failed_warmer_is_retried_after_backoff_then_left_failed() -> None:
 
 
 def test_a_failed_pool_whose_job_expired_is_still_retried() -> None:
-    from cachewarm.warmups import WarmRetry
+    from cachewarm.reconcile.warmup import WarmRetry
     cluster = cluster_of([])
     first = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=[],
                              cache_entries=0, warmer_image="w", now=at(1), generation=2)
@@ -412,7 +412,7 @@ def test_a_failed_pool_whose_job_expired_is_still_retried() -> None:
 
 def test_a_summary_with_more_keys_than_fit_keeps_the_count_and_says_it_was_cut(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cachewarm import warmer
+    from cachewarm.agents import warmer
     out = tmp_path / "termination-log"
     monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(out))
     keys = sorted(f"{i:016x}" for i in range(400))
@@ -463,7 +463,7 @@ def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_
 
 
 def test_the_pool_keeps_process_0s_fingerprint_typed_and_bounded_with_the_image_digest() -> None:
-    from cachewarm.warmups import fingerprint_status
+    from cachewarm.reconcile.warmup import fingerprint_status
 
     job = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
     zero = {"processIndex": 0, "entriesWritten": 1, "fingerprint": {
@@ -586,7 +586,7 @@ def test_the_reconcile_records_the_image_pythonpath_unless_the_warmup_env_sets_p
 
 
 def test_the_warmer_reports_its_pythonpath_and_empty_without_one() -> None:
-    from cachewarm import warmer
+    from cachewarm.agents import warmer
 
     assert warmer.image_pythonpath({"PYTHONPATH": "/app:/lib"}) == {"imagePythonPath": "/app:/lib"}
     assert warmer.image_pythonpath({}) == {"imagePythonPath": ""}
@@ -597,7 +597,7 @@ def test_the_warmer_reports_its_pythonpath_and_empty_without_one() -> None:
 
 def test_the_pythonpath_survives_the_summarys_trimming(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keys, errors and targets are cut first; a 1000-character PYTHONPATH stays whole."""
-    from cachewarm import warmer
+    from cachewarm.agents import warmer
     out = tmp_path / "termination-log"
     monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(out))
     path = ":".join(f"/opt/venv/lib/python3.12/site-packages/p{i:03d}" for i in range(100))[:1000]
@@ -616,7 +616,7 @@ def test_a_pythonpath_that_cannot_fit_is_left_out_so_the_summary_stays_whole(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """JSON escapes a non-ASCII character to 6 or 12: a 1000-character path may not fit even
     with no key left. Cut at the limit, the summary would not be JSON at all."""
-    from cachewarm import warmer
+    from cachewarm.agents import warmer
     out = tmp_path / "termination-log"
     monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(out))
     warmer.write_summary({"entriesWritten": 3, "keys": ["aa", "bb"], "keyCount": 2, "errors": [], "targets": [],

@@ -10,9 +10,10 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from cachewarm import certs, servingcert
-from cachewarm.servingcert import plan_secret
-from cachewarm.webhook import ServingTls, check_review
+from cachewarm.admission import certificates as certs
+from cachewarm.admission import keeper as servingcert
+from cachewarm.admission.keeper import plan_secret
+from cachewarm.admission.server import ServingTls, check_review
 from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
@@ -120,8 +121,8 @@ def test_review_shape_checks() -> None:
 
 
 def test_a_renewed_cert_manager_certificate_is_loaded_by_the_keeper_without_a_restart(tmp_path: Path) -> None:
-    from cachewarm.main import WebhookKeeper
-    from cachewarm.settings import Settings
+    from cachewarm.runtime.main import WebhookKeeper
+    from cachewarm.runtime.settings import Settings
 
     def write(material: servingcert.TlsMaterial) -> None:
         for name, data in (("tls.crt", material.cert_pem), ("tls.key", material.key_pem), ("ca.crt", material.ca_pem)):
@@ -163,8 +164,8 @@ def test_a_corrupt_secret_is_made_again_rather_than_failing_the_operator() -> No
 def test_a_stand_in_certificate_is_never_published_as_the_ca_bundle() -> None:
     """A replica that could not read the shared Secret serves a stand-in, but never points
     the webhook configuration at the stand-in's CA (the other replicas serve the Secret's)."""
-    from cachewarm.main import WebhookKeeper
-    from cachewarm.settings import Settings
+    from cachewarm.runtime.main import WebhookKeeper
+    from cachewarm.runtime.settings import Settings
 
     kube = MemoryKube()
     pointed = kube.webhook_bundles

@@ -28,9 +28,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachewarm import constants as c
-from cachewarm.builders.localcopy import manifest_object
-from cachewarm.model import GcsStorage
+from cachewarm.api import constants as c
+from cachewarm.builders.placement import manifest_object
+from cachewarm.api.model import GcsStorage
 
 DAY = 86_400
 # JAX names entries <module>-<sha256 hex>-cache (and -atime when its LRU is on); besides
@@ -432,7 +432,7 @@ def is_cache_entry(object_name: str, gcs: GcsStorage) -> bool:
 
 def is_own_manifest(object_name: str, gcs: GcsStorage, namespace: str, name: str) -> bool:
     """True for the manifest of one of this cache's pools: exactly the name its warmers
-    write (builders/localcopy.manifest_object), for a pool name that can be one. Never
+    write (builders/placement.manifest_object), for a pool name that can be one. Never
     another cache's (its namespace and name are in the name), nor anything else in the
     folder."""
     folder = manifest_object(gcs, namespace, name, "").removesuffix(".json")

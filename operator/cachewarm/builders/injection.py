@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cachewarm import constants as c
-from cachewarm.builders.reporter import COPY_CONTAINER, PATH_CONTAINER
-from cachewarm.model import CacheSpec
+from cachewarm.api import constants as c
+from cachewarm.builders.reporting import COPY_CONTAINER, PATH_CONTAINER
+from cachewarm.api.model import CacheSpec
 
 # JAX writes an entry only when a compile took at least this long: a reader with this
 # threshold reads hits and never writes (verified with jax 0.10.2, no warnings).

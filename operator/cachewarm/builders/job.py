@@ -12,33 +12,18 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from cachewarm import constants as c
+from cachewarm.agents import payload
+from cachewarm.api import constants as c
 from cachewarm.builders.injection import cache_env
-from cachewarm.builders.tpu import TpuShape, table_hosts, tpu_shape
-from cachewarm.model import CacheSpec, Pool, Warmup
+from cachewarm.builders.placement import manifest_url, placement, pool_shape, quantity
+from cachewarm.api.model import CacheSpec, Pool, Warmup
 
 WARMER_DIR = "/cachewarm"
-WARMER_FILE = f"{WARMER_DIR}/warm.py"
+WARMER_FILE = f"{WARMER_DIR}/{payload.WARMER}"
 # Where warmer_image/Dockerfile puts the file the init container copies.
-WARMER_SOURCE = "/opt/cachewarm/warm.py"
+WARMER_SOURCE = payload.in_image(payload.WARMER)
 COORDINATOR_PORT = 8476
 GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
-
-
-def pool_shape(pool: Pool) -> TpuShape:
-    """Hosts (pods of the Job) and TPU chips per host of a pool. TPU pools come from GKE's
-    machine shapes (builders/tpu.py) with the pool's hosts/chipsPerHost as overrides; other
-    pools run on `hosts` hosts (default 1), chips_per_host 0. Raises TpuShapeError.
-
-    A TPU pool's `hosts: 1` without chipsPerHost, where the table says the slice has more
-    hosts, reads as unset: objects stored while the CRD defaulted hosts to 1 carry it
-    without the user having written it, and a single host could never run such a slice."""
-    if pool.tpu is not None:
-        hosts = pool.hosts
-        if hosts == 1 and pool.chips_per_host is None and (table_hosts(pool.tpu.type, pool.tpu.topology) or 1) > 1:
-            hosts = None
-        return tpu_shape(pool.tpu.type, pool.tpu.topology, hosts=hosts, chips_per_host=pool.chips_per_host)
-    return TpuShape(hosts=pool.hosts or 1, chips_per_host=0)
 
 
 def spec_hash(cache: CacheSpec, pool: Pool, token: str = "") -> str:
@@ -83,35 +68,6 @@ def service_name(cache_name: str, pool_name: str) -> str:
     digest = hashlib.sha256(f"{cache_name}/{pool_name}".encode()).hexdigest()[:6]
     return f"cw-{_dns_part(cache_name, 30)}-{pool_name}-{digest}"
 
-
-def quantity(value: int | str) -> str:
-    """A resource quantity as the API's typed clients want it: a string ("8", "64Gi")."""
-    return str(value)
-
-
-def placement(pool: Pool) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, dict[str, str]]]:
-    """nodeSelector, tolerations and resources for a pool, from GKE's labels and resource
-    names, with the pool's own overrides on top. Quantities are strings. Raises
-    TpuShapeError."""
-    selector: dict[str, str] = {}
-    tolerations: list[dict[str, Any]] = []
-    resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
-    if pool.accelerator is not None:
-        selector["cloud.google.com/gke-accelerator"] = pool.accelerator.type
-        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
-        resources["limits"]["nvidia.com/gpu"] = quantity(pool.accelerator.count)
-    elif pool.tpu is not None:
-        selector["cloud.google.com/gke-tpu-accelerator"] = pool.tpu.type
-        selector["cloud.google.com/gke-tpu-topology"] = pool.tpu.topology
-        tolerations.append({"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"})
-        chips = quantity(pool_shape(pool).chips_per_host)
-        resources["requests"]["google.com/tpu"] = chips
-        resources["limits"]["google.com/tpu"] = chips
-    selector.update(pool.node_selector)
-    tolerations.extend(dict(t) for t in pool.tolerations)
-    for kind in ("requests", "limits"):
-        resources[kind].update({k: quantity(v) for k, v in pool.resources.get(kind, {}).items()})
-    return selector, tolerations, {k: v for k, v in resources.items() if v}
 
 
 def same_node_pool(labels: Mapping[str, str]) -> dict[str, Any]:
@@ -167,8 +123,6 @@ def warmer_job(
     labels = {**pool_labels(cache_name, pool.name), c.LABEL_SPEC_HASH: digest}
     hosts = pool_shape(pool).hosts
     selector, tolerations, resources = placement(pool)
-    # Here, not at the top: localcopy imports this module (placement).
-    from cachewarm.builders.localcopy import manifest_url  # noqa: PLC0415
 
     env: list[dict[str, Any]] = [
         *cache_env(cache, "warmer"),
@@ -203,7 +157,7 @@ def warmer_job(
         "initContainers": [{
             "name": "cachewarm-bootstrap",
             "image": warmer_image,
-            "command": ["cp", WARMER_SOURCE, f"{WARMER_DIR}/warm.py"],
+            "command": ["cp", WARMER_SOURCE, WARMER_FILE],
             "volumeMounts": [{"name": "cachewarm", "mountPath": WARMER_DIR}],
             "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         }],

@@ -14,37 +14,21 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from cachewarm import constants as c
-from cachewarm.builders import reporter
+from cachewarm.agents import payload
+from cachewarm.api import constants as c
+from cachewarm.builders import reporting as reporter
 from cachewarm.builders.injection import cache_configmap
-from cachewarm.builders.job import placement
+from cachewarm.builders.placement import manifest_object, placement
 from cachewarm.builders.tpu import TpuShapeError
-from cachewarm.model import CacheSpec, GcsStorage, LocalCopy, Pool
-
-MANIFEST_DIR = ".cachewarm/pools"
-
-
-def manifest_object(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
-    """The object name (in the cache's bucket) of the manifest the warmer of `pool` writes:
-    the entries its last warm relied on. Beside the entries, under the cache's prefix, but
-    in a sub-folder, so neither JAX, nor the lifecycle rule (entries directly under the
-    prefix, by suffix), nor the copier's listing of entries (matchGlob `<prefix>*`) sees it;
-    per namespace and cache, so two caches that share a prefix keep their own."""
-    return f"{storage.object_prefix}{MANIFEST_DIR}/{namespace}/{cache_name}/{pool}.json"
-
-
-def manifest_url(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
-    """manifest_object as a gs:// URL (what the warmer writes with gcsfs)."""
-    return f"gs://{storage.bucket}/{manifest_object(storage, namespace, cache_name, pool)}"
-
+from cachewarm.api.model import CacheSpec, GcsStorage, LocalCopy, Pool
 
 # --- the webhook's part -------------------------------------------------------------------
 
 LOCAL_DIR = c.LOCAL_COPY_DIR  # JAX_COMPILATION_CACHE_DIR of pods with a local copy
 LOCAL_VOLUME = "cachewarm-cache"
 COPIER_CONTAINER = c.LOCAL_COPY_CONTAINER
-COPIER_FILE = f"{reporter.DIR}/cachewarm_copier.py"
-COPIER_SOURCE = f"{reporter.SOURCE_DIR}/cachewarm_copier.py"  # in the warmer image
+COPIER_FILE = f"{reporter.DIR}/{payload.COPIER}"
+COPIER_SOURCE = payload.in_image(payload.COPIER)
 SUMMARY_FILE = f"{reporter.DIR}/local-copy.json"  # the copier writes it, the reporter reads it
 SUMMARY_ENV = "CACHEWARM_LOCAL_COPY_SUMMARY"
 # The kubelet evicts a pod whose emptyDir grows past its sizeLimit: the copy stops short.
@@ -417,13 +401,8 @@ BOOT_VOLUME = "cachewarm-boot"
 # directory that the cache's pods share).
 COPY_DIR = "/cachewarm-copy"
 IN_PROCESS_ENV = "CACHEWARM_COPY_IN_PROCESS"
-# The files of the boot ConfigMap: their name there (and in BOOT_DIR) -> the package
-# module they are. The same names the warmer image ships them under (warmer_image/Dockerfile).
-# A pod's volume lists its keys (boot_volume's items), so a pod admitted before a release
-# that adds a file never gets that file, while the kubelet does update the files it lists
-# (sitecustomize.py among them): a file added here must be one the others do without.
-BOOT_FILES = {"sitecustomize.py": "sitecustomize.py", "cachewarm_copier.py": "copier.py",
-              "cachewarm_reporter.py": "reporter.py", "warm.py": "warmer.py"}
+# The files of the boot ConfigMap (and of BOOT_DIR): agents/payload.py's list.
+BOOT_FILES = tuple(payload.MODULES)
 
 
 def boot_configmap_name(cache_name: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cachewarm import constants as c
+from cachewarm.api import constants as c
 
 
 @dataclass(frozen=True)

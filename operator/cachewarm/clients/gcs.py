@@ -22,7 +22,7 @@ from google.api_core.retry import Retry
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from cachewarm import constants as c
+from cachewarm.api import constants as c
 from cachewarm.builders.bucket import BucketInfo
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ import urllib3.exceptions
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from cachewarm import constants as c
+from cachewarm.api import constants as c
 
 
 class KubeError(Exception):

@@ -18,8 +18,8 @@ import dataclasses
 import datetime as dt
 from pathlib import Path
 
-from cachewarm import certs
-from cachewarm import constants as c
+from cachewarm.admission import certificates as certs
+from cachewarm.api import constants as c
 from cachewarm.clients.kube import KubeClient, KubeError
 
 CA_DAYS = 3650

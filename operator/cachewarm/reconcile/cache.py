@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
-import importlib.resources
 import json
 import logging
 import os
@@ -20,8 +19,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachewarm import conditions, reports
-from cachewarm import constants as c
+from cachewarm.api import conditions
+from cachewarm.reports import store as reports
+from cachewarm.agents import payload
+from cachewarm.api import constants as c
 from cachewarm.builders.bucket import Claim
 from cachewarm.builders.injection import env_configmap, env_configmap_name, inject_pod
 from cachewarm.builders.localcopy import (
@@ -36,15 +37,15 @@ from cachewarm.builders.localcopy import (
     local_copy_possible,
 )
 from cachewarm.builders.localcopy import in_process as is_in_process
-from cachewarm.builders.reporter import Reporting, add_reporter
+from cachewarm.builders.reporting import Reporting, add_reporter
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
-from cachewarm.conditions import Cond
-from cachewarm.events import Event
-from cachewarm.injections import RecentInjections
-from cachewarm.model import CacheSpec, InvalidSpec, parse_spec
-from cachewarm.reconcile import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
-from cachewarm.warmups import (ACTIVE_STATES, BUCKET_VERDICTS, WarmRetry, WarmupOutcome, next_scheduled_warm,
+from cachewarm.api.conditions import Cond
+from cachewarm.api.events import Event
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
+from cachewarm.reconcile.bucket import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
+from cachewarm.reconcile.warmup import (ACTIVE_STATES, BUCKET_VERDICTS, WarmRetry, WarmupOutcome, next_scheduled_warm,
                                reconcile_warmup, release_waiting_pods, warmed_condition)
 
 ClaimLookup = Callable[[str], Iterable[Claim]]  # bucket -> the caches on it
@@ -351,11 +352,8 @@ def _publish_env(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], 
 
 @functools.cache
 def boot_files() -> dict[str, str]:
-    """The text of the boot ConfigMap's files (localcopy.BOOT_FILES), this package's own
-    modules as installed, read once."""
-    package = importlib.resources.files("cachewarm")
-    return {shipped: package.joinpath(module).read_text(encoding="utf-8")
-            for shipped, module in BOOT_FILES.items()}
+    """The text of the boot ConfigMap's files (agents/payload.py), as installed, read once."""
+    return {shipped: payload.source(shipped).read_text(encoding="utf-8") for shipped in BOOT_FILES}
 
 
 def compile_boot(files: Mapping[str, str], tag: str | None = BYTECODE_TAG) -> dict[str, bytes]:

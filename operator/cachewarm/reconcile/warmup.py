@@ -18,13 +18,14 @@ from typing import Any
 
 from croniter import croniter
 
-from cachewarm import constants as c
+from cachewarm.api import constants as c
 from cachewarm.builders import job as jobs
+from cachewarm.builders.placement import pool_shape
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.clients.kube import KubeClient
-from cachewarm.conditions import Cond
-from cachewarm.events import Event
-from cachewarm.model import CacheSpec, Pool
+from cachewarm.api.conditions import Cond
+from cachewarm.api.events import Event
+from cachewarm.api.model import CacheSpec, Pool
 
 ACTIVE_STATES = ("Pending", "Running")
 MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
@@ -427,7 +428,7 @@ def reconcile_warmup(
         prev = prev_by_pool.get(pool.name) or {}
         try:
             digest = jobs.spec_hash(cache, pool, token)
-            hosts = jobs.pool_shape(pool).hosts
+            hosts = pool_shape(pool).hosts
         except TpuShapeError as exc:
             plan = plan_pool(seen, None, generation)
             if plan.superseded:

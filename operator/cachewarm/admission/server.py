@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
-from cachewarm.servingcert import TlsMaterial
+from cachewarm.admission.keeper import TlsMaterial
 
 log = logging.getLogger("cachewarm.webhook")
 

@@ -157,7 +157,7 @@ ENV_ENABLE_XLA_CACHES: Final = "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"
 ENV_COORDINATOR_ADDRESS: Final = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES: Final = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID: Final = "JAX_PROCESS_ID"
-# Warmers: the gs:// URL of the pool's manifest (builders/localcopy.manifest_url), where
+# Warmers: the gs:// URL of the pool's manifest (builders/placement.manifest_url), where
 # process 0 writes the entries its warm relied on (warmer.MANIFEST_ENV, the same name).
 ENV_MANIFEST: Final = "CACHEWARM_MANIFEST"
 # spec.injection.localCopy: the directory pods read the cache from (their

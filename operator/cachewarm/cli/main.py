@@ -9,7 +9,7 @@ import click
 import pydantic
 
 from cachewarm import __version__
-from cachewarm.settings import Settings
+from cachewarm.runtime.settings import Settings
 
 
 def _settings_help() -> str:
@@ -42,7 +42,7 @@ def run() -> None:
         )
         click.echo(f"error: invalid settings: {problems}", err=True)
         sys.exit(2)
-    from cachewarm import main as operator_main  # kopf is heavy; import it only to run
+    from cachewarm.runtime import main as operator_main  # kopf is heavy; import it only to run
 
     operator_main.run(settings)
 
@@ -56,7 +56,7 @@ def warm(ctx: click.Context) -> None:
     `cachewarm warm targets MODULE:CALLABLE ...` or `cachewarm warm command -- ENTRYPOINT`;
     `cachewarm warm --help` for details. Needs jax; reads the cache env JAX_* like a pod.
     """
-    from cachewarm import warmer  # the same single file the warmer init container ships
+    from cachewarm.agents import warmer  # the same single file the warmer init container ships
 
     sys.exit(warmer.main(list(ctx.args)))
 
@@ -77,10 +77,10 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
     Application Default Credentials (or $STORAGE_EMULATOR_HOST). Exit status 1 when the
     cache or bucket cannot be read, 2 for a usage error.
     """
-    from cachewarm import inspection
+    from cachewarm.cli import inspection
     from cachewarm.clients.gcs import GcsClient, GcsError
     from cachewarm.clients.kube import KubeClient, KubeError
-    from cachewarm.model import InvalidSpec, parse_spec
+    from cachewarm.api.model import InvalidSpec, parse_spec
 
     if bool(cache) == bool(url):
         raise click.UsageError("give either NAMESPACE/NAME or --bucket gs://BUCKET[/PREFIX]")

@@ -12,19 +12,21 @@ from typing import Any
 
 import kopf
 
-from cachewarm import constants as c
-from cachewarm import handlers, logs, servingcert
+from cachewarm.api import constants as c
+from cachewarm.runtime import handlers
+from cachewarm.runtime import logs
+from cachewarm.admission import keeper as servingcert
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient
-from cachewarm.controller import Controller, backoff
-from cachewarm.injections import RecentInjections
-from cachewarm.leader import AlwaysLeader, Leadership, address, identity, parse_identity
-from cachewarm.metrics import Metrics
-from cachewarm.receiver import PATH as REPORT_PATH
-from cachewarm.receiver import Forwarder, Receiver
-from cachewarm.reports import Store
-from cachewarm.settings import Settings
-from cachewarm.webhook import AdmissionServer, ServingTls
+from cachewarm.runtime.controller import Controller, backoff
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.runtime.leader import AlwaysLeader, Leadership, address, identity, parse_identity
+from cachewarm.runtime.metrics import Metrics
+from cachewarm.reports.receiver import PATH as REPORT_PATH
+from cachewarm.reports.receiver import Forwarder, Receiver
+from cachewarm.reports.store import Store
+from cachewarm.runtime.settings import Settings
+from cachewarm.admission.server import AdmissionServer, ServingTls
 
 # Retries of the webhook configuration stop doubling here: once it is installed, the
 # operator should notice within a minute.

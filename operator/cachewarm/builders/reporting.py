@@ -1,4 +1,4 @@
-"""The part of the webhook's pod patch that adds the reporter (cachewarm.reporter) to a
+"""The part of the webhook's pod patch that adds the reporter (cachewarm.agents.reporter) to a
 training pod: pure, spec in, spec out.
 
 - An emptyDir `cachewarm-reporter` that an init container of cachewarm's warmer image (the
@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachewarm.constants import LOCAL_COPY_CONTAINER
+from cachewarm.agents import payload
+from cachewarm.api.constants import LOCAL_COPY_CONTAINER
 
 DIR = "/cachewarm-reporter"
 TOKEN_DIR = "/var/run/secrets/cachewarm"
@@ -36,9 +37,9 @@ VOLUME = "cachewarm-reporter"
 TOKEN_VOLUME = "cachewarm-report-token"
 COPY_CONTAINER = "cachewarm-reporter"
 PATH_CONTAINER = "cachewarm-pythonpath"
-SOURCE_DIR = "/opt/cachewarm"  # in the warmer image (warmer_image/Dockerfile)
+SOURCE_DIR = payload.SOURCE_DIR  # in the warmer image (warmer_image/Dockerfile)
 TOKEN_SECONDS = 3600  # the kubelet renews it before it expires
-BUSYBOX = f"{SOURCE_DIR}/busybox"  # static: it runs in any image of the node's architecture
+BUSYBOX = payload.in_image(payload.BUSYBOX)  # static: it runs in any image of the node's architecture
 # `sh -c SCRIPT FILE`: FILE is $0. A write that fails leaves no file (the reporter then
 # restores nothing) and the pod still starts.
 RECORD_PYTHONPATH = 'printf %s "$PYTHONPATH" > "$0"; exit 0'
@@ -208,8 +209,7 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
         out.append(new)
     resources = resources_of(first)
     init: list[dict[str, Any]] = [
-        copy_container(spec, reporting.image, [f"{SOURCE_DIR}/cachewarm_reporter.py", f"{SOURCE_DIR}/sitecustomize.py",
-                                               f"{SOURCE_DIR}/warm.py", BUSYBOX], resources),
+        copy_container(spec, reporting.image, [payload.in_image(f) for f in payload.REPORTER_COPY], resources),
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
          "command": [f"{DIR}/busybox", "sh", "-c", RECORD_PYTHONPATH, RECORD_FILE],

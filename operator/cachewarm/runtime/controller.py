@@ -32,18 +32,18 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from cachewarm import constants as c
-from cachewarm import service
+from cachewarm.api import constants as c
+from cachewarm.reconcile import cache as service
 from cachewarm.builders.bucket import Claim
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
-from cachewarm.events import Event
-from cachewarm.injections import RecentInjections
-from cachewarm.metrics import Metrics
-from cachewarm.reports import Store, cold_message
-from cachewarm.model import InvalidSpec
-from cachewarm.settings import Settings
-from cachewarm.warmups import WarmRetry
+from cachewarm.api.events import Event
+from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.runtime.metrics import Metrics
+from cachewarm.reports.store import Store, cold_message
+from cachewarm.api.model import InvalidSpec
+from cachewarm.runtime.settings import Settings
+from cachewarm.reconcile.warmup import WarmRetry
 
 Key = tuple[str, str]  # (namespace, name)
 MAX_BACKOFF = 600.0

@@ -5,7 +5,7 @@ event to the controller, which reconciles on the leader only, and keeping the we
 index), watches labelled pods (counting injected ones, and, on the leader, releasing one
 held for a cache that does not exist), and serves the admission webhook from its index
 without API calls. No kopf change handler, timer or finalizer is used: reconciling is
-cachewarm.controller's, so kopf keeps no state on the caches.
+cachewarm.runtime.controller's, so kopf keeps no state on the caches.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from typing import Any
 
 import kopf
 
-from cachewarm import conditions, service, warmups
-from cachewarm import constants as c
-from cachewarm.builders.reporter import Reporting
+from cachewarm.api import conditions
+from cachewarm.reconcile import cache as service
+from cachewarm.reconcile import warmup as warmups
+from cachewarm.api import constants as c
+from cachewarm.builders.reporting import Reporting
 from cachewarm.clients.kube import KubeClient, KubeError
-from cachewarm.events import Event
+from cachewarm.api.events import Event
 
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
 WEBHOOK_ID = "inject-cache"

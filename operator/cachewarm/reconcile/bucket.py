@@ -18,13 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachewarm import constants as c
+from cachewarm.api import constants as c
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsPreconditionFailed
-from cachewarm.conditions import Cond
-from cachewarm.events import Event
-from cachewarm.model import GcsStorage
-from cachewarm.warmer import key_hash
+from cachewarm.api.conditions import Cond
+from cachewarm.api.events import Event
+from cachewarm.api.model import GcsStorage
+from cachewarm.agents.warmer import key_hash
 
 MERGE_ATTEMPTS = 5  # re-read and re-merge this often when the bucket changes under us
 # Stamping entries without a customTime is one sequential object PATCH each, done inside the

@@ -29,9 +29,9 @@ from typing import Any
 
 import aiohttp.web
 
-from cachewarm import reports
+from cachewarm.reports import store as reports
 from cachewarm.clients.kube import KubeClient, KubeError
-from cachewarm.metrics import Metrics
+from cachewarm.runtime.metrics import Metrics
 
 PATH = "/report/v1"
 # TokenReviews in flight at once: a flood of reports waits here, not in the apiserver.

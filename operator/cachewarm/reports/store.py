@@ -1,4 +1,4 @@
-"""Reports from training pods (cachewarm.reporter): checked, kept, and summed per cache.
+"""Reports from training pods (cachewarm.agents.reporter): checked, kept, and summed per cache.
 
 The HTTP side (webhook.AdmissionServer's /report/v1) hands a report here only after the
 apiserver vouched for its token (a TokenReview, audience `cachewarm`) and the token's pod

@@ -1,0 +1,1 @@
+"""The `cachewarm` command: run (the operator), warm (the warmer), inspect."""
