@@ -8,7 +8,7 @@ BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit mutants lint dev-up dev-down demo demo-simulated clean
+.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit mutants lint docs dev-up dev-down demo demo-simulated clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -47,6 +47,9 @@ mutants: venv bin node-deps images kstatus ## Apply each tests/mutants/*.patch i
 
 lint: venv ## Type-check the package (mypy strict)
 	$(PY) -m mypy
+
+docs: venv ## Regenerate docs/reference/compilationcache.md, the CRD field reference, from crds/
+	$(PY) hack/crd_reference.py crds/cachewarm.dev_compilationcaches.yaml docs/reference/compilationcache.md
 
 dev-up: venv bin ## Start the local control plane, simulated GKE nodes and the GCS emulator in the background (.dev/env)
 	$(PY) -m cachewarm_testbed up .dev
