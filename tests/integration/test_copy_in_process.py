@@ -29,7 +29,7 @@ import pytest
 from google.cloud import storage
 from test_copier import base, downloads, env_for, fill, manifest, process_env
 
-from cachewarm.reconcile import cache as service
+from cachewarm.reconcile import configmaps
 from cachewarm.builders import localcopy as lc
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl
@@ -45,7 +45,7 @@ STOPPED = "still running past the deadline: stopped"
 
 
 def boot_dir(where: Path) -> Path:
-    """The boot volume as the kubelet lays out the operator's ConfigMap (service.boot_files
+    """The boot volume as the kubelet lays out the operator's ConfigMap (configmaps.boot_files
     and boot_bytecode_files) through the pod's volume items (localcopy.boot_volume): the
     files in a hidden timestamped directory, `..data` a symlink to it, and each top-level
     entry (a file, or __pycache__) a symlink through `..data`, so a file's resolved
@@ -56,7 +56,7 @@ def boot_dir(where: Path) -> Path:
     (where / "..data").symlink_to(stamped.name)
     volume = lc.boot_volume("c")["configMap"]
     assert volume["items"][:len(lc.BOOT_FILES)] == [{"key": k, "path": k} for k in lc.BOOT_FILES]
-    keys = {**service.boot_files(), **service.boot_bytecode_files()}
+    keys = {**configmaps.boot_files(), **configmaps.boot_bytecode_files()}
     for item in volume["items"]:  # as the pod's volume maps the ConfigMap's keys
         path = stamped / item["path"]
         path.parent.mkdir(exist_ok=True)

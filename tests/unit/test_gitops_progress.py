@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from cachewarm.api.conditions import Cond
-from cachewarm.reconcile.cache import STALLED_BUCKET, STALLED_WARM, progress
+from cachewarm.reconcile.status import STALLED_BUCKET, STALLED_WARM, progress
 
 BUCKET_OK = Cond("BucketReady", True, "Reconciled", "ok")
 ENV_OK = Cond("InjectionReady", True, "Reconciled", "ok")

@@ -11,7 +11,6 @@ file a change to an agent's source updates."""
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import hashlib
 import json
@@ -23,6 +22,8 @@ import pytest
 import yaml
 
 from cachewarm.reconcile import cache as service
+from cachewarm.admission import admit
+from cachewarm.reconcile import configmaps
 from cachewarm.builders.reporting import Reporting
 from cachewarm.reconcile.injections import RecentInjections
 from cachewarm.api.model import parse_spec
@@ -121,12 +122,13 @@ def _digest(value: str | bytes) -> str:
 
 
 def _configmap(cm: dict[str, Any]) -> dict[str, Any]:
-    """A boot ConfigMap's files by digest (payload.json pins them); other data inline."""
+    """A boot ConfigMap's shipped files and their bytecode by reference (payload.json pins
+    their digests, so a change to an agent's text updates that one file); other data inline."""
     out = json.loads(json.dumps(cm))
     for key in ("data", "binaryData"):
-        for name, value in (out.get(key) or {}).items():
+        for name in out.get(key) or {}:
             if name.endswith((".py", ".pyc")) or key == "binaryData":
-                out[key][name] = _digest(base64.b64decode(value) if key == "binaryData" else value)
+                out[key][name] = "<shipped file: see payload.json>"
     return out
 
 
@@ -166,10 +168,10 @@ def test_operator_output_matches_the_golden_snapshot(name: str) -> None:
 
 
 def _admission(spec: dict[str, Any], pod_spec: dict[str, Any], *, warmed: bool, pythonpath: str | None) -> dict[str, Any]:
-    entry = service.index_entry(spec, generation=2, uid="u-1", warmed=warmed, image_pythonpath=pythonpath)
+    entry = admit.index_entry(spec, generation=2, uid="u-1", warmed=warmed, image_pythonpath=pythonpath)
     pod = {"metadata": {"namespace": NS, "generateName": "train-", "labels": {"cachewarm.dev/cache": "c-1"}},
            "spec": json.loads(json.dumps(pod_spec))}
-    got = service.admit_pod(pod, lambda ns, name: entry if (ns, name) == (NS, "c-1") else None, REPORTING, WARMER_IMAGE)
+    got = admit.admit_pod(pod, lambda ns, name: entry if (ns, name) == (NS, "c-1") else None, REPORTING, WARMER_IMAGE)
     return {"spec": got.spec, "annotations": got.annotations, "warnings": got.warnings, "injected": got.injected,
             "event": [got.event[0], got.event[1].__dict__] if got.event else None}
 
@@ -185,5 +187,5 @@ def test_pod_patches_match_the_golden_snapshot(name: str) -> None:
 
 def test_shipped_payload_matches_the_golden_snapshot() -> None:
     """The files the operator ships into pods (boot ConfigMap and its bytecode), by digest."""
-    _write_or_compare("payload", {"boot_files": {k: _digest(v) for k, v in sorted(service.boot_files().items())},
-                                  "bytecode": {k: _digest(v) for k, v in sorted(service.boot_bytecode_files().items())}})
+    _write_or_compare("payload", {"boot_files": {k: _digest(v) for k, v in sorted(configmaps.boot_files().items())},
+                                  "bytecode": {k: _digest(v) for k, v in sorted(configmaps.boot_bytecode_files().items())}})

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from cachewarm.reconcile import cache as service
+from cachewarm.reconcile import status as cache_status
+from cachewarm.reconcile import warmup as warmups
 from cachewarm.reconcile.injections import RecentInjections
 from cachewarm.reconcile.warmup import WarmupOutcome
 from memgcs import MemoryBucket
@@ -32,7 +34,7 @@ def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) 
     """The warmers' reconcile finds these pools (its Warmed verdict from the keys it is given)."""
     def reconcile_warmup(kube: Any, cache: Any, *, cache_entries: int, warmed_before: bool,
                          entry_keys: frozenset[str] | None, **_: Any) -> WarmupOutcome:
-        return WarmupOutcome(service.warmed_condition(pools, cache_entries, warmed_before, entry_keys),
+        return WarmupOutcome(warmups.warmed_condition(pools, cache_entries, warmed_before, entry_keys),
                              [dict(p) for p in pools])
     monkeypatch.setattr(service, "reconcile_warmup", reconcile_warmup)
 
@@ -71,7 +73,7 @@ def settled(gcs: MemoryBucket, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any
 def test_when_the_inventory_is_due(cache: dict[str, Any] | None, generation: int, now: dt.datetime,
                                    due: bool) -> None:
     status = {"observedGeneration": 3, **({"cache": cache} if cache else {})}
-    assert service.inventory_due(status, generation, now, HOUR) is due
+    assert cache_status.inventory_due(status, generation, now, HOUR) is due
 
 
 def test_a_resync_of_an_unchanged_warm_cache_lists_nothing_and_keeps_its_verdict(
@@ -116,7 +118,7 @@ def test_a_warm_that_finishes_after_a_due_listing_is_checked_against_a_listing_t
     def finishes_now(kube: Any, cache: Any, *, cache_entries: int, warmed_before: bool,
                      entry_keys: frozenset[str] | None, **_: Any) -> WarmupOutcome:
         gcs.keys = [*KEYS, "3333333333333333"]  # its last entry landed after the listing
-        return WarmupOutcome(service.warmed_condition([rewarmed], cache_entries, warmed_before, entry_keys),
+        return WarmupOutcome(warmups.warmed_condition([rewarmed], cache_entries, warmed_before, entry_keys),
                              [dict(rewarmed)])
     monkeypatch.setattr(service, "reconcile_warmup", finishes_now)
     outcome = reconcile(gcs, {**status, "observedGeneration": 2}, NOW + dt.timedelta(minutes=5))

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from cachewarm.reconcile import cache as service
+from cachewarm.admission import admit as admission
+from cachewarm.reconcile import configmaps
 from cachewarm.agents import payload
 from cachewarm.builders import localcopy as lc
 from cachewarm.builders.reporting import Reporting
@@ -49,13 +50,13 @@ def training_pod(**spec: Any) -> dict[str, Any]:
 
 
 def admit(pod: dict[str, Any], spec: dict[str, Any], *, warmer: str | None = WARMER,
-          reporting: bool = True) -> service.Admission:
-    entry = service.index_entry(spec, generation=3, uid="uid-1", warmed=True)
-    return service.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
+          reporting: bool = True) -> admission.Admission:
+    entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True)
+    return admission.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, warmer)
 
 
-def patched(pod: dict[str, Any], answer: service.Admission) -> dict[str, Any]:
+def patched(pod: dict[str, Any], answer: admission.Admission) -> dict[str, Any]:
     out = copy.deepcopy(pod)
     out["spec"].update(copy.deepcopy(answer.spec))
     out["metadata"].setdefault("annotations", {}).update(answer.annotations)
@@ -444,10 +445,10 @@ def test_a_pod_whose_own_volumes_clash_with_ours_reads_the_bucket(clash: dict[st
 # --- in process: no init container ---------------------------------------------------------
 
 def admit_known(pod: dict[str, Any], spec: dict[str, Any], image_pythonpath: str | None = "/app", *,
-                reporting: bool = True) -> service.Admission:
+                reporting: bool = True) -> admission.Admission:
     """admit, with the warmers having reported the warmup image's PYTHONPATH."""
-    entry = service.index_entry(spec, generation=3, uid="uid-1", warmed=True, image_pythonpath=image_pythonpath)
-    return service.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
+    entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True, image_pythonpath=image_pythonpath)
+    return admission.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, WARMER)
 
 
@@ -631,12 +632,12 @@ def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_nam
 
     import cachewarm
 
-    files = service.boot_files()
+    files = configmaps.boot_files()
     assert sorted(files) == sorted(lc.BOOT_FILES)
     package = Path(cachewarm.__file__).parent / "agents"
     for shipped, module in payload.MODULES.items():
         assert files[shipped] == (package / module).read_text(encoding="utf-8")
-    bytecode = service.boot_bytecode_files()
+    bytecode = configmaps.boot_bytecode_files()
     body = lc.boot_configmap("llama", "team", {"name": "llama", "uid": "u1"}, files, bytecode)
     assert body["metadata"]["name"] == "cachewarm-llama-boot" and body["data"] == files
     assert {k: base64.b64decode(v) for k, v in body["binaryData"].items()} == bytecode
@@ -650,11 +651,11 @@ def test_the_boot_bytecode_is_the_same_bytes_in_every_operator_process() -> None
     pod's volume. marshal's do differ with the compiling process's reference counts (this
     one, pytest's, against a fresh one: so it compiles in a fresh interpreter). A process
     that first imports what the operator runs (kopf, the handlers) gets the same bytes."""
-    code = ("import hashlib, json, kopf, kubernetes; from cachewarm.runtime import handlers; from cachewarm.reconcile import cache as service; "
-            "print(json.dumps({k: hashlib.sha256(v).hexdigest() for k, v in service.boot_bytecode_files().items()}))")
+    code = ("import hashlib, json, kopf, kubernetes; from cachewarm.runtime import handlers; from cachewarm.reconcile import configmaps; "
+            "print(json.dumps({k: hashlib.sha256(v).hexdigest() for k, v in configmaps.boot_bytecode_files().items()}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    here = {k: hashlib.sha256(v).hexdigest() for k, v in service.boot_bytecode_files().items()}
+    here = {k: hashlib.sha256(v).hexdigest() for k, v in configmaps.boot_bytecode_files().items()}
     assert json.loads(out.stdout) == here and len(here) == len(lc.BOOT_FILES)
 
 
@@ -664,7 +665,7 @@ def test_the_boot_bytecode_is_this_pythons_checked_hash_pyc_of_each_shipped_text
     UTF-8 text the kubelet writes; its code that of the text. None for a python that caches
     no bytecode, and then the volume maps only the sources."""
     files = {"sitecustomize.py": "x = 'é'\n", "cachewarm_copier.py": "def f():\n    return 2\n"}
-    pycs = service.compile_boot(files, "cpython-311")
+    pycs = configmaps.compile_boot(files, "cpython-311")
     assert sorted(pycs) == ["cachewarm_copier.cpython-311.pyc", "sitecustomize.cpython-311.pyc"]
     assert importlib.util.cache_from_source("/b/cachewarm_copier.py").endswith(
         f"/b/__pycache__/{lc.bytecode_key('cachewarm_copier.py', sys.implementation.cache_tag)}")
@@ -673,7 +674,7 @@ def test_the_boot_bytecode_is_this_pythons_checked_hash_pyc_of_each_shipped_text
         assert pyc[:4] == importlib.util.MAGIC_NUMBER and int.from_bytes(pyc[4:8], "little") == 0b11
         assert pyc[8:16] == importlib.util.source_hash(text.encode("utf-8"))
         assert marshal.loads(pyc[16:]) == compile(text, shipped, "exec", dont_inherit=True, optimize=0)
-    assert service.compile_boot(files, None) == {}
+    assert configmaps.compile_boot(files, None) == {}
     assert lc.boot_volume("llama", None)["configMap"]["items"] == [{"key": k, "path": k} for k in lc.BOOT_FILES]
 
 
@@ -692,16 +693,16 @@ def test_a_failed_bytecode_compile_is_not_kept_but_tried_again_later_and_a_succe
         calls.append(1)
         return next(results)
     clock = [1000.0]
-    monkeypatch.setattr(service, "compile_boot", compile_boot)
-    monkeypatch.setattr(service, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr(service, "_bytecode", None)
-    monkeypatch.setattr(service, "_bytecode_failed_at", -float("inf"))
-    assert service.boot_bytecode_files() == {} and len(calls) == 1
-    clock[0] += service.BYTECODE_RETRY_SECONDS - 1
-    assert service.boot_bytecode_files() == {} and len(calls) == 1  # not yet
+    monkeypatch.setattr(configmaps, "compile_boot", compile_boot)
+    monkeypatch.setattr(configmaps, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(configmaps, "_bytecode", None)
+    monkeypatch.setattr(configmaps, "_bytecode_failed_at", -float("inf"))
+    assert configmaps.boot_bytecode_files() == {} and len(calls) == 1
+    clock[0] += configmaps.BYTECODE_RETRY_SECONDS - 1
+    assert configmaps.boot_bytecode_files() == {} and len(calls) == 1  # not yet
     clock[0] += 1
-    assert service.boot_bytecode_files() == {} and len(calls) == 2  # tried again, failed again
-    clock[0] += service.BYTECODE_RETRY_SECONDS
-    assert service.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3
-    clock[0] += 10 * service.BYTECODE_RETRY_SECONDS
-    assert service.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3  # kept
+    assert configmaps.boot_bytecode_files() == {} and len(calls) == 2  # tried again, failed again
+    clock[0] += configmaps.BYTECODE_RETRY_SECONDS
+    assert configmaps.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3
+    clock[0] += 10 * configmaps.BYTECODE_RETRY_SECONDS
+    assert configmaps.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3  # kept

@@ -11,7 +11,8 @@ import pytest
 
 from reportdata import REVIEW
 
-from cachewarm.reports.store import MAX_BODY_BYTES, ReportError, Store, check_identity, keys_match, parse
+from cachewarm.reconcile.keysmatch import keys_match
+from cachewarm.reports.store import MAX_BODY_BYTES, ReportError, Store, check_identity, parse
 
 NOW = dt.datetime(2026, 11, 23, 12, tzinfo=dt.timezone.utc)
 

@@ -14,7 +14,7 @@ import pydantic
 import pytest
 
 from cachewarm.reconcile import cache as service
-from cachewarm.builders.bucket import BucketInfo
+from cachewarm.api.bucket import BucketInfo
 from cachewarm.clients.kube import KubeError
 from cachewarm.clients.gcs import GcsUnavailable, ObjectInfo
 from cachewarm.reconcile.injections import RecentInjections

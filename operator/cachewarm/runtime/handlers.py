@@ -20,7 +20,9 @@ from typing import Any
 import kopf
 
 from cachewarm.api import conditions
-from cachewarm.reconcile import cache as service
+from cachewarm.admission import admit
+from cachewarm.reconcile.pods import REFUSED
+from cachewarm.reconcile.status import was_warmed
 from cachewarm.reconcile import warmup as warmups
 from cachewarm.api import constants as c
 from cachewarm.builders.reporting import Reporting
@@ -62,9 +64,9 @@ def index_caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.M
     """The webhook's view of each cache, parsed once per change of the cache, not once
     per admitted pod."""
     bucket = conditions.get(status.get("conditions"), c.Condition.BUCKET_READY) or {}
-    return {(namespace, name): service.index_entry(spec, generation=int(meta.get("generation") or 0), uid=uid,
-                                                   warmed=service.was_warmed(status),
-                                                   refused=bucket.get("reason") in service.REFUSED,
+    return {(namespace, name): admit.index_entry(spec, generation=int(meta.get("generation") or 0), uid=uid,
+                                                   warmed=was_warmed(status),
+                                                   refused=bucket.get("reason") in REFUSED,
                                                    image_pythonpath=warmups.image_pythonpath(
                                                        (status.get("warmup") or {}).get("pools") or [],
                                                        str((spec.get("warmup") or {}).get("image") or "")))}
@@ -77,7 +79,7 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
     started = time.perf_counter()
     try:
         settings = memo.get("settings")
-        answer = service.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None),
+        answer = admit.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None),
                                    _reporting(memo), settings.warmer_image if settings is not None else None)
     except Exception as exc:  # noqa: BLE001 - a pod is never refused on our account
         warnings.append(f"cachewarm could not inject this pod ({type(exc).__name__}: {exc}); admitted unchanged")

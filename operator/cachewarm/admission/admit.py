@@ -1,0 +1,124 @@
+"""What the webhook answers for a labelled pod being created: the cache's env, the
+wait-for-warm gate, the reporter and the local copy, or a warning saying why not; and the
+entry of the webhook's in-memory index of caches it reads them from. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachewarm.api import constants as c
+from cachewarm.api.events import Event
+from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
+from cachewarm.builders.injection import inject_pod
+from cachewarm.builders.localcopy import add_local_copy, add_local_copy_in_process, local_copy_possible
+from cachewarm.builders.localcopy import in_process as is_in_process
+from cachewarm.builders.reporting import Reporting, add_reporter
+from cachewarm.reconcile.pods import CacheLookup
+
+
+
+def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool,
+                refused: bool = False, image_pythonpath: str | None = None) -> dict[str, Any]:
+    """What the webhook needs of a cache, parsed once: the typed spec (or why it is
+    invalid), whether it is Warmed, whether it is refused (BucketReady reason in
+    REFUSED: no pod is held for it), and the PYTHONPATH the warmup's image sets, as its
+    warmers reported it (warmups.image_pythonpath; None: not known)."""
+    try:
+        cache: CacheSpec | None = parse_spec(spec)
+        error = ""
+    except InvalidSpec as exc:
+        cache, error = None, str(exc)
+    return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed,
+            "refused": refused, "image_pythonpath": image_pythonpath}
+
+
+@dataclass
+class Admission:
+    """The webhook's answer for one pod: fields to set, warnings, an event to post."""
+
+    spec: dict[str, Any] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    event: tuple[dict[str, Any], Event] | None = None
+    injected: bool = False
+
+
+def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting | None = None,
+              warmer_image: str | None = None) -> Admission:
+    """Add the named cache's env (and, with waitForWarm, a scheduling gate; with
+    `reporting` and spec.injection.report, the reporter; with spec.injection.localCopy and
+    the `warmer_image` that carries the copier, the local copy) to a pod being created, or
+    say in a warning why not. Raises only on a bug; the caller admits anyway."""
+    meta = pod.get("metadata") or {}
+    namespace = str(meta.get("namespace") or "")
+    cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
+    pod_name = meta.get("name") or f"{meta.get('generateName', '')}<generated>"
+    entry = lookup(namespace, cache_name)
+    out = Admission()
+    if entry is None:
+        out.warnings.append(f"cachewarm: no CompilationCache {cache_name!r} in namespace {namespace!r} "
+                            f"(label {c.CACHE_LABEL}); pod admitted without the cache")
+        return out
+    cache: CacheSpec | None = entry["cache"]
+    if cache is None:
+        out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} is invalid ({entry['error']}); "
+                            "pod admitted without the cache")
+        return out
+    pod_spec = pod.get("spec") or {}
+    if cache.injection.local_copy is not None and not local_copy_possible(pod_spec, warmer_image):
+        # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
+        cache = cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": None})})
+        out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
+                            "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
+                            "cachewarm-reporter or cachewarm-report-token, or mounted at /cachewarm-cache, "
+                            "/cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or /var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
+    result = inject_pod(pod, cache_name, entry["generation"], cache)
+    if result.changed:
+        out.spec["containers"] = result.containers
+        if result.init_containers is not None:
+            out.spec["initContainers"] = result.init_containers
+        out.annotations[c.INJECTED_ANNOTATION] = result.annotation
+        out.injected = True
+    containers = result.containers
+    init_containers = result.init_containers if result.init_containers is not None else pod_spec.get("initContainers") or []
+    volumes = list(pod_spec.get("volumes") or [])
+    reports = reporting if cache.injection.report else None
+    in_process = None
+    if cache.injection.local_copy is not None and warmer_image:
+        # In process where the pod's PYTHONPATH is known: no init container at all.
+        in_process = add_local_copy_in_process(
+            pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace, cache_name=cache_name,
+            image_pythonpath=entry.get("image_pythonpath"), reporting=reports, annotations=meta.get("annotations"))
+        if in_process is not None:
+            out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = in_process
+            out.injected = True
+    # Else by init containers (as at the first admission, on reinvocation).
+    by_init = in_process is None and not is_in_process(pod_spec)
+    if by_init and reports is not None:
+        added = add_reporter(pod_spec, containers, init_containers, cache_name, reports)
+        if added is not None:
+            containers, init_containers, volumes = added
+            out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = added
+            out.injected = True
+    if by_init and cache.injection.local_copy is not None and warmer_image:
+        copied = add_local_copy(pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace,
+                                cache_name=cache_name, image=warmer_image, annotations=meta.get("annotations"))
+        if copied is not None:
+            out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = copied
+            out.injected = True
+    gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
+    if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \
+            and not entry.get("refused"):
+        if not any(g.get("name") == c.WAIT_GATE for g in gates):
+            out.spec["schedulingGates"] = [*gates, {"name": c.WAIT_GATE}]
+    for kept in result.kept:
+        out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
+                            f"the value from CompilationCache {cache_name!r} was not applied to it")
+    if result.kept:
+        names = ", ".join(sorted({f"{k.container}/{k.name}" for k in result.kept}))
+        ref = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+               "metadata": {"name": cache_name, "namespace": namespace, "uid": entry["uid"]}}
+        out.event = (ref, Event("Warning", c.Reason.ENV_KEPT, f"Pod {pod_name} kept its own {names}"))
+    return out
