@@ -150,9 +150,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="cachewarm-bench-reporter-"))
     site = work / "site"  # the files the webhook's volume holds (ConfigMap or init container)
     site.mkdir()
-    shutil.copy(REPO / "operator" / "cachewarm" / "reporter.py", site / "cachewarm_reporter.py")
-    shutil.copy(REPO / "operator" / "cachewarm" / "sitecustomize.py", site / "sitecustomize.py")
-    shutil.copy(REPO / "operator" / "cachewarm" / "warmer.py", site / "warm.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "agents" / "reporter.py", site / "cachewarm_reporter.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "agents" / "sitecustomize.py", site / "sitecustomize.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "agents" / "warmer.py", site / "warm.py")
     (site / "image-pythonpath").write_text("")  # what the recorder writes for an image without PYTHONPATH
     local_url, received = local_endpoint()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "CACHEWARM_", "PYTHONPATH"))}

@@ -1,5 +1,5 @@
 """Test tooling: the warmer run as a local process the way its init container ships it (a
-lone copy of operator/cachewarm/warmer.py, run by the image's python in the image's
+lone copy of operator/cachewarm/agents/warmer.py, run by the image's python in the image's
 working directory, with the cache env), for tests that need what a warmer writes or
 refreshes without a Job and a node agent. Its environment is only what the caller gives
 it (plus PATH and HOME): nothing of the test runner's own environment reaches it, as
@@ -25,7 +25,7 @@ def run_warmer(workdir: Path, args: Sequence[str], *, env: Mapping[str, str], cw
     the termination message, and its stderr."""
     summary = workdir / "termination-log"
     lone = workdir / "warm.py"
-    lone.write_text((repo_root() / "operator" / "cachewarm" / "warmer.py").read_text())
+    lone.write_text((repo_root() / "operator" / "cachewarm" / "agents" / "warmer.py").read_text())
     out = subprocess.run([sys.executable, str(lone), *args], cwd=cwd, capture_output=True, text=True,
                          timeout=timeout, env=warmer_env(env, summary))
     return out.returncode, json.loads(summary.read_text()), out.stderr

@@ -34,9 +34,9 @@ def site(tmp_path: Path) -> Path:
     """The emptyDir the init container fills: the reporter, its sitecustomize, the warmer."""
     where = tmp_path / "cachewarm-site"
     where.mkdir()
-    shutil.copy(REPO / "operator" / "cachewarm" / "reporter.py", where / "cachewarm_reporter.py")
-    shutil.copy(REPO / "operator" / "cachewarm" / "sitecustomize.py", where / "sitecustomize.py")
-    shutil.copy(REPO / "operator" / "cachewarm" / "warmer.py", where / "warm.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "agents" / "reporter.py", where / "cachewarm_reporter.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "agents" / "sitecustomize.py", where / "sitecustomize.py")
+    shutil.copy(REPO / "operator" / "cachewarm" / "agents" / "warmer.py", where / "warm.py")
     return where
 
 

@@ -52,7 +52,7 @@ def test_a_warmer_in_an_image_without_gcs_libraries_says_what_it_lacks(
     plain = images["cachewarm/demo-train-plain:0.1.0"]
     workdir = Path(str(plain["paths"]["/app"]))  # type: ignore[index]
     summary = tmp_path / "termination-log"
-    out = subprocess.run([str(plain["python"]), str(REPO / "operator" / "cachewarm" / "warmer.py"), "targets",
+    out = subprocess.run([str(plain["python"]), str(REPO / "operator" / "cachewarm" / "agents" / "warmer.py"), "targets",
                           "train:targets"], cwd=workdir, capture_output=True, text=True, timeout=300,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CACHEWARM_SUMMARY_FILE": str(summary),
                               "JAX_COMPILATION_CACHE_DIR": "gs://no-such-bucket/jax",

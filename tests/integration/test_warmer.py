@@ -20,7 +20,7 @@ from cachewarm_testbed.cluster import Testbed
 
 pytestmark = pytest.mark.integration
 
-WARMER = Path(__file__).resolve().parents[2] / "operator" / "cachewarm" / "warmer.py"
+WARMER = Path(__file__).resolve().parents[2] / "operator" / "cachewarm" / "agents" / "warmer.py"
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
