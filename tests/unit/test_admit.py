@@ -1,4 +1,4 @@
-"""The webhook's decision for a pod, and when the fast timer has work (no kopf, no I/O)."""
+"""admission/admit.py: what the webhook answers for a labelled pod (the env, the gate, the reporter, the local copy), or the warning saying why not."""
 
 from __future__ import annotations
 
