@@ -1,4 +1,4 @@
-"""admission/admit.py: what the webhook answers for a labelled pod (the env, the gate, the reporter, the local copy), or the warning saying why not."""
+"""The webhook's decision for a pod (admission/admit.py), and when the fast timer has work (reconcile/status.needs_poll); no kopf, no I/O."""
 
 from __future__ import annotations
 

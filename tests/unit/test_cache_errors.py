@@ -1,4 +1,4 @@
-"""service.reconcile_cache never leaves a blank status: every failing step becomes a
+"""reconcile_cache (reconcile/cache.py) never leaves a blank status: every failing step becomes a
 condition with a reason and a message and an Event, and what did succeed (the bucket) is
 still reported. GCS is a stand-in object here and Kubernetes an in-memory KubeClient
 whose calls fail the way the client does; the e2e tests cover the real thing."""
