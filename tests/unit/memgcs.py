@@ -11,7 +11,7 @@ import datetime as dt
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cachewarm.builders.bucket import BucketInfo
+from cachewarm.api.bucket import BucketInfo
 from cachewarm.clients.gcs import ObjectInfo
 
 

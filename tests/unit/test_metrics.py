@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachewarm.runtime.metrics import Metrics, finished_runs
+from cachewarm.api.metrics import Metrics, finished_runs
 
 
 def status(*pools: dict[str, Any]) -> dict[str, Any]:

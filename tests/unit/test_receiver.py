@@ -12,7 +12,7 @@ import aiohttp.web
 from aiohttp.test_utils import TestClient, TestServer
 
 from cachewarm.clients.kube import KubeError
-from cachewarm.runtime.metrics import Metrics
+from cachewarm.api.metrics import Metrics
 from cachewarm.reports.receiver import PATH, Receiver
 from cachewarm.reports.store import Store
 from memkube import MemoryKube

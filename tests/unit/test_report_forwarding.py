@@ -17,7 +17,7 @@ import aiohttp.web
 from aiohttp.test_utils import TestClient, TestServer
 
 from cachewarm.admission import certificates as certs
-from cachewarm.runtime.metrics import Metrics
+from cachewarm.api.metrics import Metrics
 from cachewarm.reports.receiver import FORWARDED_HEADER, PATH, Forwarder, Receiver
 from cachewarm.reports.store import MAX_BODY_BYTES, Store
 from cachewarm.admission.keeper import TlsMaterial

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm.api import constants as c
+from cachewarm.api.bucket import BucketInfo
 from cachewarm.builders.placement import manifest_object
 from cachewarm.api.model import GcsStorage
 
@@ -44,24 +45,6 @@ POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 MAX_LIFECYCLE_RULES = 100
 MAX_BUCKET_LABELS = 64
 _INT_CONDITIONS = ("age", "daysSinceCustomTime", "daysSinceNoncurrentTime", "numNewerVersions")
-
-
-@dataclass(frozen=True)
-class BucketInfo:
-    """A bucket as GCS reports it (the fields cachewarm reads)."""
-
-    name: str
-    location: str
-    storage_class: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-    lifecycle_rules: Sequence[Mapping[str, Any]] = ()
-    soft_delete_seconds: int | None = None
-    uniform_access: bool = False
-    public_access_prevention: str = ""
-    metageneration: int = 0
-    # Rules the client library could not read (an action type it does not know): while
-    # there are any, cachewarm never writes the lifecycle, which would drop them.
-    unreadable_rules: int = 0
 
 
 def owner_labels(namespace: str, name: str, instance: str = c.DEFAULT_INSTANCE) -> dict[str, str]:

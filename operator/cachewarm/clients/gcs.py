@@ -23,7 +23,7 @@ from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from cachewarm.api import constants as c
-from cachewarm.builders.bucket import BucketInfo
+from cachewarm.api.bucket import BucketInfo
 
 T = TypeVar("T")
 

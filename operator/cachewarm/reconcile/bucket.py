@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm.api import constants as c
+from cachewarm.api.bucket import BucketInfo
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsPreconditionFailed
 from cachewarm.api.conditions import Cond
@@ -119,7 +120,7 @@ def reconcile_bucket(
             # Created with its settings (lifecycle, soft delete) in the one call, as the
             # plan for a bucket holding nothing yet says; the loop then finds nothing to patch.
             labels = b.owner_labels(namespace, name, instance)
-            fresh = b.BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
+            fresh = BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
                                  labels=labels, uniform_access=True, public_access_prevention="enforced")
             settings = b.bucket_patch(
                 fresh, spec, plan=b.plan_lifecycle(claims, b.rule_budget(fresh, instance)),
@@ -214,7 +215,7 @@ def describe_rule(index: int, rule: Mapping[str, Any]) -> str:
     return f"#{index} {json.dumps(rule.get('condition') or {}, sort_keys=True, separators=(',', ':'))}"
 
 
-def _with_foreign_deletes(cond: Cond, bucket: b.BucketInfo, spec: GcsStorage, wanted: Mapping[str, Any] | None,
+def _with_foreign_deletes(cond: Cond, bucket: BucketInfo, spec: GcsStorage, wanted: Mapping[str, Any] | None,
                           instance: str) -> tuple[Cond, list[str]]:
     """LifecycleReady as it is, its message also naming the rules of others that delete
     this cache's entries by their own conditions (cachewarm never changes them). A copy of
@@ -232,7 +233,7 @@ def _with_foreign_deletes(cond: Cond, bucket: b.BucketInfo, spec: GcsStorage, wa
     return dataclasses.replace(cond, message=message), found
 
 
-def _lifecycle_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan,
+def _lifecycle_condition(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, plan: b.LifecyclePlan,
                          instance: str) -> Cond:
     if bucket.unreadable_rules:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULES_UNREADABLE,
@@ -283,7 +284,7 @@ def _days(seconds: int | None) -> str:
     return f"{seconds // b.DAY}d" if seconds else "off"
 
 
-def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, claims: Sequence[b.Claim],
+def _soft_delete_condition(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, claims: Sequence[b.Claim],
                           instance: str) -> Cond:
     owner = b.settings_owner(claims, bucket, instance)
     if owner is None:
@@ -310,7 +311,7 @@ def _soft_delete_condition(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim
                 "does not change it")
 
 
-def _status(bucket: b.BucketInfo, spec: GcsStorage, mine: b.Claim, instance: str) -> dict[str, Any]:
+def _status(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, instance: str) -> dict[str, Any]:
     soft = bucket.soft_delete_seconds
     return {
         "url": spec.url,

@@ -31,7 +31,7 @@ import aiohttp.web
 
 from cachewarm.reports import store as reports
 from cachewarm.clients.kube import KubeClient, KubeError
-from cachewarm.runtime.metrics import Metrics
+from cachewarm.api.metrics import Metrics
 
 PATH = "/report/v1"
 # TokenReviews in flight at once: a flood of reports waits here, not in the apiserver.

@@ -39,7 +39,7 @@ from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.api.events import Event
 from cachewarm.reconcile.injections import RecentInjections
-from cachewarm.runtime.metrics import Metrics
+from cachewarm.api.metrics import Metrics
 from cachewarm.reports.store import Store, cold_message
 from cachewarm.api.model import InvalidSpec
 from cachewarm.runtime.settings import Settings

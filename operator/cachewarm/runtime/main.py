@@ -21,7 +21,7 @@ from cachewarm.clients.gcs import GcsClient
 from cachewarm.runtime.controller import Controller, backoff
 from cachewarm.reconcile.injections import RecentInjections
 from cachewarm.runtime.leader import AlwaysLeader, Leadership, address, identity, parse_identity
-from cachewarm.runtime.metrics import Metrics
+from cachewarm.api.metrics import Metrics
 from cachewarm.reports.receiver import PATH as REPORT_PATH
 from cachewarm.reports.receiver import Forwarder, Receiver
 from cachewarm.reports.store import Store
