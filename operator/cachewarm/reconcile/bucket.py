@@ -70,6 +70,159 @@ def _claims_with(claims: Sequence[b.Claim], mine: b.Claim) -> list[b.Claim]:
     return [*(cl for cl in claims if cl.key != mine.key), mine]
 
 
+# --- plan: what to do about the bucket as read (pure; no client) ----------------------------
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The bucket cannot be as the spec says: BucketReady False, with what status can still
+    say about the bucket."""
+
+    condition: Cond
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Create:
+    """Create the bucket with these labels and, in the same call, these settings (fields of
+    builders.bucket.bucket_patch: lifecycle and its labels, soft delete, access)."""
+
+    labels: dict[str, str]
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Update:
+    """PATCH `patch` onto the bucket as read (empty: it already is as the caches on it need);
+    `drift` says whether that undoes changes made outside cachewarm. `lifecycle` is
+    cachewarm's rule plan for the bucket, which LifecycleReady reads."""
+
+    lifecycle: b.LifecyclePlan
+    patch: dict[str, Any]
+    drift: bool
+
+
+def plan_create(spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], instance: str) -> Stop | Create:
+    """The bucket does not exist: create it (with its settings, as the plan for a bucket
+    holding nothing yet says, so the next read finds nothing to patch) if the spec says so."""
+    if not spec.create:
+        return Stop(Cond(c.Condition.BUCKET_READY, False, c.Reason.BUCKET_NOT_FOUND,
+                         f"Bucket {spec.bucket} does not exist and spec.storage.gcs.create is false; "
+                         "create it or set create: true"))
+    labels = b.owner_labels(mine.namespace, mine.name, instance)
+    fresh = BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
+                       labels=labels, uniform_access=True, public_access_prevention="enforced")
+    return Create(labels, b.bucket_patch(
+        fresh, spec, plan=b.plan_lifecycle(claims, b.rule_budget(fresh, instance)),
+        owns_settings=b.settings_owner(claims, fresh, instance) == mine, created_by_us=True, instance=instance))
+
+
+def plan_update(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], instance: str,
+                settings_owned_before: bool) -> Stop | Update:
+    """The bucket exists: refuse one in another location, else the smallest patch that
+    brings it to what the caches on it (`claims`, mine included) need."""
+    if not b.location_matches(bucket, spec):
+        return Stop(Cond(c.Condition.BUCKET_READY, False, c.Reason.LOCATION_MISMATCH,
+                         f"Bucket {spec.bucket} is in {bucket.location}, but spec asks for {spec.location}; "
+                         "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
+                    status=_status(bucket, spec, mine, instance))
+    lifecycle = b.plan_lifecycle(claims, b.rule_budget(bucket, instance))
+    patch = b.bucket_patch(bucket, spec, plan=lifecycle, owns_settings=b.settings_owner(claims, bucket, instance) == mine,
+                           created_by_us=b.created_by(bucket, mine.namespace, mine.name, instance), instance=instance)
+    drift = bool(patch) and b.changed_outside(bucket, patch, instance, settings_owned_before=settings_owned_before)
+    return Update(lifecycle, patch, drift)
+
+
+def created_event(spec: GcsStorage, settings: dict[str, Any]) -> Event:
+    configured = f" with {_changed_fields(settings)}" if settings else ""
+    return Event("Normal", c.Reason.BUCKET_CREATED,
+                 f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class}){configured}")
+
+
+def patched_event(spec: GcsStorage, update: Update, *, configuration: bool) -> Event:
+    """The Event for a patch written: configuration (after a spec change or a creation),
+    this cache taking over the bucket-wide settings, cachewarm's rules following the caches
+    on the bucket, or drift undone."""
+    fields = _changed_fields(update.patch)
+    if configuration:
+        return Event("Normal", c.Reason.BUCKET_CONFIGURED, f"Configured bucket {spec.bucket}: {fields}")
+    if not update.drift and "softDeletePolicy" in update.patch:
+        return Event("Normal", c.Reason.BUCKET_CONFIGURED,
+                     f"Configured bucket {spec.bucket}: {fields} (this cache now owns its bucket-wide settings)")
+    if not update.drift:
+        return Event("Normal", c.Reason.BUCKET_CONFIGURED,
+                     f"Updated cachewarm's lifecycle rules on bucket {spec.bucket} for the caches on it")
+    return Event("Warning", c.Reason.DRIFT_CORRECTED,
+                 f"Restored {fields} on bucket {spec.bucket}, changed outside cachewarm")
+
+
+def refused_outcome(bucket: BucketInfo | None, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim],
+                    refused_by: b.Claim, instance: str) -> BucketOutcome:
+    """A cache whose prefix overlaps an older cache's (`refused_by`) manages nothing."""
+    other = f"gs://{spec.bucket}/{refused_by.prefix}" if refused_by.prefix else f"gs://{spec.bucket}"
+    # A refused cache has no rule of its own: LifecycleReady must not keep saying what the
+    # rule it had before deletes.
+    lifecycle = Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.PREFIX_IN_USE,
+                     f"cachewarm keeps no lifecycle rule for {spec.url} while it overlaps {other}, the cache "
+                     f"of {refused_by.ref}: its prefix leaves cachewarm's rules on that cache's next reconcile, "
+                     "and then only that cache's rule (for its own prefix) and rules of others act on objects "
+                     "under it")
+    return BucketOutcome(
+        Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE,
+             f"{spec.url} overlaps {other}, already the cache of {refused_by.ref}; give this "
+             "CompilationCache its own bucket or a prefix that neither contains nor is contained in another's"),
+        settings=[lifecycle, *([_soft_delete_condition(bucket, spec, mine, claims, instance)]
+                               if bucket is not None else [])],
+    )
+
+
+def reconciled_outcome(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim],
+                       lifecycle: b.LifecyclePlan, instance: str, events: list[Event],
+                       inventory: tuple[dict[str, Any], frozenset[str]] | None) -> BucketOutcome:
+    """BucketReady True, and the settings' conditions for the bucket as the last write left it."""
+    how = "created by cachewarm" if b.created_by(bucket, mine.namespace, mine.name, instance) else "adopted"
+    rules, foreign_deleting = _with_foreign_deletes(
+        _lifecycle_condition(bucket, spec, mine, lifecycle, instance), bucket, spec,
+        lifecycle.rule_of.get(mine.key), instance)
+    return BucketOutcome(
+        Cond(c.Condition.BUCKET_READY, True, c.Reason.RECONCILED,
+             f"Bucket {spec.bucket} ({how}) is in {bucket.location}"),
+        status=_status(bucket, spec, mine, instance),
+        events=events,
+        cache=inventory[0] if inventory is not None else None,
+        entry_keys=inventory[1] if inventory is not None else None,
+        settings=[rules, _soft_delete_condition(bucket, spec, mine, claims, instance)],
+        foreign_deleting=foreign_deleting,
+    )
+
+
+# --- observe and apply ------------------------------------------------------------------------
+
+
+def _create(gcs: GcsClient, spec: GcsStorage, create: Create) -> tuple[BucketInfo, bool] | None:
+    """Create the bucket as planned: (the bucket, whether this call created it), or None
+    when another project owns the name."""
+    try:
+        return gcs.create_bucket(spec.bucket, location=spec.location, storage_class=spec.storage_class,
+                                 labels=create.labels, settings=create.settings), True
+    except GcsConflict:
+        # Either a concurrent reconcile of ours created it a moment ago (then we can read
+        # it and carry on), or another project owns the name (then reading it is forbidden).
+        try:
+            bucket = gcs.get_bucket(spec.bucket)
+        except GcsForbidden:
+            bucket = None
+        return (bucket, False) if bucket is not None else None
+
+
+def _inventory(gcs: GcsClient, spec: GcsStorage, *, created_now: bool,
+               take_inventory: bool) -> tuple[dict[str, Any], frozenset[str]] | None:
+    if created_now:
+        # Made by this reconcile a moment ago: nothing can be in it yet, no listing needed.
+        return {"entries": 0, "bytes": 0, "unstamped": 0}, frozenset()
+    return cache_inventory(gcs, spec) if take_inventory else None
+
+
 def reconcile_bucket(
     gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool,
     instance: str = c.DEFAULT_INSTANCE, settings_owned_before: bool = True, take_inventory: bool = True,
@@ -85,129 +238,51 @@ def reconcile_bucket(
     previous reconcile; if not, its first soft delete write is configuration, not drift.
     `take_inventory` lists the cache's entries (cache_inventory); without it `cache` and
     `entry_keys` are None.
+
+    Each round reads the bucket, decides (plan_create, plan_update: pure) and writes what
+    they decided; a write refused because the bucket changed since the read (412) starts
+    the next round.
     """
-    namespace, name = mine.key
     claims = _claims_with(claims, mine)
     refused_by = b.refused_by(claims, mine)
     if refused_by is not None:
-        bucket = gcs.get_bucket(spec.bucket)
-        other = f"gs://{spec.bucket}/{refused_by.prefix}" if refused_by.prefix else f"gs://{spec.bucket}"
-        # A refused cache has no rule of its own: LifecycleReady must not keep saying what
-        # the rule it had before deletes.
-        lifecycle = Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.PREFIX_IN_USE,
-                         f"cachewarm keeps no lifecycle rule for {spec.url} while it overlaps {other}, the cache "
-                         f"of {refused_by.ref}: its prefix leaves cachewarm's rules on that cache's next reconcile, "
-                         "and then only that cache's rule (for its own prefix) and rules of others act on objects "
-                         "under it")
-        return BucketOutcome(
-            Cond(c.Condition.BUCKET_READY, False, c.Reason.PREFIX_IN_USE,
-                 f"{spec.url} overlaps {other}, already the cache of {refused_by.ref}; give this "
-                 "CompilationCache its own bucket or a prefix that neither contains nor is contained in another's"),
-            settings=[lifecycle, *([_soft_delete_condition(bucket, spec, mine, claims, instance)]
-                                   if bucket is not None else [])],
-        )
+        return refused_outcome(gcs.get_bucket(spec.bucket), spec, mine=mine, claims=claims, refused_by=refused_by,
+                               instance=instance)
     events: list[Event] = []
     created_now = False
     for _ in range(MERGE_ATTEMPTS):
         bucket = gcs.get_bucket(spec.bucket)
         if bucket is None:
-            if not spec.create:
-                return BucketOutcome(Cond(
-                    c.Condition.BUCKET_READY, False, c.Reason.BUCKET_NOT_FOUND,
-                    f"Bucket {spec.bucket} does not exist and spec.storage.gcs.create is false; "
-                    "create it or set create: true",
-                ))
-            # Created with its settings (lifecycle, soft delete) in the one call, as the
-            # plan for a bucket holding nothing yet says; the loop then finds nothing to patch.
-            labels = b.owner_labels(namespace, name, instance)
-            fresh = BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
-                                 labels=labels, uniform_access=True, public_access_prevention="enforced")
-            settings = b.bucket_patch(
-                fresh, spec, plan=b.plan_lifecycle(claims, b.rule_budget(fresh, instance)),
-                owns_settings=b.settings_owner(claims, fresh, instance) == mine, created_by_us=True, instance=instance)
-            try:
-                bucket = gcs.create_bucket(spec.bucket, location=spec.location, storage_class=spec.storage_class,
-                                           labels=labels, settings=settings)
-            except GcsConflict:
-                # Either a concurrent reconcile of ours created it a moment ago (then we can
-                # read it and carry on), or another project owns the name (then reading it
-                # is forbidden).
-                try:
-                    bucket = gcs.get_bucket(spec.bucket)
-                except GcsForbidden:
-                    bucket = None
-                if bucket is None:
-                    return BucketOutcome(Cond(
-                        c.Condition.BUCKET_READY, False, c.Reason.NAME_TAKEN,
-                        f"Bucket name {spec.bucket} is taken by another project; choose another name",
-                    ))
-            else:
+            create = plan_create(spec, mine=mine, claims=claims, instance=instance)
+            if isinstance(create, Stop):
+                return BucketOutcome(create.condition, status=create.status, events=events)
+            made = _create(gcs, spec, create)
+            if made is None:
+                return BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.NAME_TAKEN,
+                                          f"Bucket name {spec.bucket} is taken by another project; "
+                                          "choose another name"))
+            bucket, created = made
+            if created:
                 created_now = True
-                configured = f" with {_changed_fields(settings)}" if settings else ""
-                events.append(Event("Normal", c.Reason.BUCKET_CREATED,
-                                    f"Created bucket {spec.bucket} in {spec.location} ({spec.storage_class})"
-                                    f"{configured}"))
-
-        if not b.location_matches(bucket, spec):
-            return BucketOutcome(
-                Cond(c.Condition.BUCKET_READY, False, c.Reason.LOCATION_MISMATCH,
-                     f"Bucket {spec.bucket} is in {bucket.location}, but spec asks for {spec.location}; "
-                     "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
-                status=_status(bucket, spec, mine, instance),
-                events=events,
-            )
-
-        plan = b.plan_lifecycle(claims, b.rule_budget(bucket, instance))
-        owner = b.settings_owner(claims, bucket, instance)
-        patch = b.bucket_patch(bucket, spec, plan=plan, owns_settings=owner == mine,
-                               created_by_us=b.created_by(bucket, namespace, name, instance), instance=instance)
-        if not patch:
+                events.append(created_event(spec, create.settings))
+        update = plan_update(bucket, spec, mine=mine, claims=claims, instance=instance,
+                             settings_owned_before=settings_owned_before)
+        if isinstance(update, Stop):
+            return BucketOutcome(update.condition, status=update.status, events=events)
+        if not update.patch:
             break
-        drift = b.changed_outside(bucket, patch, instance, settings_owned_before=settings_owned_before)
         try:
-            bucket = gcs.patch_bucket(bucket, patch)
+            bucket = gcs.patch_bucket(bucket, update.patch)
         except GcsPreconditionFailed:
             continue  # someone changed the bucket since we read it: read and merge again
-        if spec_changed or events:
-            events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
-                                f"Configured bucket {spec.bucket}: {_changed_fields(patch)}"))
-        elif not drift and "softDeletePolicy" in patch:
-            events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
-                                f"Configured bucket {spec.bucket}: {_changed_fields(patch)} (this cache now owns "
-                                "its bucket-wide settings)"))
-        elif not drift:
-            events.append(Event("Normal", c.Reason.BUCKET_CONFIGURED,
-                                f"Updated cachewarm's lifecycle rules on bucket {spec.bucket} for the caches on it"))
-        else:
-            events.append(Event("Warning", c.Reason.DRIFT_CORRECTED,
-                                f"Restored {_changed_fields(patch)} on bucket {spec.bucket}, changed outside cachewarm"))
+        events.append(patched_event(spec, update, configuration=spec_changed or created_now))
         break
     else:
         raise GcsPreconditionFailed(f"Bucket {spec.bucket} changed {MERGE_ATTEMPTS} times while cachewarm merged "
                                     "its settings; retrying", status=412)
-
-    how = "created by cachewarm" if b.created_by(bucket, namespace, name, instance) else "adopted"
-    inventory: dict[str, Any] | None
-    entry_keys: frozenset[str] | None
-    if created_now:
-        # Made by this reconcile a moment ago: nothing can be in it yet, no listing needed.
-        inventory, entry_keys = {"entries": 0, "bytes": 0, "unstamped": 0}, frozenset()
-    elif take_inventory:
-        inventory, entry_keys = cache_inventory(gcs, spec)
-    else:
-        inventory, entry_keys = None, None
-    lifecycle, foreign_deleting = _with_foreign_deletes(
-        _lifecycle_condition(bucket, spec, mine, plan, instance), bucket, spec, plan.rule_of.get(mine.key), instance)
-    return BucketOutcome(
-        Cond(c.Condition.BUCKET_READY, True, c.Reason.RECONCILED,
-             f"Bucket {spec.bucket} ({how}) is in {bucket.location}"),
-        status=_status(bucket, spec, mine, instance),
-        events=events,
-        cache=inventory,
-        entry_keys=entry_keys,
-        settings=[lifecycle, _soft_delete_condition(bucket, spec, mine, claims, instance)],
-        foreign_deleting=foreign_deleting,
-    )
+    return reconciled_outcome(bucket, spec, mine=mine, claims=claims, lifecycle=update.lifecycle, instance=instance,
+                              events=events,
+                              inventory=_inventory(gcs, spec, created_now=created_now, take_inventory=take_inventory))
 
 
 def describe_rule(index: int, rule: Mapping[str, Any]) -> str:
