@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachewarm.api import timefmt
+
 
 @dataclass(frozen=True)
 class Cond:
@@ -40,7 +42,7 @@ def merge(
             "message": cond.message,
             "observedGeneration": generation,
             "lastTransitionTime": (
-                now.strftime("%Y-%m-%dT%H:%M:%SZ") if changed or old is None else old["lastTransitionTime"]
+                timefmt.rfc3339(now) if changed or old is None else old["lastTransitionTime"]
             ),
         }
     return [by_type[k] for k in sorted(by_type)]

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachewarm.api import timefmt
 from cachewarm.builders.bucket import ENTRY_NAME
 from cachewarm.clients.gcs import ObjectInfo
 
@@ -101,7 +102,7 @@ def programs(objects: Iterable[ObjectInfo], object_prefix: str,
 
 
 def _iso(when: dt.datetime | None) -> str | None:
-    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
+    return timefmt.rfc3339(when) if when else None
 
 
 def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = ()) -> str:

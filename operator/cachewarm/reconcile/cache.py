@@ -14,6 +14,7 @@ from typing import Any
 
 from cachewarm.api import conditions
 from cachewarm.api import constants as c
+from cachewarm.api import timefmt
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
@@ -25,7 +26,7 @@ from cachewarm.reconcile.configmaps import publish_configmaps
 from cachewarm.reconcile.injections import RecentInjections
 from cachewarm.reconcile.keysmatch import keys_match
 from cachewarm.reconcile.pods import release_held_pods
-from cachewarm.reconcile.status import Seen, assemble, changed, inventory_due, iso, transition_events, was_warmed, \
+from cachewarm.reconcile.status import Seen, assemble, changed, inventory_due, transition_events, was_warmed, \
     warmers_checked
 from cachewarm.reconcile.warmup import (BUCKET_VERDICTS, WarmRetry, next_scheduled_warm, reconcile_warmup,
                                         release_waiting_pods, warmed_condition)
@@ -197,7 +198,7 @@ def _bucket(one: _Pass, cache: CacheSpec, *, take_inventory: bool) -> Seen:
         one.failed(exc)
         return seen
     if seen.bucket.entry_keys is not None:
-        seen.bucket.cache = {**(seen.bucket.cache or {}), "listedTime": iso(one.now)}
+        seen.bucket.cache = {**(seen.bucket.cache or {}), "listedTime": timefmt.rfc3339(one.now)}
     elif seen.bucket.ready:
         seen.bucket.cache = dict(one.status.get("cache") or {}) or None  # as last listed
     one.events += seen.bucket.events
@@ -207,7 +208,7 @@ def _bucket(one: _Pass, cache: CacheSpec, *, take_inventory: bool) -> Seen:
 
 def _take_inventory(one: _Pass, cache: CacheSpec, seen: Seen) -> None:
     counts, seen.bucket.entry_keys = cache_inventory(one.gcs, cache.storage.gcs)
-    seen.bucket.cache = {**counts, "listedTime": iso(one.now)}
+    seen.bucket.cache = {**counts, "listedTime": timefmt.rfc3339(one.now)}
 
 
 def _warm(one: _Pass, cache: CacheSpec, seen: Seen, *, listing_due: bool) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime as dt
 import threading
 
+from cachewarm.api import timefmt
+
 
 class RecentInjections:
     """Injected pods per (namespace, cache) created within a sliding window, each counted
@@ -32,5 +34,5 @@ class RecentInjections:
                 del pods[uid]
             out: dict[str, object] = {"recentPods": len(pods), "windowSeconds": int(self.window.total_seconds())}
             if pods:
-                out["lastInjectionTime"] = max(pods.values()).strftime("%Y-%m-%dT%H:%M:%SZ")
+                out["lastInjectionTime"] = timefmt.rfc3339(max(pods.values()))
             return out

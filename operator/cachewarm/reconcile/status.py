@@ -14,6 +14,7 @@ from typing import Any
 
 from cachewarm.api import conditions
 from cachewarm.api import constants as c
+from cachewarm.api import timefmt
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.reconcile.bucket import BucketOutcome
@@ -147,7 +148,7 @@ def inventory_due(status: Mapping[str, Any], generation: int, now: dt.datetime, 
     if not listed or status.get("observedGeneration") != generation or (status.get("cache") or {}).get("unstamped"):
         return True
     try:
-        at = dt.datetime.strptime(str(listed), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+        at = timefmt.parse(listed)
     except ValueError:
         return True
     return now - at >= every
@@ -177,7 +178,7 @@ def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: i
     if spec.get("warmup") and (not pools or any(p.get("state") in ACTIVE_STATES for p in pools)):
         return True
     at = now or dt.datetime.now(dt.timezone.utc)
-    if spec.get("warmup") and any(p.get("nextRetryTime") and str(p["nextRetryTime"]) <= at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if spec.get("warmup") and any(p.get("nextRetryTime") and str(p["nextRetryTime"]) <= timefmt.rfc3339(at)
                                   for p in pools or []):
         return True
     wait = ((spec.get("injection") or {}).get("waitForWarm") or {}).get("enabled")
@@ -186,5 +187,3 @@ def needs_poll(spec: Mapping[str, Any], status: Mapping[str, Any], generation: i
                            or bool((status.get("injection") or {}).get("waitingPods")))
 
 
-def iso(when: dt.datetime) -> str:
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")

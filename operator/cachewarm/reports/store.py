@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cachewarm.api import timefmt
+
 MAX_BODY_BYTES = 16 * 1024
 AUDIENCE = "cachewarm"
 MIN_SECONDS_BETWEEN = 5.0  # per process: the reporter sends every minute, and once at exit
@@ -233,7 +235,7 @@ class Store:
                 "misses": sum(p.report.counts.misses for p in processes),
                 "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes), 3),
                 "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
-                "lastReportTime": max(p.at for p in processes).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "lastReportTime": timefmt.rfc3339(max(p.at for p in processes)),
                 "lastMisses": [m for _, m in misses[:LAST_MISSES]],
                 "recentHits": [{"program": program, "key": key, "pods": sorted(pods)[:HIT_PODS], "podCount": len(pods)}
                                for key, (_, program, pods) in recent],

@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from cachewarm.api import conditions
+from cachewarm.api import conditions, timefmt
 from cachewarm.admission import admit
 from cachewarm.reconcile.pods import REFUSED
 from cachewarm.reconcile.status import was_warmed
@@ -46,7 +46,7 @@ async def on_pod_event(body: kopf.Body, memo: Any, caches: kopf.Index[Any, Any],
         return
     meta = body.get("metadata") or {}
     if c.INJECTED_ANNOTATION in (meta.get("annotations") or {}) and meta.get("creationTimestamp"):
-        created = dt.datetime.fromisoformat(str(meta["creationTimestamp"]).replace("Z", "+00:00"))
+        created = timefmt.parse(meta["creationTimestamp"])
         memo.injections.record(str(meta.get("namespace") or ""), str((meta.get("labels") or {}).get(c.CACHE_LABEL)),
                                str(meta.get("uid") or meta.get("name")), created)
     if not memo.controller.leader.is_leader:
