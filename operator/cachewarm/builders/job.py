@@ -111,19 +111,12 @@ def headless_service(cache_name: str, namespace: str, pool: Pool, owner: Mapping
     }
 
 
-def warmer_job(
-    cache: CacheSpec, *, cache_name: str, namespace: str, pool: Pool, digest: str,
-    owner: Mapping[str, Any], warmer_image: str, generation: int = 0,
-) -> dict[str, Any]:
-    """The Job that warms `pool`. `owner` is {"name", "uid"} of the CompilationCache,
-    `generation` its metadata.generation. Raises TpuShapeError."""
+def warmer_env(cache: CacheSpec, *, cache_name: str, namespace: str, pool: Pool, name: str,
+               hosts: int) -> list[dict[str, Any]]:
+    """The warm container's env: the warmer's cache env, the spec's own, where to write the
+    manifest, and for a pool of `hosts` > 1 how its processes find each other (`name`: the Job's)."""
     warmup = cache.warmup
     assert warmup is not None
-    name = job_name(cache_name, pool, digest)
-    labels = {**pool_labels(cache_name, pool.name), c.LABEL_SPEC_HASH: digest}
-    hosts = pool_shape(pool).hosts
-    selector, tolerations, resources = placement(pool)
-
     env: list[dict[str, Any]] = [
         *cache_env(cache, "warmer"),
         *({"name": e.name, "value": e.value} for e in warmup.env if e.name != c.ENV_MANIFEST),
@@ -140,6 +133,12 @@ def warmer_job(
             {"name": c.ENV_PROCESS_ID, "valueFrom": {"fieldRef": {
                 "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         ]
+    return env
+
+
+def warmer_container(warmup: Warmup, env: list[dict[str, Any]], resources: Mapping[str, Any]) -> dict[str, Any]:
+    """The container that runs the warmer in the training image, from the file the
+    bootstrap init container copied into WARMER_DIR."""
     container: dict[str, Any] = {
         "name": "warm",
         "image": warmup.image,
@@ -152,6 +151,13 @@ def warmer_job(
         container["workingDir"] = warmup.working_dir
     if resources:
         container["resources"] = resources
+    return container
+
+
+def warmer_pod_spec(warmup: Warmup, container: dict[str, Any], *, warmer_image: str, selector: Mapping[str, str],
+                    tolerations: list[dict[str, Any]]) -> dict[str, Any]:
+    """The warmer pod: the bootstrap init container that copies the warmer out of
+    `warmer_image`, then the warm container, on the pool's nodes (`selector`, `tolerations`)."""
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "initContainers": [{
@@ -170,6 +176,24 @@ def warmer_job(
         pod_spec["nodeSelector"] = selector
     if tolerations:
         pod_spec["tolerations"] = tolerations
+    return pod_spec
+
+
+def warmer_job(
+    cache: CacheSpec, *, cache_name: str, namespace: str, pool: Pool, digest: str,
+    owner: Mapping[str, Any], warmer_image: str, generation: int = 0,
+) -> dict[str, Any]:
+    """The Job that warms `pool`. `owner` is {"name", "uid"} of the CompilationCache,
+    `generation` its metadata.generation. Raises TpuShapeError."""
+    warmup = cache.warmup
+    assert warmup is not None
+    name = job_name(cache_name, pool, digest)
+    labels = {**pool_labels(cache_name, pool.name), c.LABEL_SPEC_HASH: digest}
+    hosts = pool_shape(pool).hosts
+    selector, tolerations, resources = placement(pool)
+    env = warmer_env(cache, cache_name=cache_name, namespace=namespace, pool=pool, name=name, hosts=hosts)
+    pod_spec = warmer_pod_spec(warmup, warmer_container(warmup, env, resources), warmer_image=warmer_image,
+                               selector=selector, tolerations=tolerations)
     job_spec: dict[str, Any] = {
         # A multi-host warmer is one JAX distributed runtime: when one process fails, the
         # others leave it, so a retried pod of the same index would only wait out the

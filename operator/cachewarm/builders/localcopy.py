@@ -491,6 +491,83 @@ def in_process(spec: Mapping[str, Any]) -> bool:
         e.get("name") == IN_PROCESS_ENV for ct in spec.get("containers") or [] for e in ct.get("env") or [])
 
 
+def _taker_pythonpath(container: Mapping[str, Any], *, main: Mapping[str, Any],
+                      containers: Sequence[Mapping[str, Any]], warmup_image: str | None,
+                      image_pythonpath: str | None) -> str | None:
+    """The container's PYTHONPATH without us, if it takes the copy in process: one of the
+    pod's `containers` (not an init container, whose limits may be small) of the `main`
+    container's image, with no liveness or startup probe (they would count the copy's time,
+    up to timeoutSeconds, against the container, which the copier init container's never
+    did) and no exec readiness probe (one that starts python would wait for the copy)."""
+    if container.get("image") != main.get("image") or not any(container is ct for ct in containers) or \
+            container.get("startupProbe") or container.get("livenessProbe") or \
+            "exec" in (container.get("readinessProbe") or {}):
+        return None
+    return pythonpath_without_us(container, warmup_image, image_pythonpath)
+
+
+def _in_process_env(cache: CacheSpec, spec: Mapping[str, Any], *, namespace: str, cache_name: str,
+                    reporting: reporter.Reporting | None) -> list[dict[str, Any]]:
+    """What a taker's env gets: the copier's settings (writing to COPY_DIR), IN_PROCESS_ENV,
+    and with `reporting` the reporter's env and where the copy's summary is."""
+    pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
+    ours = [*copier_env(cache, namespace, cache_name, pools, spec, dest=COPY_DIR), {"name": IN_PROCESS_ENV, "value": "1"}]
+    if reporting is not None:
+        ours += [*reporter.report_env(cache_name, reporting, restore=False), {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
+    return ours
+
+
+def _in_process_mounts(local: LocalCopy, *, namespace: str, cache_name: str,
+                       reporting: reporter.Reporting | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the copy's read-only mount at LOCAL_DIR, which every container gets; what a taker
+    mounts: the boot files, the reporter's folder, the copy read-only and writable at
+    COPY_DIR, and with `reporting` the token)."""
+    mount = local_mount(local, namespace, cache_name)
+    writable = {**{k: v for k, v in mount.items() if k != "readOnly"}, "mountPath": COPY_DIR}
+    mounts: list[dict[str, Any]] = [
+        {"name": BOOT_VOLUME, "mountPath": BOOT_DIR, "readOnly": True},
+        {"name": reporter.VOLUME, "mountPath": reporter.DIR}, dict(mount), writable,
+        *([{"name": reporter.TOKEN_VOLUME, "mountPath": reporter.TOKEN_DIR, "readOnly": True}]
+          if reporting is not None else [])]
+    return mount, mounts
+
+
+def _in_process_container(container: Mapping[str, Any], path: str | None, *, mount: Mapping[str, Any],
+                          env: Sequence[Mapping[str, Any]], mounts: Sequence[Mapping[str, Any]],
+                          summary: bool) -> dict[str, Any]:
+    """A container of the pod as the in-process copy leaves it: a taker (`path`, its
+    PYTHONPATH without us, not None) gets PYTHONPATH BOOT_DIR then that one, `env` and
+    `mounts`; any other only the copy's volume read-only (`mount`)."""
+    if path is None:
+        return _mounted(container, mount, summary=summary)
+    new = copy.deepcopy(dict(container))
+    value = f"{BOOT_DIR}:{path}" if path else BOOT_DIR
+    old_env = list(new.get("env") or [])
+    if reporter.own_pythonpath(container)[0]:
+        # In place: $(VAR) references in it still see the variables defined before it.
+        old_env = [{"name": "PYTHONPATH", "value": value} if e.get("name") == "PYTHONPATH" else e for e in old_env]
+    else:
+        old_env.append({"name": "PYTHONPATH", "value": value})
+    names = {e["name"] for e in env}
+    new["env"] = [*(e for e in old_env if e.get("name") not in names), *copy.deepcopy(list(env))]
+    new["volumeMounts"] = [*(new.get("volumeMounts") or []), *copy.deepcopy(list(mounts))]
+    return new
+
+
+def _in_process_volumes(volumes: Sequence[Mapping[str, Any]], local: LocalCopy, *, cache_name: str,
+                        reporting: reporter.Reporting | None) -> list[dict[str, Any]]:
+    """The pod's volumes, then the boot ConfigMap's, the reporter's folder, with `reporting`
+    the token's, and the copy's."""
+    out_volumes = [copy.deepcopy(dict(v)) for v in volumes]
+    out_volumes += [boot_volume(cache_name),
+                    {"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}}]
+    if reporting is not None:
+        out_volumes.append({"name": reporter.TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+            "audience": "cachewarm", "expirationSeconds": reporter.TOKEN_SECONDS, "path": "token"}}]}})
+    out_volumes.append(volume(local))
+    return out_volumes
+
+
 def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
                               init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
                               cache: CacheSpec, namespace: str, cache_name: str, image_pythonpath: str | None,
@@ -508,7 +585,8 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
       the copy's summary and lock (one copy per pod, whichever process starts first);
       the copy's volume (LocalCopy.volume);
     - the containers of the main container's image whose PYTHONPATH is known and that
-      have no probe that would count the copy's time (the takers, see `known`):
+      have no probe that would count the copy's time (the takers, see
+      _taker_pythonpath):
       PYTHONPATH BOOT_DIR then that one, the copier's settings, the copy's
       volume read-only at LOCAL_DIR (JAX's) and writable at COPY_DIR (the copier's), and
       with `reporting` the reporter's env and token; the copy runs in the first of their
@@ -528,58 +606,18 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
     warmup_image = cache.warmup.image if cache.warmup is not None else None
     main = _main_container(containers, annotations)
 
-    def known(container: Mapping[str, Any]) -> str | None:
-        """The container's PYTHONPATH without us, if it takes the copy in process: one of
-        the pod's containers (not an init container, whose limits may be small) of the
-        main container's image, with no liveness or startup probe (they would count the
-        copy's time, up to timeoutSeconds, against the container, which the copier init
-        container's never did) and no exec readiness probe (one that starts python would
-        wait for the copy)."""
-        if container.get("image") != main.get("image") or not any(container is ct for ct in containers) or \
-                container.get("startupProbe") or container.get("livenessProbe") or \
-                "exec" in (container.get("readinessProbe") or {}):
-            return None
-        return pythonpath_without_us(container, warmup_image, image_pythonpath)
-    if known(main) is None:
+    def path_of(container: Mapping[str, Any]) -> str | None:
+        return _taker_pythonpath(container, main=main, containers=containers, warmup_image=warmup_image,
+                                 image_pythonpath=image_pythonpath)
+    if path_of(main) is None:
         return None
-    pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
-    ours = [*copier_env(cache, namespace, cache_name, pools, spec, dest=COPY_DIR), {"name": IN_PROCESS_ENV, "value": "1"}]
-    if reporting is not None:
-        ours += [*reporter.report_env(cache_name, reporting, restore=False), {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
-    mount = local_mount(local, namespace, cache_name)
-    writable = {**{k: v for k, v in mount.items() if k != "readOnly"}, "mountPath": COPY_DIR}
-    mounts = [{"name": BOOT_VOLUME, "mountPath": BOOT_DIR, "readOnly": True},
-              {"name": reporter.VOLUME, "mountPath": reporter.DIR}, dict(mount), writable,
-              *([{"name": reporter.TOKEN_VOLUME, "mountPath": reporter.TOKEN_DIR, "readOnly": True}]
-                if reporting is not None else [])]
-
-    def patched(container: Mapping[str, Any], summary: bool) -> dict[str, Any]:
-        path = known(container)
-        if path is None:
-            return _mounted(container, mount, summary=summary)
-        new = copy.deepcopy(dict(container))
-        value = f"{BOOT_DIR}:{path}" if path else BOOT_DIR
-        env = list(new.get("env") or [])
-        if reporter.own_pythonpath(container)[0]:
-            # In place: $(VAR) references in it still see the variables defined before it.
-            env = [{"name": "PYTHONPATH", "value": value} if e.get("name") == "PYTHONPATH" else e for e in env]
-        else:
-            env.append({"name": "PYTHONPATH", "value": value})
-        names = {e["name"] for e in ours}
-        new["env"] = [*(e for e in env if e.get("name") not in names), *copy.deepcopy(ours)]
-        new["volumeMounts"] = [*(new.get("volumeMounts") or []), *copy.deepcopy(mounts)]
-        return new
-
-    out = [patched(ct, summary=True) for ct in containers]
-    init = [patched(ct, summary=False) for ct in init_containers]
-    out_volumes = [copy.deepcopy(dict(v)) for v in volumes]
-    out_volumes += [boot_volume(cache_name),
-                    {"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}}]
-    if reporting is not None:
-        out_volumes.append({"name": reporter.TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
-            "audience": "cachewarm", "expirationSeconds": reporter.TOKEN_SECONDS, "path": "token"}}]}})
-    out_volumes.append(volume(local))
-    return out, init, out_volumes
+    env = _in_process_env(cache, spec, namespace=namespace, cache_name=cache_name, reporting=reporting)
+    mount, mounts = _in_process_mounts(local, namespace=namespace, cache_name=cache_name, reporting=reporting)
+    out = [_in_process_container(ct, path_of(ct), mount=mount, env=env, mounts=mounts, summary=True)
+           for ct in containers]
+    init = [_in_process_container(ct, path_of(ct), mount=mount, env=env, mounts=mounts, summary=False)
+            for ct in init_containers]
+    return out, init, _in_process_volumes(volumes, local, cache_name=cache_name, reporting=reporting)
 
 
 def _reinvoked_in_process(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],
