@@ -127,7 +127,8 @@ def plan_update(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, claims: 
                          "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
                     status=_status(bucket, spec, mine, instance))
     lifecycle = b.plan_lifecycle(claims, b.rule_budget(bucket, instance))
-    patch = b.bucket_patch(bucket, spec, plan=lifecycle, owns_settings=b.settings_owner(claims, bucket, instance) == mine,
+    patch = b.bucket_patch(bucket, spec, plan=lifecycle,
+                           owns_settings=b.settings_owner(claims, bucket, instance) == mine,
                            created_by_us=b.created_by(bucket, mine.namespace, mine.name, instance), instance=instance)
     drift = bool(patch) and b.changed_outside(bucket, patch, instance, settings_owned_before=settings_owned_before)
     return Update(lifecycle, patch, drift)
