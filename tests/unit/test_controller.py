@@ -1,6 +1,7 @@
 """The controller's rules: which watch events ask for a reconcile, which finalizers a cache
-should carry, and its work queue (one reconcile of a cache at a time, a change during a
-reconcile reconciled right after, nothing reconciled by a replica that does not lead).
+should carry, and the work queue as the controller drives it (one reconcile of a cache at a
+time, a change during a reconcile reconciled right after, nothing reconciled by a replica
+that does not lead). The queue on its own: test_queue.py.
 
 Nothing here is timed: a test waits for the state it means (a reconcile started, the queue
 idle, a timer asked for), with a deadline only as a guard against a hang. Reconciles that
@@ -164,7 +165,7 @@ def test_a_failed_reconcile_is_retried_with_backoff_and_a_success_resets_it(monk
         later = loop.call_later
 
         def call_later(delay: float, fn: Any, *args: Any) -> asyncio.TimerHandle:
-            if fn != controller.enqueue:
+            if fn != controller.queue.add:
                 return later(delay, fn, *args)  # asyncio's own sleeps
             delays.append(delay)  # recorded, and queued at once: the wait is not what is tested
             pending[0] += 1

@@ -127,8 +127,9 @@ class Timer:
 
 
 class Timers:
-    """The controller's timers, caught where the event loop would start them and fired
-    (on the loop) when the test moves the clock to them. asyncio's own are left alone."""
+    """The controller's timers and its queue's, caught where the event loop would start
+    them and fired (on the loop) when the test moves the clock to them. asyncio's own are
+    left alone."""
 
     def __init__(self, controller: Controller, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
         self.controller, self.clock, self.caught = controller, clock, list[Timer]()
@@ -136,7 +137,7 @@ class Timers:
         later = loop.call_later
 
         def call_later(delay: float, fn: Any, *args: Any) -> Any:
-            if getattr(fn, "__self__", None) is not controller:
+            if getattr(fn, "__self__", None) not in (controller, controller.queue):
                 return later(delay, fn, *args)
             timer = Timer(clock.now + dt.timedelta(seconds=delay), delay, lambda: fn(*args))
             self.caught.append(timer)

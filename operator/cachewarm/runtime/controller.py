@@ -1,20 +1,22 @@
-"""The reconcile loop of CompilationCaches: a work queue of cache keys, drained by a few
-worker threads, on the leader only.
+"""The reconcile policy of CompilationCaches over a generic work queue (runtime/queue.py:
+one key per cache, a few workers, on the leader only).
 
 kopf watches the caches (on every replica, for the webhook's index) and hands each watch
-event to `Controller.observe`; the controller decides whether it is worth a reconcile
-(a new cache, a new generation, changed annotations or finalizers, a deletion), and its
-own timers add the periodic resync, the fast poll of caches with warmers running or pods
-waiting, and a wake-up at the time a reconcile asked for (a cron schedule's next slot,
-which no watch event marks). The queue is the one rule that keeps reconciles safe:
+event to `Controller.observe`, which keeps the watch store (runtime/store.py) and decides
+whether the event is worth a reconcile (a new cache, a new generation, changed annotations
+or finalizers, a deletion); the controller's own timers add the periodic resync, the fast
+poll of caches with warmers running or pods waiting, and a wake-up at the time a reconcile
+asked for (a cron schedule's next slot, which no watch event marks). The queue's rules
+(one reconcile of a cache at a time, a change meanwhile reconciled after, backoff) are the
+queue's; what is the controller's:
 
-- a key is in the queue at most once, and never reconciled by two workers at once: a key
-  enqueued while it is being reconciled is reconciled again right after (client-go's
-  workqueue semantics);
+- leader only: the queue is gated on the lead; a new leader queues every cache and
+  releases pods held for caches that are gone, a replica that lost it drops its wake-ups;
 - every reconcile starts by reading the cache from the apiserver, so it acts on the
   latest spec, whatever the event that queued it carried;
 - a failed reconcile is retried with the operator's backoff; a spec that cannot be acted
-  on is not retried until it changes (or the next resync).
+  on is not retried until it changes (or the next resync);
+- status is written only when merging the reconcile's patch changes it.
 
 The finalizer is ours too: added only to caches whose deletionPolicy is Delete (so
 `kubectl delete` of any other cache never waits for the operator), removed once their
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import dataclasses
 import datetime as dt
 import logging
@@ -34,6 +35,8 @@ from typing import Any, Protocol
 
 from cachewarm.api import constants as c
 from cachewarm.reconcile import cache as service
+from cachewarm.reconcile import pods as held_pods
+from cachewarm.reconcile import status as cache_status
 from cachewarm.builders.bucket import Claim
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
@@ -42,11 +45,11 @@ from cachewarm.reconcile.injections import RecentInjections
 from cachewarm.api.metrics import Metrics
 from cachewarm.reports.store import Store, cold_message
 from cachewarm.api.model import InvalidSpec
+from cachewarm.runtime.queue import WorkQueue, backoff
 from cachewarm.runtime.settings import Settings
+from cachewarm.runtime.store import CacheStore, Key
 from cachewarm.reconcile.warmup import WarmRetry
 
-Key = tuple[str, str]  # (namespace, name)
-MAX_BACKOFF = 600.0
 log = logging.getLogger("cachewarm.controller")
 
 
@@ -61,11 +64,6 @@ def _older_than(when: Any, limit: dt.datetime) -> bool:
         return dt.datetime.fromisoformat(str(when).replace("Z", "+00:00")) < limit
     except ValueError:
         return True
-
-
-def backoff(retry_delay_seconds: float, retry: int) -> float:
-    """Delay before retry number `retry`: doubles from retry_delay_seconds up to 10 minutes."""
-    return float(min(retry_delay_seconds * (2 ** min(retry, 16)), MAX_BACKOFF))
 
 
 def worth_reconciling(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
@@ -138,16 +136,12 @@ class Controller:
         self.kube = kube
         self.injections = injections
         self.leader = leader
-        self.store: dict[Key, dict[str, Any]] = {}  # the latest body seen per cache
-        self._claims: dict[str, dict[Key, Claim]] = {}  # bucket -> the caches on it
-        self._bucket_of: dict[Key, str] = {}  # cache -> its bucket in _claims
-        self._queued: set[Key] = set()
-        self._processing: set[Key] = set()
-        self._dirty: set[Key] = set()
-        self._retries: dict[Key, int] = {}
-        # The earliest wake-up a reconcile asked for, per cache: (when, its loop timer).
-        self._wakeups: dict[Key, tuple[dt.datetime, asyncio.TimerHandle]] = {}
-        self._queue: asyncio.Queue[Key] | None = None
+        self.caches = CacheStore()
+        # One key per cache, reconciled on the leader only (the queue drops what it is
+        # given on any other replica).
+        self.queue: WorkQueue[Key] = WorkQueue(self._reconcile, workers=settings.workers,
+                                               retry_delay_seconds=settings.retry_delay_seconds,
+                                               active=lambda: self.leader.is_leader, clock=clock, name="reconcile")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="reconcile")
         self._tasks: list[asyncio.Task[None]] = []
@@ -159,60 +153,48 @@ class Controller:
         per-bucket claims current and queues the cache when the event asks for it."""
         meta = body.get("metadata") or {}
         key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-        old = self.store.get(key)
-        self._forget_claim(key)
         if event_type == "DELETED":
-            self.store.pop(key, None)
-            self._retries.pop(key, None)
-            self._cancel_wakeup(key)
+            self.caches.remove(key)
+            self.queue.forget(key)
+            self.queue.cancel_delayed(key)
             self.metrics.forget_cache(*key)
             self._release_deleted(body)
             return
-        new = copy.deepcopy(dict(body))
-        self.store[key] = new
-        spec = new.get("spec") or {}
+        spec = body.get("spec") or {}
         claim = service.claim_of(spec, meta, *key)
-        if claim is not None:
-            bucket = str(((spec.get("storage") or {}).get("gcs") or {}).get("bucket") or "")
-            self._claims.setdefault(bucket, {})[key] = claim
-            self._bucket_of[key] = bucket
-        if worth_reconciling(old, new):
+        old = self.caches.put(key, body, claim)
+        if worth_reconciling(old, body):
             self.enqueue(key)
 
-    def _forget_claim(self, key: Key) -> None:
-        bucket = self._bucket_of.pop(key, None)
-        if bucket is not None:
-            self._claims.get(bucket, {}).pop(key, None)
+    @property
+    def store(self) -> dict[Key, dict[str, Any]]:
+        """The latest body seen of each cache (the watch store's)."""
+        return self.caches.bodies
 
     def claims(self, bucket: str) -> list[Claim]:
-        return list(self._claims.get(bucket, {}).values())
+        return self.caches.claims(bucket)
 
     # --- the queue ---
 
     def enqueue(self, key: Key) -> None:
-        if self._queue is None or not self.leader.is_leader:
-            return  # a replica that does not lead reconciles nothing; a new leader queues all
-        if key in self._processing:
-            self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
+        """Queue the cache for a reconcile (leader only: a new leader queues them all)."""
+        self.queue.add(key)
 
     @property
     def running(self) -> bool:
         """Whether the queue takes caches (run() listed them all and started its workers)."""
-        return self._queue is not None
+        return self.queue.running
 
     @property
     def queued(self) -> frozenset[Key]:
         """The caches waiting in the queue for a worker."""
-        return frozenset(self._queued)
+        return self.queue.queued
 
     @property
     def busy(self) -> bool:
         """Whether a cache is queued, being reconciled or due again right after (backoff
         timers and wake-ups are not counted: they queue it later)."""
-        return bool(self._queued or self._processing or self._dirty)
+        return self.queue.busy
 
     def enqueue_all(self) -> None:
         for key in list(self.store):
@@ -237,8 +219,8 @@ class Controller:
     def _on_lose(self) -> None:
         """The lead went: this replica's wake-ups are the new leader's business now (its
         first reconcile of each cache asks for them again)."""
-        for key in list(self._wakeups):
-            self._cancel_wakeup(key)
+        for key in self.queue.delayed():
+            self.queue.cancel_delayed(key)
 
     async def _prime(self) -> None:
         """Every cache, listed once before the first reconcile: a reconcile plans a
@@ -265,22 +247,20 @@ class Controller:
         """Workers and timers, until cancelled."""
         self._loop = asyncio.get_running_loop()
         await self._prime()
-        self._queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._worker(), name=f"reconcile-worker-{i}")
-                       for i in range(self.settings.workers)]
-        self._tasks.append(asyncio.create_task(self._every(self.settings.resync_seconds, self._resync), name="resync"))
-        self._tasks.append(asyncio.create_task(self._every(self.settings.warm_poll_seconds, self._poll), name="poll"))
-        self._tasks.append(asyncio.create_task(self._every(self.settings.usage_flush_seconds, self._flush_usage),
-                                               name="usage"))
+        workers = self.queue.start()
+        self._tasks = [
+            asyncio.create_task(self._every(self.settings.resync_seconds, self._resync), name="resync"),
+            asyncio.create_task(self._every(self.settings.warm_poll_seconds, self._poll), name="poll"),
+            asyncio.create_task(self._every(self.settings.usage_flush_seconds, self._flush_usage), name="usage"),
+        ]
         if self.leader.is_leader:
             self._on_lead()
         try:
-            await asyncio.gather(*self._tasks)
+            await asyncio.gather(*workers, *self._tasks)
         finally:
+            self.queue.stop()  # its workers and wake-ups
             for task in self._tasks:
                 task.cancel()
-            for key in list(self._wakeups):
-                self._cancel_wakeup(key)
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _every(self, seconds: float, fn: Any) -> None:
@@ -295,11 +275,7 @@ class Controller:
         """At shutdown, after leadership stopped: wait (at most `timeout` seconds) for the
         reconciles in flight to end, so no other replica starts one of the same cache
         while this one still writes. Returns whether they all ended."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._processing and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return not self._processing
+        return await self.queue.drain(timeout)
 
     def _resync(self) -> None:
         self.enqueue_all()
@@ -355,66 +331,32 @@ class Controller:
     def _poll(self) -> None:
         for key, body in list(self.store.items()):
             meta = body.get("metadata") or {}
-            if service.needs_poll(body.get("spec") or {}, body.get("status") or {}, int(meta.get("generation") or 0)):
+            if cache_status.needs_poll(body.get("spec") or {}, body.get("status") or {}, int(meta.get("generation") or 0)):
                 self.enqueue(key)
 
-    async def _worker(self) -> None:
-        assert self._queue is not None and self._loop is not None
-        while True:
-            key = await self._queue.get()
-            self._queued.discard(key)
-            if not self.leader.is_leader:
-                continue
-            self._processing.add(key)
-            try:
-                result = await self._loop.run_in_executor(self._executor, self.reconcile_one, key)
-            except Exception:  # noqa: BLE001 - a bug in one reconcile must not stop the worker
-                log.exception("Reconcile of %s/%s failed", *key)
-                result = Result(retry=True)
-            finally:
-                self._processing.discard(key)
-            self._after(key, result)
-
-    def _after(self, key: Key, result: Result) -> None:
+    async def _reconcile(self, key: Key) -> Result:
+        """What a queue worker does with a cache: reconcile_one in a reconcile thread, then
+        the wake-up it asked for (the queue sees to its retry)."""
         assert self._loop is not None
-        if key in self._dirty or result.again:
-            self._dirty.discard(key)
-            self.enqueue(key)
-        elif result.retry:
-            retry = self._retries.get(key, 0)
-            self._retries[key] = retry + 1
-            self._loop.call_later(backoff(self.settings.retry_delay_seconds, retry), self.enqueue, key)
-        else:
-            self._retries.pop(key, None)
+        try:
+            result = await self._loop.run_in_executor(self._executor, self.reconcile_one, key)
+        except Exception:  # noqa: BLE001 - a bug in one reconcile must not stop the worker
+            log.exception("Reconcile of %s/%s failed", *key)
+            return Result(retry=True)
         if result.requeue_at is not None:
             self.wake_at(key, result.requeue_at)
+        return result
 
     def wake_at(self, key: Key, when: dt.datetime) -> None:
         """Queue the cache at `when` (by self.clock), leader only. One wake-up per cache,
         the earliest asked for: a later one is dropped (the reconcile at the earlier one
         asks again). A cache that is gone gets none."""
-        if self._loop is None or not self.leader.is_leader or key not in self.store:
-            return
-        pending = self._wakeups.get(key)
-        if pending is not None:
-            if pending[0] <= when:
-                return
-            pending[1].cancel()
-        delay = max(0.0, (when - self.clock()).total_seconds())
-        self._wakeups[key] = (when, self._loop.call_later(delay, self._wake, key))
-
-    def _wake(self, key: Key) -> None:
-        self._wakeups.pop(key, None)
-        self.enqueue(key)
-
-    def _cancel_wakeup(self, key: Key) -> None:
-        pending = self._wakeups.pop(key, None)
-        if pending is not None:
-            pending[1].cancel()
+        if key in self.store:
+            self.queue.add_at(key, when)
 
     def wakeups(self) -> dict[Key, dt.datetime]:
         """The pending wake-ups: when each cache is queued again."""
-        return {key: when for key, (when, _) in self._wakeups.items()}
+        return self.queue.delayed()
 
     # --- one reconcile (a worker thread) ---
 
@@ -450,6 +392,13 @@ class Controller:
             inventory_every=dt.timedelta(seconds=self.settings.inventory_seconds),
             pod_fingerprints=self.reports.fingerprints(namespace, name, now),
         )
+        return self._write_status(key, body, outcome)
+
+    def _write_status(self, key: Key, body: Mapping[str, Any], outcome: service.Outcome) -> Result:
+        """The reconcile's status patch, written when merging it changes what the cache
+        holds (leader only), then its Events and metrics; how the reconcile ended."""
+        namespace, name = key
+        status = body.get("status") or {}
         patch = dict(outcome.status)
         if "kopf" in status:
             patch["kopf"] = None  # state of the kopf handlers that reconciled caches before
@@ -526,7 +475,7 @@ class Controller:
 
         def release() -> None:
             try:
-                events = service.release_pods_of_deleted_cache(self.kube, namespace=namespace, name=name,
+                events = held_pods.release_pods_of_deleted_cache(self.kube, namespace=namespace, name=name,
                                                                now=dt.datetime.now(dt.timezone.utc))
             except KubeError as exc:
                 log.warning("Could not release the pods of deleted cache %s/%s: %s", namespace, name, exc)
@@ -553,13 +502,13 @@ class Controller:
         for pod in pods:
             self.release_if_orphaned(pod, lambda ns, n: {} if (ns, n) in existing else None)
 
-    def release_if_orphaned(self, pod: Mapping[str, Any], lookup: service.CacheLookup) -> Event | None:
+    def release_if_orphaned(self, pod: Mapping[str, Any], lookup: held_pods.CacheLookup) -> Event | None:
         """Release one held pod whose cache `lookup` does not find (leader only)."""
         if not self.leader.is_leader:
             return None
         meta = pod.get("metadata") or {}
         try:
-            event = service.release_orphaned_pod(self.kube, pod, lookup)
+            event = held_pods.release_orphaned_pod(self.kube, pod, lookup)
         except KubeError as exc:
             log.warning("Could not release pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
             return None

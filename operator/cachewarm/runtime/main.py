@@ -18,9 +18,10 @@ from cachewarm.runtime import logs
 from cachewarm.admission import keeper as servingcert
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient
-from cachewarm.runtime.controller import Controller, backoff
+from cachewarm.runtime.controller import Controller
 from cachewarm.reconcile.injections import RecentInjections
 from cachewarm.runtime.leader import AlwaysLeader, Leadership, address, identity, parse_identity
+from cachewarm.runtime.queue import backoff
 from cachewarm.api.metrics import Metrics
 from cachewarm.reports.receiver import PATH as REPORT_PATH
 from cachewarm.reports.receiver import Forwarder, Receiver
