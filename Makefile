@@ -8,7 +8,7 @@ BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit mutants lint docs dev-up dev-down demo demo-simulated clean
+.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit mutants lint lint-imports docs dev-up dev-down demo demo-simulated clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -36,7 +36,7 @@ lint-manifests: bin ## kube-score the rendered manifests (built once from the Go
 kstatus: ## Build hack/kstatus, the GitOps health check of Flux and kpt (sigs.k8s.io/cli-utils), for the suite (cached)
 	hack/build-kstatus.sh >/dev/null
 
-test: venv bin node-deps images lint-manifests kstatus ## Run the whole suite: manifests lint, unit, integration, e2e
+test: venv bin node-deps images lint-manifests kstatus lint-imports ## Run the whole suite: manifests lint, import contracts, unit, integration, e2e
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv ## Run the unit tests only (no processes)
@@ -47,6 +47,9 @@ mutants: venv bin node-deps images kstatus ## Apply each tests/mutants/*.patch i
 
 lint: venv ## Type-check the package (mypy strict)
 	$(PY) -m mypy
+
+lint-imports: venv ## Check the import contracts of .importlinter (layers one way, agents standalone)
+	$(VENV)/bin/lint-imports
 
 docs: venv ## Regenerate docs/reference/compilationcache.md, the CRD field reference, from crds/
 	$(PY) hack/crd_reference.py crds/cachewarm.dev_compilationcaches.yaml docs/reference/compilationcache.md

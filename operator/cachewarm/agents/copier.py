@@ -137,7 +137,19 @@ STALE_PARTIAL_SECONDS = 3600.0
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ERRORS, MAX_ERROR_CHARS = 5, 300
-SUMMARY_ENV = "CACHEWARM_COPY_SUMMARY"
+# The env names of the settings above, spelled here only: the operator's builders import them
+# (through cachewarm.api.constants). sitecustomize.py reads some of them without importing
+# this module and keeps copies, which tests/unit/test_layout.py compares with these.
+ENV_COPY_BUCKET = "CACHEWARM_COPY_BUCKET"
+ENV_COPY_PREFIX = "CACHEWARM_COPY_PREFIX"
+ENV_COPY_DEST = "CACHEWARM_COPY_DEST"
+ENV_COPY_MANIFESTS = "CACHEWARM_COPY_MANIFESTS"
+ENV_COPY_MAX_BYTES = "CACHEWARM_COPY_MAX_BYTES"
+ENV_COPY_WORKERS = "CACHEWARM_COPY_WORKERS"
+ENV_COPY_DEADLINE_SECONDS = "CACHEWARM_COPY_DEADLINE_SECONDS"
+ENV_COPY_GRACE_SECONDS = "CACHEWARM_COPY_GRACE_SECONDS"
+ENV_COPY_SUMMARY = "CACHEWARM_COPY_SUMMARY"
+ENV_COPY_IN_PROCESS = "CACHEWARM_COPY_IN_PROCESS"  # read by sitecustomize.py, not here
 
 
 # NamedTuples, not dataclasses: those import inspect, milliseconds of every process's start.
@@ -155,15 +167,15 @@ class Settings(NamedTuple):
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Raises KeyError or ValueError for a missing or malformed setting."""
-        prefix = env.get("CACHEWARM_COPY_PREFIX", "").strip("/")
-        manifests = (m.strip() for m in env.get("CACHEWARM_COPY_MANIFESTS", "").split(","))
+        prefix = env.get(ENV_COPY_PREFIX, "").strip("/")
+        manifests = (m.strip() for m in env.get(ENV_COPY_MANIFESTS, "").split(","))
         return cls(
-            bucket=env["CACHEWARM_COPY_BUCKET"], prefix=f"{prefix}/" if prefix else "",
-            dest=env["CACHEWARM_COPY_DEST"],
+            bucket=env[ENV_COPY_BUCKET], prefix=f"{prefix}/" if prefix else "",
+            dest=env[ENV_COPY_DEST],
             manifests=tuple(dict.fromkeys(m for m in manifests if m)),
-            max_bytes=int(env.get("CACHEWARM_COPY_MAX_BYTES", str(8 << 30))),
-            workers=max(1, min(int(env.get("CACHEWARM_COPY_WORKERS", "16")), 64)),
-            deadline_seconds=float(env.get("CACHEWARM_COPY_DEADLINE_SECONDS", "300")),
+            max_bytes=int(env.get(ENV_COPY_MAX_BYTES, str(8 << 30))),
+            workers=max(1, min(int(env.get(ENV_COPY_WORKERS, "16")), 64)),
+            deadline_seconds=float(env.get(ENV_COPY_DEADLINE_SECONDS, "300")),
             endpoint=(env.get("STORAGE_EMULATOR_HOST") or GCS).rstrip("/"),
             # requests' order; an empty one is unset, as there.
             ca_bundle=env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or "",
@@ -680,8 +692,8 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
 
 def bound_seconds(env: Mapping[str, str]) -> float:
     """How long a copy is waited for at most: its deadline (at least 1 s) and the grace."""
-    return (max(_seconds(env, "CACHEWARM_COPY_DEADLINE_SECONDS", 300.0), 1.0)
-            + max(_seconds(env, "CACHEWARM_COPY_GRACE_SECONDS", HARD_STOP_GRACE_SECONDS), 0.0))
+    return (max(_seconds(env, ENV_COPY_DEADLINE_SECONDS, 300.0), 1.0)
+            + max(_seconds(env, ENV_COPY_GRACE_SECONDS, HARD_STOP_GRACE_SECONDS), 0.0))
 
 
 def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
@@ -697,7 +709,7 @@ def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
                         context)
         return run(settings, client, live)
     except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
-        summary = new_summary("manifest" if env.get("CACHEWARM_COPY_MANIFESTS", "").strip(" ,") else "prefix")
+        summary = new_summary("manifest" if env.get(ENV_COPY_MANIFESTS, "").strip(" ,") else "prefix")
         summary["cold"] = True
         add_error(summary, f"{type(exc).__name__}: {exc}")
         return summary
@@ -730,7 +742,7 @@ def finish(summary: dict[str, Any], path: str, stream: TextIO | None) -> None:
 
 
 def _hard_stop(live: dict[str, Any], started: float, stream: TextIO | None) -> None:
-    finish(left_behind(live, started, "stopped"), os.environ.get(SUMMARY_ENV, ""), stream)
+    finish(left_behind(live, started, "stopped"), os.environ.get(ENV_COPY_SUMMARY, ""), stream)
     os._exit(0)
 
 
@@ -742,7 +754,7 @@ def main(stream: TextIO | None = None) -> None:
     watchdog = threading.Timer(bound_seconds(os.environ), _hard_stop, args=(live, time.monotonic(), out))
     watchdog.daemon = True
     watchdog.start()
-    finish(copy(os.environ, live), os.environ.get(SUMMARY_ENV, ""), out)
+    finish(copy(os.environ, live), os.environ.get(ENV_COPY_SUMMARY, ""), out)
     sys.exit(0)
 
 
@@ -798,7 +810,7 @@ def copy_in_process() -> None:
     its deadline and grace (see the module's doc); its summary on stderr and in its file.
     Never raises, never exits the process, writes nothing to stdout."""
     try:
-        path = os.environ.get(SUMMARY_ENV, "")
+        path = os.environ.get(ENV_COPY_SUMMARY, "")
         # Unguarded when there is no summary to tell that the copy is done, or no lock.
         try:
             lock = pod_lock(f"{path}.lock", path, time.monotonic() + bound_seconds(os.environ)) if path else None

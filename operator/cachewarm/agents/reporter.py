@@ -46,13 +46,20 @@ if TYPE_CHECKING:
     from pathlib import Path
     from types import ModuleType
 
-ENV_URL = "CACHEWARM_REPORT_URL"
-ENV_TOKEN_FILE = "CACHEWARM_REPORT_TOKEN_FILE"
-ENV_CA = "CACHEWARM_REPORT_CA"  # the PEM itself, as the webhook gives it
-ENV_SECONDS = "CACHEWARM_REPORT_SECONDS"
+# The env names the reporter's pod gets, spelled here only: the operator's builders import
+# them (through cachewarm.api.constants). sitecustomize.py reads two of them without
+# importing this module and keeps copies, which tests/unit/test_layout.py compares with these.
+ENV_REPORT_URL = "CACHEWARM_REPORT_URL"
+ENV_REPORT_TOKEN_FILE = "CACHEWARM_REPORT_TOKEN_FILE"
+ENV_REPORT_CA = "CACHEWARM_REPORT_CA"  # the PEM itself, as the webhook gives it
+ENV_REPORT_SECONDS = "CACHEWARM_REPORT_SECONDS"
 ENV_CACHE = "CACHEWARM_CACHE"
-ENV_POD = ("CACHEWARM_POD_NAMESPACE", "CACHEWARM_POD_NAME", "CACHEWARM_POD_UID")
+ENV_POD_NAMESPACE = "CACHEWARM_POD_NAMESPACE"
+ENV_POD_NAME = "CACHEWARM_POD_NAME"
+ENV_POD_UID = "CACHEWARM_POD_UID"
 ENV_LOCAL_COPY = "CACHEWARM_LOCAL_COPY_SUMMARY"  # the local copy's summary file (may be missing)
+# "1": put the image's recorded PYTHONPATH back behind ours (read by sitecustomize.py, not here).
+ENV_RESTORE_IMAGE_PYTHONPATH = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
 
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
@@ -189,14 +196,15 @@ class Reporter:
 
     def __init__(self, tally: Tally, env: dict[str, str], here: Path) -> None:
         self.tally = tally
-        self.url = env.get(ENV_URL, "")
-        self.token_file = env.get(ENV_TOKEN_FILE, "")
-        self.ca_pem = env.get(ENV_CA, "")
+        self.url = env.get(ENV_REPORT_URL, "")
+        self.token_file = env.get(ENV_REPORT_TOKEN_FILE, "")
+        self.ca_pem = env.get(ENV_REPORT_CA, "")
         try:
-            self.period = max(float(env.get(ENV_SECONDS) or DEFAULT_PERIOD_SECONDS), 1.0)
+            self.period = max(float(env.get(ENV_REPORT_SECONDS) or DEFAULT_PERIOD_SECONDS), 1.0)
         except ValueError:
             self.period = DEFAULT_PERIOD_SECONDS
-        self.pod = dict(zip(("namespace", "name", "uid"), (env.get(k, "") for k in ENV_POD)))
+        self.pod = {"namespace": env.get(ENV_POD_NAMESPACE, ""), "name": env.get(ENV_POD_NAME, ""),
+                    "uid": env.get(ENV_POD_UID, "")}
         self.cache = env.get(ENV_CACHE, "")
         self.local_copy_file = env.get(ENV_LOCAL_COPY, "")
         self.local_copy: dict[str, Any] | None = None  # read once, at the first report

@@ -32,12 +32,23 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
 The shipped modules are imported by name (importlib), not by import statements: they are
 not this package's modules, nor third-party packages."""
 
+# The env names this hook reads. Each is the copier's or the reporter's (cachewarm_copier.ENV_...,
+# cachewarm_reporter.ENV_..., which the operator's builders import), spelled again here
+# because this file must not load those modules to read them; tests/unit/test_layout.py
+# checks that the two spellings agree.
+ENV_RESTORE_IMAGE_PYTHONPATH = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
+ENV_COPY_IN_PROCESS = "CACHEWARM_COPY_IN_PROCESS"
+ENV_COPY_SUMMARY = "CACHEWARM_COPY_SUMMARY"
+ENV_COPY_DEADLINE_SECONDS = "CACHEWARM_COPY_DEADLINE_SECONDS"
+ENV_COPY_GRACE_SECONDS = "CACHEWARM_COPY_GRACE_SECONDS"
+ENV_REPORT_URL = "CACHEWARM_REPORT_URL"
+
 try:
     import os
     import sys
 
     _here = os.path.dirname(os.path.abspath(__file__))
-    if os.environ.get("CACHEWARM_RESTORE_IMAGE_PYTHONPATH") == "1":
+    if os.environ.get(ENV_RESTORE_IMAGE_PYTHONPATH) == "1":
         with open(os.path.join(_here, "image-pythonpath")) as _f:
             _entries = [p for p in _f.read().strip().split(os.pathsep) if p and p not in sys.path]
         _at = sys.path.index(_here) + 1 if _here in sys.path else 0
@@ -62,9 +73,9 @@ def _bound():  # type: () -> float
     grace, as the copier reads them (cachewarm_copier.bound_seconds, which the process
     does not import)."""
     total = 0.0
-    for name, default, least in (("DEADLINE", 300.0, 1.0), ("GRACE", 15.0, 0.0)):
+    for name, default, least in ((ENV_COPY_DEADLINE_SECONDS, 300.0, 1.0), (ENV_COPY_GRACE_SECONDS, 15.0, 0.0)):
         try:
-            value = float(os.environ.get("CACHEWARM_COPY_%s_SECONDS" % name) or default)
+            value = float(os.environ.get(name) or default)
         except ValueError:
             value = default
         total += max(value if abs(value) < float("inf") else default, least)
@@ -215,7 +226,7 @@ def _spawn_copier(fd):  # type: (int) -> int
 def _start_copy():  # type: () -> bool
     """The copy started by a child process, or waited for; False where neither can be (the
     caller then copies in process)."""
-    summary = os.environ.get("CACHEWARM_COPY_SUMMARY", "")
+    summary = os.environ.get(ENV_COPY_SUMMARY, "")
     if not summary or not sys.executable or getattr(os, "posix_spawn", None) is None:
         return False
     if os.path.exists(summary):
@@ -257,7 +268,7 @@ def _start_copy():  # type: () -> bool
 
 
 try:
-    if os.environ.get("CACHEWARM_COPY_IN_PROCESS") == "1":
+    if os.environ.get(ENV_COPY_IN_PROCESS) == "1":
         try:
             _started = _start_copy()
         except Exception:  # noqa: BLE001 - then in process
@@ -290,7 +301,7 @@ except Exception:  # noqa: BLE001 - training must start whatever happens here
     pass
 
 try:
-    if os.environ.get("CACHEWARM_REPORT_URL"):
+    if os.environ.get(ENV_REPORT_URL):
         import importlib
         import pathlib
 

@@ -185,7 +185,11 @@ class UsedKeys(logging.Filter):
 
 
 REFRESH_THREADS = 8  # customTime PATCHes in flight at once
-MANIFEST_ENV = "CACHEWARM_MANIFEST"
+# The env names the warmer reads besides JAX's own, spelled here only: the operator's builders
+# import them (through cachewarm.api.constants).
+ENV_MANIFEST = "CACHEWARM_MANIFEST"  # the pool's manifest, a gs:// URL
+ENV_SUMMARY_FILE = "CACHEWARM_SUMMARY_FILE"  # where the summary goes (default /dev/termination-log)
+MANIFEST_ENV = ENV_MANIFEST  # the older name, which tests/unit/test_job_builder.py reads
 MANIFEST_VERSION = 1
 _FILESYSTEM: Any = None
 
@@ -284,7 +288,7 @@ def write_manifest(url: str, entries: dict[str, int], fp: dict[str, Any] | None)
         manifest["fingerprint"] = fp
     try:
         if not url.startswith("gs://"):
-            raise ValueError(f"{MANIFEST_ENV} must be a gs:// URL")
+            raise ValueError(f"{ENV_MANIFEST} must be a gs:// URL")
         data = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
         gcs_filesystem().pipe_file(url[len("gs://"):], data, content_type="application/json")
     except Exception as exc:  # noqa: BLE001 - the manifest helps pods copy less; never fatal
@@ -301,7 +305,7 @@ def remove_manifest(url: str) -> dict[str, Any]:
     there was none) or {"manifestError": why}."""
     try:
         if not url.startswith("gs://"):
-            raise ValueError(f"{MANIFEST_ENV} must be a gs:// URL")
+            raise ValueError(f"{ENV_MANIFEST} must be a gs:// URL")
         try:
             gcs_filesystem().rm_file(url[len("gs://"):])
         except FileNotFoundError:
@@ -500,7 +504,7 @@ def write_summary(summary: dict[str, Any]) -> None:
         summary = {k: v for k, v in summary.items() if k != "imagePythonPath"}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     text = text[:SUMMARY_LIMIT]
-    path = os.environ.get("CACHEWARM_SUMMARY_FILE", "/dev/termination-log")
+    path = os.environ.get(ENV_SUMMARY_FILE, "/dev/termination-log")
     try:
         with open(path, "w") as out:
             out.write(text)
@@ -662,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     # sets), for pods' local copies; when this process cannot name them, an older manifest
     # would name another program's entries, so it is removed (pods then copy the prefix).
     # Process 0 alone, and only after a warm that succeeded.
-    manifest = os.environ.get(MANIFEST_ENV, "")
+    manifest = os.environ.get(ENV_MANIFEST, "")
     if index == 0 and counted:
         present = {n.removesuffix("-cache") for n in after if n.endswith("-cache")}
         relied = (used.keys | {n.removesuffix("-cache") for n in written}) & present

@@ -1,9 +1,35 @@
 """Every cluster-visible string of cachewarm: API group, labels, annotations, finalizer,
-condition types and reasons, env var names. Change them here or nowhere."""
+condition types and reasons, env var names. Change them here or nowhere; the env names of
+cachewarm's programs in pods are changed in the agent that reads them (below)."""
 
 from __future__ import annotations
 
 from typing import Final
+
+# The env names cachewarm's programs in pods read are owned by those programs (the agents
+# run without this package, so they cannot import it): each is spelled once, in the agent,
+# and re-exported here for the builders that set it. JAX's own names are further down.
+from cachewarm.agents.copier import ENV_COPY_BUCKET as ENV_COPY_BUCKET
+from cachewarm.agents.copier import ENV_COPY_DEADLINE_SECONDS as ENV_COPY_DEADLINE_SECONDS
+from cachewarm.agents.copier import ENV_COPY_DEST as ENV_COPY_DEST
+from cachewarm.agents.copier import ENV_COPY_IN_PROCESS as ENV_COPY_IN_PROCESS
+from cachewarm.agents.copier import ENV_COPY_MANIFESTS as ENV_COPY_MANIFESTS
+from cachewarm.agents.copier import ENV_COPY_MAX_BYTES as ENV_COPY_MAX_BYTES
+from cachewarm.agents.copier import ENV_COPY_PREFIX as ENV_COPY_PREFIX
+from cachewarm.agents.copier import ENV_COPY_SUMMARY as ENV_COPY_SUMMARY
+from cachewarm.agents.copier import ENV_COPY_WORKERS as ENV_COPY_WORKERS
+from cachewarm.agents.reporter import ENV_CACHE as ENV_CACHE
+from cachewarm.agents.reporter import ENV_LOCAL_COPY as ENV_LOCAL_COPY
+from cachewarm.agents.reporter import ENV_POD_NAME as ENV_POD_NAME
+from cachewarm.agents.reporter import ENV_POD_NAMESPACE as ENV_POD_NAMESPACE
+from cachewarm.agents.reporter import ENV_POD_UID as ENV_POD_UID
+from cachewarm.agents.reporter import ENV_REPORT_CA as ENV_REPORT_CA
+from cachewarm.agents.reporter import ENV_REPORT_TOKEN_FILE as ENV_REPORT_TOKEN_FILE
+from cachewarm.agents.reporter import ENV_REPORT_URL as ENV_REPORT_URL
+from cachewarm.agents.reporter import ENV_RESTORE_IMAGE_PYTHONPATH as ENV_RESTORE_IMAGE_PYTHONPATH
+# Warmers: the gs:// URL of the pool's manifest (builders/placement.manifest_url), where
+# process 0 writes the entries its warm relied on.
+from cachewarm.agents.warmer import ENV_MANIFEST as ENV_MANIFEST
 
 GROUP: Final = "cachewarm.dev"
 VERSION: Final = "v1alpha1"
@@ -157,9 +183,6 @@ ENV_ENABLE_XLA_CACHES: Final = "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"
 ENV_COORDINATOR_ADDRESS: Final = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES: Final = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID: Final = "JAX_PROCESS_ID"
-# Warmers: the gs:// URL of the pool's manifest (builders/placement.manifest_url), where
-# process 0 writes the entries its warm relied on (warmer.MANIFEST_ENV, the same name).
-ENV_MANIFEST: Final = "CACHEWARM_MANIFEST"
 # spec.injection.localCopy: the directory pods read the cache from (their
 # JAX_COMPILATION_CACHE_DIR) and the init container that fills it (builders/localcopy.py).
 LOCAL_COPY_DIR: Final = "/cachewarm-cache"

@@ -30,7 +30,7 @@ COPIER_CONTAINER = c.LOCAL_COPY_CONTAINER
 COPIER_FILE = f"{reporter.DIR}/{payload.COPIER}"
 COPIER_SOURCE = payload.in_image(payload.COPIER)
 SUMMARY_FILE = f"{reporter.DIR}/local-copy.json"  # the copier writes it, the reporter reads it
-SUMMARY_ENV = "CACHEWARM_LOCAL_COPY_SUMMARY"
+SUMMARY_ENV = c.ENV_LOCAL_COPY  # the reporter reads the copy's summary from there
 # The kubelet evicts a pod whose emptyDir grows past its sizeLimit: the copy stops short.
 BUDGET_SHARE = 0.9
 # `sh -c SCRIPT PYTHON COPIER`: the training image's python runs the copier isolated from
@@ -38,7 +38,7 @@ BUDGET_SHARE = 0.9
 # without that python still starts (cold), and says why.
 RUN_COPIER = ('"$0" -I -S "$1" || { j="{\\"cold\\": true, \\"errors\\": [\\"could not run $0 (exit $?): the pod '
               'starts with an empty local cache\\"]}"; echo "{\\"cachewarm-copier\\": $j}"; '
-              '[ -z "$CACHEWARM_COPY_SUMMARY" ] || printf %s "$j" > "$CACHEWARM_COPY_SUMMARY"; }; exit 0')
+              f'[ -z "${c.ENV_COPY_SUMMARY}" ] || printf %s "$j" > "${c.ENV_COPY_SUMMARY}"; }}; exit 0')
 # The same, first recording the image's PYTHONPATH into `$2` for the reporter (what its
 # recorder would do; _folds_recorder): a write that fails leaves no file, and the copy runs.
 RECORD_AND_RUN_COPIER = 'printf %s "$PYTHONPATH" > "$2"; ' + RUN_COPIER
@@ -155,15 +155,15 @@ def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequenc
     assert local is not None
     gcs = cache.storage.gcs
     return [
-        {"name": "CACHEWARM_COPY_BUCKET", "value": gcs.bucket},
-        {"name": "CACHEWARM_COPY_PREFIX", "value": gcs.prefix},
-        {"name": "CACHEWARM_COPY_DEST", "value": dest},
-        {"name": "CACHEWARM_COPY_MANIFESTS",
+        {"name": c.ENV_COPY_BUCKET, "value": gcs.bucket},
+        {"name": c.ENV_COPY_PREFIX, "value": gcs.prefix},
+        {"name": c.ENV_COPY_DEST, "value": dest},
+        {"name": c.ENV_COPY_MANIFESTS,
          "value": ",".join(manifest_object(gcs, namespace, cache_name, p) for p in pools)},
-        {"name": "CACHEWARM_COPY_MAX_BYTES", "value": str(budget_bytes(local.size_limit, spec, local.volume))},
-        {"name": "CACHEWARM_COPY_WORKERS", "value": str(local.workers)},
-        {"name": "CACHEWARM_COPY_DEADLINE_SECONDS", "value": str(local.timeout_seconds)},
-        {"name": "CACHEWARM_COPY_SUMMARY", "value": SUMMARY_FILE},
+        {"name": c.ENV_COPY_MAX_BYTES, "value": str(budget_bytes(local.size_limit, spec, local.volume))},
+        {"name": c.ENV_COPY_WORKERS, "value": str(local.workers)},
+        {"name": c.ENV_COPY_DEADLINE_SECONDS, "value": str(local.timeout_seconds)},
+        {"name": c.ENV_COPY_SUMMARY, "value": SUMMARY_FILE},
     ]
 
 
@@ -400,7 +400,7 @@ BOOT_VOLUME = "cachewarm-boot"
 # it write entries into the copy (past an emptyDir's budget, or into a node's HostPath
 # directory that the cache's pods share).
 COPY_DIR = "/cachewarm-copy"
-IN_PROCESS_ENV = "CACHEWARM_COPY_IN_PROCESS"
+IN_PROCESS_ENV = c.ENV_COPY_IN_PROCESS
 # The files of the boot ConfigMap (and of BOOT_DIR): agents/payload.py's list.
 BOOT_FILES = tuple(payload.MODULES)
 

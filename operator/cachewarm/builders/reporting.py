@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachewarm.agents import payload
+from cachewarm.api import constants as c
 from cachewarm.api.constants import LOCAL_COPY_CONTAINER
 
 DIR = "/cachewarm-reporter"
@@ -47,7 +48,6 @@ RECORD_FILE = f"{DIR}/image-pythonpath"  # the reporter's sitecustomize restores
 SHARED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 # What PodSecurity "restricted" asks of a container; the copy runs as the warmer image's
 # user, the recorder as the training container does (its own securityContext).
-RESTORE_ENV = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
 RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
               "seccompProfile": {"type": "RuntimeDefault"}}
 
@@ -63,16 +63,16 @@ class Reporting:
 
 
 def report_env(cache_name: str, reporting: Reporting, restore: bool) -> list[dict[str, Any]]:
-    field = [("CACHEWARM_POD_NAMESPACE", "metadata.namespace"), ("CACHEWARM_POD_NAME", "metadata.name"),
-             ("CACHEWARM_POD_UID", "metadata.uid")]
+    field = [(c.ENV_POD_NAMESPACE, "metadata.namespace"), (c.ENV_POD_NAME, "metadata.name"),
+             (c.ENV_POD_UID, "metadata.uid")]
     return [
-        {"name": "CACHEWARM_REPORT_URL", "value": reporting.url},
-        {"name": "CACHEWARM_REPORT_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
-        {"name": "CACHEWARM_REPORT_CA", "value": reporting.ca_pem},
-        {"name": "CACHEWARM_CACHE", "value": cache_name},
+        {"name": c.ENV_REPORT_URL, "value": reporting.url},
+        {"name": c.ENV_REPORT_TOKEN_FILE, "value": f"{TOKEN_DIR}/token"},
+        {"name": c.ENV_REPORT_CA, "value": reporting.ca_pem},
+        {"name": c.ENV_CACHE, "value": cache_name},
         # Only where the spec set no PYTHONPATH: the image's (recorded) is what python would
         # have had; where the spec set one, that one replaced the image's and stays alone.
-        *([{"name": RESTORE_ENV, "value": "1"}] if restore else []),
+        *([{"name": c.ENV_RESTORE_IMAGE_PYTHONPATH, "value": "1"}] if restore else []),
         *({"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in field),
     ]
 
