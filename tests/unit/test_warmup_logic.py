@@ -11,23 +11,21 @@ import pytest
 
 from cachewarm.builders.job import service_name
 from cachewarm.api.model import parse_spec
-from cachewarm.reconcile.warmup import (
+from cachewarm.reconcile.warmplan import (
     ObservedJob,
-    WarmupOutcome,
     PodsView,
     PoolPlan,
     _job_state,
     image_pythonpath,
     warmed_condition,
-    release_waiting_pods,
     observe,
     plan_pool,
     pool_status,
     read_pods,
     read_summaries,
-    reconcile_warmup,
     rewarm_token,
 )
+from cachewarm.reconcile.warmup import WarmupOutcome, reconcile_warmup, release_waiting_pods
 from memkube import MemoryKube
 
 
@@ -463,7 +461,7 @@ def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_
 
 
 def test_the_pool_keeps_process_0s_fingerprint_typed_and_bounded_with_the_image_digest() -> None:
-    from cachewarm.reconcile.warmup import fingerprint_status
+    from cachewarm.reconcile.warmplan import fingerprint_status
 
     job = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
     zero = {"processIndex": 0, "entriesWritten": 1, "fingerprint": {

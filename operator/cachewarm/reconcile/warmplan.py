@@ -1,0 +1,761 @@
+"""The warm-up's decisions, without a client: from what the cluster holds for one cache's
+warmers (a WarmView, listed by reconcile.warmup) and what this reconcile knows besides (a
+WarmContext: the spec, the previous status, `now`), a WarmPlan: the Jobs and Services to
+create and delete, in order, each pool's status entry, the Events and Warmed. An
+import-linter contract keeps cachewarm.clients out of this module, and no clock is read
+here, so every decision is table-tested (tests/unit/test_warmplan.py).
+
+Everything is derived from observed Jobs and Pods plus the previous status, so a restart
+of the operator at any point (even mid-warm) finds the same Job by its deterministic name
+and creates nothing twice. A pool never has two unfinished warmers: stale ones are deleted
+(foreground) and the new one is created on a later reconcile, once they are gone; a
+reconcile holding an older spec than a Job's generation annotation leaves the pool alone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from croniter import croniter
+
+from cachewarm.api import constants as c
+from cachewarm.api.conditions import Cond
+from cachewarm.api.events import Event
+from cachewarm.api.model import CacheSpec, Pool, Warmup
+from cachewarm.builders import job as jobs
+from cachewarm.builders.placement import pool_shape
+from cachewarm.builders.tpu import TpuShapeError
+
+ACTIVE_STATES = ("Pending", "Running")
+MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
+IMAGE_PYTHONPATH_LIMIT = 1000  # characters: the CRD's maxLength (warmer.IMAGE_PYTHONPATH_LIMIT)
+
+
+@dataclass(frozen=True)
+class WarmRetry:
+    """How often a failed warmer runs again: `retries` more times, the first after
+    `delay_seconds`, each later one after twice the one before (at most an hour)."""
+
+    retries: int = 3
+    delay_seconds: float = 60.0
+
+    def delay(self, attempt: int) -> dt.timedelta:
+        """The wait after failed attempt number `attempt` (1 is the first run)."""
+        return dt.timedelta(seconds=min(self.delay_seconds * 2 ** max(0, attempt - 1), 3600.0))
+
+
+def last_slot(schedule: str, now: dt.datetime) -> dt.datetime:
+    """The most recent slot of a cron `schedule` at `now` (UTC): the latest one not after
+    `now`, so a slot counts from its very instant and not a moment before."""
+    slot: dt.datetime = croniter(schedule, now).get_prev(dt.datetime)  # exclusive of `now`
+    following: dt.datetime = croniter(schedule, slot).get_next(dt.datetime)
+    return following if following <= now else slot
+
+
+def next_slot(schedule: str, now: dt.datetime) -> dt.datetime:
+    """The first slot of a cron `schedule` after `now` (UTC)."""
+    slot: dt.datetime = croniter(schedule, now).get_next(dt.datetime)  # exclusive of `now`
+    return slot
+
+
+def scheduled_slot(cache: CacheSpec, now: dt.datetime) -> dt.datetime | None:
+    """The cron slot the cache's warmers run for at `now` (None: no schedule)."""
+    if cache.warmup is None or not cache.warmup.schedule:
+        return None
+    return last_slot(cache.warmup.schedule, now)
+
+
+def next_scheduled_warm(cache: CacheSpec, now: dt.datetime) -> dt.datetime | None:
+    """When the cache's next cron slot asks for a new warm (None: no schedule): the time
+    the controller reconciles it again, since no event marks a slot's start."""
+    if cache.warmup is None or not cache.warmup.schedule:
+        return None
+    return next_slot(cache.warmup.schedule, now)
+
+
+def rewarm_token(cache: CacheSpec, annotations: Mapping[str, str], now: dt.datetime) -> str:
+    """What forces a new warm for an unchanged program: the manual annotation and the most
+    recent cron slot."""
+    token = annotations.get(c.REWARM_ANNOTATION, "")
+    slot = scheduled_slot(cache, now)
+    if slot is not None:
+        token += "|" + slot.strftime("%Y-%m-%dT%H:%MZ")
+    return token
+
+
+def _job_state(job: Mapping[str, Any]) -> str:
+    """Succeeded or Failed only once the Job controller says the Job's pods are gone
+    (Complete, Failed). SuccessCriteriaMet and FailureTarget (Kubernetes 1.31+) come
+    while pods still terminate: a Job with only those is Running, so its pool gets no new
+    warmer and keeps its Service until the old pods have stopped."""
+    status = job.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("status") == "True" and cond.get("type") == "Complete":
+            return "Succeeded"
+        if cond.get("status") == "True" and cond.get("type") == "Failed":
+            return "Failed"
+    return "Running" if status.get("active") or status.get("startTime") else "Pending"
+
+
+def _job_failure(job: Mapping[str, Any]) -> str:
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("type") in ("Failed", "FailureTarget") and cond.get("status") == "True":
+            return f"{cond.get('reason', 'Failed')}: {cond.get('message', '')}".strip(": ")
+    return ""
+
+
+def read_summaries(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The warmers' JSON summaries from their terminated containers' messages."""
+    out = []
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            if status.get("name") != "warm":
+                continue
+            message = ((status.get("state") or {}).get("terminated") or {}).get("message") or ""
+            try:
+                summary = json.loads(message)
+            except ValueError:
+                summary = {"errors": [message.strip()[-500:]]} if message.strip() else None
+            if isinstance(summary, dict):
+                out.append(summary)
+    return out
+
+
+@dataclass(frozen=True)
+class PodsView:
+    """What a Job's pods say beyond the Job's status: where they ran, and why one waits."""
+
+    nodes: tuple[str, ...] = ()
+    unschedulable: str = ""  # the scheduler's message, verbatim
+    image: str = ""  # the image the warm container ran, by digest (its imageID), as the kubelet reports it
+    # The warm container's spec, as admitted, sets PYTHONPATH or may (envFrom): another
+    # webhook's (a tracer's library injection), or the warmup's env; the warmer then saw
+    # that, not the image's own.
+    pythonpath_set: bool = False
+
+
+def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
+    nodes = sorted({str(p["spec"]["nodeName"]) for p in pods if (p.get("spec") or {}).get("nodeName")})
+    unschedulable = ""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                    and cond.get("reason") == "Unschedulable" and not unschedulable):
+                unschedulable = str(cond.get("message") or "no node fits the pod")
+    # Every host runs the same image; a tag may have moved, the digest the kubelet pulled not.
+    image = next((str(s["imageID"]) for p in pods for s in (p.get("status") or {}).get("containerStatuses") or []
+                  if s.get("name") == "warm" and s.get("imageID")), "")
+    warm = [ct for p in pods for ct in (p.get("spec") or {}).get("containers") or [] if ct.get("name") == "warm"]
+    pythonpath_set = any(ct.get("envFrom") or any(e.get("name") == "PYTHONPATH" for e in ct.get("env") or [])
+                         for ct in warm)
+    return PodsView(tuple(nodes), unschedulable, image, pythonpath_set)
+
+
+FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "platformVersion", "deviceKind", "topology", "error")
+FINGERPRINT_COUNTS = ("flagCount", "devices", "processes")
+
+
+def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any]:
+    """A warmer's fingerprint as status keeps it: the known fields only, typed and bounded
+    (the summary is the warmer's, run in the user's image, so not trusted to be tidy)."""
+    out: dict[str, Any] = {k: str(reported[k])[:300] for k in FINGERPRINT_TEXT if reported.get(k) not in (None, "")}
+    for key in FINGERPRINT_COUNTS:
+        try:
+            out[key] = int(reported[key])
+        except (KeyError, TypeError, ValueError):
+            continue
+    versions = reported.get("versions")
+    if isinstance(versions, Mapping):
+        out["versions"] = {str(k)[:100]: str(v)[:100] for k, v in list(versions.items())[:16]}
+    if image:
+        out["image"] = image[:300]
+    return out
+
+
+def _process_index(summary: Mapping[str, Any]) -> int:
+    try:
+        return int(summary.get("processIndex", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _pythonpath(value: Any) -> str | None:
+    """A reported imagePythonPath status can hold as it is: text of at most
+    IMAGE_PYTHONPATH_LIMIT characters ("" is a value: the image sets none)."""
+    if not isinstance(value, str) or len(value) > IMAGE_PYTHONPATH_LIMIT:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
+def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | None,
+                summaries: Sequence[Mapping[str, Any]], pods: PodsView | None = None, *,
+                env_sets_pythonpath: bool = False) -> dict[str, Any]:
+    """One entry of status.warmup.pools. Only process 0 of a multi-host warmer writes cache
+    entries, so entries and bytes are process 0's (each entry counted once); the compile
+    time is the slowest host's; errors are every host's. `imagePythonPath` is process 0's
+    PYTHONPATH, the image's own, unless `env_sets_pythonpath` (spec.warmup.env sets one,
+    so the warmer saw that): then none is recorded."""
+    state = _job_state(job) if job is not None else "Pending"
+    jstatus = (job or {}).get("status") or {}
+    out: dict[str, Any] = {"name": pool.name, "job": name, "specHash": digest, "state": state}
+    if jstatus.get("startTime"):
+        out["startTime"] = jstatus["startTime"]
+    if jstatus.get("completionTime"):
+        out["completionTime"] = jstatus["completionTime"]
+    if pods is not None and pods.nodes:
+        out["nodes"] = list(pods.nodes)
+    if pods is not None and pods.unschedulable and state in ACTIVE_STATES:
+        out["state"] = "Pending"
+        out["reason"] = c.Reason.UNSCHEDULABLE
+        out["message"] = f"Unschedulable: {pods.unschedulable}"[:1000]
+    if summaries:
+        writers = [s for s in summaries if _process_index(s) == 0] or list(summaries)
+        out["entriesFound"] = max(int(s.get("entriesFound", 0)) for s in writers)
+        out["entriesWritten"] = max(int(s.get("entriesWritten", 0)) for s in writers)
+        out["bytesWritten"] = max(int(s.get("bytesWritten", 0)) for s in writers)
+        out["compileSeconds"] = round(max(float(s.get("compileSeconds", 0)) for s in summaries), 3)
+        # Process 0 alone refreshes customTime; a failure there does not fail the warm.
+        failed = max(int(s.get("refreshFailed", 0) or 0) for s in writers)
+        if failed:
+            out["refreshFailed"] = failed
+        refresh_error = next((str(s["refreshError"]) for s in writers if s.get("refreshError")), "")
+        if refresh_error:
+            out["refreshError"] = refresh_error[:1000]
+        not_cached = max(int(s.get("notCached", 0) or 0) for s in writers)
+        if not_cached:
+            out["notCached"] = not_cached
+        # The entries this warm relies on, by key hash (checked against the bucket).
+        reported = next((s for s in writers if isinstance(s.get("keys"), list)), None)
+        if reported is not None:
+            out["keys"] = sorted({str(k) for k in reported["keys"]})[:MAX_KEYS]
+            out["keyCount"] = int(reported.get("keyCount", len(out["keys"])) or 0)
+        # What the keys were computed with (process 0's view), and the image by digest.
+        found = next((s["fingerprint"] for s in writers if isinstance(s.get("fingerprint"), Mapping)
+                      and s["fingerprint"]), None)
+        if found is not None:
+            out["fingerprint"] = fingerprint_status(found, pods.image if pods is not None else "")
+        # The PYTHONPATH the image sets, for the webhook (image_pythonpath).
+        if not env_sets_pythonpath and not (pods is not None and pods.pythonpath_set):
+            path = next((p for p in (_pythonpath(s.get("imagePythonPath")) for s in writers) if p is not None), None)
+            image = next((str(ct.get("image") or "") for ct in ((((job or {}).get("spec") or {}).get("template") or {})
+                                                              .get("spec") or {}).get("containers") or []), "")
+            if path is not None and image:
+                # With the image the Job ran, as spec.warmup.image named it: what a pod's
+                # image is compared with, so a value of an earlier warmup image is never
+                # taken for the current one's.
+                out["imagePythonPath"] = {"image": image[:1000], "value": path}
+    errors = [e for s in summaries for e in s.get("errors", [])]
+    if state == "Failed":
+        out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
+    return out
+
+
+def image_pythonpath(pools: Sequence[Mapping[str, Any]], image: str) -> str | None:
+    """The PYTHONPATH `image` (the current spec.warmup.image) sets, from
+    status.warmup.pools: the value every pool whose warmer ran that image reports in
+    `imagePythonPath` agrees on ("" when the image sets none); other pools are left out.
+    None when none reports one, or when they disagree."""
+    seen = {str(p["imagePythonPath"]["value"]) for p in pools
+            if isinstance(p.get("imagePythonPath"), Mapping) and p["imagePythonPath"].get("image") == image
+            and isinstance(p["imagePythonPath"].get("value"), str)}
+    return seen.pop() if len(seen) == 1 else None
+
+
+@dataclass(frozen=True)
+class ObservedJob:
+    """A warmer Job of one pool, as far as the stop-before-start decision needs it."""
+
+    name: str
+    state: str
+    deleting: bool
+    generation: int
+    # Controlled by another object: a deleted cache of the same name whose Jobs the
+    # garbage collector has yet to remove. Never ours to delete or to be superseded by.
+    foreign: bool = False
+
+    @property
+    def unfinished(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+def observe(job: Mapping[str, Any], uid: str) -> ObservedJob:
+    """The Job as plan_pool sees it; `uid` is the cache's. A Job is the cache's when its
+    controller is the cache, or when it has no controller (orphaned by a delete with
+    cascade=orphan: adopted, so that it is stopped like any stale warmer)."""
+    meta = job.get("metadata") or {}
+    try:
+        generation = int((meta.get("annotations") or {}).get(c.GENERATION_ANNOTATION, 0))
+    except ValueError:
+        generation = 0
+    controllers = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
+    foreign = any(r.get("uid") != uid for r in controllers)
+    return ObservedJob(str(meta.get("name")), _job_state(job), bool(meta.get("deletionTimestamp")), generation,
+                       foreign)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What to do about one pool's Jobs. `superseded`: a Job from a newer generation of
+    the spec exists, so this reconcile holds an older spec and touches nothing."""
+
+    delete: tuple[str, ...] = ()
+    create: bool = False
+    waiting_for: tuple[str, ...] = ()
+    superseded: bool = False
+
+
+def plan_pool(observed: Sequence[ObservedJob], desired: str | None, generation: int) -> PoolPlan:
+    """Never two warmers for one pool: every other unfinished Job of the pool is deleted,
+    and the desired Job (None: the pool has none, e.g. its shape is invalid) is created
+    only once none remains, counting those already being deleted. Nothing is done when a
+    Job from a newer generation exists. Foreign Jobs (another owner's) are left to their
+    owner's garbage collection; only one holding the desired name delays the create."""
+    ours = [j for j in observed if not j.foreign]
+    if any(j.generation > generation for j in ours):
+        return PoolPlan(superseded=True)
+    others = [j for j in ours if j.name != desired and j.unfinished]
+    current = next((j for j in observed if j.name == desired), None)
+    waiting = [j.name for j in others]
+    if current is not None and (current.deleting or current.foreign):
+        waiting.append(current.name)  # deleted by someone (or not ours); re-created once it is gone
+    return PoolPlan(
+        delete=tuple(j.name for j in others if not j.deleting),
+        create=desired is not None and current is None and not waiting,
+        waiting_for=tuple(waiting),
+    )
+
+
+def _pool_of(obj: Mapping[str, Any]) -> str:
+    return str(((obj.get("metadata") or {}).get("labels") or {}).get(c.LABEL_POOL, ""))
+
+
+def _time(value: Any) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
+    except ValueError:
+        return None
+
+
+def _iso(when: dt.datetime) -> str:
+    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def failed_at(job: Mapping[str, Any] | None) -> dt.datetime | None:
+    """When the Job controller marked the Job Failed."""
+    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Failed" and cond.get("status") == "True":
+            return _time(cond.get("lastTransitionTime"))
+    return None
+
+
+def plan_retry(entry: Mapping[str, Any], attempt: int, failed: dt.datetime, retry: WarmRetry,
+               now: dt.datetime) -> tuple[dict[str, Any], bool]:
+    """A failed pool's status with its attempt and, while retries are left, when the next
+    one runs; and whether it is due now."""
+    out = {**entry, "attempt": attempt, "failedTime": _iso(failed)}
+    out.pop("nextRetryTime", None)
+    if attempt > retry.retries:
+        out["message"] = f"Failed {attempt} times; no retry is left (spec change or {c.REWARM_ANNOTATION} runs it again)"
+        return out, False
+    at = failed + retry.delay(attempt)
+    out["nextRetryTime"] = _iso(at)
+    out["message"] = f"Attempt {attempt} of {retry.retries + 1} failed; retrying at {_iso(at)}"
+    return out, now >= at
+
+
+def _retried(pool: str, job: str, attempt: int, retry: WarmRetry, prev: Mapping[str, Any]) -> Event:
+    return Event("Normal", c.Reason.WARMER_RETRIED,
+                 f"Pool {pool}: running warmer Job {job} again (attempt {attempt} of {retry.retries + 1}) after: "
+                 f"{prev.get('lastError', 'a failure')}"[:1000])
+
+
+def missing_entries(pools: Sequence[Mapping[str, Any]], entry_keys: frozenset[str]) -> dict[str, int]:
+    """Per pool, how many entries its warmer reported are not in the bucket."""
+    out = {}
+    for pool in pools:
+        missing = [k for k in pool.get("keys") or [] if k not in entry_keys]
+        if missing:
+            out[str(pool["name"])] = len(missing)
+    return out
+
+
+# Warmed reasons that come from the bucket's listing (every pool's warmer has finished).
+BUCKET_VERDICTS = (c.Reason.WARMED, c.Reason.ENTRIES_MISSING, c.Reason.CACHE_EMPTY)
+
+
+def warmed_condition(pools: Sequence[Mapping[str, Any]], cache_entries: int, warmed_before: bool = False,
+            entry_keys: frozenset[str] | None = None) -> Cond:
+    """Warmed once every pool succeeded and the entries their warmers reported (by key)
+    are all in the bucket (`entry_keys`; a warmer too old to report keys: the bucket holds
+    entries). A re-warm (Warmed was True before) of a bucket that still holds entries stays
+    True, reason Rewarming, while its warmers run: the cache pods would read is usable, so
+    they are not held. A first warm, and a re-warm that failed, are False."""
+    invalid = [p for p in pools if p.get("reason") in (c.Reason.UNKNOWN_TPU_SHAPE, c.Reason.INVALID_TPU_SHAPE)]
+    if invalid:
+        detail = "; ".join(f"{p['name']}: {p.get('message', '')}" for p in invalid)
+        return Cond(c.Condition.WARMED, False, str(invalid[0]["reason"]), f"Cannot warm pool {detail}"[:1000])
+    failed = [p for p in pools if p.get("state") == "Failed"]
+    if failed:
+        detail = "; ".join(f"{p['name']}: {p.get('lastError', 'failed')}"
+                           + (f" ({p['message']})" if p.get("attempt") and p.get("message") else "") for p in failed)
+        return Cond(c.Condition.WARMED, False, c.Reason.WARMUP_FAILED, f"Warmer failed on {detail}"[:1000])
+    waiting = [p for p in pools if p.get("state") != "Succeeded"]
+    if waiting:
+        detail = ", ".join(f"{p['name']} {p.get('state')}" + (f" ({p['message']})" if p.get("message") else "")
+                           for p in waiting)
+        if warmed_before and cache_entries > 0:
+            return Cond(c.Condition.WARMED, True, c.Reason.REWARMING,
+                        f"Re-warming: {detail}; the {cache_entries} entries already cached stay in use"[:1000])
+        reason = c.Reason.UNSCHEDULABLE if any(p.get("reason") == c.Reason.UNSCHEDULABLE for p in waiting) \
+            else c.Reason.WARMING
+        return Cond(c.Condition.WARMED, False, reason, f"Warming: {detail}"[:1000])
+    reporting = [p for p in pools if isinstance(p.get("keys"), list)]
+    if entry_keys is not None and reporting:
+        missing = missing_entries(reporting, entry_keys)
+        if missing:
+            detail = "; ".join(f"{pool}: {n} of {len(next(p for p in reporting if p['name'] == pool)['keys'])}"
+                               for pool, n in sorted(missing.items()))
+            return Cond(c.Condition.WARMED, False, c.Reason.ENTRIES_MISSING,
+                        f"Entries the warmers reported are not in the bucket ({detail}): deleted since, or "
+                        f"written elsewhere; set {c.REWARM_ANNOTATION} to warm again"[:1000])
+    if cache_entries == 0 or (reporting and not any(p["keys"] for p in reporting)):
+        return Cond(c.Condition.WARMED, False, c.Reason.CACHE_EMPTY,
+                    "Every warmer succeeded but the bucket holds none of the entries they compiled under the prefix")
+    relied = sum(len(p["keys"]) for p in reporting)
+    message = (f"Every pool is warm: the {relied} entries its warmers reported are in the bucket "
+               f"({cache_entries} entries in all)" if reporting else
+               f"Every pool is warm; the cache holds {cache_entries} entries")
+    not_cached = {str(p["name"]): int(p["notCached"]) for p in pools if p.get("notCached")}
+    if not_cached:
+        message += ("; not cached (below minCompileTimeSecs or minEntrySizeBytes, so pods compile them): "
+                    + ", ".join(f"{n} programs of {pool}" for pool, n in sorted(not_cached.items())))
+    return Cond(c.Condition.WARMED, True, c.Reason.WARMED, message[:1000])
+
+
+
+
+def services_to_delete(services: Sequence[Mapping[str, Any]], keep: set[str], untouchable: set[str]) -> list[str]:
+    """The pool Services no warmer needs any more: all but those in `keep` and those of a
+    pool superseded by a newer spec (`untouchable`: left to the reconcile that holds it)."""
+    return [str(s["metadata"]["name"]) for s in services
+            if _pool_of(s) not in untouchable and str(s["metadata"]["name"]) not in keep]
+
+
+# --- One reconcile's plan ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WarmContext:
+    """What a plan is for besides the cluster: the cache (its spec, where it is, the
+    generation this reconcile holds), its previous status.warmup.pools, `now`, and what
+    Warmed is judged by."""
+
+    cache: CacheSpec
+    namespace: str
+    name: str
+    uid: str
+    now: dt.datetime
+    warmer_image: str
+    generation: int = 0
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    previous: Sequence[Mapping[str, Any]] = ()
+    retry: WarmRetry = WarmRetry()
+    cache_entries: int = 0  # entries the bucket holds under the prefix
+    warmed_before: bool = False  # Warmed was True at the previous reconcile (a re-warm)
+    entry_keys: frozenset[str] | None = None  # the bucket's entries by key (None: not listed)
+
+    @property
+    def warmup(self) -> Warmup:
+        assert self.cache.warmup is not None, "a warm-up plan needs spec.warmup"
+        return self.cache.warmup
+
+    def previous_of(self, pool: str) -> Mapping[str, Any]:
+        return next((p for p in reversed(self.previous) if p.get("name") == pool), {})
+
+
+@dataclass(frozen=True)
+class WarmView:
+    """The cache's warmer objects as reconcile.warmup listed them, with no decision in it:
+    its Jobs and pool Services (label warmer-for), and by Job name the pods of each Job
+    whose results the plan reads (results_to_read)."""
+
+    jobs: Sequence[Mapping[str, Any]] = ()
+    services: Sequence[Mapping[str, Any]] = ()
+    pods: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete a warmer Job, foreground: it stays listed (deleting) until its pods are gone."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class DeleteService:
+    name: str
+
+
+@dataclass(frozen=True)
+class Create:
+    """Create an object. `said` is posted only when the apiserver created it: one that
+    answers it exists already (a restart between create and status) says nothing new."""
+
+    body: dict[str, Any]
+    said: Event | None = None
+
+
+# A plan's steps, in order: the writes, and the Events said between them.
+Step = DeleteJob | DeleteService | Create | Event
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    """What one reconcile of a cache's warmers does (`steps`, in order) and what it then
+    says: status.warmup.pools and the Warmed condition."""
+
+    steps: tuple[Step, ...]
+    pools: list[dict[str, Any]]
+    condition: Cond
+
+
+@dataclass(frozen=True)
+class Aim:
+    """One pool of the spec before any decision on what to write: the Job its current
+    program runs in (`job`, "" when its TPU shape is invalid), that Job as listed
+    (`current`), the stop-before-start plan over the pool's Jobs, and which run of the
+    program this is (`attempt`: 1, then one more per retry after a failure)."""
+
+    pool: Pool
+    prev: Mapping[str, Any]  # the pool's previous status entry ({} when none)
+    seen: tuple[ObservedJob, ...]
+    stop: PoolPlan
+    digest: str = ""
+    job: str = ""
+    hosts: int = 1
+    shape_error: TpuShapeError | None = None
+    current: Mapping[str, Any] | None = None
+    attempt: int = 1
+
+    def recorded(self, state: str) -> bool:
+        """Status holds this Job's results already (it finished, and was read then)."""
+        return state not in ACTIVE_STATES and self.prev.get("job") == self.job and self.prev.get("state") == state
+
+    @property
+    def reads(self) -> bool:
+        """The plan reads the current Job's pods: it exists, the pool is this reconcile's
+        to act on, and its results are not in status yet."""
+        return (self.current is not None and not self.stop.superseded and not self.stop.waiting_for
+                and not self.recorded(_job_state(self.current)))
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    """One pool's part of a plan: its steps, its status entry (None: a pool no longer in
+    the spec has none), whether its Service stays (a warmer uses it, or may still), and
+    the hash of its current program (None: it has no valid one)."""
+
+    pool: str
+    steps: tuple[Step, ...] = ()
+    entry: dict[str, Any] | None = None
+    keep_service: bool = False
+    untouchable: bool = False  # superseded by a newer spec: its Service is left alone too
+    digest: str | None = None
+
+
+def jobs_by_pool(listed: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """The Jobs by their pool label, in the order listed."""
+    out: dict[str, list[Mapping[str, Any]]] = {}
+    for job in listed:
+        out.setdefault(_pool_of(job), []).append(job)
+    return out
+
+
+def aim(ctx: WarmContext, pool: Pool, listed: Sequence[Mapping[str, Any]]) -> Aim:
+    """Where `pool` stands, from its listed Jobs and previous status."""
+    seen = tuple(observe(j, ctx.uid) for j in listed)
+    prev = ctx.previous_of(pool.name)
+    try:
+        digest = jobs.spec_hash(ctx.cache, pool, rewarm_token(ctx.cache, ctx.annotations, ctx.now))
+        hosts = pool_shape(pool).hosts
+    except TpuShapeError as exc:
+        return Aim(pool, prev, seen, plan_pool(seen, None, ctx.generation), shape_error=exc)
+    name = jobs.job_name(ctx.name, pool, digest)
+    current = next((j for j in listed if j["metadata"]["name"] == name), None)
+    attempt = int(prev.get("attempt") or 1) if prev.get("specHash") == digest else 1
+    return Aim(pool, prev, seen, plan_pool(seen, name, ctx.generation), digest, name, hosts, None, current, attempt)
+
+
+def results_to_read(ctx: WarmContext, listed: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Jobs whose pods the plan needs (their summaries, nodes, scheduling): each
+    pool's current Job unless the pool waits, is superseded, or status holds its results."""
+    by_pool = jobs_by_pool(listed)
+    aims = [aim(ctx, pool, by_pool.get(pool.name, [])) for pool in ctx.warmup.pools]
+    return [a.job for a in aims if a.reads]
+
+
+def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
+    """Each pool's warmer for the current program, one Job at a time per pool; multi-host
+    pools' Services while (and only while) a warmer needs them; the warmers of pools that
+    left the spec stopped. `view.pods` must hold the pods of every Job results_to_read
+    names (KeyError otherwise)."""
+    by_pool = jobs_by_pool(view.jobs)
+    decided = [decide_pool(ctx, aim(ctx, pool, by_pool.get(pool.name, [])), view.pods) for pool in ctx.warmup.pools]
+    in_spec = {p.name for p in ctx.warmup.pools}
+    decided += [_removed(ctx, pool, listed) for pool, listed in by_pool.items() if pool not in in_spec]
+    keep = {jobs.service_name(ctx.name, d.pool) for d in decided if d.keep_service}
+    untouchable = {d.pool for d in decided if d.untouchable}
+    steps = [s for d in decided for s in d.steps]
+    steps += [DeleteService(s) for s in services_to_delete(view.services, keep, untouchable)]
+    pools = [d.entry for d in decided if d.entry is not None]
+    slot = scheduled_slot(ctx.cache, ctx.now)
+    if slot is not None:
+        # The slot each pool's current warmer is for (the slot is part of its hash), so the
+        # Job's creationTimestamp can be compared with the slot it was due at.
+        digests = {d.pool: d.digest for d in decided if d.digest is not None}
+        for entry in pools:
+            if entry.get("specHash") is not None and entry.get("specHash") == digests.get(str(entry.get("name"))):
+                entry["scheduledTime"] = _iso(slot)
+    return WarmPlan(tuple(steps), pools, warmed_condition(pools, ctx.cache_entries, ctx.warmed_before, ctx.entry_keys))
+
+
+def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[str, Any]]]) -> PoolDecision:
+    """What to do about one pool of the spec, from where it stands."""
+    if a.shape_error is not None:
+        return _invalid_shape(a, a.shape_error)
+    if a.stop.superseded:
+        return _superseded(a, a.digest)
+    if a.current is None and not a.stop.waiting_for and a.prev.get("specHash") == a.digest \
+            and a.prev.get("state") in ("Succeeded", "Failed"):
+        # Finished earlier; its Job may be gone (TTL). A failure may be due a retry.
+        earlier, due = _finished(ctx, a, _time(a.prev.get("failedTime")))
+        if not due:
+            return PoolDecision(a.pool.name, entry=earlier, digest=a.digest)
+        return _create(ctx, a, a.attempt + 1, _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev))
+    if a.stop.waiting_for:
+        return _wait(a)
+    if a.stop.create:
+        return _create(ctx, a, a.attempt)
+    assert a.current is not None
+    state = _job_state(a.current)
+    if a.recorded(state):
+        return _recorded(ctx, a, a.current)
+    return _results(ctx, a, a.current, state, pods[a.job])
+
+
+def _stop(names: Sequence[str], why: str) -> list[Step]:
+    return [step for old in names
+            for step in (DeleteJob(old), Event("Normal", c.Reason.WARMER_STOPPED, f"Stopped warmer Job {old}: {why}"))]
+
+
+def _superseded(a: Aim, digest: str | None) -> PoolDecision:
+    """A newer spec's Job exists: this reconcile keeps the pool's previous entry."""
+    pending = {"name": a.pool.name, **({"job": a.job} if a.job else {}), "state": "Pending"}
+    return PoolDecision(a.pool.name, entry=dict(a.prev) if a.prev else pending, untouchable=True, digest=digest)
+
+
+def _invalid_shape(a: Aim, exc: TpuShapeError) -> PoolDecision:
+    """No Job can run (it could only ever be Pending): older warmers stop, the pool is
+    Failed with the shape's reason, said once."""
+    if a.stop.superseded:
+        return _superseded(a, None)
+    steps = _stop(a.stop.delete, "the pool's TPU shape is invalid")
+    invalid = {"name": a.pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
+               "lastError": str(exc)}
+    if a.prev.get("message") != invalid["message"]:
+        steps.append(Event("Warning", exc.reason, f"Pool {a.pool.name}: {exc}"))
+    # The stopping warmers may still use the Service.
+    return PoolDecision(a.pool.name, tuple(steps), invalid, keep_service=bool(a.stop.waiting_for))
+
+
+def _removed(ctx: WarmContext, pool: str, listed: Sequence[Mapping[str, Any]]) -> PoolDecision:
+    """A pool that left the spec: its warmers stop, and nothing replaces them."""
+    stop = plan_pool([observe(j, ctx.uid) for j in listed], None, ctx.generation)
+    if stop.superseded:
+        return PoolDecision(pool, untouchable=True)
+    return PoolDecision(pool, tuple(_stop(stop.delete, f"pool {pool} was removed from the spec")))
+
+
+def _wait(a: Aim) -> PoolDecision:
+    """Older warmers stop (or are stopping) first; the new one is created once they are gone."""
+    entry = {"name": a.pool.name, "job": a.job, "specHash": a.digest, "state": "Pending", "attempt": a.attempt,
+             **({"lastError": a.prev["lastError"]} if a.attempt > 1 and a.prev.get("lastError") else {}),
+             "message": f"Waiting for warmer Job {', '.join(a.stop.waiting_for)} to stop"}
+    keep = a.hosts > 1 or any(o.unfinished for o in a.seen)  # the stopping warmers may still use it
+    return PoolDecision(a.pool.name, tuple(_stop(a.stop.delete, "the program changed")), entry, keep, digest=a.digest)
+
+
+def _create(ctx: WarmContext, a: Aim, attempt: int, retried: Event | None = None) -> PoolDecision:
+    """The pool's warmer Job (after its Service, on more than one host)."""
+    steps: list[Step] = [retried] if retried is not None else []
+    owner = {"name": ctx.name, "uid": ctx.uid}
+    if a.hosts > 1:
+        steps.append(Create(jobs.headless_service(ctx.name, ctx.namespace, a.pool, owner)))
+    body = jobs.warmer_job(ctx.cache, cache_name=ctx.name, namespace=ctx.namespace, pool=a.pool, digest=a.digest,
+                           owner=owner, warmer_image=ctx.warmer_image, generation=ctx.generation)
+    steps.append(Create(body, Event("Normal", c.Reason.WARMER_CREATED,
+                                    f"Created warmer Job {a.job} for pool {a.pool.name}")))
+    entry = {"name": a.pool.name, "job": a.job, "specHash": a.digest, "state": "Pending", "attempt": attempt}
+    return PoolDecision(a.pool.name, tuple(steps), entry, keep_service=a.hosts > 1, digest=a.digest)
+
+
+def _finished(ctx: WarmContext, a: Aim, failed: dt.datetime | None) -> tuple[dict[str, Any], bool]:
+    """A finished pool's entry as status holds it; after a failure, with its retry timing,
+    and whether that retry is due now."""
+    if a.prev.get("state") != "Failed":
+        return dict(a.prev), False
+    return plan_retry(a.prev, a.attempt, failed or ctx.now, ctx.retry, ctx.now)
+
+
+def _recorded(ctx: WarmContext, a: Aim, current: Mapping[str, Any]) -> PoolDecision:
+    """Finished and already read: no need to list its pods again. A failure due a retry
+    is stopped first (foreground): the same Job name runs again once it is gone."""
+    entry, due = _finished(ctx, a, failed_at(current))
+    if not due:
+        return PoolDecision(a.pool.name, entry=entry, digest=a.digest)
+    again = {"name": a.pool.name, "job": a.job, "specHash": a.digest, "state": "Pending", "attempt": a.attempt + 1,
+             "lastError": a.prev.get("lastError", ""), "message": f"Retrying after attempt {a.attempt} failed"}
+    return PoolDecision(a.pool.name, (DeleteJob(a.job), _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev)),
+                        again, digest=a.digest)
+
+
+def _results(ctx: WarmContext, a: Aim, current: Mapping[str, Any], state: str,
+             pods: Sequence[Mapping[str, Any]]) -> PoolDecision:
+    """The current Job's state, and once it finished, its warmers' summaries."""
+    summaries = read_summaries(pods) if state not in ACTIVE_STATES else []
+    status = pool_status(a.job, a.pool, a.digest, current, summaries, read_pods(pods),
+                         env_sets_pythonpath=any(e.name == "PYTHONPATH" for e in ctx.warmup.env))
+    status["attempt"] = a.attempt
+    if state == "Failed":
+        status, _ = plan_retry(status, a.attempt, failed_at(current) or ctx.now, ctx.retry, ctx.now)
+    return PoolDecision(a.pool.name, tuple(_said(a, state, status)), status,
+                        keep_service=state in ACTIVE_STATES and a.hosts > 1, digest=a.digest)
+
+
+def _said(a: Aim, state: str, status: Mapping[str, Any]) -> list[Event]:
+    """What a change of the pool's state says (once: not again for the same state)."""
+    out = []
+    if status.get("reason") == c.Reason.UNSCHEDULABLE and status.get("message") != a.prev.get("message"):
+        out.append(Event("Warning", c.Reason.UNSCHEDULABLE,
+                         f"Warmer Job {a.job} cannot be scheduled: {status['message']}"[:1000]))
+    if state == a.prev.get("state") and a.digest == a.prev.get("specHash"):
+        return out
+    if state == "Succeeded":
+        out.append(Event("Normal", c.Reason.WARMER_SUCCEEDED,
+                         f"Warmer Job {a.job} finished: {status.get('entriesWritten', 0)} entries written, "
+                         f"{status.get('entriesFound', 0)} already cached"))
+    elif state == "Failed":
+        out.append(Event("Warning", c.Reason.WARMER_FAILED, f"Warmer Job {a.job} failed: {status['lastError']}"))
+    if status.get("refreshError"):
+        out.append(Event("Warning", c.Reason.LAST_USE_NOT_REFRESHED,
+                         f"Warmer Job {a.job} could not refresh entries' customTime: "
+                         f"{status['refreshError']}"[:1000]))
+    return out
