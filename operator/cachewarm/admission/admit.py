@@ -24,7 +24,7 @@ def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, wa
     """What the webhook needs of a cache, parsed once: the typed spec (or why it is
     invalid), whether it is Warmed, whether it is refused (BucketReady reason in
     REFUSED: no pod is held for it), and the PYTHONPATH the warmup's image sets, as its
-    warmers reported it (warmups.image_pythonpath; None: not known)."""
+    warmers reported it (reconcile/warmup.image_pythonpath; None: not known)."""
     try:
         cache: CacheSpec | None = parse_spec(spec)
         error = ""

@@ -26,7 +26,7 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
 4. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
    reports it to cachewarm (loaded only then: every process pays for what it loads, and
    a ConfigMap volume keeps no bytecode cache of its own; the operator ships the
-   bytecode of its own python's version, service.compile_boot, which other versions
+   bytecode of its own python's version, reconcile/configmaps.compile_boot, which other versions
    cannot use).
 
 The shipped modules are imported by name (importlib), not by import statements: they are

@@ -20,7 +20,7 @@ from cachewarm.api.model import CacheSpec
 # JAX writes an entry only when a compile took at least this long: a reader with this
 # threshold reads hits and never writes (verified with jax 0.10.2, no warnings).
 READ_ONLY_MIN_COMPILE_SECS = "1e9"
-# The reporter's and the local copy's init containers (builders/reporter.py,
+# The reporter's and the local copy's init containers (builders/reporting.py,
 # builders/localcopy.py) compile nothing: no cache env.
 OWN_INIT_CONTAINERS = (COPY_CONTAINER, PATH_CONTAINER, c.LOCAL_COPY_CONTAINER)
 
