@@ -122,10 +122,9 @@ def reconcile_cache(gcs: FakeGcs, status: dict[str, Any], others: list[b.Claim] 
     body = {"storage": {"gcs": {"bucket": "bk", "location": "US", "create": False, "prefix": "jax",
                                 "lifecycle": {"deleteAfterDays": 10}}}}
     meta = {"generation": 1, "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    return service.reconcile_cache(gcs=gcs, kube=MemoryKube(), warmer_image="w",  # type: ignore[arg-type]
-                                   injections=RecentInjections(60),
-                                   spec=body, meta=meta, status=status, namespace="ns", name="c",
-                                   claims=lambda bucket: others or [], now=T0)
+    wiring = service.Wiring(gcs=gcs, kube=MemoryKube(), warmer_image="w",  # type: ignore[arg-type]
+                            injections=RecentInjections(60), claims=lambda bucket: others or [])
+    return service.reconcile_cache(wiring, service.CacheObject("ns", "c", body, meta, status), now=T0)
 
 
 def lifecycle_of(status: dict[str, Any]) -> dict[str, Any]:

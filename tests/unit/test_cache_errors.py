@@ -69,9 +69,9 @@ def spec(pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
 
 def reconcile(kube: MemoryKube, gcs: Any, body: dict[str, Any], status: dict[str, Any] | None = None
               ) -> service.Outcome:
-    return service.reconcile_cache(gcs=gcs, kube=kube, warmer_image="w", injections=RecentInjections(60), spec=body, meta=META,
-                                   status=status or {}, namespace="ml", name="llama",
-                                   claims=lambda bucket: [], now=NOW)
+    wiring = service.Wiring(gcs=gcs, kube=kube, warmer_image="w", injections=RecentInjections(60),
+                            claims=lambda bucket: [])
+    return service.reconcile_cache(wiring, service.CacheObject("ml", "llama", body, META, status or {}), now=NOW)
 
 
 def conds(outcome: service.Outcome) -> dict[str, dict[str, Any]]:

@@ -273,7 +273,7 @@ def test_a_reconcile_whose_status_would_not_change_writes_none(monkeypatch: pyte
                                     "metadata": {"namespace": "ml", "name": "llama", "generation": 1, "uid": "u"},
                                     "spec": {}, "status": stored}
     patch: dict[str, Any] = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True"}]}
-    monkeypatch.setattr(service, "reconcile_cache", lambda **_: service.Outcome(dict(patch), []))
+    monkeypatch.setattr(service, "reconcile_cache", lambda *_, **__: service.Outcome(dict(patch), []))
     settings = Settings(workers=1, resync_seconds=3600, warm_poll_seconds=3600)
     controller = Controller(settings, None, kube, RecentInjections(60), Lead())  # type: ignore[arg-type]
     assert controller.reconcile_one(("ml", "llama")) == Result()

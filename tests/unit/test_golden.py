@@ -147,9 +147,9 @@ def _operator_output(spec: dict[str, Any]) -> dict[str, Any]:
     meta = {"generation": 2, "uid": "u-1", "creationTimestamp": "2026-11-22T00:00:00Z", "annotations": {}}
     status: dict[str, Any] = {}
     for _ in range(2):  # the second pass: what an idempotent resync sends
-        out = service.reconcile_cache(gcs=gcs, kube=kube, warmer_image=WARMER_IMAGE,  # type: ignore[arg-type]
-                                      injections=RecentInjections(600), spec=spec, meta=meta, status=status,
-                                      namespace=NS, name="c-1", claims=lambda bucket: [], now=NOW)
+        wiring = service.Wiring(gcs=gcs, kube=kube, warmer_image=WARMER_IMAGE,  # type: ignore[arg-type]
+                                injections=RecentInjections(600), claims=lambda bucket: [])
+        out = service.reconcile_cache(wiring, service.CacheObject(NS, "c-1", spec, meta, status), now=NOW)
         assert out.failure is None, out.failure
         status = out.status
     pools = (status.get("warmup") or {}).get("pools") or []

@@ -40,9 +40,9 @@ def finished_warm(monkeypatch: pytest.MonkeyPatch, pools: list[dict[str, Any]]) 
 
 
 def reconcile(gcs: MemoryBucket, status: dict[str, Any], now: dt.datetime = NOW) -> service.Outcome:
-    return service.reconcile_cache(gcs=gcs, kube=MemoryKube(), warmer_image="w", injections=RecentInjections(60), spec=SPEC,
-                                   meta=META, status=status, namespace="ml", name="llama",
-                                   claims=lambda bucket: [], now=now, inventory_every=HOUR)
+    wiring = service.Wiring(gcs=gcs, kube=MemoryKube(), warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
+                            claims=lambda bucket: [], inventory_every=HOUR)
+    return service.reconcile_cache(wiring, service.CacheObject("ml", "llama", SPEC, META, status), now=now)
 
 
 def warmed(outcome: service.Outcome) -> dict[str, Any]:

@@ -77,10 +77,10 @@ def test_the_token_changes_at_the_slot_and_names_it_by_the_minute() -> None:
 
 def reconcile(schedule: str | None, now: dt.datetime) -> tuple[service.Outcome, MemoryKube]:
     kube = MemoryKube()
-    outcome = service.reconcile_cache(
-        gcs=MemoryBucket(), kube=kube, warmer_image="w", injections=RecentInjections(60),  # type: ignore[arg-type]
-        spec=spec(schedule), meta={"generation": 1, "uid": "u-1", "creationTimestamp": "2026-11-01T00:00:00Z"},
-        status={}, namespace="ml", name="llama", claims=lambda bucket: [], now=now)
+    wiring = service.Wiring(gcs=MemoryBucket(), kube=kube, warmer_image="w",  # type: ignore[arg-type]
+                            injections=RecentInjections(60), claims=lambda bucket: [])
+    meta = {"generation": 1, "uid": "u-1", "creationTimestamp": "2026-11-01T00:00:00Z"}
+    outcome = service.reconcile_cache(wiring, service.CacheObject("ml", "llama", spec(schedule), meta, {}), now=now)
     return outcome, kube
 
 

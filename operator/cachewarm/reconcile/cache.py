@@ -89,24 +89,47 @@ def claim_of(spec: Mapping[str, Any], meta: Mapping[str, Any], namespace: str, n
                     name=name)
 
 
-def reconcile_cache(
-    *, gcs: GcsClient, kube: KubeClient, warmer_image: str, injections: RecentInjections, spec: Mapping[str, Any],
-    meta: Mapping[str, Any], status: Mapping[str, Any], namespace: str, name: str, claims: ClaimLookup,
-    now: dt.datetime, instance: str = c.DEFAULT_INSTANCE, warm_retry: WarmRetry = WarmRetry(),
-    inventory_every: dt.timedelta = dt.timedelta(hours=1),
-    pod_fingerprints: Sequence[tuple[str, dict[str, Any]]] = (),
-) -> Outcome:
-    """Bucket, then warmers, then pods waiting for the cache; one status at the end. Never
-    raises: a failing step becomes a condition with a reason and a message, an Event, and
-    `failure` (worth a retry), while what the other steps saw is still reported."""
-    one = _Pass(gcs=gcs, kube=kube, warmer_image=warmer_image, spec=spec, meta=meta, status=status,
-                namespace=namespace, name=name, claims=claims, now=now, instance=instance, warm_retry=warm_retry,
-                inventory_every=inventory_every, pod_fingerprints=pod_fingerprints,
-                injection=injections.summary(namespace, name, now))
+@dataclass(frozen=True)
+class Wiring:
+    """What every reconcile of this operator shares: its clients, the warmer image, the
+    webhook's record of recent injections, the per-bucket claim index, and its settings."""
+
+    gcs: GcsClient
+    kube: KubeClient
+    warmer_image: str
+    injections: RecentInjections
+    claims: ClaimLookup
+    instance: str = c.DEFAULT_INSTANCE
+    warm_retry: WarmRetry = WarmRetry()
+    inventory_every: dt.timedelta = dt.timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class CacheObject:
+    """The CompilationCache being reconciled, as the watch last saw it."""
+
+    namespace: str
+    name: str
+    spec: Mapping[str, Any]
+    meta: Mapping[str, Any]
+    status: Mapping[str, Any]
+
+
+def reconcile_cache(wiring: Wiring, obj: CacheObject, *, now: dt.datetime,
+                    pod_fingerprints: Sequence[tuple[str, dict[str, Any]]] = ()) -> Outcome:
+    """Bucket, then warmers, then pods waiting for the cache; one status at the end.
+    `pod_fingerprints`: (pod, fingerprint) of the training pods that reported lately, for
+    KeysMatch. Never raises: a failing step becomes a condition with a reason and a
+    message, an Event, and `failure` (worth a retry), while what the other steps saw is
+    still reported."""
+    one = _Pass(gcs=wiring.gcs, kube=wiring.kube, warmer_image=wiring.warmer_image, spec=obj.spec, meta=obj.meta,
+                status=obj.status, namespace=obj.namespace, name=obj.name, claims=wiring.claims, now=now,
+                instance=wiring.instance, warm_retry=wiring.warm_retry, inventory_every=wiring.inventory_every,
+                pod_fingerprints=pod_fingerprints, injection=wiring.injections.summary(obj.namespace, obj.name, now))
     try:
         return _reconcile(one)
     except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
-        log.exception("Reconcile of %s/%s failed", namespace, name)
+        log.exception("Reconcile of %s/%s failed", obj.namespace, obj.name)
         return _crashed(one, exc)
 
 

@@ -142,6 +142,10 @@ class Controller:
         self.queue: WorkQueue[Key] = WorkQueue(self._reconcile, workers=settings.workers,
                                                retry_delay_seconds=settings.retry_delay_seconds,
                                                active=lambda: self.leader.is_leader, clock=clock, name="reconcile")
+        self.wiring = service.Wiring(
+            gcs=gcs, kube=kube, warmer_image=settings.warmer_image, injections=injections, claims=self.claims,
+            instance=settings.instance, warm_retry=WarmRetry(settings.warm_retries, settings.warm_retry_seconds),
+            inventory_every=dt.timedelta(seconds=settings.inventory_seconds))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="reconcile")
         self._tasks: list[asyncio.Task[None]] = []
@@ -385,13 +389,8 @@ class Controller:
                 return Result(retry=True)
         now = self.clock()
         outcome = service.reconcile_cache(
-            gcs=self.gcs, kube=self.kube, warmer_image=self.settings.warmer_image, injections=self.injections,
-            spec=spec, meta=meta, status=status, namespace=namespace, name=name, claims=self.claims,
-            now=now, instance=self.settings.instance,
-            warm_retry=WarmRetry(self.settings.warm_retries, self.settings.warm_retry_seconds),
-            inventory_every=dt.timedelta(seconds=self.settings.inventory_seconds),
-            pod_fingerprints=self.reports.fingerprints(namespace, name, now),
-        )
+            self.wiring, service.CacheObject(namespace, name, spec, meta, status), now=now,
+            pod_fingerprints=self.reports.fingerprints(namespace, name, now))
         return self._write_status(key, body, outcome)
 
     def _write_status(self, key: Key, body: Mapping[str, Any], outcome: service.Outcome) -> Result:
