@@ -265,7 +265,8 @@ def test_a_status_patch_is_skipped_only_when_merging_it_changes_nothing(
 def test_a_reconcile_whose_status_would_not_change_writes_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """reconcile_one compares the merged patch with the stored status: the same status is
     no PATCH (and posts nothing), a changed one is one PATCH of the patch itself."""
-    from cachewarm.reconcile import cache as service
+    from cachewarm.reconcile.cache import Outcome
+    from cachewarm.runtime import controller as controller_module
 
     kube = MemoryKube()
     stored = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True"}], "cache": {"entries": 2}}
@@ -273,7 +274,7 @@ def test_a_reconcile_whose_status_would_not_change_writes_none(monkeypatch: pyte
                                     "metadata": {"namespace": "ml", "name": "llama", "generation": 1, "uid": "u"},
                                     "spec": {}, "status": stored}
     patch: dict[str, Any] = {"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True"}]}
-    monkeypatch.setattr(service, "reconcile_cache", lambda *_, **__: service.Outcome(dict(patch), []))
+    monkeypatch.setattr(controller_module, "reconcile_cache", lambda *_, **__: Outcome(dict(patch), []))
     settings = Settings(workers=1, resync_seconds=3600, warm_poll_seconds=3600)
     controller = Controller(settings, None, kube, RecentInjections(60), Lead())  # type: ignore[arg-type]
     assert controller.reconcile_one(("ml", "llama")) == Result()

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from cachewarm.api import constants as c
-from cachewarm.reconcile import cache as service
+from cachewarm.reconcile.cache import CacheObject, Outcome, Wiring, claim_of, delete_cache, reconcile_cache
 from cachewarm.reconcile import pods as held_pods
 from cachewarm.reconcile import status as cache_status
 from cachewarm.builders.bucket import Claim
@@ -142,7 +142,7 @@ class Controller:
         self.queue: WorkQueue[Key] = WorkQueue(self._reconcile, workers=settings.workers,
                                                retry_delay_seconds=settings.retry_delay_seconds,
                                                active=lambda: self.leader.is_leader, clock=clock, name="reconcile")
-        self.wiring = service.Wiring(
+        self.wiring = Wiring(
             gcs=gcs, kube=kube, warmer_image=settings.warmer_image, injections=injections, claims=self.claims,
             instance=settings.instance, warm_retry=WarmRetry(settings.warm_retries, settings.warm_retry_seconds),
             inventory_every=dt.timedelta(seconds=settings.inventory_seconds))
@@ -165,7 +165,7 @@ class Controller:
             self._release_deleted(body)
             return
         spec = body.get("spec") or {}
-        claim = service.claim_of(spec, meta, *key)
+        claim = claim_of(spec, meta, *key)
         old = self.caches.put(key, body, claim)
         if worth_reconciling(old, body):
             self.enqueue(key)
@@ -388,12 +388,12 @@ class Controller:
                 log.warning("Could not set the finalizers of %s/%s: %s", namespace, name, exc)
                 return Result(retry=True)
         now = self.clock()
-        outcome = service.reconcile_cache(
-            self.wiring, service.CacheObject(namespace, name, spec, meta, status), now=now,
+        outcome = reconcile_cache(
+            self.wiring, CacheObject(namespace, name, spec, meta, status), now=now,
             pod_fingerprints=self.reports.fingerprints(namespace, name, now))
         return self._write_status(key, body, outcome)
 
-    def _write_status(self, key: Key, body: Mapping[str, Any], outcome: service.Outcome) -> Result:
+    def _write_status(self, key: Key, body: Mapping[str, Any], outcome: Outcome) -> Result:
         """The reconcile's status patch, written when merging it changes what the cache
         holds (leader only), then its Events and metrics; how the reconcile ended."""
         namespace, name = key
@@ -433,7 +433,7 @@ class Controller:
         events: list[Event] = []
         if deletion_policy(body.get("spec") or {}) == "Delete":
             try:
-                events = service.delete_cache(self.gcs, body.get("spec") or {}, meta, namespace=namespace,
+                events = delete_cache(self.gcs, body.get("spec") or {}, meta, namespace=namespace,
                                               name=name, claims=self.claims, instance=self.settings.instance)
             except InvalidSpec as exc:
                 events = [Event("Warning", c.Reason.INVALID_SPEC,
