@@ -15,7 +15,7 @@ from cachewarm.reconcile import bucket as r
 from cachewarm.reconcile import cache as service
 from cachewarm.builders import bucket as b
 from cachewarm.clients.gcs import ObjectInfo
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.api.model import GcsStorage
 from memkube import MemoryKube
 

@@ -17,7 +17,7 @@ from cachewarm.reconcile import cache as service
 from cachewarm.api.bucket import BucketInfo
 from cachewarm.clients.kube import KubeError
 from cachewarm.clients.gcs import GcsUnavailable, ObjectInfo
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)

@@ -19,7 +19,7 @@ import pytest
 
 from cachewarm.api import constants as c
 from cachewarm.runtime.controller import Controller, Key, Result, merged, wanted_finalizers, worth_reconciling
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.runtime.settings import Settings
 from memgcs import until
 from memkube import MemoryKube

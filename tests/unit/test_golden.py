@@ -25,7 +25,7 @@ from cachewarm.reconcile import cache as service
 from cachewarm.admission import admit
 from cachewarm.reconcile import configmaps
 from cachewarm.builders.reporting import Reporting
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.api.model import parse_spec
 from memgcs import MemoryBucket
 from memkube import MemoryKube

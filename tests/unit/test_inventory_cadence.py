@@ -14,7 +14,7 @@ import pytest
 from cachewarm.reconcile import cache as service
 from cachewarm.reconcile import status as cache_status
 from cachewarm.reconcile import warmup as warmups
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.reconcile.warmup import WarmupOutcome
 from memgcs import MemoryBucket
 from memkube import MemoryKube

@@ -19,7 +19,7 @@ from reportdata import REPORT
 
 from cachewarm.agents import reporter
 from cachewarm.runtime.controller import Controller
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.reports.store import MAX_BODY_BYTES, ReportError, Store, cold_message, parse
 from cachewarm.runtime.settings import Settings
 

@@ -22,7 +22,7 @@ import pytest
 
 from cachewarm.reconcile import cache as service
 from cachewarm.runtime.controller import Controller, Key, merged
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.api.model import parse_spec
 from cachewarm.runtime.settings import Settings
 from cachewarm.reconcile.warmup import last_slot, next_slot, rewarm_token

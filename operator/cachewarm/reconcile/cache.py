@@ -23,7 +23,7 @@ from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.reconcile.bucket import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
 from cachewarm.reconcile.configmaps import publish_configmaps
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.reconcile.keysmatch import keys_match
 from cachewarm.reconcile.pods import release_held_pods
 from cachewarm.reconcile.status import Seen, assemble, changed, inventory_due, transition_events, was_warmed, \

@@ -41,7 +41,7 @@ from cachewarm.builders.bucket import Claim
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.api.events import Event
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.api.metrics import Metrics
 from cachewarm.reports.store import Store, cold_message
 from cachewarm.api.model import InvalidSpec

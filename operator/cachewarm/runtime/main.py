@@ -19,7 +19,7 @@ from cachewarm.admission import keeper as servingcert
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient
 from cachewarm.runtime.controller import Controller
-from cachewarm.reconcile.injections import RecentInjections
+from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.runtime.leader import AlwaysLeader, Leadership, address, identity, parse_identity
 from cachewarm.runtime.queue import backoff
 from cachewarm.api.metrics import Metrics
