@@ -12,13 +12,14 @@ cluster that churns caches does not grow a replica's registry without end.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from cachewarm.api import timefmt
 
 # Warmer runs last from seconds (a small program on CPU) to hours (a large model's first
 # compile on a big slice).
@@ -127,8 +128,7 @@ def finished_runs(before: Mapping[str, Any], after: Mapping[str, Any]
 
 def _seconds(start: Any, end: Any) -> float | None:
     try:
-        began = dt.datetime.fromisoformat(str(start).replace("Z", "+00:00"))
-        ended = dt.datetime.fromisoformat(str(end).replace("Z", "+00:00"))
+        began, ended = timefmt.parse(start), timefmt.parse(end)
     except ValueError:
         return None
     return max((ended - began).total_seconds(), 0.0)

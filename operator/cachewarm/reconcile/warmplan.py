@@ -23,6 +23,7 @@ from typing import Any
 from croniter import croniter
 
 from cachewarm.api import constants as c
+from cachewarm.api import timefmt
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec, Pool, Warmup
@@ -337,22 +338,11 @@ def _pool_of(obj: Mapping[str, Any]) -> str:
     return str(((obj.get("metadata") or {}).get("labels") or {}).get(c.LABEL_POOL, ""))
 
 
-def _time(value: Any) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
-    except ValueError:
-        return None
-
-
-def _iso(when: dt.datetime) -> str:
-    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def failed_at(job: Mapping[str, Any] | None) -> dt.datetime | None:
     """When the Job controller marked the Job Failed."""
     for cond in ((job or {}).get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Failed" and cond.get("status") == "True":
-            return _time(cond.get("lastTransitionTime"))
+            return timefmt.parse_or_none(cond.get("lastTransitionTime"))
     return None
 
 
@@ -360,14 +350,14 @@ def plan_retry(entry: Mapping[str, Any], attempt: int, failed: dt.datetime, retr
                now: dt.datetime) -> tuple[dict[str, Any], bool]:
     """A failed pool's status with its attempt and, while retries are left, when the next
     one runs; and whether it is due now."""
-    out = {**entry, "attempt": attempt, "failedTime": _iso(failed)}
+    out = {**entry, "attempt": attempt, "failedTime": timefmt.rfc3339(failed)}
     out.pop("nextRetryTime", None)
     if attempt > retry.retries:
         out["message"] = f"Failed {attempt} times; no retry is left (spec change or {c.REWARM_ANNOTATION} runs it again)"
         return out, False
     at = failed + retry.delay(attempt)
-    out["nextRetryTime"] = _iso(at)
-    out["message"] = f"Attempt {attempt} of {retry.retries + 1} failed; retrying at {_iso(at)}"
+    out["nextRetryTime"] = timefmt.rfc3339(at)
+    out["message"] = f"Attempt {attempt} of {retry.retries + 1} failed; retrying at {timefmt.rfc3339(at)}"
     return out, now >= at
 
 
@@ -623,7 +613,7 @@ def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
         digests = {d.pool: d.digest for d in decided if d.digest is not None}
         for entry in pools:
             if entry.get("specHash") is not None and entry.get("specHash") == digests.get(str(entry.get("name"))):
-                entry["scheduledTime"] = _iso(slot)
+                entry["scheduledTime"] = timefmt.rfc3339(slot)
     return WarmPlan(tuple(steps), pools, warmed_condition(pools, ctx.cache_entries, ctx.warmed_before, ctx.entry_keys))
 
 
@@ -636,7 +626,7 @@ def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[st
     if a.current is None and not a.stop.waiting_for and a.prev.get("specHash") == a.digest \
             and a.prev.get("state") in ("Succeeded", "Failed"):
         # Finished earlier; its Job may be gone (TTL). A failure may be due a retry.
-        earlier, due = _finished(ctx, a, _time(a.prev.get("failedTime")))
+        earlier, due = _finished(ctx, a, timefmt.parse_or_none(a.prev.get("failedTime")))
         if not due:
             return PoolDecision(a.pool.name, entry=earlier, digest=a.digest)
         return _create(ctx, a, a.attempt + 1, _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev))

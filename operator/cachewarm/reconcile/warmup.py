@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm.api import constants as c
+from cachewarm.api import timefmt
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec
@@ -102,7 +103,7 @@ def release_waiting_pods(kube: KubeClient, cache: CacheSpec | None, *, namespace
         gates = [g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
         if c.WAIT_GATE not in gates:
             continue
-        created = dt.datetime.fromisoformat(str(pod["metadata"]["creationTimestamp"]).replace("Z", "+00:00"))
+        created = timefmt.parse(pod["metadata"]["creationTimestamp"])
         timed_out = now - created >= timeout
         if why or warmed or timed_out:
             kube.remove_scheduling_gate(namespace, pod["metadata"]["name"], gates.index(c.WAIT_GATE), c.WAIT_GATE)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from cachewarm.api import constants as c
+from cachewarm.api import timefmt
 from cachewarm.reconcile.cache import CacheObject, Outcome, Wiring, claim_of, delete_cache, reconcile_cache
 from cachewarm.reconcile import pods as held_pods
 from cachewarm.reconcile import status as cache_status
@@ -61,7 +62,7 @@ class Leader(Protocol):
 def _older_than(when: Any, limit: dt.datetime) -> bool:
     """Whether an RFC 3339 time (as status holds it) is before `limit`; unreadable: yes."""
     try:
-        return dt.datetime.fromisoformat(str(when).replace("Z", "+00:00")) < limit
+        return timefmt.parse(when) < limit
     except ValueError:
         return True
 
