@@ -49,7 +49,7 @@ lint: venv ## Type-check the package (mypy strict)
 	$(PY) -m mypy
 
 lint-imports: venv ## Check the import contracts of .importlinter (layers one way, agents standalone)
-	$(VENV)/bin/lint-imports
+	PYTHONPATH=$(CURDIR)/operator $(VENV)/bin/lint-imports  # this checkout's package, not whichever the venv installed
 
 docs: venv ## Regenerate docs/reference/compilationcache.md, the CRD field reference, from crds/
 	$(PY) hack/crd_reference.py crds/cachewarm.dev_compilationcaches.yaml docs/reference/compilationcache.md

@@ -11,6 +11,7 @@ file a change to an agent's source updates."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import hashlib
 import json
@@ -121,14 +122,25 @@ def _digest(value: str | bytes) -> str:
     return f"<{len(raw)} bytes sha256:{hashlib.sha256(raw).hexdigest()[:16]}>"
 
 
+def _payload_digests() -> dict[str, str]:
+    """Digest -> which shipped file (or its bytecode) it is, from what payload.json pins."""
+    files = {_digest(v): f"<payload.json boot_files {k}>" for k, v in configmaps.boot_files().items()}
+    code = {_digest(v): f"<payload.json bytecode {k}>" for k, v in configmaps.boot_bytecode_files().items()}
+    return {**files, **code}
+
+
 def _configmap(cm: dict[str, Any]) -> dict[str, Any]:
-    """A boot ConfigMap's shipped files and their bytecode by reference (payload.json pins
-    their digests, so a change to an agent's text updates that one file); other data inline."""
+    """A boot ConfigMap's shipped files and bytecode by the payload.json entry their bytes
+    equal (so a change to an agent's text updates payload.json alone, while a key holding
+    another file's text, or bytes that are no shipped file's, still changes this snapshot);
+    other data inline."""
+    known = _payload_digests()
     out = json.loads(json.dumps(cm))
     for key in ("data", "binaryData"):
-        for name in out.get(key) or {}:
+        for name, value in (out.get(key) or {}).items():
             if name.endswith((".py", ".pyc")) or key == "binaryData":
-                out[key][name] = "<shipped file: see payload.json>"
+                digest = _digest(base64.b64decode(value) if key == "binaryData" else value)
+                out[key][name] = known.get(digest, f"<not a shipped file: {digest}>")
     return out
 
 

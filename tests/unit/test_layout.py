@@ -152,3 +152,34 @@ def test_each_folder_of_the_package_says_what_it_holds() -> None:
     silent = [str(f.relative_to(REPO)) for f in folders
               if not (f / "__init__.py").is_file() or not ast.get_docstring(ast.parse((f / "__init__.py").read_text()))]
     assert silent == [], f"folders whose __init__.py is missing or has no docstring: {silent}"
+
+
+def _string_imports(tree: ast.AST) -> list[str]:
+    """Modules an agent imports by name at run time: the literal argument of
+    importlib.import_module / __import__, and `import X` inside code strings it runs
+    (python -c)."""
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__"):
+                names.append(node.args[0].value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names += re.findall(r"(?:^|;|\n)\s*import\s+([A-Za-z_][\w.]*)", node.value)
+    return names
+
+
+@pytest.mark.parametrize("name", list(payload.MODULES))
+def test_what_a_shipped_file_imports_by_name_is_shipped_beside_it_or_standard(name: str) -> None:
+    """import_module strings are invisible to import-linter, and the python -I probe runs no
+    start-up step: every module an agent names in a string is another shipped file (by its
+    shipped name) or the standard library's, never cachewarm's own package."""
+    shipped = {n.removesuffix(".py") for n in payload.MODULES}
+    tree = ast.parse(payload.source(name).read_text())
+    named = _string_imports(tree)
+    wrong = [m for m in named if m.partition(".")[0] not in shipped | set(sys.stdlib_module_names)]
+    assert wrong == [], f"{name} imports by name what no pod has: {wrong}"
+    if name == payload.SITECUSTOMIZE:  # the start-up hook reaches the copier and reporter this way
+        assert {"cachewarm_copier", "cachewarm_reporter"} <= set(named)
