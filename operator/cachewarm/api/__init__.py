@@ -1,2 +1,2 @@
-"""The vocabulary every layer shares: the CRD's typed model, cluster-visible names, conditions,
-Events, the time format."""
+"""The vocabulary every layer shares: the CRD's typed model, cluster-visible names (constants,
+metric names), conditions, Events, what a bucket looks like, the time format."""

@@ -1,2 +1,2 @@
-"""The operator process itself: entry point, kopf handlers, settings, logs, metrics, leader
-election, the work queue and the controller's policy over it."""
+"""The operator process itself: entry point, kopf handlers, settings, logs, leader election,
+the generic work queue and the controller's policy over it."""
