@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reportdata import REVIEW
 
@@ -51,6 +53,13 @@ def raw(body: dict[str, Any]) -> bytes:
     (raw(report(cache="")), 400, "cache"),
     (raw(report(counts__lastMisses=[{"program": "p", "key": "k"}] * 51)), 400, "lastMisses"),
     (b" " * (MAX_BODY_BYTES + 1), 413, "larger than"),
+    # A fingerprint that is not one never reaches a reconcile (it used to raise in KeysMatch).
+    (raw(report(fingerprint={"versions": "xx"})), 400, "versions"),
+    (raw(report(fingerprint__devices="8")), 400, "devices"),
+    (raw(report(fingerprint__devices=True)), 400, "devices"),
+    (raw(report(fingerprint={"versions": {"jaxlib": 10}})), 400, "versions"),
+    (raw(report(fingerprint={"versions": {f"p{i}": "1" for i in range(17)}})), 400, "versions"),
+    (raw(report(fingerprint="jax")), 400, "fingerprint"),
 ])
 def test_a_malformed_or_oversized_report_is_refused_with_what_is_wrong(body: bytes, status: int, message: str) -> None:
     with pytest.raises(ReportError, match=message) as refused:
@@ -190,3 +199,38 @@ def test_usage_keeps_at_most_50_entries_hit_and_5_pod_names_each_as_the_crd_allo
     assert usage is not None and len(usage["recentHits"]) == 50
     shared = next(h for h in usage["recentHits"] if h["key"] == keys[0]["key"])
     assert len(shared["pods"]) == 5 and shared["podCount"] == 7
+
+
+def test_a_fingerprint_keeps_what_keys_match_compares_and_drops_fields_it_does_not_know() -> None:
+    sent = {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "flagsHash": "abc", "flagCount": 3, "cacheDir": "/c",
+            "platform": "cpu", "platformVersion": "x", "deviceKind": "cpu", "devices": 8, "processes": 1,
+            "topology": "2x4", "error": "e"}
+    store = Store()
+    store.record(parse(raw(report(fingerprint={**sent, "fromANewerReporter": [1, 2]}))), NOW)
+    assert store.fingerprints("ml", "llama", NOW) == [("trainer", sent)]
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                  max_size=4), max_leaves=12)
+_fingerprint_keys = st.sampled_from(["jax", "versions", "flagsHash", "flagCount", "cacheDir", "platform",
+                                     "platformVersion", "deviceKind", "devices", "processes", "topology", "error"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_fingerprint_keys, _json, max_size=6) | _json)
+def test_any_fingerprint_is_refused_with_a_400_or_compared_without_raising(fingerprint: Any) -> None:
+    """Whatever a pod puts in its fingerprint: parse answers a ReportError (a 4xx) or a
+    report whose fingerprint KeysMatch compares with a warmed pool's without raising, so a
+    report can never fail the cache's reconcile."""
+    try:
+        parsed = parse(raw(report(fingerprint=fingerprint if fingerprint is not None else {})))
+    except ReportError as refused:
+        assert 400 <= refused.status < 500
+        return
+    store = Store()
+    store.record(parsed, NOW)
+    warmed = [{"name": "cpu", "state": "Succeeded",
+               "fingerprint": {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "devices": 8}}]
+    matched, reason, message = keys_match(warmed, store.fingerprints("ml", "llama", NOW))
+    assert matched in (True, False, None) and reason and message

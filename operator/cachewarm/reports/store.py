@@ -18,7 +18,7 @@ import dataclasses
 import datetime as dt
 import threading
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -91,6 +91,33 @@ class LocalCopy(_Strict):
     error: str | None = Field(default=None, max_length=200)  # the first error, when cold
 
 
+class Fingerprint(_Strict):
+    """What a process's cache keys depend on (agents/warmer.fingerprint), as KeysMatch
+    compares it: every field typed strictly and bounded, so a report whose fingerprint is
+    not one (`{"versions": "xx"}`, a count that is a string) is refused with a 400 here and
+    never reaches a reconcile. Fields a newer reporter adds are dropped, not refused."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, populate_by_name=True)
+
+    jax: str | None = Field(default=None, max_length=100)
+    versions: dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=100)]] | None = Field(
+        default=None, max_length=16)
+    flags_hash: str | None = Field(default=None, alias="flagsHash", max_length=64)
+    flag_count: int | None = Field(default=None, alias="flagCount", ge=0, le=10**6)
+    cache_dir: str | None = Field(default=None, alias="cacheDir", max_length=1024)
+    platform: str | None = Field(default=None, max_length=100)
+    platform_version: str | None = Field(default=None, alias="platformVersion", max_length=300)
+    device_kind: str | None = Field(default=None, alias="deviceKind", max_length=300)
+    devices: int | None = Field(default=None, ge=0, le=10**7)
+    processes: int | None = Field(default=None, ge=0, le=10**7)
+    topology: str | None = Field(default=None, max_length=100)
+    error: str | None = Field(default=None, max_length=300)
+
+    def as_status(self) -> dict[str, Any]:
+        """The fields the reporter sent, by their wire names (what keys_match reads)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class Report(_Strict):
     version: Literal[1]
     pod: PodRef
@@ -99,7 +126,7 @@ class Report(_Strict):
     sequence: int = Field(ge=1)
     final: bool = False  # the process's last report, at exit
     counts: Counts
-    fingerprint: dict[str, Any] = Field(default_factory=dict)
+    fingerprint: Fingerprint = Field(default_factory=Fingerprint)
     local_copy: LocalCopy | None = Field(default=None, alias="localCopy")
 
 
@@ -286,9 +313,9 @@ class Store:
     def fingerprints(self, namespace: str, cache: str, now: dt.datetime) -> list[tuple[str, dict[str, Any]]]:
         """(pod name, fingerprint) of every process that reported in the window."""
         with self._lock:
-            return [(latest.report.pod.name, dict(latest.report.fingerprint))
+            return [(latest.report.pod.name, latest.report.fingerprint.as_status())
                     for latest in (self._by_cache.get((namespace, cache)) or {}).values()
-                    if now - latest.at <= self.window and latest.report.fingerprint]
+                    if now - latest.at <= self.window and latest.report.fingerprint.as_status()]
 
     def caches(self) -> list[tuple[str, str]]:
         with self._lock:
