@@ -48,36 +48,6 @@ class Outcome:
     requeue_at: dt.datetime | None = None
 
 
-@dataclass
-class _Pass:
-    """One reconcile of one cache: what it was given, and the Events and failure it gathers."""
-
-    gcs: GcsClient
-    kube: KubeClient
-    warmer_image: str
-    spec: Mapping[str, Any]
-    meta: Mapping[str, Any]
-    status: Mapping[str, Any]
-    namespace: str
-    name: str
-    claims: ClaimLookup
-    now: dt.datetime
-    instance: str
-    warm_retry: WarmRetry
-    inventory_every: dt.timedelta
-    pod_fingerprints: Sequence[tuple[str, dict[str, Any]]]
-    injection: dict[str, Any]
-    events: list[Event] = field(default_factory=list)
-    failure: Exception | None = None
-
-    @property
-    def generation(self) -> int:
-        return int(self.meta.get("generation") or 0)
-
-    def failed(self, exc: Exception) -> None:
-        self.failure = self.failure or exc
-
-
 def claim_of(spec: Mapping[str, Any], meta: Mapping[str, Any], namespace: str, name: str) -> Claim | None:
     """A cache's claim on its bucket, for the operator's per-bucket index (None when the
     spec cannot be read: such a cache manages nothing)."""
@@ -115,6 +85,26 @@ class CacheObject:
     status: Mapping[str, Any]
 
 
+@dataclass
+class _Pass:
+    """One reconcile of one cache: what it was given, and the Events and failure it gathers."""
+
+    wiring: Wiring
+    obj: CacheObject
+    now: dt.datetime
+    pod_fingerprints: Sequence[tuple[str, dict[str, Any]]]
+    injection: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    failure: Exception | None = None
+
+    @property
+    def generation(self) -> int:
+        return int(self.obj.meta.get("generation") or 0)
+
+    def failed(self, exc: Exception) -> None:
+        self.failure = self.failure or exc
+
+
 def reconcile_cache(wiring: Wiring, obj: CacheObject, *, now: dt.datetime,
                     pod_fingerprints: Sequence[tuple[str, dict[str, Any]]] = ()) -> Outcome:
     """Bucket, then warmers, then pods waiting for the cache; one status at the end.
@@ -122,10 +112,7 @@ def reconcile_cache(wiring: Wiring, obj: CacheObject, *, now: dt.datetime,
     KeysMatch. Never raises: a failing step becomes a condition with a reason and a
     message, an Event, and `failure` (worth a retry), while what the other steps saw is
     still reported."""
-    one = _Pass(gcs=wiring.gcs, kube=wiring.kube, warmer_image=wiring.warmer_image, spec=obj.spec, meta=obj.meta,
-                status=obj.status, namespace=obj.namespace, name=obj.name, claims=wiring.claims, now=now,
-                instance=wiring.instance, warm_retry=wiring.warm_retry, inventory_every=wiring.inventory_every,
-                pod_fingerprints=pod_fingerprints, injection=wiring.injections.summary(obj.namespace, obj.name, now))
+    one = _Pass(wiring, obj, now, pod_fingerprints, injection=wiring.injections.summary(obj.namespace, obj.name, now))
     try:
         return _reconcile(one)
     except Exception as exc:  # noqa: BLE001 - a bug must still show in status, not as a blank row
@@ -140,36 +127,36 @@ def _crashed(one: _Pass, exc: Exception) -> Outcome:
     retrying = Cond(c.Condition.RECONCILING, True, c.Reason.RECONCILE_ERROR, message)
     # Retried, so not Stalled (a Stalled left from before would contradict Reconciling).
     not_stalled = Cond(c.Condition.STALLED, False, c.Reason.RECONCILE_ERROR, "A reconcile failed; retrying")
-    out = {"conditions": conditions.merge(one.status.get("conditions"), [cond, retrying, not_stalled],
+    out = {"conditions": conditions.merge(one.obj.status.get("conditions"), [cond, retrying, not_stalled],
                                           generation=one.generation, now=one.now),
            "observedGeneration": one.generation, "injection": one.injection}
     # The same error on every resync is said once, as the steps' own errors are.
-    events = [Event("Warning", c.Reason.RECONCILE_ERROR, message)] if changed(one.status, cond) else []
+    events = [Event("Warning", c.Reason.RECONCILE_ERROR, message)] if changed(one.obj.status, cond) else []
     return Outcome(out, events, failure=exc)
 
 
 def _reconcile(one: _Pass) -> Outcome:
     try:
-        cache = parse_spec(one.spec)
+        cache = parse_spec(one.obj.spec)
     except InvalidSpec as exc:
         return _invalid(one, exc)
     # A cache with warmers lists its entries after their Jobs were read (see _warm): a
     # listing taken before could miss the last entries of a warmer that finished meanwhile.
-    listing_due = inventory_due(one.status, one.generation, one.now, one.inventory_every)
+    listing_due = inventory_due(one.obj.status, one.generation, one.now, one.wiring.inventory_every)
     seen = _bucket(one, cache, take_inventory=listing_due and cache.warmup is None)
-    seen.injection = publish_configmaps(one.kube, cache, one.status, one.events, namespace=one.namespace,
-                                        name=one.name, uid=str(one.meta.get("uid") or ""))
+    seen.injection = publish_configmaps(one.wiring.kube, cache, one.obj.status, one.events, namespace=one.obj.namespace,
+                                        name=one.obj.name, uid=str(one.obj.meta.get("uid") or ""))
     if not seen.injection.status:
         one.failed(RuntimeError(seen.injection.message))
     try:
         _warm(one, cache, seen, listing_due=listing_due)
-        release_held_pods(one.kube, cache, seen, one.status, one.events, namespace=one.namespace, name=one.name,
+        release_held_pods(one.wiring.kube, cache, seen, one.obj.status, one.events, namespace=one.obj.namespace, name=one.obj.name,
                           now=one.now)
     except Exception as exc:  # noqa: BLE001 - KubeError, GcsError, or anything a library raised unexpectedly
         _warm_failed(one, cache, seen, exc)
     if cache.warmup is not None:
         _keys_match(one, seen)
-    return Outcome(assemble(one.status, one.generation, seen, one.injection, cache.warmup is not None, one.now,
+    return Outcome(assemble(one.obj.status, one.generation, seen, one.injection, cache.warmup is not None, one.now,
                             one.failure is not None),
                    one.events, one.failure, requeue_at=next_scheduled_warm(cache, one.now))
 
@@ -183,27 +170,27 @@ def _invalid(one: _Pass, exc: InvalidSpec) -> Outcome:
     unreleased: Exception | None = None
     try:
         seen.waiting_pods, released = release_waiting_pods(
-            one.kube, None, namespace=one.namespace, name=one.name, warmed=False, now=one.now,
+            one.wiring.kube, None, namespace=one.obj.namespace, name=one.obj.name, warmed=False, now=one.now,
             why=f"the cache's spec is invalid ({exc})"[:500])
     except KubeError as kube_exc:
-        log.warning("Could not release the pods held for %s/%s: %s", one.namespace, one.name, kube_exc)
+        log.warning("Could not release the pods held for %s/%s: %s", one.obj.namespace, one.obj.name, kube_exc)
         unreleased = kube_exc
-    return Outcome(assemble(one.status, one.generation, seen, one.injection, False, one.now, unreleased is not None),
+    return Outcome(assemble(one.obj.status, one.generation, seen, one.injection, False, one.now, unreleased is not None),
                    released, failure=unreleased, invalid=str(exc))
 
 
 def _bucket(one: _Pass, cache: CacheSpec, *, take_inventory: bool) -> Seen:
     """The bucket step: what reconcile_bucket saw, or why it failed (as BucketReady)."""
-    previous = conditions.get(one.status.get("conditions"), c.Condition.BUCKET_READY)
+    previous = conditions.get(one.obj.status.get("conditions"), c.Condition.BUCKET_READY)
     gcs_spec = cache.storage.gcs
-    mine = Claim.of(gcs_spec, created=str(one.meta.get("creationTimestamp") or ""), namespace=one.namespace,
-                    name=one.name)
+    mine = Claim.of(gcs_spec, created=str(one.obj.meta.get("creationTimestamp") or ""), namespace=one.obj.namespace,
+                    name=one.obj.name)
     # SoftDeleteApplied Reconciled is said only to the cache that owns the bucket-wide settings.
-    soft = conditions.get(one.status.get("conditions"), c.Condition.SOFT_DELETE_APPLIED)
+    soft = conditions.get(one.obj.status.get("conditions"), c.Condition.SOFT_DELETE_APPLIED)
     try:
-        seen = Seen(reconcile_bucket(one.gcs, gcs_spec, mine=mine, claims=list(one.claims(gcs_spec.bucket)),
-                                     spec_changed=one.status.get("observedGeneration") != one.generation,
-                                     instance=one.instance,
+        seen = Seen(reconcile_bucket(one.wiring.gcs, gcs_spec, mine=mine, claims=list(one.wiring.claims(gcs_spec.bucket)),
+                                     spec_changed=one.obj.status.get("observedGeneration") != one.generation,
+                                     instance=one.wiring.instance,
                                      settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED,
                                      take_inventory=take_inventory))
     except GcsError as exc:
@@ -213,24 +200,24 @@ def _bucket(one: _Pass, cache: CacheSpec, *, take_inventory: bool) -> Seen:
         one.failed(exc)
         return seen
     except Exception as exc:  # noqa: BLE001 - e.g. the GCS library raising what it does not document
-        log.exception("Bucket reconcile of %s/%s failed", one.namespace, one.name)
+        log.exception("Bucket reconcile of %s/%s failed", one.obj.namespace, one.obj.name)
         seen = Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, c.Reason.RECONCILE_ERROR,
                                        f"Bucket reconcile failed: {type(exc).__name__}: {exc}; retrying"[:1000])))
-        if changed(one.status, seen.bucket.condition):
+        if changed(one.obj.status, seen.bucket.condition):
             one.events.append(Event("Warning", c.Reason.RECONCILE_ERROR, seen.bucket.condition.message))
         one.failed(exc)
         return seen
     if seen.bucket.entry_keys is not None:
         seen.bucket.cache = {**(seen.bucket.cache or {}), "listedTime": timefmt.rfc3339(one.now)}
     elif seen.bucket.ready:
-        seen.bucket.cache = dict(one.status.get("cache") or {}) or None  # as last listed
+        seen.bucket.cache = dict(one.obj.status.get("cache") or {}) or None  # as last listed
     one.events += seen.bucket.events
-    one.events += transition_events(one.status, seen.bucket)
+    one.events += transition_events(one.obj.status, seen.bucket)
     return seen
 
 
 def _take_inventory(one: _Pass, cache: CacheSpec, seen: Seen) -> None:
-    counts, seen.bucket.entry_keys = cache_inventory(one.gcs, cache.storage.gcs)
+    counts, seen.bucket.entry_keys = cache_inventory(one.wiring.gcs, cache.storage.gcs)
     seen.bucket.cache = {**counts, "listedTime": timefmt.rfc3339(one.now)}
 
 
@@ -243,14 +230,14 @@ def _warm(one: _Pass, cache: CacheSpec, seen: Seen, *, listing_due: bool) -> Non
         seen.warm_condition = Cond(c.Condition.WARMED, False, c.Reason.BUCKET_NOT_READY,
                                    "Warmers wait for the bucket to be ready")
         return
-    status = one.status
+    status = one.obj.status
     seen.warmup = reconcile_warmup(
-        one.kube, cache, namespace=one.namespace, name=one.name, uid=str(one.meta.get("uid") or ""),
-        annotations=one.meta.get("annotations") or {},
+        one.wiring.kube, cache, namespace=one.obj.namespace, name=one.obj.name, uid=str(one.obj.meta.get("uid") or ""),
+        annotations=one.obj.meta.get("annotations") or {},
         previous=(status.get("warmup") or {}).get("pools") or [],
         cache_entries=int((seen.bucket.cache or {}).get("entries", 0)),
-        warmer_image=one.warmer_image, now=one.now, generation=one.generation,
-        warmed_before=was_warmed(status), entry_keys=seen.bucket.entry_keys, retry=one.warm_retry,
+        warmer_image=one.wiring.warmer_image, now=one.now, generation=one.generation,
+        warmed_before=was_warmed(status), entry_keys=seen.bucket.entry_keys, retry=one.wiring.warm_retry,
     )
 
     def verdict() -> Cond:
@@ -285,23 +272,23 @@ def _warm_failed(one: _Pass, cache: CacheSpec, seen: Seen, exc: Exception) -> No
     elif isinstance(exc, GcsError):  # the listing of the entries the warmers wrote
         reason, message = exc.reason, f"The cache's entries could not be listed: {exc}; retrying"
     else:
-        log.exception("Warmup reconcile of %s/%s failed", one.namespace, one.name)
+        log.exception("Warmup reconcile of %s/%s failed", one.obj.namespace, one.obj.name)
         reason, message = c.Reason.RECONCILE_ERROR, f"Warmers could not be reconciled: {type(exc).__name__}: {exc}; retrying"
     error = Cond(c.Condition.WARMED, False, reason, message[:1000])
     if cache.warmup is not None and seen.warm_condition is None:
         # What the warmers last reported stays in status.warmup (rewritten only when they
         # were read in this reconcile); the condition says why it is not current.
         seen.warm_condition = error
-    if changed(one.status, error):
+    if changed(one.obj.status, error):
         one.events.append(Event("Warning", reason, message[:1000]))
     one.failed(exc)
 
 
 def _keys_match(one: _Pass, seen: Seen) -> None:
-    pools = seen.warmup.pools if seen.warmup is not None else (one.status.get("warmup") or {}).get("pools") or []
+    pools = seen.warmup.pools if seen.warmup is not None else (one.obj.status.get("warmup") or {}).get("pools") or []
     matched, reason, message = keys_match(list(pools), list(one.pod_fingerprints))
     seen.keys_match = Cond(c.Condition.KEYS_MATCH, matched, reason, message)
-    if matched is False and changed(one.status, seen.keys_match):
+    if matched is False and changed(one.obj.status, seen.keys_match):
         one.events.append(Event("Warning", reason, message))
 
 
