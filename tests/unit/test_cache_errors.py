@@ -225,7 +225,7 @@ def test_an_env_configmap_that_cannot_be_applied_is_a_condition_and_the_rest_is_
 def test_the_env_configmap_holds_the_pod_env_and_is_owned_by_the_cache(kube: MemoryKube) -> None:
     outcome = reconcile(kube, FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly"}})
     [cm] = kube.configmaps.values()
-    assert cm["metadata"]["name"] == "cachewarm-llama-env" and cm["metadata"]["namespace"] == "ml"
+    assert cm["metadata"]["name"].startswith("cachewarm-llama-env-") and cm["metadata"]["namespace"] == "ml"
     assert cm["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert cm["data"]["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p"
     assert cm["data"]["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "1e9"  # the pod role: ReadOnly reads only

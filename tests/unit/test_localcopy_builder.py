@@ -18,6 +18,7 @@ import pytest
 from cachewarm.admission import admit as admission
 from cachewarm.reconcile import configmaps
 from cachewarm.agents import payload
+from cachewarm.builders import injection
 from cachewarm.builders import localcopy as lc
 from cachewarm.builders.reporting import Reporting
 from cachewarm.api.model import parse_spec
@@ -29,6 +30,8 @@ POOLS = [
     {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}},
 ]
 WARMER = "cachewarm/warmer:0.1.0"
+# The ConfigMaps the operator verified (status.injection.configMaps), as the index has them.
+ENV_CM, BOOT_CM = "cachewarm-llama-env-0123456789", "cachewarm-llama-boot-abcdef0123"
 
 
 def cache_spec(local: dict[str, Any] | None = None, report: bool = True, pools: list[dict[str, Any]] | None = None
@@ -50,8 +53,9 @@ def training_pod(**spec: Any) -> dict[str, Any]:
 
 
 def admit(pod: dict[str, Any], spec: dict[str, Any], *, warmer: str | None = WARMER,
-          reporting: bool = True) -> admission.Admission:
-    entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True)
+          reporting: bool = True, boot: str | None = BOOT_CM) -> admission.Admission:
+    entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True, env_configmap=ENV_CM,
+                                  boot_configmap=boot)
     return admission.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, warmer)
 
@@ -260,7 +264,7 @@ def test_envfrom_containers_read_the_bucket_from_the_configmap_which_never_names
     pod["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "team"}}]
     [train] = admit(pod, cache_spec({})).spec["containers"]
     assert "JAX_COMPILATION_CACHE_DIR" not in env(train)
-    assert train["envFrom"][0] == {"configMapRef": {"name": "cachewarm-llama-env", "optional": True}}
+    assert train["envFrom"][0] == {"configMapRef": {"name": ENV_CM, "optional": True}}
 
 
 def test_the_copier_runs_as_the_main_containers_user_without_its_privileges() -> None:
@@ -445,9 +449,10 @@ def test_a_pod_whose_own_volumes_clash_with_ours_reads_the_bucket(clash: dict[st
 # --- in process: no init container ---------------------------------------------------------
 
 def admit_known(pod: dict[str, Any], spec: dict[str, Any], image_pythonpath: str | None = "/app", *,
-                reporting: bool = True) -> admission.Admission:
+                reporting: bool = True, boot: str | None = BOOT_CM) -> admission.Admission:
     """admit, with the warmers having reported the warmup image's PYTHONPATH."""
-    entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True, image_pythonpath=image_pythonpath)
+    entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True, image_pythonpath=image_pythonpath,
+                                  env_configmap=ENV_CM, boot_configmap=boot)
     return admission.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, WARMER)
 
@@ -493,7 +498,7 @@ def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_pr
     volumes = {v["name"]: v for v in answer.spec["volumes"]}
     tag = sys.implementation.cache_tag
     assert volumes["cachewarm-boot"] == {"name": "cachewarm-boot", "configMap": {
-        "name": "cachewarm-llama-boot", "optional": True,
+        "name": BOOT_CM, "optional": True,
         "items": [*({"key": k, "path": k} for k in lc.BOOT_FILES),
                   *({"key": f"{k[:-3]}.{tag}.pyc", "path": f"__pycache__/{k[:-3]}.{tag}.pyc"} for k in lc.BOOT_FILES)]}}
     assert volumes["cachewarm-cache"] == {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "10Gi"}}
@@ -639,7 +644,10 @@ def test_the_boot_configmap_ships_the_packages_own_modules_under_the_shipped_nam
         assert files[shipped] == (package / module).read_text(encoding="utf-8")
     bytecode = configmaps.boot_bytecode_files()
     body = lc.boot_configmap("llama", "team", {"name": "llama", "uid": "u1"}, files, bytecode)
-    assert body["metadata"]["name"] == "cachewarm-llama-boot" and body["data"] == files
+    h = injection.configmap_hash(files, bytecode)
+    assert body["metadata"]["name"] == f"cachewarm-llama-boot-{h}" and body["data"] == files
+    assert body["immutable"] is True and body["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cachewarm"
+    assert body["metadata"]["annotations"]["cachewarm.dev/content-sha256"] == injection.body_sha256(body)
     assert {k: base64.b64decode(v) for k, v in body["binaryData"].items()} == bytecode
     assert body["metadata"]["ownerReferences"][0]["uid"] == "u1"
     assert len(json.dumps(body).encode()) < 1024 * 1024  # a ConfigMap's limit
@@ -675,7 +683,7 @@ def test_the_boot_bytecode_is_this_pythons_checked_hash_pyc_of_each_shipped_text
         assert pyc[8:16] == importlib.util.source_hash(text.encode("utf-8"))
         assert marshal.loads(pyc[16:]) == compile(text, shipped, "exec", dont_inherit=True, optimize=0)
     assert configmaps.compile_boot(files, None) == {}
-    assert lc.boot_volume("llama", None)["configMap"]["items"] == [{"key": k, "path": k} for k in lc.BOOT_FILES]
+    assert lc.boot_volume(BOOT_CM, None)["configMap"]["items"] == [{"key": k, "path": k} for k in lc.BOOT_FILES]
 
 
 def test_a_failed_bytecode_compile_is_not_kept_but_tried_again_later_and_a_success_is(
@@ -706,3 +714,14 @@ def test_a_failed_bytecode_compile_is_not_kept_but_tried_again_later_and_a_succe
     assert configmaps.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3
     clock[0] += 10 * configmaps.BYTECODE_RETRY_SECONDS
     assert configmaps.boot_bytecode_files() == {"sitecustomize.x.pyc": b"pyc"} and len(calls) == 3  # kept
+
+
+def test_without_a_verified_boot_configmap_the_copy_is_by_init_container_and_nothing_mounts_a_configmap() -> None:
+    """D4: the code on a pod's PYTHONPATH comes only from a boot ConfigMap the operator
+    verified; with none, the copy comes by init container (its code from the warmer image)."""
+    pod = training_pod()
+    answer = admit_known(pod, cache_spec({}), boot=None)
+    assert [ct["name"] for ct in answer.spec["initContainers"]] == ["cachewarm-reporter", "cachewarm-copy"]
+    assert not any("configMap" in v for v in answer.spec["volumes"])
+    assert "/cachewarm-boot" not in json.dumps(answer.spec)
+    assert "cachewarm-boot" in {v["name"] for v in admit_known(pod, cache_spec({})).spec["volumes"]}

@@ -20,18 +20,33 @@ from cachewarm.reconcile.pods import CacheLookup
 
 
 def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool,
-                refused: bool = False, image_pythonpath: str | None = None) -> dict[str, Any]:
+                refused: bool = False, image_pythonpath: str | None = None,
+                manifests: Mapping[str, str] | None = None, env_configmap: str | None = None,
+                boot_configmap: str | None = None) -> dict[str, Any]:
     """What the webhook needs of a cache, parsed once: the typed spec (or why it is
     invalid), whether it is Warmed, whether it is refused (BucketReady reason in
-    REFUSED: no pod is held for it), and the PYTHONPATH the warmup's image sets, as its
-    warmers reported it (reconcile/warmup.image_pythonpath; None: not known)."""
+    REFUSED: no pod is held for it), the PYTHONPATH the warmup's image sets, as its
+    warmers reported it (reconcile/warmup.image_pythonpath; None: not known), the
+    generation of each pool's manifest its own warmers wrote (`manifests`, pool name ->
+    decimal generation, status.warmup.pools[].manifestGeneration), and the env and boot
+    ConfigMaps the operator verified (status.injection.configMaps; None: none verified,
+    and the webhook references none)."""
     try:
         cache: CacheSpec | None = parse_spec(spec)
         error = ""
     except InvalidSpec as exc:
         cache, error = None, str(exc)
     return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed,
-            "refused": refused, "image_pythonpath": image_pythonpath}
+            "refused": refused, "image_pythonpath": image_pythonpath, "manifests": dict(manifests or {}),
+            "env_configmap": env_configmap, "boot_configmap": boot_configmap}
+
+
+def _without_env(containers: list[str], cache_name: str) -> list[str]:
+    """Warnings for the containers with envFrom sources that got no cache env (D4: no env
+    ConfigMap the operator verified)."""
+    return [f"cachewarm: container {name!r} has envFrom sources and got no cache env: CompilationCache "
+            f"{cache_name!r} has no env ConfigMap the operator verified (see its InjectionReady condition); "
+            "it reads no cache" for name in containers]
 
 
 @dataclass
@@ -74,7 +89,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
                             "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
                             "cachewarm-reporter or cachewarm-report-token, or mounted at /cachewarm-cache, "
                             "/cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or /var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
-    result = inject_pod(pod, cache_name, entry["generation"], cache)
+    result = inject_pod(pod, cache_name, entry["generation"], cache, entry.get("env_configmap"))
     if result.changed:
         out.spec["containers"] = result.containers
         if result.init_containers is not None:
@@ -90,7 +105,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
         # In process where the pod's PYTHONPATH is known: no init container at all.
         in_process = add_local_copy_in_process(
             pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace, cache_name=cache_name,
-            image_pythonpath=entry.get("image_pythonpath"), reporting=reports, annotations=meta.get("annotations"))
+            image_pythonpath=entry.get("image_pythonpath"), reporting=reports,
+            boot_configmap=entry.get("boot_configmap"), annotations=meta.get("annotations"))
         if in_process is not None:
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = in_process
             out.injected = True
@@ -113,6 +129,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
             and not entry.get("refused"):
         if not any(g.get("name") == c.WAIT_GATE for g in gates):
             out.spec["schedulingGates"] = [*gates, {"name": c.WAIT_GATE}]
+    out.warnings += _without_env(result.without_env, cache_name)
     for kept in result.kept:
         out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
                             f"the value from CompilationCache {cache_name!r} was not applied to it")

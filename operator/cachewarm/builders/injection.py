@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -71,24 +72,70 @@ class PodInjection:
     annotation: str
     kept: list[Kept] = field(default_factory=list)
     changed: bool = False
+    # Containers with envFrom sources that got no cache env: no verified env ConfigMap.
+    without_env: list[str] = field(default_factory=list)
 
 
-def env_configmap_name(cache_name: str) -> str:
-    """The ConfigMap holding a cache's pod env, in the cache's namespace."""
-    return f"cachewarm-{cache_name}-env"
+# The annotation on our ConfigMaps with the sha256 (hex) of their content (configmap_sha256).
+CONTENT_SHA256_ANNOTATION = f"{c.GROUP}/content-sha256"
+HASH_CHARS = 10  # of the sha256's hex in a ConfigMap's name
+
+
+def configmap_sha256(data: Mapping[str, str], binary_data: Mapping[str, bytes] | None = None) -> str:
+    """The sha256 (hex) of a ConfigMap's content: its data and binaryData pairs sorted by
+    key, each as a kind byte (d: data, its value's UTF-8; b: binaryData, its bytes), the
+    key's UTF-8 and the value, each part prefixed by its length (8 bytes, big-endian), so
+    no two contents share a byte stream. The apiserver keeps a key in one of the two."""
+    pairs = [(key, b"d", value.encode("utf-8")) for key, value in data.items()]
+    pairs += [(key, b"b", bytes(value)) for key, value in (binary_data or {}).items()]
+    digest = hashlib.sha256()
+    for key, kind, value in sorted(pairs):
+        for part in (kind, key.encode("utf-8"), value):
+            digest.update(len(part).to_bytes(8, "big"))
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def configmap_hash(data: Mapping[str, str], binary_data: Mapping[str, bytes] | None = None) -> str:
+    """The first HASH_CHARS hex of configmap_sha256: the part of a ConfigMap's name that
+    says its content."""
+    return configmap_sha256(data, binary_data)[:HASH_CHARS]
+
+
+def body_sha256(body: Mapping[str, Any]) -> str:
+    """configmap_sha256 of a ConfigMap as the API returns it (binaryData in base64).
+    Raises ValueError (binascii.Error) on binaryData that is not base64."""
+    binary = {key: base64.b64decode(value, validate=True) for key, value in (body.get("binaryData") or {}).items()}
+    return configmap_sha256(body.get("data") or {}, binary)
+
+
+def env_configmap_name(cache_name: str, content_hash: str) -> str:
+    """The ConfigMap holding a cache's pod env, in the cache's namespace; `content_hash`
+    is configmap_hash of its content, so another content is another ConfigMap."""
+    return f"cachewarm-{cache_name}-env-{content_hash}"
+
+
+def boot_configmap_name(cache_name: str, content_hash: str) -> str:
+    """The ConfigMap holding the in-process copy's code (and the reporter's), in the
+    cache's namespace; `content_hash` as for env_configmap_name."""
+    return f"cachewarm-{cache_name}-boot-{content_hash}"
 
 
 def cache_configmap(name: str, cache_name: str, namespace: str, owner: Mapping[str, Any], data: Mapping[str, str],
                     binary_data: Mapping[str, bytes] | None = None) -> dict[str, Any]:
-    """A ConfigMap of the cache's, in its namespace, owned by it (deleted with it); with
-    `binary_data`, those keys' bytes too (binaryData, base64 as the API has them)."""
+    """A ConfigMap of the cache's, in its namespace, owned by it (deleted with it),
+    immutable, its content's sha256 in CONTENT_SHA256_ANNOTATION; with `binary_data`,
+    those keys' bytes too (binaryData, base64 as the API has them). `name` is the
+    caller's (env_configmap_name, boot_configmap_name)."""
     body: dict[str, Any] = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": namespace,
                      "labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY, c.ENV_FOR_LABEL: cache_name},
+                     "annotations": {CONTENT_SHA256_ANNOTATION: configmap_sha256(data, binary_data)},
                      "ownerReferences": [{"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
                                           "name": owner["name"], "uid": owner["uid"], "controller": True,
                                           "blockOwnerDeletion": True}]},
+        "immutable": True,
         "data": dict(data),
     }
     if binary_data:
@@ -98,13 +145,15 @@ def cache_configmap(name: str, cache_name: str, namespace: str, owner: Mapping[s
 
 def env_configmap(cache: CacheSpec, cache_name: str, namespace: str, owner: Mapping[str, Any]) -> dict[str, Any]:
     """The ConfigMap of the env training pods get (cache_env, role pod), owned by the cache
-    (deleted with it). Containers with envFrom sources read the cache env from it."""
-    return cache_configmap(env_configmap_name(cache_name), cache_name, namespace, owner,
-                           {var["name"]: var["value"] for var in cache_env(cache, "pod", local=False)})
+    (deleted with it), named by its content (env_configmap_name). Containers with envFrom
+    sources read the cache env from it, once the operator verified it (D4: the webhook
+    references only the name in status.injection.configMaps.env)."""
+    data = {var["name"]: var["value"] for var in cache_env(cache, "pod", local=False)}
+    return cache_configmap(env_configmap_name(cache_name, configmap_hash(data)), cache_name, namespace, owner, data)
 
 
-def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], configmap: str,
-            kept: list[Kept]) -> tuple[dict[str, Any], bool]:
+def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], configmap: str | None,
+            kept: list[Kept], without_env: list[str]) -> tuple[dict[str, Any], bool]:
     """The cache env for one container, so that whatever the user set wins.
 
     A container without envFrom gets the variables it lacks as `env` entries (visible in
@@ -113,7 +162,8 @@ def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], conf
     cache's ConfigMap as its first envFrom source instead (optional, so a missing one never
     stops the pod), and the kubelet resolves the rest as for any pod: the container's
     own env and every later envFrom source, ConfigMap or Secret, win. cachewarm reads
-    none of them."""
+    none of them. With no `configmap` (none the operator verified) such a container gets
+    nothing, and its name goes into `without_env`."""
     out = copy.deepcopy(dict(container))
     existing = {e.get("name"): e for e in out.get("env") or []}
     for var in env:
@@ -122,6 +172,9 @@ def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], conf
             kept.append(Kept(str(out.get("name", "")), var["name"]))
     sources = list(out.get("envFrom") or [])
     if sources:
+        if configmap is None:
+            without_env.append(str(out.get("name", "")))
+            return out, False
         if any((s.get("configMapRef") or {}).get("name") == configmap and not s.get("prefix") for s in sources):
             return out, False
         out["envFrom"] = [{"configMapRef": {"name": configmap, "optional": True}}, *sources]
@@ -137,22 +190,24 @@ def annotation_value(cache_name: str, generation: int, cache: CacheSpec) -> str:
     return f"{cache_name} (generation {generation}, {cache.injection.mode}, {cache.storage.gcs.url}{local})"
 
 
-def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: CacheSpec) -> PodInjection:
+def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: CacheSpec,
+               configmap: str | None) -> PodInjection:
     """Add the cache env to every container and init container that lacks it (see
-    `_inject`: as env entries, or through the cache's ConfigMap for containers with
-    envFrom sources).
+    `_inject`: as env entries, or through `configmap`, the cache's env ConfigMap the
+    operator verified, for containers with envFrom sources; with None, those get nothing:
+    listed in `without_env`).
 
     Env a container already has wins (listed in `kept` when its value differs). Applying
     the result again changes nothing, so webhook reinvocation yields the same pod.
     """
     env = cache_env(cache, "pod")
-    configmap = env_configmap_name(cache_name)
     spec = pod.get("spec") or {}
     kept: list[Kept] = []
+    without_env: list[str] = []
     changed = False
     containers = []
     for container in spec.get("containers") or []:
-        new, did = _inject(container, env, configmap, kept)
+        new, did = _inject(container, env, configmap, kept, without_env)
         containers.append(new)
         changed |= did
     init_containers = None
@@ -162,9 +217,9 @@ def inject_pod(pod: Mapping[str, Any], cache_name: str, generation: int, cache: 
             if container.get("name") in OWN_INIT_CONTAINERS:  # the reporter's, on reinvocation
                 init_containers.append(copy.deepcopy(dict(container)))
                 continue
-            new, did = _inject(container, env, configmap, kept)
+            new, did = _inject(container, env, configmap, kept, without_env)
             init_containers.append(new)
             changed |= did
     annotation = annotation_value(cache_name, generation, cache)
     current = ((pod.get("metadata") or {}).get("annotations") or {}).get(c.INJECTED_ANNOTATION)
-    return PodInjection(containers, init_containers, annotation, kept, changed or current != annotation)
+    return PodInjection(containers, init_containers, annotation, kept, changed or current != annotation, without_env)

@@ -17,7 +17,8 @@ from kubernetes.utils.quantity import parse_quantity
 from cachewarm.agents import payload
 from cachewarm.api import constants as c
 from cachewarm.builders import reporting as reporter
-from cachewarm.builders.injection import cache_configmap
+from cachewarm.builders.injection import boot_configmap_name as boot_configmap_name
+from cachewarm.builders.injection import cache_configmap, configmap_hash
 from cachewarm.builders.placement import manifest_object, placement
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.api.model import CacheSpec, GcsStorage, LocalCopy, Pool
@@ -405,12 +406,6 @@ IN_PROCESS_ENV = c.ENV_COPY_IN_PROCESS
 BOOT_FILES = tuple(payload.MODULES)
 
 
-def boot_configmap_name(cache_name: str) -> str:
-    """The ConfigMap holding the in-process copy's code (and the reporter's), in the
-    cache's namespace."""
-    return f"cachewarm-{cache_name}-boot"
-
-
 # Every python process of a pod that copies in process loads these files at its start, and
 # a ConfigMap volume is read-only: python cannot cache their bytecode, so each process
 # compiled them (copier 8 ms, reporter and warmer 12 ms, on this machine's CPU). The
@@ -451,13 +446,16 @@ def bytecode_key(shipped: str, tag: str) -> str:
 def boot_configmap(cache_name: str, namespace: str, owner: Mapping[str, Any], files: Mapping[str, str],
                    bytecode: Mapping[str, bytes] | None = None) -> dict[str, Any]:
     """The boot ConfigMap: `files` (BOOT_FILES' names -> their text) and `bytecode`
-    (bytecode_key -> a pyc), owned by the cache (deleted with it)."""
-    return cache_configmap(boot_configmap_name(cache_name), cache_name, namespace, owner,
-                           {name: files[name] for name in BOOT_FILES}, bytecode)
+    (bytecode_key -> a pyc), owned by the cache (deleted with it), immutable, named by
+    its content (boot_configmap_name)."""
+    data = {name: files[name] for name in BOOT_FILES}
+    return cache_configmap(boot_configmap_name(cache_name, configmap_hash(data, bytecode)), cache_name, namespace,
+                           owner, data, bytecode)
 
 
-def boot_volume(cache_name: str, tag: str | None = BYTECODE_TAG) -> dict[str, Any]:
-    """The pod's volume of the boot ConfigMap: each file at its name, its bytecode for
+def boot_volume(configmap: str, tag: str | None = BYTECODE_TAG) -> dict[str, Any]:
+    """The pod's volume of the boot ConfigMap `configmap` (the one the operator verified:
+    status.injection.configMaps.boot): each file at its name, its bytecode for
     python `tag` under __pycache__. Optional, and so is each key: a missing ConfigMap or
     key is a missing file, never a pod that cannot start (one admitted before the operator
     applied the ConfigMap starts cold; one whose ConfigMap has no bytecode compiles)."""
@@ -465,7 +463,7 @@ def boot_volume(cache_name: str, tag: str | None = BYTECODE_TAG) -> dict[str, An
     if tag is not None:
         items += [{"key": bytecode_key(name, tag), "path": f"__pycache__/{bytecode_key(name, tag)}"}
                   for name in BOOT_FILES]
-    return {"name": BOOT_VOLUME, "configMap": {"name": boot_configmap_name(cache_name), "optional": True,
+    return {"name": BOOT_VOLUME, "configMap": {"name": configmap, "optional": True,
                                                "items": items}}
 
 
@@ -554,12 +552,12 @@ def _in_process_container(container: Mapping[str, Any], path: str | None, *, mou
     return new
 
 
-def _in_process_volumes(volumes: Sequence[Mapping[str, Any]], local: LocalCopy, *, cache_name: str,
+def _in_process_volumes(volumes: Sequence[Mapping[str, Any]], local: LocalCopy, *, boot_configmap: str,
                         reporting: reporter.Reporting | None) -> list[dict[str, Any]]:
-    """The pod's volumes, then the boot ConfigMap's, the reporter's folder, with `reporting`
-    the token's, and the copy's."""
+    """The pod's volumes, then the boot ConfigMap's (`boot_configmap`), the reporter's
+    folder, with `reporting` the token's, and the copy's."""
     out_volumes = [copy.deepcopy(dict(v)) for v in volumes]
-    out_volumes += [boot_volume(cache_name),
+    out_volumes += [boot_volume(boot_configmap),
                     {"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}}]
     if reporting is not None:
         out_volumes.append({"name": reporter.TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
@@ -571,17 +569,20 @@ def _in_process_volumes(volumes: Sequence[Mapping[str, Any]], local: LocalCopy, 
 def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
                               init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
                               cache: CacheSpec, namespace: str, cache_name: str, image_pythonpath: str | None,
-                              reporting: reporter.Reporting | None, annotations: Mapping[str, str] | None = None
+                              reporting: reporter.Reporting | None, boot_configmap: str | None,
+                              annotations: Mapping[str, str] | None = None
                               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the local copy added in process, each
     as the rest of the patch leaves them (the env injection's; never the reporter's init
     containers: with `reporting`, the reporter comes in process too), or None when the pod
-    cannot have it (pythonpath_without_us unknown for its main container): then the
-    caller adds the copy by init container (add_local_copy). On reinvocation, see
+    cannot have it (pythonpath_without_us unknown for its main container, or no
+    `boot_configmap`: no boot ConfigMap the operator verified, so no code of ours to put
+    on its PYTHONPATH): then the caller adds the copy by init container (add_local_copy),
+    which ships the code from the warmer image. On reinvocation, see
     _reinvoked_in_process.
 
-    - the ConfigMap volume BOOT_VOLUME at BOOT_DIR (optional: a pod admitted before the
-      operator applied it starts without our code, cold); an emptyDir at reporter.DIR for
+    - the ConfigMap volume BOOT_VOLUME of `boot_configmap` at BOOT_DIR (optional: one
+      deleted since it was verified is a pod that starts without our code, cold); an emptyDir at reporter.DIR for
       the copy's summary and lock (one copy per pod, whichever process starts first);
       the copy's volume (LocalCopy.volume);
     - the containers of the main container's image whose PYTHONPATH is known and that
@@ -600,9 +601,9 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
     assert local is not None
     if in_process(spec):
         return _reinvoked_in_process(containers, init_containers, volumes, local, namespace, cache_name)
-    if any(ct.get("name") == COPIER_CONTAINER for ct in init_containers) or \
+    if boot_configmap is None or any(ct.get("name") == COPIER_CONTAINER for ct in init_containers) or \
             any(v.get("name") == reporter.VOLUME for v in volumes):
-        return None  # by init container (reinvocation), or the reporter's are there already
+        return None  # no verified code; by init container (reinvocation); or the reporter's are there already
     warmup_image = cache.warmup.image if cache.warmup is not None else None
     main = _main_container(containers, annotations)
 
@@ -617,7 +618,7 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
            for ct in containers]
     init = [_in_process_container(ct, path_of(ct), mount=mount, env=env, mounts=mounts, summary=False)
             for ct in init_containers]
-    return out, init, _in_process_volumes(volumes, local, cache_name=cache_name, reporting=reporting)
+    return out, init, _in_process_volumes(volumes, local, boot_configmap=boot_configmap, reporting=reporting)
 
 
 def _reinvoked_in_process(containers: Sequence[Mapping[str, Any]], init_containers: Sequence[Mapping[str, Any]],

@@ -20,9 +20,8 @@ from cachewarm.api import constants as c
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec
-from cachewarm.builders.injection import env_configmap, env_configmap_name
-from cachewarm.builders.localcopy import (BOOT_FILES, BYTECODE_SCRIPT, BYTECODE_TAG, boot_configmap,
-                                          boot_configmap_name, bytecode_key)
+from cachewarm.builders.injection import env_configmap
+from cachewarm.builders.localcopy import BOOT_FILES, BYTECODE_SCRIPT, BYTECODE_TAG, boot_configmap, bytecode_key
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.reconcile.status import changed
 
@@ -34,10 +33,11 @@ def publish_configmaps(kube: KubeClient, cache: CacheSpec, status: Mapping[str, 
     """The ConfigMap containers with envFrom sources read the cache env from, applied
     (created, or restored if someone changed it) on every reconcile. Its condition; a
     Warning Event when it newly fails."""
-    configmap = env_configmap_name(name)
     owner = {"name": name, "uid": uid}
+    env_body = env_configmap(cache, name, namespace, owner)
+    configmap = env_body["metadata"]["name"]
     try:
-        kube.apply_configmap(env_configmap(cache, name, namespace, owner))
+        kube.apply_configmap(env_body)
     except KubeError as exc:
         cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
                     f"ConfigMap {configmap} with the cache env could not be applied: {exc}; pods whose containers "
@@ -47,16 +47,17 @@ def publish_configmaps(kube: KubeClient, cache: CacheSpec, status: Mapping[str, 
         return cond
     boot = ""
     if cache.injection.local_copy is not None:
+        boot_body = boot_configmap(name, namespace, owner, boot_files(), boot_bytecode_files())
         try:
-            kube.apply_configmap(boot_configmap(name, namespace, owner, boot_files(), boot_bytecode_files()))
+            kube.apply_configmap(boot_body)
         except KubeError as exc:
             cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
-                        f"ConfigMap {boot_configmap_name(name)} with the local copy's code could not be applied: "
+                        f"ConfigMap {boot_body['metadata']['name']} with the local copy's code could not be applied: "
                         f"{exc}; pods that copy in process start cold; retrying"[:1000])
             if changed(status, cond):
                 events.append(Event("Warning", exc.reason, cond.message))
             return cond
-        boot = f"; ConfigMap {boot_configmap_name(name)} holds the code of the local copy pods make in process"
+        boot = f"; ConfigMap {boot_body['metadata']['name']} holds the code of the local copy pods make in process"
     return Cond(c.Condition.INJECTION_READY, True, c.Reason.RECONCILED,
                 f"ConfigMap {configmap} holds the cache env; containers with envFrom sources read it first, so "
                 f"their own env and envFrom values win{boot}")
