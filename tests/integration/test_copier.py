@@ -70,13 +70,32 @@ def fill(gcs: storage.Client, size: int = 100) -> tuple[str, dict[str, bytes]]:
     return bucket, objects
 
 
-def manifest(gcs: storage.Client, bucket: str, pool: str, names: list[str], data: bytes | None = None) -> str:
-    """A pool's manifest as its warmer writes it (or `data` instead); returns its name."""
+def md5_of(data: bytes) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode()  # noqa: S324 - GCS's md5Hash
+
+
+def recorded(gcs: storage.Client, bucket: str, name: str) -> dict[str, Any]:
+    """A manifest's entry for the object `name` as the warmer records it, from GCS's own
+    metadata; for a name the bucket does not hold, made-up values of the right shape."""
+    blob = gcs.bucket(bucket).get_blob(name)
+    if blob is None:
+        return {"name": base(name), "size": 1, "md5": md5_of(b"gone"), "generation": "1"}
+    return {"name": base(name), "size": blob.size, "md5": blob.md5_hash, "generation": str(blob.generation)}
+
+
+def manifest(gcs: storage.Client, bucket: str, pool: str, names: list[str], data: bytes | None = None,
+             version: int = 2) -> str:
+    """A pool's manifest as its warmer writes it (or `data` instead); returns what the
+    operator records and the webhook passes: `<name>#<generation>`."""
     name = f"{MANIFESTS}/{pool}.json"
-    doc = {"version": 1, "pool": pool, "entries": [{"name": base(n), "size": 1} for n in names],
+    entries = [recorded(gcs, bucket, n) for n in names]
+    if version == 1:
+        entries = [{"name": e["name"], "size": e["size"]} for e in entries]
+    doc = {"version": version, "pool": pool, "entries": entries,
            "fingerprint": {"jaxlib": "0.0"}, "writtenTime": "2026-01-01T00:00:00Z"}
-    gcs.bucket(bucket).blob(name).upload_from_string(data if data is not None else json.dumps(doc).encode())
-    return name
+    blob = gcs.bucket(bucket).blob(name)
+    blob.upload_from_string(data if data is not None else json.dumps(doc).encode())
+    return f"{name}#{blob.generation}"
 
 
 def env_for(bed: Testbed, bucket: str, dest: Path, **settings: str) -> dict[str, str]:
@@ -118,6 +137,7 @@ def test_the_union_of_the_pools_manifests_is_copied_checked_and_nothing_else(
     gone = f"jax/{entry('jit_gone', 'gone')}"  # a warm's entry evicted since: not in the bucket
     h100 = manifest(storage_only, bucket, "h100", [p0, p1])
     v5p = manifest(storage_only, bucket, "v5p", [p1, p3, gone])
+    assert all(o.get("generation") for o in listed) and h100.rsplit("#", 1)[1].isdigit()  # the emulator has them too
     dest, summary_file = tmp_path / "cache", tmp_path / "report" / "copier.json"
     proxy = ProxyControl(storage_bed.storage_emulator_host)
     # The first two downloads of one entry and the first read of a manifest fail with 503: retried.
@@ -132,8 +152,10 @@ def test_the_union_of_the_pools_manifests_is_copied_checked_and_nothing_else(
         "source": "manifest", "wanted": 3, "copied": 3, "present": 0, "failed": 0, "cold": False, "errors": []}
     assert summary["bytes"] == sum(len(objects[n]) for n in (p0, p1, p3))
     # Listed with matchGlob: the sub-folder's entry and the manifests are not even listed; README and atime are.
-    assert summary["leftOut"] == {"notAnEntry": 2, "notInManifest": 2, "notInBucket": 1, "overBudget": 0}
-    assert "manifestsMissing" not in summary and "manifestError" not in summary
+    assert summary["leftOut"] == {"notAnEntry": 2, "notInManifest": 2, "notInBucket": 1, "overBudget": 0,
+                                  "unverifiable": 0}
+    assert (summary["trusted"], summary["manifestsUntrusted"], summary["manifestsRefused"]) == (2, 0, 0)
+    assert "manifestsMissing" not in summary and "manifestError" not in summary and "nothingTrusted" not in summary
     assert sorted(p.name for p in dest.iterdir()) == sorted(base(n) for n in (p0, p1, p3))
     for name in (p0, p1, p3):
         assert (dest / base(name)).read_bytes() == objects[name]
@@ -142,40 +164,46 @@ def test_the_union_of_the_pools_manifests_is_copied_checked_and_nothing_else(
     assert [p.name for p in summary_file.parent.iterdir()] == ["copier.json"]
 
 
-def test_a_missing_manifest_means_the_whole_prefix_within_the_budget(
+def test_a_missing_manifest_adds_nothing_and_is_never_a_fallback_to_the_prefix(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """Whoever can delete a manifest can write the prefix: the prefix is not the fallback."""
     bucket, objects = fill(storage_only)
     h100 = manifest(storage_only, bucket, "h100", sorted(objects)[4:])  # the 500-byte entry only
-    missing = f"{MANIFESTS}/v5p.json"  # that pool's warmer has not written one (yet)
-    summary = run_copier(env_for(storage_bed, bucket, tmp_path, manifests=f"{h100},{missing}", max_bytes="650"))
-    # Every entry under the prefix, smallest first: 100 + 200 + 300 bytes fit in 650, 400 and 500 do not.
-    assert (summary["source"], summary["manifestsMissing"], summary["wanted"], summary["copied"], summary["bytes"],
-            summary["cold"]) == ("prefix", [missing], 3, 3, 600, False)
-    assert summary["leftOut"] == {"notAnEntry": 2, "notInManifest": 0, "notInBucket": 0, "overBudget": 2}
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(base(n) for n in sorted(objects)[:3])
+    missing = f"{MANIFESTS}/v5p.json#123"  # that pool's warmer has not written one (yet)
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path, manifests=f"{h100},{missing}"))
+    assert (summary["source"], summary["manifestsMissing"], summary["trusted"], summary["wanted"], summary["copied"],
+            summary["bytes"], summary["cold"]) == ("manifest", [missing], 1, 1, 1, 500, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [base(sorted(objects)[4])]
+    # Only missing ones: nothing trusted, nothing copied, a cold start that says why.
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path / "none", manifests=missing))
+    assert (summary["trusted"], summary["copied"], summary["wanted"], summary["cold"]) == (0, 0, 0, True)
+    assert "no manifest could be read" in summary["nothingTrusted"] and summary["errors"]
+    assert list((tmp_path / "none").iterdir()) == []
 
 
-@pytest.mark.parametrize("data", [b'{"version": 1, "entries": [{"na', b'{"version": 1, "entries": ["jit_p0"]}'],
-                         ids=["cut-short", "wrong-shape"])
-def test_a_corrupt_manifest_means_the_whole_prefix(
-        data: bytes, tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+@pytest.mark.parametrize("data", [b'{"version": 2, "entries": [{"na', b'{"version": 2, "entries": ["jit_p0"]}', None],
+                         ids=["cut-short", "wrong-shape", "version-1"])
+def test_a_corrupt_or_version_1_manifest_is_refused_and_adds_nothing(
+        data: bytes | None, tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     bucket, objects = fill(storage_only)
     h100 = manifest(storage_only, bucket, "h100", sorted(objects)[:1])
-    v5p = manifest(storage_only, bucket, "v5p", [], data=data)
+    v5p = manifest(storage_only, bucket, "v5p", sorted(objects)[1:], data=data, version=1)
     summary = run_copier(env_for(storage_bed, bucket, tmp_path, manifests=f"{h100},{v5p}"))
-    assert (summary["source"], summary["copied"], summary["cold"]) == ("prefix", 5, False)
+    assert (summary["source"], summary["copied"], summary["trusted"], summary["manifestsRefused"],
+            summary["cold"]) == ("manifest", 1, 1, 1, False)
     assert v5p in summary["manifestError"] and "manifestsMissing" not in summary
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(base(n) for n in objects)
+    if data is None:
+        assert "version-1 manifest: it carries no digests" in summary["manifestError"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [base(sorted(objects)[0])]
 
 
 def test_entries_already_there_are_kept_not_downloaded_again(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     bucket, objects = fill(storage_only)
     p0, p1, *_ = sorted(objects)
-    # p0 is there with GCS's size (another pod on the node copied it): kept as it is, even
-    # with other bytes (the proof that it was not downloaded again). p1 is there with
-    # another size: not the entry, copied again.
-    kept = os.urandom(len(objects[p0]))
+    # p0 is there whole (an earlier copy of the pod's, before a container restart): kept,
+    # not downloaded again. p1 is there with another size: not the entry, copied again.
+    kept = objects[p0]
     (tmp_path / base(p0)).write_bytes(kept)
     (tmp_path / base(p1)).write_bytes(b"short")
     # A partial file of a copier killed two hours ago is removed; one being written now is not.
@@ -186,7 +214,7 @@ def test_entries_already_there_are_kept_not_downloaded_again(
     proxy.clear_log()
     summary = run_copier(env_for(storage_bed, bucket, tmp_path, max_bytes=str(100 + 200 + 300)))
     assert (summary["wanted"], summary["present"], summary["presentBytes"], summary["copied"], summary["bytes"],
-            summary["leftOut"]["overBudget"]) == (3, 1, 100, 2, 500, 2)  # the present entry counts in the budget
+            summary["replaced"], summary["leftOut"]["overBudget"]) == (3, 1, 100, 2, 500, 1, 2)  # present: in budget
     assert (downloads(proxy, p0), downloads(proxy, p1)) == (0, 1)
     assert (tmp_path / base(p0)).read_bytes() == kept
     assert (tmp_path / base(p1)).read_bytes() == objects[p1]
@@ -230,6 +258,7 @@ class Lockstep(copier.Client):
 
         class Held:
             waited = False
+            headers = answer.headers
 
             def __enter__(self) -> Held:
                 return self
@@ -266,9 +295,9 @@ def test_a_corrupt_download_is_never_renamed_into_place(tmp_path: Path, storage_
     bucket, objects = fill(storage_only)
     client = copier.Client(storage_bed.storage_emulator_host, lambda: None)
     [obj] = [o for o in client.list(bucket, "jax/") if o["name"] == sorted(objects)[0]]
-    changed = {**obj, "md5Hash": "AAAAAAAAAAAAAAAAAAAAAA=="}  # as if the object changed under us
+    changed = copier.Entry(int(obj["size"]), "AAAAAAAAAAAAAAAAAAAAAA==", obj["generation"])  # as if it changed under us
     with pytest.raises(copier.CopyError, match="MD5"):
-        client.download(bucket, changed, str(tmp_path))
+        client.download(bucket, copier.Wanted(obj["name"], changed), str(tmp_path))
     assert list(tmp_path.iterdir()) == []  # neither the entry nor a partial file
 
 
@@ -279,7 +308,7 @@ def test_without_manifests_the_prefix_is_copied_and_cold_only_when_nothing_could
     # One entry refused for good (403, not retried): the rest copied, not a cold start.
     proxy.faults([{"method": "GET", "path": f"/download/.*{base(sorted(objects)[2])}", "status": 403}])
     try:
-        summary = run_copier(env_for(storage_bed, bucket, tmp_path / "some", manifests=""))
+        summary = run_copier(env_for(storage_bed, bucket, tmp_path / "some"))
     finally:
         proxy.clear_faults()
     assert (summary["source"], summary["wanted"], summary["copied"], summary["failed"], summary["cold"]) == (
@@ -313,10 +342,10 @@ def test_the_bucket_out_of_reach_is_a_cold_start_not_a_failure(tmp_path: Path) -
     summary_file = tmp_path / "summary.json"
     summary = run_copier({"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}",
                           "CACHEWARM_COPY_BUCKET": "gone", "CACHEWARM_COPY_DEST": str(tmp_path / "cache"),
-                          "CACHEWARM_COPY_MANIFESTS": "jax/.cachewarm/pools/a/b/c.json",
+                          "CACHEWARM_COPY_MANIFESTS": "jax/.cachewarm/pools/a/b/c.json#1",
                           "CACHEWARM_COPY_SUMMARY": str(summary_file)}, timeout=60)
     assert summary["cold"] is True and summary["copied"] == 0 and summary["errors"]
-    assert summary["source"] == "prefix" and "manifestError" in summary  # unreadable, then the listing failed
+    assert summary["source"] == "manifest" and "manifestError" in summary  # unreadable: nothing else trusted
     assert list((tmp_path / "cache").iterdir()) == []
     assert json.loads(summary_file.read_text()) == summary
 
@@ -339,7 +368,7 @@ def test_a_bucket_that_never_answers_is_given_up_at_the_deadline(tmp_path: Path)
         silent.listen(16)
         summary = run_copier({"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{silent.getsockname()[1]}",
                               "CACHEWARM_COPY_BUCKET": "silent", "CACHEWARM_COPY_DEST": str(tmp_path / "cache"),
-                              "CACHEWARM_COPY_MANIFESTS": "jax/.cachewarm/pools/a/b/c.json",
+                              "CACHEWARM_COPY_MANIFESTS": "jax/.cachewarm/pools/a/b/c.json#1",
                               "CACHEWARM_COPY_DEADLINE_SECONDS": "3",
                               "CACHEWARM_COPY_SUMMARY": str(tmp_path / "summary.json")}, timeout=30)
     assert summary["cold"] is True and summary["copied"] == 0, summary
@@ -367,14 +396,19 @@ def test_an_image_whose_python_cannot_run_the_copier_still_starts_and_says_so_to
 
 class FaultInjector(http.server.ThreadingHTTPServer):
     """A fault injector, not a GCS emulator: for one bucket of objects held in memory it
-    answers just the two calls the copier makes, at the GCS JSON API's paths (the listing,
-    /storage/v1/b/<bucket>/o?prefix=..., and the media download,
-    /download/storage/v1/b/<bucket>/o/<name>?alt=media, by which it reads manifests too;
-    it never asks for an object's metadata), and anything else 404. Its faults (`faults`:
+    answers just the three calls the copier makes, at the GCS JSON API's paths (the listing,
+    /storage/v1/b/<bucket>/o?prefix=..., an object's metadata, /storage/v1/b/<bucket>/o/<name>
+    ?generation=G, and the media download, /download/storage/v1/b/<bucket>/o/<name>?alt=media
+    [&generation=G], by which it reads manifests too), and anything else 404; a generation
+    other than the object's is a 404, as GCS answers without object versioning. Each object's
+    generation is 1000 + its place in name order; `unlisted` leaves fields out of one's
+    listing (name -> field names). Its faults (`faults`:
     object name, or "list", -> what its first answers do, in order; then whole): "cut" (the
     headers with the full Content-Length, half the body, then the connection closed), "reset"
     (the same, ended by a TCP reset), "corrupt" (the full length, every byte flipped),
-    "drip" (the full length, then a byte every 0.2 s, so no read ever times out). With
+    "drip" (the full length, then a byte every 0.2 s, so no read ever times out), "long"
+    (a Content-Length and body 1 KiB longer than the object), "unbounded" (1 KiB more,
+    without a Content-Length: the body ends when the connection closes). With
     `tls`, HTTPS. It counts the requests for each object ("list" for the listing)."""
 
     daemon_threads = True
@@ -384,15 +418,23 @@ class FaultInjector(http.server.ThreadingHTTPServer):
     request_queue_size = socket.SOMAXCONN
 
     def __init__(self, objects: dict[str, bytes], faults: dict[str, list[str]] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, unlisted: dict[str, list[str]] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), FaultHandler)
         self.objects = objects
+        self.unlisted = unlisted or {}
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
         self.requests: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
         if tls is not None:
             self.socket = tls.wrap_socket(self.socket, server_side=True)
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.server_address[1]}"
+
+    def generation(self, name: str) -> str:
+        return str(1000 + sorted(self.objects).index(name)) if name in self.objects else ""
+
+    def metadata(self, name: str) -> dict[str, str]:
+        data = self.objects[name]
+        return {"name": name, "size": str(len(data)), "md5Hash": md5_of(data), "generation": self.generation(name)}
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[FaultInjector]:
@@ -417,14 +459,21 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
         objects = self.server.objects
         bucket = f"/b/{self.server.bucket}/o"
         name = urllib.parse.unquote(url.path.removeprefix(f"/download/storage/v1{bucket}/"))
+        query = urllib.parse.parse_qs(url.query)
+        generation = query.pop("generation", [self.server.generation(name)])
         if url.path == f"/storage/v1{bucket}":
-            prefix = urllib.parse.parse_qs(url.query).get("prefix", [""])[0]
-            items = [{"name": n, "size": str(len(data)),
-                      "md5Hash": base64.b64encode(hashlib.md5(data).digest()).decode()}  # noqa: S324
-                     for n, data in sorted(objects.items()) if n.startswith(prefix)]
+            prefix = query.get("prefix", [""])[0]
+            items = [{k: v for k, v in self.server.metadata(n).items() if k not in self.server.unlisted.get(n, ())}
+                     for n in sorted(objects) if n.startswith(prefix)]
             self.answer("list", json.dumps({"items": items}).encode())
-        elif url.path.startswith("/download/") and name in objects and urllib.parse.parse_qs(url.query) == {
-                "alt": ["media"]}:
+        elif url.path.startswith(f"/storage/v1{bucket}/"):
+            name = urllib.parse.unquote(url.path.removeprefix(f"/storage/v1{bucket}/"))
+            if name in objects and generation == [self.server.generation(name)]:
+                self.answer(f"meta:{name}", json.dumps(self.server.metadata(name)).encode())
+            else:
+                self.send_error(404)
+        elif url.path.startswith("/download/") and name in objects and query == {"alt": ["media"]} and \
+                generation == [self.server.generation(name)]:
             self.answer(name, objects[name])
         else:
             self.send_error(404)
@@ -436,6 +485,15 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             fault = queued.pop(0) if queued else None
         if fault == "corrupt":
             body = bytes(b ^ 0xFF for b in body)
+        if fault in ("long", "unbounded"):
+            body += os.urandom(1024)
+        if fault == "unbounded":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
+            return
         if fault == "drip":
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -465,6 +523,13 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             self.connection.close()
 
 
+def faulty_manifest(server: FaultInjector, *names: str) -> bytes:
+    """A version-2 manifest of `names` as the FaultInjector holds them."""
+    return json.dumps({"version": 2, "entries": [
+        {"name": base(n), "size": int(m["size"]), "md5": m["md5Hash"], "generation": m["generation"]}
+        for n in names for m in [server.metadata(n)]]}).encode()
+
+
 def faulty_env(server: FaultInjector, dest: Path, **settings: str) -> dict[str, str]:
     return {"STORAGE_EMULATOR_HOST": server.url, "CACHEWARM_COPY_BUCKET": server.bucket,
             "CACHEWARM_COPY_PREFIX": "jax", "CACHEWARM_COPY_DEST": str(dest),
@@ -481,15 +546,16 @@ def test_a_download_broken_mid_body_is_tried_again_whole(tmp_path: Path) -> None
     a, b, c = (f"jax/{entry(f'jit_{x}', x)}" for x in "abc")
     objects = {a: os.urandom(300_000), b: os.urandom(400_000), c: os.urandom(1000)}
     pool = f"{MANIFESTS}/h100.json"
-    objects[pool] = json.dumps({"version": 1, "entries": [{"name": base(n), "size": 1} for n in (a, b, c)]}).encode()
+    objects[pool] = b""
     faults = {"list": ["cut"], pool: ["cut"], a: ["cut"], b: ["reset"]}
     with FaultInjector(objects, faults).serving() as server:
-        summary = run_copier(faulty_env(server, tmp_path, manifests=pool), timeout=60)
+        objects[pool] = faulty_manifest(server, a, b, c)
+        summary = run_copier(faulty_env(server, tmp_path, manifests=f"{pool}#{server.generation(pool)}"), timeout=60)
     assert {k: summary[k] for k in ("source", "wanted", "copied", "failed", "cold", "errors")} == {
         "source": "manifest", "wanted": 3, "copied": 3, "failed": 0, "cold": False, "errors": []}, summary
     assert summary["bytes"] == 701_000
     assert "manifestError" not in summary
-    assert server.requests == {"list": 2, pool: 2, a: 2, b: 2, c: 1}
+    assert server.requests == {"list": 2, f"meta:{pool}": 1, pool: 2, a: 2, b: 2, c: 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(base(n) for n in (a, b, c))  # no partial file
     for name in (a, b, c):
         assert (tmp_path / base(name)).read_bytes() == objects[name]
@@ -622,3 +688,186 @@ def test_an_https_copy_loads_the_ca_store_once_however_many_connections(
         summary = copier.copy(faulty_env(server, tmp_path / "cache"), copier.new_summary("prefix"))
     assert (summary["copied"], summary["errors"]) == (6, []), summary
     assert len(loads) == 1
+
+
+# --- issue 28: what the copier trusts, and what it keeps ---------------------------------------
+# The GCS emulator gives md5Hash, crc32c and generation as GCS does (decimal strings), but
+# ignores `generation=` on reads: it always answers the live object, where GCS answers 404
+# for a generation no longer live (without object versioning). The copier does not rely on
+# the pin alone (a manifest's metadata must name the pinned generation, an entry's bytes
+# must match the manifest's MD5), so against the emulator these tests see those checks
+# refuse what GCS would have refused with a 404; the FaultInjector below answers 404 as GCS.
+
+
+def crc32c_forgery(original: bytes, tampered: bytes) -> bytes:
+    """`tampered` with its last 4 bytes chosen so that its CRC32C equals `original`'s: a
+    CRC is affine in the message bits, so 32 free bits solve any target (GF(2) elimination)."""
+    import google_crc32c  # noqa: PLC0415 - google-cloud-storage's own dependency
+
+    head = tampered[:-4]
+
+    def crc(tail: int) -> int:
+        return int(google_crc32c.value(head + tail.to_bytes(4, "little")))
+    zero = crc(0)
+    basis: dict[int, tuple[int, int]] = {}  # highest bit -> (CRC difference, tail bits giving it)
+    for i in range(32):
+        value, combo = crc(1 << i) ^ zero, 1 << i
+        for bit in reversed(range(32)):
+            if value >> bit & 1:
+                if bit not in basis:
+                    basis[bit] = (value, combo)
+                    break
+                value, combo = value ^ basis[bit][0], combo ^ basis[bit][1]
+    want, tail = int(google_crc32c.value(original)) ^ zero, 0
+    for bit in reversed(range(32)):
+        if want >> bit & 1:
+            want, tail = want ^ basis[bit][0], tail ^ basis[bit][1]
+    assert want == 0
+    return head + tail.to_bytes(4, "little")
+
+
+def test_a_tampered_same_size_same_crc32c_entry_or_a_symlink_planted_in_the_destination_is_replaced(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """What a process with the copy volume mounted writable could plant before a later copy
+    (a container restart): an entry's name holding other bytes of the same size and the same
+    CRC32C as GCS's (a forgery of 4 bytes), or a symlink to a file elsewhere. Each is
+    replaced by the entry, the symlink's target is untouched, and only the entry that is
+    really there counts as present (the reporter's hits)."""
+    bucket, objects = fill(storage_only, size=1000)
+    p0, p1, p2, *_ = sorted(objects)
+    dest = tmp_path / "cache"
+    dest.mkdir()
+    forged = crc32c_forgery(objects[p0], b"#!evil" + objects[p0][6:])
+    blob = storage_only.bucket(bucket).get_blob(p0)
+    assert blob is not None and len(forged) == blob.size and forged != objects[p0]
+    import google_crc32c  # noqa: PLC0415
+
+    # GCS's own CRC32C of the entry (base64, big-endian) is the forgery's too.
+    assert base64.b64encode(struct.pack(">I", int(google_crc32c.value(forged)))).decode() == blob.crc32c
+    (dest / base(p0)).write_bytes(forged)
+    outside = tmp_path / "outside"
+    outside.write_bytes(objects[p1])  # the entry's very bytes: followed, it would pass any check
+    (dest / base(p1)).symlink_to(outside)
+    (dest / base(p2)).write_bytes(objects[p2])  # whole: kept
+    pool = manifest(storage_only, bucket, "h100", [p0, p1, p2])
+    summary = run_copier(env_for(storage_bed, bucket, dest, manifests=pool))
+    assert (summary["wanted"], summary["present"], summary["copied"], summary["replaced"], summary["failed"]) == (
+        3, 1, 2, 2, 0), summary
+    for name in (p0, p1, p2):
+        assert not (dest / base(name)).is_symlink() and (dest / base(name)).read_bytes() == objects[name]
+    assert outside.read_bytes() == objects[p1] and not outside.is_symlink()
+    # The same in prefix mode (the listing's MD5): the forgery is not kept either.
+    (dest / base(p0)).unlink()
+    (dest / base(p0)).write_bytes(forged)
+    summary = run_copier(env_for(storage_bed, bucket, dest))
+    assert (summary["present"], summary["copied"], summary["replaced"]) == (2, 3, 1), summary  # p3, p4 new
+    assert (dest / base(p0)).read_bytes() == objects[p0]
+
+
+def test_the_destination_is_made_not_writable_by_others_and_a_foreign_world_writable_root_is_said(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    import stat  # noqa: PLC0415
+
+    bucket, _ = fill(storage_only)
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path / "made" / "here"))
+    assert stat.S_IMODE((tmp_path / "made" / "here").stat().st_mode) & 0o022 == 0
+    assert "destWorldWritable" not in summary and summary["copied"] == 5
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user owns needs root")  # the note itself is tested above
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    foreign.chmod(0o777)
+    os.chown(foreign, 65534, -1)  # as an emptyDir's root is someone else's (root's) to the copier
+    assert run_copier(env_for(storage_bed, bucket, foreign))["destWorldWritable"] is True
+    foreign.chmod(0o1777)  # sticky: others cannot replace our files
+    assert "destWorldWritable" not in run_copier(env_for(storage_bed, bucket, foreign))
+
+
+def test_a_rewritten_manifest_is_not_followed_the_pinned_generation_is(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    bucket, objects = fill(storage_only)
+    p0, *rest = sorted(objects)
+    pinned = manifest(storage_only, bucket, "h100", [p0])
+    rewritten = manifest(storage_only, bucket, "h100", rest)  # by whoever can write the bucket
+    assert pinned.rsplit("#", 1)[0] == rewritten.rsplit("#", 1)[0] and pinned != rewritten
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path, manifests=pinned))
+    # The emulator answers the live (rewritten) object; its generation is not the pinned one.
+    assert (summary["trusted"], summary["manifestsRefused"], summary["copied"], summary["cold"]) == (0, 1, 0, True)
+    assert "is not the trusted" in summary["manifestError"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_entry_overwritten_after_its_manifest_is_refused(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """Same size, new generation: GCS answers the pinned generation 404, the emulator the new
+    bytes, which the manifest's MD5 refuses."""
+    bucket, objects = fill(storage_only)
+    p0, p1, *_ = sorted(objects)
+    pool = manifest(storage_only, bucket, "h100", [p0, p1])
+    storage_only.bucket(bucket).blob(p1).upload_from_string(os.urandom(len(objects[p1])))
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path, manifests=pool))
+    assert (summary["wanted"], summary["copied"], summary["failed"]) == (2, 1, 1), summary
+    assert "MD5" in summary["errors"][0] and base(p1) in summary["errors"][0]
+    assert [p.name for p in tmp_path.iterdir()] == [base(p0)]
+
+
+def test_a_pinned_generation_gcs_no_longer_has_is_a_404_and_refused(tmp_path: Path) -> None:
+    """As GCS answers (the FaultInjector pins generations): an entry whose generation is not
+    the manifest's is not found, and not copied; a manifest's old generation is missing."""
+    a, b = f"jax/{entry('jit_a', 'a')}", f"jax/{entry('jit_b', 'b')}"
+    pool = f"{MANIFESTS}/h100.json"
+    objects = {a: os.urandom(100), b: os.urandom(200), pool: b""}
+    with FaultInjector(objects).serving() as server:
+        doc = json.loads(faulty_manifest(server, a, b))
+        doc["entries"][1]["generation"] = "999"  # b was rewritten since: GCS no longer has 999
+        objects[pool] = json.dumps(doc).encode()
+        summary = run_copier(faulty_env(server, tmp_path, manifests=f"{pool}#{server.generation(pool)}"))
+        old = run_copier(faulty_env(server, tmp_path / "old", manifests=f"{pool}#7"))
+    assert (summary["copied"], summary["failed"]) == (1, 1) and "HTTP 404" in summary["errors"][0], summary
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [base(a)]
+    assert (old["manifestsMissing"], old["trusted"], old["copied"]) == ([f"{pool}#7"], 0, 0)
+
+
+def test_in_prefix_mode_a_listed_object_without_size_or_md5_is_skipped(tmp_path: Path) -> None:
+    a, b, c = (f"jax/{entry(f'jit_{x}', x)}" for x in "abc")
+    objects = {a: os.urandom(100), b: os.urandom(200), c: os.urandom(300)}
+    with FaultInjector(objects, unlisted={a: ["size"], b: ["md5Hash"]}).serving() as server:
+        summary = run_copier(faulty_env(server, tmp_path))
+    assert (summary["source"], summary["wanted"], summary["copied"], summary["leftOut"]["unverifiable"]) == (
+        "prefix", 1, 1, 2), summary
+    assert server.requests == {"list": 1, c: 1}  # never downloaded
+    assert [p.name for p in tmp_path.iterdir()] == [base(c)]
+
+
+@pytest.mark.parametrize("fault", ["long", "unbounded"])
+def test_a_server_answering_more_bytes_than_the_entry_has_is_refused(fault: str, tmp_path: Path) -> None:
+    """With a Content-Length over the entry's size, or none (the body ends when the
+    connection does): at most the size (and one byte) is read, and the entry refused."""
+    a, b = f"jax/{entry('jit_a', 'a')}", f"jax/{entry('jit_b', 'b')}"
+    objects = {a: os.urandom(5000), b: os.urandom(100)}
+    with FaultInjector(objects, {a: [fault] * 10}).serving() as server:
+        summary = run_copier(faulty_env(server, tmp_path))
+    assert (summary["copied"], summary["failed"]) == (1, 1), summary
+    assert "bytes answered" in summary["errors"][0] and base(a) in summary["errors"][0]
+    assert server.requests[a] == copier.CORRUPT_ATTEMPTS
+    assert [p.name for p in tmp_path.iterdir()] == [base(b)]  # no partial file either
+
+
+def test_manifests_set_but_naming_none_with_a_generation_copy_nothing(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """Set but empty: the cache has warm-up pools, none with a manifest the operator saw its
+    warmer write: nothing is trusted (not the prefix instead). An item without a generation is
+    not even read."""
+    bucket, objects = fill(storage_only)
+    unpinned = manifest(storage_only, bucket, "h100", sorted(objects)).rsplit("#", 1)[0]
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.clear_log()
+    empty = run_copier(env_for(storage_bed, bucket, tmp_path / "empty", manifests=""))
+    assert (empty["source"], empty["trusted"], empty["manifestsUntrusted"], empty["wanted"], empty["copied"],
+            empty["cold"], empty["errors"]) == ("manifest", 0, 0, 0, 0, False, [])
+    assert "no manifest was given with the generation" in empty["nothingTrusted"]
+    untrusted = run_copier(env_for(storage_bed, bucket, tmp_path / "untrusted", manifests=f"{unpinned}, x.json#"))
+    assert (untrusted["trusted"], untrusted["manifestsUntrusted"], untrusted["copied"], untrusted["cold"]) == (
+        0, 2, 0, True)
+    assert [r for r in proxy.log() if r["method"] == "GET"] == []  # neither listed nor read
+    assert list((tmp_path / "empty").iterdir()) == list((tmp_path / "untrusted").iterdir()) == []

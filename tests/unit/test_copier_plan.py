@@ -1,6 +1,9 @@
 """What the copier picks from a listing: entries only, the union of the manifests' entries
-only (or every entry), the entries already in the destination kept and counted first, then
-the smallest first within the byte budget; and what a manifest must look like. How long it
+only, with the manifest's size, MD5 and generation (or every entry, with the listing's; one
+without them skipped), the entries already in the destination with that size and MD5 kept
+and counted first, then the smallest first within the byte budget; what a manifest must look
+like (version 2, every entry with its digests) and which manifests are trusted (those named
+with a generation). How long it
 waits before a retry (full jitter, a 429's or 503's Retry-After, never past the deadline),
 and which CAs it trusts."""
 
@@ -19,81 +22,138 @@ import pytest
 
 from cachewarm.admission import certificates as certs
 from cachewarm.agents import copier
-from cachewarm.agents.copier import Settings, manifest_entries, plan, retry_after_seconds, retry_delay, ssl_context
+from cachewarm.agents.copier import (
+    Entry,
+    Settings,
+    manifest_entries,
+    pinned_manifests,
+    plan,
+    retry_after_seconds,
+    retry_delay,
+    ssl_context,
+)
 
 A, B, C, D = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 STEP, EVAL, INIT = f"jit_step-{A}-cache", f"jit_eval-{B}-cache", f"jit_init-{C}-cache"
+M1, M2, M3 = "MTExMTExMTExMTExMTExMQ==", "MjIyMjIyMjIyMjIyMjIyMg==", "MzMzMzMzMzMzMzMzMzMzMw=="
 LISTING = [
-    {"name": f"jax/{STEP}", "size": "300"},             # GCS lists sizes as strings
-    {"name": f"jax/{EVAL}", "size": 100},
-    {"name": f"jax/{INIT}", "size": 200},
-    {"name": f"jax/jit_step-{A}-atime", "size": 8},     # JAX's LRU bookkeeping
-    {"name": f"jax/sub/jit_x-{A}-cache", "size": 10},   # another cache's folder
-    {"name": "jax/README", "size": 10},
+    {"name": f"jax/{STEP}", "size": "300", "md5Hash": M3, "generation": "30"},  # GCS lists sizes as strings
+    {"name": f"jax/{EVAL}", "size": "100", "md5Hash": M1, "generation": "10"},
+    {"name": f"jax/{INIT}", "size": "200", "md5Hash": M2, "generation": "20"},
+    {"name": f"jax/jit_step-{A}-atime", "size": "8"},     # JAX's LRU bookkeeping
+    {"name": f"jax/sub/jit_x-{A}-cache", "size": "10"},   # another cache's folder
+    {"name": "jax/README", "size": "10"},
 ]
+# What the pools' warmers recorded (sizes and digests of their own, not the listing's).
+RECORDED = {STEP: Entry(301, M1, "31"), INIT: Entry(200, M2, "20"), f"jit_gone-{D}-cache": Entry(5, M3, "5")}
 
 
-def names(objects: list) -> list[str]:
-    return [str(o["name"]).removeprefix("jax/") for o in objects]
+def names(wanted: list) -> list[str]:
+    return [w.base for w in wanted]
 
 
-def test_only_the_union_of_the_manifests_entries_is_picked() -> None:
-    union = frozenset({STEP, INIT}) | frozenset({INIT, f"jit_gone-{D}-cache"})
-    picked = plan(LISTING, "jax/", union, 10**9)
+def test_only_the_union_of_the_manifests_entries_is_picked_as_they_recorded_them() -> None:
+    picked = plan(LISTING, "jax/", RECORDED, 10**9)
     assert (names(picked.download), picked.present) == ([INIT, STEP], [])
-    assert picked.left == {"notAnEntry": 3, "notInManifest": 1, "notInBucket": 1, "overBudget": 0}
+    # The manifest's size, MD5 and generation, not the listing's.
+    assert [w.entry for w in picked.download] == [RECORDED[INIT], RECORDED[STEP]]
+    assert picked.left == {"notAnEntry": 3, "notInManifest": 1, "notInBucket": 1, "overBudget": 0, "unverifiable": 0}
 
 
 def test_without_a_manifest_every_entry_smallest_first_within_the_budget() -> None:
     picked = plan(LISTING, "jax/", None, 350)
-    assert [int(o["size"]) for o in picked.download] == [100, 200]
-    assert picked.left == {"notAnEntry": 3, "notInManifest": 0, "notInBucket": 0, "overBudget": 1}
-    assert plan(LISTING, "jax/", frozenset(), 10**9).download == []  # manifests with no entries: nothing
+    assert [w.entry for w in picked.download] == [Entry(100, M1, "10"), Entry(200, M2, "20")]
+    assert picked.left == {"notAnEntry": 3, "notInManifest": 0, "notInBucket": 0, "overBudget": 1, "unverifiable": 0}
+    assert plan(LISTING, "jax/", {}, 10**9).download == []  # manifests with no entries: nothing
 
 
-def test_entries_present_with_the_listed_size_are_kept_and_count_against_the_budget_first() -> None:
-    # STEP is there whole; EVAL is there with another size (not ours, or cut short): copied again.
-    local = {STEP: 300, EVAL: 99, "unrelated-file": 5}
+@pytest.mark.parametrize("broken", [
+    {"size": None}, {"md5Hash": None}, {"generation": None}, {"size": "-1"}, {"size": "1e3"}, {"size": True},
+    {"md5Hash": "abc"}, {"generation": "12a"}, {"generation": 12}, {"size": "\u0663"},
+])
+def test_in_prefix_mode_a_listed_entry_without_size_md5_or_generation_is_skipped(broken: dict) -> None:
+    listing = [{**LISTING[0], **broken}, *LISTING[1:]]
+    listing[0] = {k: v for k, v in listing[0].items() if v is not None}
+    picked = plan(listing, "jax/", None, 10**9)
+    assert names(picked.download) == [EVAL, INIT] and picked.left["unverifiable"] == 1
+
+
+def test_entries_present_with_the_wanted_size_and_md5_are_kept_and_count_against_the_budget_first() -> None:
+    # STEP is there whole; EVAL is there with another MD5 (tampered, or cut short): copied again.
+    local = {STEP: (300, M3), EVAL: (100, M2), "unrelated-file": (5, M1)}
     picked = plan(LISTING, "jax/", None, 500, present=local)
     assert names(picked.present) == [STEP] and picked.present_bytes == 300
     # 500 - 300 left: EVAL (100) fits, then INIT (200) does not.
     assert names(picked.download) == [EVAL]
     assert picked.left["overBudget"] == 1
     # Present entries are on disk anyway: kept even beyond the budget, and nothing more copied.
-    over = plan(LISTING, "jax/", frozenset({STEP, EVAL}), 50, present=local)
+    over = plan(LISTING, "jax/", {STEP: Entry(300, M3, "30"), EVAL: Entry(100, M1, "10")}, 50, present=local)
     assert (names(over.present), over.download, over.left["overBudget"]) == ([STEP], [], 1)
-    # Only what is wanted counts as present.
-    assert plan(LISTING, "jax/", frozenset({INIT}), 10**9, present=local).present == []
+    # Only what is wanted counts as present, and only with the manifest's digest.
+    assert plan(LISTING, "jax/", {INIT: Entry(200, M2, "20")}, 10**9, present=local).present == []
+    assert plan(LISTING, "jax/", RECORDED, 10**9, present=local).present == []  # STEP: 301 bytes recorded
+
+
+GOOD = {"name": STEP, "size": 300, "md5": M3, "generation": "30"}
 
 
 @pytest.mark.parametrize("doc", [
-    "not json", json.dumps([]), json.dumps({"version": 2, "entries": []}), json.dumps({"version": 1}),
-    json.dumps({"version": 1, "entries": {}}), json.dumps({"version": 1, "entries": [STEP]}),
-    json.dumps({"version": 1, "entries": [{"name": "../etc/passwd"}]}),
-    json.dumps({"version": 1, "entries": [{"name": f"sub/{STEP}"}]}),
-    json.dumps({"version": 1, "entries": [{"name": ""}]}),
+    "not json", json.dumps([]), json.dumps({"version": 3, "entries": []}), json.dumps({"version": 2}),
+    json.dumps({"version": 2, "entries": {}}), json.dumps({"version": 2, "entries": [STEP]}),
+    json.dumps({"version": 2, "entries": [{**GOOD, "name": "../etc/passwd"}]}),
+    json.dumps({"version": 2, "entries": [{**GOOD, "name": f"sub/{STEP}"}]}),
+    json.dumps({"version": 2, "entries": [{**GOOD, "name": ""}]}),
+    json.dumps({"version": 2, "entries": [{k: v for k, v in GOOD.items() if k != "md5"}]}),
+    json.dumps({"version": 2, "entries": [{k: v for k, v in GOOD.items() if k != "generation"}]}),
+    json.dumps({"version": 2, "entries": [{k: v for k, v in GOOD.items() if k != "size"}]}),
+    json.dumps({"version": 2, "entries": [{**GOOD, "md5": "not base64 of 16 bytes"}]}),
+    json.dumps({"version": 2, "entries": [{**GOOD, "generation": 30}]}),  # a number: not GCS's string
+    json.dumps({"version": 2, "entries": [{**GOOD, "size": -1}]}),
+    json.dumps({"version": 2, "entries": [{**GOOD, "size": True}]}),
+    json.dumps({"version": 2, "entries": [GOOD, {**GOOD, "generation": "31"}]}),  # one name, two entries
 ])
 def test_a_manifest_of_another_shape_is_refused(doc: str) -> None:
     with pytest.raises(ValueError):
         manifest_entries(doc.encode())
 
 
-def test_a_manifest_lists_entry_names() -> None:
-    doc = {"version": 1, "pool": "h100", "entries": [{"name": STEP, "size": 300}, {"name": INIT, "size": 200}],
+def test_a_version_1_manifest_is_refused_as_untrusted() -> None:
+    """Version 1 named entries and sizes only: nothing to check an entry against."""
+    with pytest.raises(ValueError, match="version-1 manifest: it carries no digests"):
+        manifest_entries(json.dumps({"version": 1, "entries": [{"name": STEP, "size": 300}]}).encode())
+
+
+def test_a_manifest_lists_entries_with_their_digests() -> None:
+    doc = {"version": 2, "pool": "h100", "entries": [GOOD, {"name": INIT, "size": 200, "md5": M2, "generation": "20"}],
            "fingerprint": {}, "writtenTime": "2026-01-01T00:00:00Z"}
-    assert manifest_entries(json.dumps(doc).encode()) == {STEP, INIT}
-    assert manifest_entries(b'{"version": 1, "entries": []}') == frozenset()
+    assert manifest_entries(json.dumps(doc).encode()) == {STEP: Entry(300, M3, "30"), INIT: Entry(200, M2, "20")}
+    assert manifest_entries(json.dumps({"version": 2, "entries": [GOOD, GOOD]}).encode()) == {STEP: Entry(300, M3, "30")}
+    assert manifest_entries(b'{"version": 2, "entries": []}') == {}
+
+
+@pytest.mark.parametrize(("value", "pinned", "untrusted"), [
+    ("", (), 0), (" , ", (), 0),
+    ("m/a.json#12", (("m/a.json", "12"),), 0),
+    ("m/a.json#12, m/b.json#7,,m/a.json#12", (("m/a.json", "12"), ("m/b.json", "7")), 0),
+    ("m/a.json", (), 1), ("m/a.json#", (), 1), ("#12", (), 1), ("m/a.json#12x", (), 1), ("m/a.json#-1", (), 1),
+    ("m/a#b.json#3,m/c.json", (("m/a#b.json", "3"),), 1),  # the last # splits
+])
+def test_only_manifests_named_with_a_generation_are_trusted(value: str, pinned: tuple, untrusted: int) -> None:
+    assert pinned_manifests(value) == (pinned, untrusted)
 
 
 def test_settings_come_from_the_environment_with_bounds() -> None:
     s = Settings.from_env({"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_DEST": "/d", "CACHEWARM_COPY_PREFIX": "/x/y/",
-                           "CACHEWARM_COPY_MANIFESTS": "m/a.json, m/b.json,,m/a.json",
+                           "CACHEWARM_COPY_MANIFESTS": "m/a.json#1, m/b.json,,m/a.json#1",
                            "CACHEWARM_COPY_WORKERS": "500"})
-    assert (s.prefix, s.manifests, s.workers, s.endpoint) == ("x/y/", ("m/a.json", "m/b.json"), 64,
-                                                              "https://storage.googleapis.com")
+    assert (s.prefix, s.manifests, s.pinned, s.untrusted, s.workers, s.endpoint) == (
+        "x/y/", (("m/a.json", "1"),), True, 1, 64, "https://storage.googleapis.com")
+    # Set but empty: manifest mode with nothing trusted; unset: the prefix.
     d = Settings.from_env({"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_DEST": "/d",
                            "CACHEWARM_COPY_MANIFESTS": " , "})
-    assert (d.prefix, d.manifests, d.workers, d.max_bytes) == ("", (), 16, 8 << 30)
+    assert (d.prefix, d.manifests, d.pinned, d.workers, d.max_bytes) == ("", (), True, 16, 8 << 30)
+    u = Settings.from_env({"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_DEST": "/d"})
+    assert (u.manifests, u.pinned) == ((), False)
 
 
 def test_settings_take_requests_ca_bundle_then_curls() -> None:

@@ -33,23 +33,39 @@ only the standard library and the image needs no GCS library; in one of two ways
 Where `STORAGE_EMULATOR_HOST` is set it talks to that (no auth); otherwise to GCS with the
 pod's token from the metadata server (GKE Workload Identity).
 
-- What it copies: the union of the entries named by the manifests of the pod's pools (each
-  pool's warmer writes one, `<prefix>.cachewarm/pools/<namespace>/<cache>/<pool>.json`:
-  `{"version": 1, "entries": [{"name": "<program>-<sha256>-cache", "size": N}, ...], ...}`),
-  matched by name against the JAX entries (`<program>-<sha256>-cache`) directly under the
-  prefix; names a manifest has that the bucket does not are counted (`notInBucket`). When
-  no manifest is given, or one is missing (404) or unreadable (not JSON, not that shape),
-  every entry under the prefix instead, and the summary says why (`source: "prefix"`,
-  `manifestsMissing`, `manifestError`). At most `max_bytes` in all: the entries already in
-  the destination with GCS's size first (not downloaded again, counted `present`; they are
-  on disk anyway), then the smallest first (the most entries for the budget); the rest are
-  left out and counted.
+- What it copies, and what it trusts (issue 28): with CACHEWARM_COPY_MANIFESTS set, the
+  union of the entries named by the pools' manifests, each given as `<object>#<generation>`:
+  the generation of the manifest the pool's warmer wrote, which the operator recorded from
+  the warmer Job's own pod (status.warmup.pools[].manifestGeneration). Only that generation
+  is read (its metadata must name it, its bytes must match that metadata's MD5), so a
+  manifest rewritten since by whoever can write the bucket is not followed; an item without
+  a generation is not read at all (counted, `manifestsUntrusted`), nor is a version-1
+  manifest (it carries no digests; `manifestsRefused`). A manifest
+  (`<prefix>.cachewarm/pools/<namespace>/<cache>/<pool>.json`, version 2: `{"version": 2,
+  "entries": [{"name": "<program>-<sha256>-cache", "size": N, "md5": "<GCS md5Hash>",
+  "generation": "<decimal>"}], ...}`) gives each entry's size, MD5 and generation, and the
+  copier takes those, not the listing's: each entry is downloaded at that generation, at
+  most that many bytes, and kept only if its MD5 is that one. The listing still says which
+  names the bucket lacks (`notInBucket`). Set but naming no trusted manifest (the cache's
+  pools have none recorded yet): nothing is trusted and nothing copied (`trusted: 0`,
+  `nothingTrusted` says why). Unset (a cache without warm-up): every entry directly under
+  the prefix, with the listing's size, MD5 and generation (the trust is the bucket's IAM);
+  a listed object without them is skipped (`unverifiable`). Never a fallback from the
+  manifests to the prefix: whoever could break a manifest could write the prefix too.
+  At most `max_bytes` in all: the entries already in the destination first (not downloaded
+  again, counted `present`: only a regular file, opened without following links, whose
+  size and MD5 are the entry's; anything else under an entry's name, a symlink included,
+  is replaced, counted `replaced`), then the smallest first (the most entries for the
+  budget); the rest are left out and counted.
 - How: `workers` downloads at once; each into a hidden partial file whose name is unique
   to the copier process and the download (pid, a random token, a counter, created with
-  O_EXCL), so several copiers can fill one shared directory (a node's hostPath) at once;
-  it is checked against GCS's MD5 (every object that is not a composite has one) and only
-  then renamed to its entry name (os.replace, atomic), so JAX never opens a partial or
-  corrupt entry. Partial files left by a killed copier are removed after an hour.
+  O_EXCL and O_NOFOLLOW, mode 0644), so several copiers could fill one directory at once;
+  it is checked against the entry's MD5 and size and only then renamed to its entry name
+  (os.replace, atomic: a symlink planted there is replaced, never followed), so JAX never
+  opens a partial, corrupt or foreign entry. The destination is made 0755 where the copier
+  makes it; a root that others may write (world-writable without the sticky bit, not ours)
+  is said (`destWorldWritable`; an emptyDir is: 0777 and root's, but no other pod's).
+  Partial files left by a killed copier are removed after an hour.
 - Retries: each request and the reading of its answer are one attempt, so a connection
   that breaks mid-body (reset, closed early, timed out) is tried again as one refused at
   the start; 408, 429, 5xx and broken connections get 4 attempts, a download whose bytes
@@ -77,8 +93,9 @@ Settings (environment):
   CACHEWARM_COPY_BUCKET      the bucket (required)
   CACHEWARM_COPY_PREFIX      the entries' object-name prefix ('' or 'a/b', slashes trimmed)
   CACHEWARM_COPY_DEST        the local directory (required; created if missing)
-  CACHEWARM_COPY_MANIFESTS   comma-separated object names of the pools' manifests; unset or
-                             empty: every entry under the prefix
+  CACHEWARM_COPY_MANIFESTS   comma-separated `<object>#<generation>` of the pools' manifests;
+                             set but empty: nothing trusted, nothing copied; unset: every
+                             entry under the prefix (see above)
   CACHEWARM_COPY_MAX_BYTES   byte budget (default 8 GiB)
   CACHEWARM_COPY_WORKERS     downloads at once (default 16, 1..64)
   CACHEWARM_COPY_DEADLINE_SECONDS  no download is started after this (default 300)
@@ -94,13 +111,17 @@ Settings (environment):
 Summary (one line `{"cachewarm-copier": {...}}` on stdout, in process (child or not) on
 stderr, and in CACHEWARM_COPY_SUMMARY):
   source "manifest" | "prefix"; wanted (entries planned: copied + present + failed);
-  copied, bytes (downloaded); present, presentBytes (already there, kept); failed;
-  leftOut {notAnEntry, notInManifest, notInBucket, overBudget}; errors (at most 5, 300
+  copied, bytes (downloaded); present, presentBytes (already there, verified, kept);
+  replaced (of the copied, those that replaced a file or link of that name); failed;
+  leftOut {notAnEntry, notInManifest, notInBucket, overBudget, unverifiable}; in manifest
+  mode trusted (manifests read at their generation and accepted), manifestsUntrusted
+  (items without a generation, not read), manifestsRefused (read but refused: version 1,
+  another generation or MD5) and, when it is 0, nothingTrusted (why); errors (at most 5, 300
   characters each); cold (the pod starts without entries it should have had: nothing
-  copied or present and something went wrong, or the listing failed); seconds; and, on a
-  fallback, manifestsMissing (the names that were 404, at most 5) and/or manifestError (the
-  first other failure, after which no further manifest is read). Manifests are read with
-  the same retries as entries.
+  copied or present and something went wrong, or the listing failed); seconds;
+  manifestsMissing (the names that were 404 at their generation, at most 5) and
+  manifestError (the first other failure); destWorldWritable when so. Manifests are read
+  with the same retries as entries.
 """
 
 from __future__ import annotations
@@ -134,7 +155,9 @@ RETRY_AFTER = frozenset({429, 503})  # the statuses whose Retry-After is honored
 REQUEST_TIMEOUT_SECONDS = 30.0
 PARTIAL = ".cachewarm-partial-"
 STALE_PARTIAL_SECONDS = 3600.0
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 1 named entries without digests: untrusted
+GENERATION = re.compile(r"^[0-9]{1,20}$")  # GCS's generations: int64, as decimal strings
+MD5 = re.compile(r"^[A-Za-z0-9+/]{22}==$")  # GCS's md5Hash: 16 bytes, base64
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ERRORS, MAX_ERROR_CHARS = 5, 300
 # The env names of the settings above, spelled here only: the operator's builders import them
@@ -157,22 +180,24 @@ class Settings(NamedTuple):
     bucket: str
     prefix: str  # object-name prefix, '' or ending in '/'
     dest: str
-    manifests: tuple[str, ...]  # the manifests' object names; (): every entry under the prefix
+    manifests: tuple[tuple[str, str], ...]  # the trusted manifests: (object name, generation)
     max_bytes: int
     workers: int
     deadline_seconds: float
     endpoint: str  # GCS's or the emulator's base URL
     ca_bundle: str = ""  # REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE; '': the default CAs
+    pinned: bool = False  # CACHEWARM_COPY_MANIFESTS set: only `manifests` are trusted; else the prefix
+    untrusted: int = 0  # its items without a generation (not read)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Raises KeyError or ValueError for a missing or malformed setting."""
         prefix = env.get(ENV_COPY_PREFIX, "").strip("/")
-        manifests = (m.strip() for m in env.get(ENV_COPY_MANIFESTS, "").split(","))
+        manifests, untrusted = pinned_manifests(env.get(ENV_COPY_MANIFESTS, ""))
         return cls(
             bucket=env[ENV_COPY_BUCKET], prefix=f"{prefix}/" if prefix else "",
             dest=env[ENV_COPY_DEST],
-            manifests=tuple(dict.fromkeys(m for m in manifests if m)),
+            manifests=manifests, pinned=ENV_COPY_MANIFESTS in env, untrusted=untrusted,
             max_bytes=int(env.get(ENV_COPY_MAX_BYTES, str(8 << 30))),
             workers=max(1, min(int(env.get(ENV_COPY_WORKERS, "16")), 64)),
             deadline_seconds=float(env.get(ENV_COPY_DEADLINE_SECONDS, "300")),
@@ -182,47 +207,98 @@ class Settings(NamedTuple):
         )
 
 
-def manifest_entries(data: bytes) -> frozenset[str]:
-    """The entry names a manifest lists. Raises ValueError for anything but a version-1
-    manifest whose entries all have an entry name. Pure."""
+def pinned_manifests(value: str) -> tuple[tuple[tuple[str, str], ...], int]:
+    """CACHEWARM_COPY_MANIFESTS's `<object>#<generation>` items (duplicates once) and how
+    many items had no generation (or not a decimal one): those are not trusted. Pure."""
+    pinned: dict[tuple[str, str], None] = {}
+    untrusted = 0
+    for item in (m.strip() for m in value.split(",")):
+        if not item:
+            continue
+        name, _, generation = item.rpartition("#")
+        if name and GENERATION.match(generation):
+            pinned[(name, generation)] = None
+        else:
+            untrusted += 1
+    return tuple(pinned), untrusted
+
+
+class Entry(NamedTuple):
+    """What an entry must be: its size, GCS's md5Hash (base64) and its generation."""
+    size: int
+    md5: str
+    generation: str
+
+
+def _entry(size: Any, md5: Any, generation: Any) -> Entry | None:
+    """An Entry of these values when each is one (size an int or GCS's decimal string),
+    else None. Pure."""
+    if isinstance(size, str) and size.isascii() and size.isdigit():
+        size = int(size)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return None
+    if not isinstance(md5, str) or MD5.match(md5) is None:
+        return None
+    if not isinstance(generation, str) or GENERATION.match(generation) is None:
+        return None
+    return Entry(size, md5, generation)
+
+
+def manifest_entries(data: bytes) -> dict[str, Entry]:
+    """The entries a manifest lists (name -> Entry). Raises ValueError for anything but a
+    version-2 manifest whose entries all have an entry name, a size, an MD5 and a
+    generation (one name listed twice, differently, too). Pure."""
     doc = json.loads(data)
+    if isinstance(doc, dict) and doc.get("version") == 1:
+        raise ValueError("a version-1 manifest: it carries no digests, so nothing of it is trusted")
     if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
         raise ValueError(f"not a version-{MANIFEST_VERSION} manifest")
     entries = doc.get("entries")
     if not isinstance(entries, list):
         raise ValueError("entries is not a list")
-    names: set[str] = set()
+    out: dict[str, Entry] = {}
     for item in entries:
-        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(item, dict):
+            raise ValueError(f"not an entry: {item!r}"[:100])
+        name = item.get("name")
         if not isinstance(name, str) or ENTRY.match(name) is None:
             raise ValueError(f"not an entry name: {name!r}"[:100])
-        names.add(name)
-    return frozenset(names)
+        entry = _entry(item.get("size"), item.get("md5"), item.get("generation"))
+        if entry is None:
+            raise ValueError(f"{name}: no valid size, md5 and generation"[:100])
+        if out.setdefault(name, entry) != entry:
+            raise ValueError(f"{name}: listed twice, differently"[:100])
+    return out
+
+
+class Wanted(NamedTuple):
+    name: str  # the object's name (prefix included)
+    entry: Entry  # what it must be: the manifest's, or the listing's in prefix mode
+
+    @property
+    def base(self) -> str:
+        return self.name.rsplit("/", 1)[-1]
 
 
 class Plan(NamedTuple):
-    download: list[Mapping[str, Any]]  # smallest first
-    present: list[Mapping[str, Any]]  # already in the destination with GCS's size
+    download: list[Wanted]  # smallest first
+    present: list[Wanted]  # already in the destination, verified
     left: dict[str, int]  # left out, by reason
 
     @property
     def present_bytes(self) -> int:
-        return sum(_size(o) for o in self.present)
+        return sum(w.entry.size for w in self.present)
 
 
-def _size(obj: Mapping[str, Any]) -> int:
-    return int(obj.get("size") or 0)
-
-
-def plan(objects: Iterable[Mapping[str, Any]], prefix: str, names: frozenset[str] | None, max_bytes: int,
-         present: Mapping[str, int] | None = None) -> Plan:
-    """What to copy of a listing: the entries directly under `prefix` (the others counted
-    `notAnEntry`) that are in `names` (every entry when None; `notInManifest`), the names
-    not listed counted `notInBucket`; those already in the destination with the listed size
-    (`present`: file name -> size) kept and counted against `max_bytes` first, then the rest
-    smallest first within what is left of it (`overBudget`). Pure."""
-    left = {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0}
-    wanted: list[Mapping[str, Any]] = []
+def wanted_entries(objects: Iterable[Mapping[str, Any]], prefix: str,
+                   names: Mapping[str, Entry] | None) -> tuple[list[Wanted], dict[str, int]]:
+    """The entries of a listing to copy: those directly under `prefix` (the others counted
+    `notAnEntry`) that are in `names` (the manifests' entries, whose size, MD5 and
+    generation they take; `notInManifest`), the names not listed counted `notInBucket`; or,
+    when `names` is None, every entry with the listing's size, MD5 and generation (one
+    without them `unverifiable`). Pure."""
+    left = {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0, "unverifiable": 0}
+    wanted: list[Wanted] = []
     listed: set[str] = set()
     for obj in objects:
         name = str(obj.get("name") or "")
@@ -231,25 +307,41 @@ def plan(objects: Iterable[Mapping[str, Any]], prefix: str, names: frozenset[str
             left["notAnEntry"] += 1
             continue
         listed.add(base)
-        if names is not None and base not in names:
+        if names is None:
+            entry = _entry(obj.get("size"), obj.get("md5Hash"), obj.get("generation"))
+            if entry is None:
+                left["unverifiable"] += 1
+            else:
+                wanted.append(Wanted(name, entry))
+        elif base not in names:
             left["notInManifest"] += 1
         else:
-            wanted.append(obj)
+            wanted.append(Wanted(name, names[base]))
     if names is not None:
-        left["notInBucket"] = len(names - listed)
+        left["notInBucket"] = len(set(names) - listed)
+    return wanted, left
+
+
+def plan(objects: Iterable[Mapping[str, Any]], prefix: str, names: Mapping[str, Entry] | None, max_bytes: int,
+         present: Mapping[str, tuple[int, str]] | None = None) -> Plan:
+    """What to copy of a listing (wanted_entries): those already in the destination
+    (`present`: file name -> (size, MD5) of the regular files verified there) with the
+    wanted size and MD5 kept and counted against `max_bytes` first, then the rest smallest
+    first within what is left of it (`overBudget`). Pure."""
+    wanted, left = wanted_entries(objects, prefix, names)
     local = present or {}
-    by_size = sorted(wanted, key=lambda o: (_size(o), str(o.get("name"))))
-    kept = [o for o in by_size if local.get(str(o["name"])[len(prefix):]) == _size(o)]
-    total = sum(_size(o) for o in kept)
+    by_size = sorted(wanted, key=lambda w: (w.entry.size, w.name))
+    kept = [w for w in by_size if local.get(w.base) == (w.entry.size, w.entry.md5)]
+    total = sum(w.entry.size for w in kept)
     download = []
-    for obj in by_size:
-        if local.get(str(obj["name"])[len(prefix):]) == _size(obj):
+    for w in by_size:
+        if local.get(w.base) == (w.entry.size, w.entry.md5):
             continue
-        if total + _size(obj) > max_bytes:
+        if total + w.entry.size > max_bytes:
             left["overBudget"] += 1
             continue
-        download.append(obj)
-        total += _size(obj)
+        download.append(w)
+        total += w.entry.size
     return Plan(download=download, present=kept, left=left)
 
 
@@ -414,11 +506,13 @@ class Client:
                 last = exc
         raise CopyError(f"gave up after {ATTEMPTS} attempts: {last}")
 
-    def _media(self, bucket: str, name: str) -> str:
+    def _media(self, bucket: str, name: str, generation: str = "") -> str:
+        """The media URL of an object, of that generation when one is given (GCS answers
+        404 once it is not the live one, unless the bucket keeps versions)."""
         import urllib.parse  # noqa: PLC0415
 
         return (f"{self.endpoint}/download/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
-                f"{urllib.parse.quote(name, safe='')}?alt=media")
+                f"{urllib.parse.quote(name, safe='')}?alt=media" + (f"&generation={generation}" if generation else ""))
 
     def _json(self, url: str) -> Any:
         def attempt() -> Any:
@@ -433,7 +527,7 @@ class Client:
         token = ""
         while True:
             # matchGlob: the entries directly under the prefix, not other caches' folders below it.
-            query = {"prefix": prefix, "matchGlob": f"{prefix}*", "fields": "items(name,size,md5Hash),nextPageToken",
+            query = {"prefix": prefix, "matchGlob": f"{prefix}*", "fields": "items(name,size,md5Hash,generation),nextPageToken",
                      "maxResults": "1000"}
             if token:
                 query["pageToken"] = token
@@ -444,9 +538,41 @@ class Client:
             if not token:
                 return out
 
-    def read(self, bucket: str, name: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-        """A small object's content. Raises CopyError (with the status on an HTTP error)."""
-        url = self._media(bucket, name)
+    def metadata(self, bucket: str, name: str, generation: str) -> dict[str, Any]:
+        """An object's metadata (generation, size, md5Hash) at that generation. Raises
+        CopyError (with the status on an HTTP error)."""
+        import urllib.parse  # noqa: PLC0415
+
+        got = self._json(f"{self.endpoint}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
+                         f"{urllib.parse.quote(name, safe='')}?generation={generation}&fields=generation,size,md5Hash")
+        if not isinstance(got, dict):
+            raise CopyError(f"{name}: its metadata is not an object")
+        return got
+
+    def read_pinned(self, bucket: str, name: str, generation: str) -> bytes:
+        """A small object's content at `generation`, only if it is that generation's: its
+        metadata must name that generation (a server that does not pin, as the testbed's
+        emulator, answers the live object's) and its bytes must be that metadata's size and
+        MD5 (the object rewritten between the two requests). Raises CopyError."""
+        import base64  # noqa: PLC0415
+        import hashlib  # noqa: PLC0415
+
+        meta = self.metadata(bucket, name, generation)
+        entry = _entry(meta.get("size"), meta.get("md5Hash"), meta.get("generation"))
+        if entry is None or entry.generation != generation:
+            raise CopyError(f"{name}: generation {str(meta.get('generation'))[:20]} is not the trusted {generation} "
+                            "(rewritten since its warmer wrote it)")
+        if entry.size > MAX_MANIFEST_BYTES:
+            raise CopyError(f"{name}: larger than {MAX_MANIFEST_BYTES} bytes")
+        data = self.read(bucket, name, entry.size, generation)
+        if len(data) != entry.size or base64.b64encode(hashlib.md5(data).digest()).decode() != entry.md5:  # noqa: S324
+            raise CopyError(f"{name}: its bytes are not generation {generation}'s (rewritten meanwhile)")
+        return data
+
+    def read(self, bucket: str, name: str, limit: int = MAX_MANIFEST_BYTES, generation: str = "") -> bytes:
+        """A small object's content (of that generation when given). Raises CopyError (with
+        the status on an HTTP error), also when it is larger than `limit`."""
+        url = self._media(bucket, name, generation)
 
         def attempt() -> bytes:
             with self._open(url) as answer:
@@ -466,53 +592,60 @@ class Client:
         with self._lock:
             return f"{PARTIAL}{self._run}-{next(self._partials)}"
 
-    def download(self, bucket: str, obj: Mapping[str, Any], dest: str) -> int:
-        """The object into `dest`/<its name within the prefix>, checked and renamed into
-        place, retried as a whole (a partial file of its own each attempt). Returns its
-        size. Raises CopyError."""
-        url = self._media(bucket, str(obj["name"]))
-        return self._attempts(url, lambda: self._download_once(url, obj, dest))
+    def download(self, bucket: str, wanted: Wanted, dest: str) -> tuple[int, bool]:
+        """The entry into `dest`/<its name within the prefix>, at its generation, checked
+        and renamed into place, retried as a whole (a partial file of its own each
+        attempt). Returns its size and whether it replaced something of that name (a
+        tampered file, a symlink). Raises CopyError."""
+        url = self._media(bucket, wanted.name, wanted.entry.generation)
+        return self._attempts(url, lambda: self._download_once(url, wanted, dest))
 
-    def _download_once(self, url: str, obj: Mapping[str, Any], dest: str) -> int:
+    def _download_once(self, url: str, wanted: Wanted, dest: str) -> tuple[int, bool]:
         """One attempt of download's; its partial file is removed whatever goes wrong. The
-        disk's errors are CopyErrors (not retried), the network's as they come."""
+        disk's errors are CopyErrors (not retried), the network's as they come. At most the
+        entry's size is read (one byte more says the answer is longer: Corrupt)."""
         import base64  # noqa: PLC0415
         import hashlib  # noqa: PLC0415
 
-        name = str(obj["name"])
-        final = os.path.join(dest, name.rsplit("/", 1)[-1])
+        name, entry = wanted.name, wanted.entry
+        final = os.path.join(dest, wanted.base)
         partial = os.path.join(dest, self.partial_name())
-        listed = None if obj.get("size") is None else int(obj["size"])
-        digest = hashlib.md5()  # noqa: S324 - GCS's own checksum, not a security measure
+        digest = hashlib.md5()  # noqa: S324 - GCS's checksum, recorded by the warmer (see the module's doc)
         size = 0
         try:
             with self._open(url) as answer:
+                generation = answer.headers.get("x-goog-generation")
+                if generation is not None and generation != entry.generation:  # GCS says which it sent
+                    raise Corrupt(f"{name}: generation {generation[:20]} sent, {entry.generation} asked for")
+                length = answer.headers.get("Content-Length")
+                if length is not None and length.isdigit() and int(length) > entry.size:
+                    raise Corrupt(f"{name}: {length} bytes answered, the entry has {entry.size}")
                 try:
-                    out = open(partial, "xb")
+                    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 except OSError as exc:
                     raise CopyError(f"{name}: {exc}") from None
                 # read1: what one receive brings, so a body that trickles in still reaches
                 # the deadline check below (read(n) would wait for all n bytes).
                 read = getattr(answer, "read1", None) or answer.read
-                with out:
-                    while chunk := read(1 << 20):  # a reset or timeout mid-body raises here
+                with os.fdopen(fd, "wb") as out:
+                    while chunk := read(min(1 << 20, entry.size + 1 - size)):  # a reset or timeout raises here
                         self._remaining()  # a slow download stops at the deadline too
-                        digest.update(chunk)
                         size += len(chunk)
+                        if size > entry.size:
+                            raise Corrupt(f"{name}: more bytes answered than the entry's {entry.size}")
+                        digest.update(chunk)
                         try:
                             out.write(chunk)
                         except OSError as exc:
                             raise CopyError(f"{name}: {exc}") from None
             # read(n) returns b"" when the connection ends early, without an error.
-            if listed is not None and size < listed:
-                raise Broken(f"{name}: the connection ended after {size} of {listed} bytes")
-            expected = obj.get("md5Hash")
-            if expected and base64.b64encode(digest.digest()).decode() != expected:
-                raise Corrupt(f"{name}: MD5 does not match GCS's (a corrupted transfer or a changed object)")
-            if listed is not None and size != listed:
-                raise Corrupt(f"{name}: {size} bytes read, GCS lists {listed}")
+            if size < entry.size:
+                raise Broken(f"{name}: the connection ended after {size} of {entry.size} bytes")
+            if base64.b64encode(digest.digest()).decode() != entry.md5:
+                raise Corrupt(f"{name}: MD5 does not match the entry's (a corrupted transfer or a changed object)")
+            replaced = os.path.lexists(final)
             try:
-                os.replace(partial, final)
+                os.replace(partial, final)  # a symlink there is replaced, not followed
             except OSError as exc:
                 raise CopyError(f"{name}: {exc}") from None
         except BaseException:
@@ -521,7 +654,7 @@ class Client:
             except OSError:
                 pass
             raise
-        return size
+        return size, replaced
 
 
 def metadata_token() -> Callable[[], str | None]:
@@ -554,16 +687,17 @@ def metadata_token() -> Callable[[], str | None]:
 
 
 def local_entries(dest: str) -> dict[str, int]:
-    """The files in `dest` (name -> size); partial files left by a killed copier over an
+    """The regular files in `dest` (name -> size; symlinks and the rest are not, and an
+    entry's name held by one is replaced); partial files left by a killed copier over an
     hour ago are removed on the way (a live download writes at least every 30 s)."""
     out: dict[str, int] = {}
     now = time.time()
     with os.scandir(dest) as found:
         for item in found:
             try:
-                if not item.is_file():
+                if not item.is_file(follow_symlinks=False):
                     continue
-                stat = item.stat()
+                stat = item.stat(follow_symlinks=False)
                 if item.name.startswith(PARTIAL):
                     if now - stat.st_mtime > STALE_PARTIAL_SECONDS:
                         os.unlink(item.path)
@@ -574,9 +708,52 @@ def local_entries(dest: str) -> dict[str, int]:
     return out
 
 
+def file_md5(path: str, size: int) -> str | None:
+    """GCS's form of the MD5 (base64) of the regular file at `path` when it has `size`
+    bytes: opened without following a link (nor blocking on a FIFO swapped in), checked
+    regular and of that size on the descriptor itself; None otherwise or on an error."""
+    import base64  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return None
+        digest = hashlib.md5()  # noqa: S324 - GCS's checksum (see the module's doc)
+        read = 0
+        while chunk := os.read(fd, 1 << 20):
+            read += len(chunk)
+            digest.update(chunk)
+        return base64.b64encode(digest.digest()).decode() if read == size else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def verified_present(dest: str, wanted: Iterable[Wanted], workers: int) -> dict[str, tuple[int, str]]:
+    """The files in `dest` that are a wanted entry: regular, its size and its MD5 (file
+    name -> (size, MD5)), hashed `workers` at once (hashlib lets go of the GIL)."""
+    import concurrent.futures  # noqa: PLC0415
+
+    local = local_entries(dest)
+    candidates = [w for w in wanted if local.get(w.base) == w.entry.size]
+    if not candidates:
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(candidates))) as pool:
+        digests = list(pool.map(lambda w: file_md5(os.path.join(dest, w.base), w.entry.size), candidates))
+    return {w.base: (w.entry.size, md5) for w, md5 in zip(candidates, digests) if md5 == w.entry.md5}
+
+
 def new_summary(source: str) -> dict[str, Any]:
-    return {"source": source, "wanted": 0, "copied": 0, "bytes": 0, "present": 0, "presentBytes": 0, "failed": 0,
-            "leftOut": {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0},
+    return {"source": source, "wanted": 0, "copied": 0, "bytes": 0, "present": 0, "presentBytes": 0, "replaced": 0,
+            "failed": 0,
+            "leftOut": {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0, "unverifiable": 0},
             "errors": [], "cold": False, "seconds": 0.0}
 
 
@@ -585,33 +762,50 @@ def add_error(summary: dict[str, Any], message: str) -> None:
         summary["errors"].append(message[:MAX_ERROR_CHARS])
 
 
-def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) -> frozenset[str] | None:
-    """The union of the manifests' entry names; None (every entry) when none is given or
-    one is missing or unreadable, which the summary then says."""
-    if not settings.manifests:
-        return None
-    names: set[str] = set()
+def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) -> dict[str, Entry]:
+    """The union of the trusted manifests' entries, each read at its generation (see the
+    module's doc); one missing (404), unreadable or refused adds nothing, which the
+    summary says. An entry two manifests list differently is taken from neither."""
+    names: dict[str, Entry] = {}
+    clashes: set[str] = set()
     missing: list[str] = []
-    error = ""
-    for manifest in settings.manifests:
+    summary.update(trusted=0, manifestsUntrusted=settings.untrusted, manifestsRefused=0)
+    for manifest, generation in settings.manifests:
         try:
-            names |= manifest_entries(client.read(settings.bucket, manifest))
+            entries = manifest_entries(client.read_pinned(settings.bucket, manifest, generation))
         except CopyError as exc:
-            if exc.status != 404:
-                error = f"{manifest}: {exc}"
-                break  # the prefix it is: the rest would not change that (and could be as slow)
-            missing.append(manifest)
+            if exc.status == 404:
+                missing.append(f"{manifest}#{generation}")
+                continue
+            summary.setdefault("manifestError", f"{manifest}#{generation}: {exc}"[:MAX_ERROR_CHARS])
+            summary["manifestsRefused"] += 1
+            continue
         except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-            error = f"{manifest}: {exc}"
-            break
-    if not missing and not error:
-        return frozenset(names)
-    summary["source"] = "prefix"
+            summary.setdefault("manifestError", f"{manifest}#{generation}: {exc}"[:MAX_ERROR_CHARS])
+            summary["manifestsRefused"] += 1
+            continue
+        summary["trusted"] += 1
+        for name, entry in entries.items():
+            if names.setdefault(name, entry) != entry:
+                clashes.add(name)
     if missing:
         summary["manifestsMissing"] = [m[:MAX_ERROR_CHARS] for m in missing[:MAX_ERRORS]]
-    if error:
-        summary["manifestError"] = error[:MAX_ERROR_CHARS]
-    return None
+    if not summary["trusted"]:
+        summary["nothingTrusted"] = (
+            "no manifest was given with the generation its warmer wrote" if not settings.manifests
+            else "no manifest could be read at the generation its warmer wrote")
+    return {n: e for n, e in names.items() if n not in clashes}
+
+
+def dest_note(dest: str, summary: dict[str, Any]) -> None:
+    """Say in `summary` when the destination's root may be written by others: world-
+    writable without the sticky bit and not ours (an emptyDir's root is: 0777, root's; it is
+    the pod's alone, so this is a note, not a failure)."""
+    import stat  # noqa: PLC0415
+
+    info = os.stat(dest)
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX and info.st_uid != os.geteuid():
+        summary["destWorldWritable"] = True
 
 
 def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -622,30 +816,40 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
     started = time.monotonic()
     client.deadline = started + settings.deadline_seconds
     summary = new_summary("prefix") if summary is None else summary
-    summary["source"] = "manifest" if settings.manifests else "prefix"
+    summary["source"] = "manifest" if settings.pinned else "prefix"
     listed = False
     try:
-        os.makedirs(settings.dest, exist_ok=True)
-        names = read_manifests(settings, client, summary)
-        objects = client.list(settings.bucket, settings.prefix)
-        listed = True
-        picked = plan(objects, settings.prefix, names, settings.max_bytes, local_entries(settings.dest))
+        os.makedirs(settings.dest, mode=0o755, exist_ok=True)
+        dest_note(settings.dest, summary)
+        names = read_manifests(settings, client, summary) if settings.pinned else None
+        if names is not None and not summary["trusted"]:
+            listed = True  # nothing to list for: the pod starts with nothing of ours, and says why
+            if settings.manifests or settings.untrusted:  # some were given, none trusted: that went wrong
+                add_error(summary, f"{summary['nothingTrusted']}: {summary.get('manifestError') or 'missing'}")
+            objects: list[dict[str, Any]] = []
+        else:
+            objects = client.list(settings.bucket, settings.prefix)
+            listed = True
+        wanted, _ = wanted_entries(objects, settings.prefix, names)
+        picked = plan(objects, settings.prefix, names, settings.max_bytes,
+                      verified_present(settings.dest, wanted, settings.workers))
         summary["leftOut"] = picked.left
         summary["wanted"] = len(picked.download) + len(picked.present)
         summary["present"], summary["presentBytes"] = len(picked.present), picked.present_bytes
         deadline = started + settings.deadline_seconds
         lock = threading.Lock()
 
-        def one(obj: Mapping[str, Any]) -> None:
+        def one(wanted: Wanted) -> None:
             if time.monotonic() > deadline:
                 raise CopyError("deadline passed before it started")
-            size = client.download(settings.bucket, obj, settings.dest)
+            size, replaced = client.download(settings.bucket, wanted, settings.dest)
             with lock:
                 summary["copied"] += 1
                 summary["bytes"] += size
+                summary["replaced"] += int(replaced)
 
         with concurrent.futures.ThreadPoolExecutor(settings.workers) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(one, obj) for obj in picked.download]):
+            for future in concurrent.futures.as_completed([pool.submit(one, w) for w in picked.download]):
                 error = future.exception()
                 if error is not None:
                     summary["failed"] += 1
@@ -709,7 +913,7 @@ def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
                         context)
         return run(settings, client, live)
     except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
-        summary = new_summary("manifest" if env.get(ENV_COPY_MANIFESTS, "").strip(" ,") else "prefix")
+        summary = new_summary("manifest" if ENV_COPY_MANIFESTS in env else "prefix")
         summary["cold"] = True
         add_error(summary, f"{type(exc).__name__}: {exc}")
         return summary
