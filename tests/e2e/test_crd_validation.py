@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import Any
 
 import pytest
@@ -146,6 +147,8 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
     ("local-copy-size-zero", with_local_copy({"sizeLimit": "0Gi"}), "localCopy.sizeLimit must be greater than 0"),
     ("local-copy-size-negative", with_local_copy({"sizeLimit": "-1Gi"}), "localCopy.sizeLimit must be greater than 0"),
     ("local-copy-size-integer", with_local_copy({"sizeLimit": 10}), "spec.injection.localCopy.sizeLimit: Invalid value"),
+    # HostPath is withdrawn (refused below); its hostPath rules stay for the objects stored
+    # with it, whose hostPath an update may still change (ratcheting spares the volume only).
     ("local-copy-host-path-relative", with_local_copy({"volume": "HostPath", "hostPath": "mnt/ssd/jax"}),
      "localCopy.hostPath must be an absolute path"),
     ("local-copy-host-path-dotdot", with_local_copy({"volume": "HostPath", "hostPath": "/mnt/ssd/../../etc"}),
@@ -176,7 +179,8 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
     ("local-copy-timeout-3601", with_local_copy({"timeoutSeconds": 3601}),
      "spec.injection.localCopy.timeoutSeconds in body should be less than or equal to 3600"),
     ("local-copy-read-write", with_local_copy({}, mode="ReadWrite"), "injection.localCopy needs injection.mode ReadOnly"),
-    ("local-copy-mode-unset", with_local_copy({}, mode=DELETE), "injection.localCopy needs injection.mode ReadOnly"),
+    ("local-copy-host-path-withdrawn", with_local_copy({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax-cache"}),
+     "localCopy.volume HostPath is withdrawn: a copy shared between pods is a writable mount another pod reads"),
     ("local-copy-xla-caches", with_local_copy({}, jax={"enableXlaCaches": "all"}),
      'injection.localCopy needs jax.enableXlaCaches "none"'),
     ("local-copy-xla-cache-list", with_local_copy({}, jax={"enableXlaCaches": "xla_gpu_kernel_cache_file"}),
@@ -227,10 +231,7 @@ def test_local_copy_is_absent_by_default(crd_installed: Testbed, namespace: str)
 
 
 @pytest.mark.parametrize(("local_copy", "jax"), [
-    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax-cache", "sizeLimit": "375Gi"}, None,
-                 id="host-path"),
-    pytest.param({"volume": "HostPath", "hostPath": "/var/cache/jax/", "workers": 64, "timeoutSeconds": 3600}, None,
-                 id="host-path-trailing-slash-max-bounds"),
+    pytest.param({"volume": "Ephemeral", "workers": 64, "timeoutSeconds": 3600}, None, id="ephemeral-max-bounds"),
     pytest.param({"volume": "Ephemeral", "storageClassName": "premium-rwo", "sizeLimit": "50Gi"}, None,
                  id="ephemeral"),
     pytest.param({"volume": "Ephemeral", "sizeLimit": "1.5Ti"}, None, id="ephemeral-default-class"),
@@ -314,3 +315,128 @@ def test_bucket_cannot_change_after_creation(crd_installed: Testbed, namespace: 
     )
     assert patched.returncode != 0
     assert "bucket is immutable" in patched.stderr
+
+
+def stored_spec(testbed: Testbed, namespace: str, name: str) -> dict[str, Any]:
+    got = testbed.kubectl_run("get", "ccache", name, "-n", namespace, "-o", "json")
+    assert got.returncode == 0, got.stderr
+    spec: dict[str, Any] = json.loads(got.stdout)["spec"]
+    return spec
+
+
+def test_mode_defaults_to_read_only_and_an_explicit_read_write_stays(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, valid_cache("reader"))
+    assert code == 0, out
+    assert stored_spec(crd_installed, namespace, "reader")["injection"]["mode"] == "ReadOnly"
+    code, out = create(crd_installed, namespace, with_change("spec.injection", {"mode": "ReadWrite"}) | {
+        "metadata": {"name": "writer"}})
+    assert code == 0, out
+    assert stored_spec(crd_installed, namespace, "writer")["injection"]["mode"] == "ReadWrite"
+
+
+def test_local_copy_without_mode_is_read_only(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, with_local_copy({}, mode=DELETE))
+    assert code == 0, out
+    assert stored_spec(crd_installed, namespace, "llama")["injection"]["mode"] == "ReadOnly"
+
+
+def test_changing_a_copy_to_host_path_is_refused(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, with_local_copy({}))
+    assert code == 0, out
+    patched = crd_installed.kubectl_run(
+        "patch", "ccache", "llama", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"injection": {"localCopy": {"volume": "HostPath", "hostPath": "/mnt/ssd"}}}}))
+    assert patched.returncode != 0
+    assert "localCopy.volume HostPath is withdrawn" in patched.stderr
+
+
+def previous_crd(current: dict[str, Any]) -> dict[str, Any]:
+    """The CRD as it was before HostPath was withdrawn and ReadOnly became the default: the
+    volume's rule removed, mode defaulting to ReadWrite."""
+    old = copy.deepcopy(current)
+    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        old["metadata"].pop(key, None)
+    old.pop("status", None)
+    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    injection = spec["properties"]["injection"]["properties"]
+    injection["mode"]["default"] = "ReadWrite"
+    withdrawn = without_rules(old, "HostPath is withdrawn")
+    assert withdrawn, "no rule withdraws HostPath"
+    return old
+
+
+def without_rules(node: Any, said: str) -> int:
+    """Remove, anywhere under `node`, the CEL rules whose message contains `said`; how many."""
+    removed = 0
+    if isinstance(node, dict):
+        rules = node.get("x-kubernetes-validations")
+        if isinstance(rules, list):
+            kept = [r for r in rules if said not in str(r.get("message", ""))]
+            removed += len(rules) - len(kept)
+            node["x-kubernetes-validations"] = kept
+            if not kept:
+                del node["x-kubernetes-validations"]
+        removed += sum(without_rules(v, said) for k, v in node.items() if k != "x-kubernetes-validations")
+    elif isinstance(node, list):
+        removed += sum(without_rules(v, said) for v in node)
+    return removed
+
+
+def host_path_probe(testbed: Testbed, namespace: str) -> bool:
+    """Whether the apiserver now accepts a new HostPath cache (a server-side dry run: nothing stored)."""
+    probe = with_local_copy({"volume": "HostPath", "hostPath": "/mnt/ssd/probe"}) | {"metadata": {"name": "probe"}}
+    result = testbed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(probe))
+    return result.returncode == 0
+
+
+def until_probe(testbed: Testbed, namespace: str, accepted: bool) -> None:
+    """Wait until the apiserver serves the CRD just written (its handler is swapped
+    asynchronously after the CRD update)."""
+    deadline = time.monotonic() + 60
+    while host_path_probe(testbed, namespace) != accepted:
+        assert time.monotonic() < deadline, f"the apiserver did not serve the CRD (HostPath accepted: {not accepted})"
+        time.sleep(0.5)
+
+
+def test_caches_stored_before_keep_their_mode_and_host_path(crd_installed: Testbed, namespace: str) -> None:
+    # Existing objects cannot be made with the current CRD, so the test serves the previous
+    # one for a moment (the real upgrade path: objects stored under it, then the new CRD
+    # applied), stores two caches the way they were made then, and restores the current CRD.
+    got = crd_installed.kubectl_run("get", "crd", "compilationcaches.cachewarm.dev", "-o", "json")
+    assert got.returncode == 0, got.stderr
+    current = json.loads(got.stdout)
+    restored = copy.deepcopy(current)
+    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        restored["metadata"].pop(key, None)
+    restored.pop("status", None)
+    try:
+        replaced = crd_installed.kubectl_run("replace", "-f", "-", input=json.dumps(previous_crd(current)))
+        assert replaced.returncode == 0, replaced.stderr
+        until_probe(crd_installed, namespace, accepted=True)
+        code, out = create(crd_installed, namespace, valid_cache("legacy-writer"))  # no mode: ReadWrite then
+        assert code == 0, out
+        host_path = {"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax-cache", "sizeLimit": "375Gi"}
+        code, out = create(crd_installed, namespace, with_local_copy(host_path) | {"metadata": {"name": "legacy-copy"}})
+        assert code == 0, out
+    finally:
+        back = crd_installed.kubectl_run("replace", "-f", "-", input=json.dumps(restored))
+        assert back.returncode == 0, back.stderr
+        until_probe(crd_installed, namespace, accepted=False)
+    # Defaulting fills absent fields only: the stored ReadWrite stays.
+    assert stored_spec(crd_installed, namespace, "legacy-writer")["injection"]["mode"] == "ReadWrite"
+    # Ratcheting: an update that leaves the volume as it is stays allowed ...
+    patched = crd_installed.kubectl_run(
+        "patch", "ccache", "legacy-copy", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"warmup": {"image": "us-docker.pkg.dev/team/train:2026-11-27"}}}))
+    assert patched.returncode == 0, patched.stderr
+    assert stored_spec(crd_installed, namespace, "legacy-copy")["injection"]["localCopy"]["volume"] == "HostPath"
+    # ... and so does moving it to a per-pod copy; moving back is refused.
+    moved = crd_installed.kubectl_run(
+        "patch", "ccache", "legacy-copy", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"injection": {"localCopy": {"volume": "EmptyDir", "hostPath": None}}}}))
+    assert moved.returncode == 0, moved.stderr
+    back_to_host = crd_installed.kubectl_run(
+        "patch", "ccache", "legacy-copy", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"injection": {"localCopy": {"volume": "HostPath", "hostPath": "/mnt/ssd"}}}}))
+    assert back_to_host.returncode != 0
+    assert "localCopy.volume HostPath is withdrawn" in back_to_host.stderr

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 
+from pathlib import Path
+
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from cachewarm.api import conditions
@@ -14,6 +17,7 @@ from cachewarm.runtime.controller import backoff
 from cachewarm.api.model import InvalidSpec, parse_spec
 from cachewarm.runtime.settings import Settings
 
+REPO = Path(__file__).resolve().parents[2]
 T0 = dt.datetime(2026, 11, 22, 1, 0, tzinfo=dt.timezone.utc)
 T1 = T0 + dt.timedelta(minutes=5)
 
@@ -129,7 +133,33 @@ def test_spec_defaults_match_the_crd() -> None:
     assert (gcs.prefix, gcs.create, gcs.storage_class, gcs.soft_delete_days) == ("", True, "STANDARD", 7)
     assert (gcs.lifecycle.delete_after_days, gcs.deletion_policy) == (30, "Retain")
     assert gcs.url == "gs://b-1" and gcs.object_prefix == ""
-    assert cache.injection.mode == "ReadWrite"
+    assert cache.injection.mode == "ReadOnly"
+
+
+def test_mode_default_is_the_crds() -> None:
+    # Readers by default (D6): the model's default is the CRD's, so a body kopf hands us
+    # without the field reads as the apiserver would have stored it.
+    crd = yaml.safe_load((REPO / "crds" / "cachewarm.dev_compilationcaches.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    mode = spec["properties"]["injection"]["properties"]["mode"]
+    assert mode["default"] == "ReadOnly"
+    assert parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}}).injection.mode == mode["default"]
+    # An object stored while the default was ReadWrite carries it explicitly and keeps it.
+    stored = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": {"mode": "ReadWrite"}})
+    assert stored.injection.mode == "ReadWrite"
+
+
+def test_stored_host_path_copy_still_parses() -> None:
+    # The CRD refuses HostPath in new or changed specs, but ratcheting keeps stored objects
+    # valid: the operator must still read them (their pods get an EmptyDir copy).
+    cache = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": {
+        "mode": "ReadOnly", "localCopy": {"volume": "HostPath", "hostPath": "/mnt/ssd/jax"}}})
+    assert cache.injection.local_copy is not None and cache.injection.local_copy.volume == "HostPath"
+
+
+def test_injection_mode_wrong_is_refused() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.injection\.mode"):
+        parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": {"mode": "WriteOnly"}})
 
 
 def test_local_copy_is_off_by_default_and_reads_the_crd_defaults() -> None:

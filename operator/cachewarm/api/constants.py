@@ -96,6 +96,12 @@ class Condition:
     # Whether the training pods that reported compute their keys as the warmers did
     # (versions, devices, flags, cache dir); Unknown until both have reported.
     KEYS_MATCH: Final = "KeysMatch"
+    # Whether training pods only read the cache (spec.injection.mode ReadOnly) or may write
+    # entries every later reader runs (ReadWrite, False with how to switch).
+    PODS_READ_ONLY: Final = "PodsReadOnly"
+    # Whether pods get the local copy the spec names: False for a cache stored with the
+    # withdrawn volume HostPath, whose pods get an EmptyDir copy instead.
+    LOCAL_COPY_AS_SPECIFIED: Final = "LocalCopyAsSpecified"
 
 
 class Reason:
@@ -171,6 +177,14 @@ class Reason:
     # once it could.
     WEBHOOK_NOT_CONFIGURED: Final = "WebhookNotConfigured"
     WEBHOOK_CONFIGURED: Final = "WebhookConfigured"
+    # PodsReadOnly: True with READ_ONLY, False with READ_WRITE_CHOSEN.
+    READ_ONLY: Final = "ReadOnly"
+    READ_WRITE_CHOSEN: Final = "ReadWriteChosen"
+    # LocalCopyAsSpecified: the copy is each pod's own, as the spec says; no copy asked for;
+    # HostPath asked for but withdrawn (an EmptyDir copy instead).
+    PER_POD_COPY: Final = "PerPodCopy"
+    NO_LOCAL_COPY: Final = "NoLocalCopy"
+    HOST_PATH_WITHDRAWN: Final = "HostPathWithdrawn"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.

@@ -75,6 +75,8 @@ class LocalCopy(_Model):
     """spec.injection.localCopy: pods read the cache from a local copy an init container
     makes (builders/localcopy.py). The CRD refuses it with ReadWrite and with XLA caches."""
 
+    # HostPath is withdrawn (the CRD refuses it in new or changed specs); objects stored
+    # with it still parse, and their pods get an EmptyDir copy (builders/localcopy.py).
     volume: Literal["EmptyDir", "HostPath", "Ephemeral"] = "EmptyDir"
     size_limit: str = Field(default="10Gi", alias="sizeLimit")
     host_path: str | None = Field(default=None, alias="hostPath")
@@ -84,7 +86,8 @@ class LocalCopy(_Model):
 
 
 class Injection(_Model):
-    mode: Literal["ReadWrite", "ReadOnly"] = "ReadWrite"
+    # The CRD's default; objects stored while it was ReadWrite carry that value explicitly.
+    mode: Literal["ReadWrite", "ReadOnly"] = "ReadOnly"
     wait_for_warm: WaitForWarm = Field(default_factory=WaitForWarm, alias="waitForWarm")
     report: bool = True
     local_copy: LocalCopy | None = Field(default=None, alias="localCopy")

@@ -1,0 +1,46 @@
+"""What a cache's spec makes of its training pods, said as conditions: PodsReadOnly (only
+warmers write, or pods may write entries every later reader runs) and LocalCopyAsSpecified
+(a cache stored with the withdrawn HostPath copy gets an EmptyDir one). Pure: from the
+spec alone, so a repeated reconcile says the same."""
+
+from __future__ import annotations
+
+from cachewarm.api import constants as c
+from cachewarm.api.conditions import Cond
+from cachewarm.api.model import CacheSpec
+
+
+def pods_read_only(cache: CacheSpec, name: str) -> Cond:
+    """PodsReadOnly: True for mode ReadOnly; False (ReadWriteChosen) for ReadWrite, with why
+    it matters and how to switch."""
+    if cache.injection.mode == "ReadOnly":
+        return Cond(c.Condition.PODS_READ_ONLY, True, c.Reason.READ_ONLY,
+                    "Training pods only read the cache; only warmers write it. The mode is not a permission: "
+                    "give the pods' identity read-only access to the bucket (docs/security.md)")
+    return Cond(c.Condition.PODS_READ_ONLY, False, c.Reason.READ_WRITE_CHOSEN,
+                f"spec.injection.mode is ReadWrite: every pod labelled {c.CACHE_LABEL}={name} can write entries "
+                "that every later reader of the cache runs as code. To make the pods readers, set "
+                "spec.injection.mode to ReadOnly (kubectl patch compilationcache "
+                f"{name} --type=merge -p '{{\"spec\":{{\"injection\":{{\"mode\":\"ReadOnly\"}}}}}}') "
+                "and let only the warmers write")
+
+
+def local_copy_as_specified(cache: CacheSpec) -> Cond:
+    """LocalCopyAsSpecified: False (HostPathWithdrawn) for a cache stored with volume
+    HostPath, whose pods get an EmptyDir copy of the same sizeLimit; True otherwise."""
+    local = cache.injection.local_copy
+    if local is None:
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.NO_LOCAL_COPY,
+                    "No local copy asked for: pods read the bucket")
+    if local.volume == "HostPath":
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.HOST_PATH_WITHDRAWN,
+                    f"localCopy.volume HostPath is withdrawn: a copy shared between pods is a writable mount another "
+                    f"pod reads, so pods get an EmptyDir copy of {local.size_limit} instead and hostPath is not "
+                    "mounted. Set localCopy.volume to EmptyDir or Ephemeral and remove localCopy.hostPath")
+    return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.PER_POD_COPY,
+                f"Each pod gets its own {local.volume} copy")
+
+
+def spec_conditions(cache: CacheSpec, name: str) -> list[Cond]:
+    """The conditions above, for status.assemble's updates."""
+    return [pods_read_only(cache, name), local_copy_as_specified(cache)]

@@ -1,0 +1,62 @@
+"""PodsReadOnly and LocalCopyAsSpecified say what a cache's spec makes of its pods: a
+ReadWrite cache says how to switch; a cache stored with the withdrawn HostPath copy says its
+pods get an EmptyDir copy instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachewarm.api import constants as c
+from cachewarm.api.model import parse_spec
+from cachewarm.reconcile.podsmode import local_copy_as_specified, pods_read_only, spec_conditions
+
+
+def cache(injection: dict[str, Any]) -> Any:
+    return parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": injection})
+
+
+@pytest.mark.parametrize(("injection", "status", "reason"), [
+    pytest.param({}, True, "ReadOnly", id="default"),
+    pytest.param({"mode": "ReadOnly"}, True, "ReadOnly", id="read-only"),
+    pytest.param({"mode": "ReadWrite"}, False, "ReadWriteChosen", id="read-write"),
+])
+def test_pods_read_only(injection: dict[str, Any], status: bool, reason: str) -> None:
+    cond = pods_read_only(cache(injection), "llama")
+    assert (cond.type, cond.status, cond.reason) == ("PodsReadOnly", status, reason)
+
+
+def test_read_write_says_why_and_how_to_switch() -> None:
+    message = pods_read_only(cache({"mode": "ReadWrite"}), "llama").message
+    assert f"{c.CACHE_LABEL}=llama" in message
+    assert "runs as code" in message
+    assert "kubectl patch compilationcache llama --type=merge" in message
+    assert '{"spec":{"injection":{"mode":"ReadOnly"}}}' in message
+
+
+@pytest.mark.parametrize(("local", "status", "reason", "said"), [
+    pytest.param(None, True, "NoLocalCopy", "pods read the bucket", id="none"),
+    pytest.param({}, True, "PerPodCopy", "own EmptyDir copy", id="empty-dir"),
+    pytest.param({"volume": "Ephemeral"}, True, "PerPodCopy", "own Ephemeral copy", id="ephemeral"),
+    pytest.param({"volume": "HostPath", "hostPath": "/mnt/ssd", "sizeLimit": "375Gi"}, False, "HostPathWithdrawn",
+                 "EmptyDir copy of 375Gi instead", id="host-path"),
+])
+def test_local_copy_as_specified(local: dict[str, Any] | None, status: bool, reason: str, said: str) -> None:
+    injection: dict[str, Any] = {"mode": "ReadOnly"}
+    if local is not None:
+        injection["localCopy"] = local
+    cond = local_copy_as_specified(cache(injection))
+    assert (cond.type, cond.status, cond.reason) == ("LocalCopyAsSpecified", status, reason)
+    assert said in cond.message
+
+
+def test_host_path_message_says_why_and_what_to_do() -> None:
+    message = local_copy_as_specified(cache({"localCopy": {"volume": "HostPath", "hostPath": "/mnt/ssd"}})).message
+    assert "a copy shared between pods is a writable mount another pod reads" in message
+    assert "Set localCopy.volume to EmptyDir or Ephemeral" in message
+
+
+def test_spec_conditions_are_both_always() -> None:
+    # Always both, so a spec change never leaves a stale one in status.
+    assert [cd.type for cd in spec_conditions(cache({}), "llama")] == ["PodsReadOnly", "LocalCopyAsSpecified"]
