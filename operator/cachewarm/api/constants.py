@@ -185,6 +185,10 @@ class Reason:
     PER_POD_COPY: Final = "PerPodCopy"
     NO_LOCAL_COPY: Final = "NoLocalCopy"
     HOST_PATH_WITHDRAWN: Final = "HostPathWithdrawn"
+    # A ConfigMap of the cache's name whose content is not what the operator wrote (D4).
+    CONFIGMAP_NOT_OURS: Final = "ConfigMapNotOurs"
+    # A pod labelled job-name=<warmer Job> that the Job does not own: its results are ignored.
+    WARMER_POD_IGNORED: Final = "WarmerPodIgnored"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.
