@@ -48,7 +48,7 @@ def test_injection_sets_env_and_annotation_without_gate_by_default() -> None:
     answer = admit.admit_pod(pod(), lookup(entry({**SPEC, "warmup": WARMUP})))
     assert answer.injected and "schedulingGates" not in answer.spec
     assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadWrite, gs://b-1/p)"}
-    assert answer.event is None and answer.warnings == []
+    assert answer.warnings == []
 
 
 def test_wait_for_warm_gates_only_until_warmed_and_keeps_other_gates() -> None:
@@ -60,15 +60,14 @@ def test_wait_for_warm_gates_only_until_warmed_and_keeps_other_gates() -> None:
     assert "schedulingGates" not in admit.admit_pod(pod(), lookup(entry(no_warmup))).spec
 
 
-def test_kept_user_env_gives_a_warning_and_an_event_on_the_cache() -> None:
+def test_kept_user_env_gives_a_warning_and_says_so_in_the_pods_annotation() -> None:
+    # No Event: admission has no side effects (D5); the pod itself carries the fact.
     p = pod()
     p["spec"]["containers"][0]["env"] = [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/local"}]
     answer = admit.admit_pod(p, lookup(entry(SPEC)))
-    assert answer.event is not None
-    ref, event = answer.event
-    assert ref["metadata"] == {"name": "llama", "namespace": "ml", "uid": "u-1"}
-    assert (event.type, event.reason) == ("Warning", "UserEnvKept")
-    assert event.message == "Pod trainer kept its own train/JAX_COMPILATION_CACHE_DIR"
+    assert not hasattr(answer, "event")
+    assert any("keeps its own JAX_COMPILATION_CACHE_DIR" in w for w in answer.warnings)
+    assert answer.annotations["cachewarm.dev/injected"].endswith("; kept its own train/JAX_COMPILATION_CACHE_DIR")
 
 
 def test_poll_only_when_something_can_change() -> None:

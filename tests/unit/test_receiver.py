@@ -16,17 +16,20 @@ from cachewarm.api.metrics import Metrics
 from cachewarm.reports.receiver import PATH, Receiver
 from cachewarm.reports.store import Store
 from memkube import MemoryKube
-from reportdata import GOOD, REPORT, REVIEW, bearer
+from cachewarm.reports.store import LabelledPods, ReportError, check_token
+from reportdata import GOOD, REPORT, REVIEW, bearer, labelled, token
 
 
 
 def exchange(kube: MemoryKube, requests: list[tuple[dict[str, str], bytes]], leading: bool = True,
-             caches: tuple[tuple[str, str], ...] = (("ml", "llama"),)) -> tuple[list[int], Metrics, Store]:
+             caches: tuple[tuple[str, str], ...] = (("ml", "llama"),),
+             pods: LabelledPods | None = None) -> tuple[list[int], Metrics, Store]:
     metrics, store = Metrics(), Store()
 
     async def run() -> list[int]:
         receiver = Receiver(kube=kube, store=store, metrics=metrics, leading=lambda: leading,
-                            cache_exists=lambda ns, name: (ns, name) in caches)
+                            cache_exists=lambda ns, name: (ns, name) in caches,
+                            pods=pods if pods is not None else labelled())
         app = aiohttp.web.Application()
         app.add_routes([aiohttp.web.post(PATH, receiver.handle)])
         async with TestClient(TestServer(app)) as http:
@@ -42,20 +45,91 @@ def exchange(kube: MemoryKube, requests: list[tuple[dict[str, str], bytes]], lea
 
 def test_each_refusal_and_then_the_report_taken() -> None:
     kube = MemoryKube()
-    kube.reviews = {"good": REVIEW, "other-audience": {**REVIEW, "audiences": ["https://kubernetes.default.svc"]}}
+    kube.reviews = {token("good"): REVIEW,
+                    token("other-audience"): {**REVIEW, "audiences": ["https://kubernetes.default.svc"]}}
     codes, metrics, store = exchange(kube, [
         ({}, GOOD),                                   # no token
         (bearer("forged"), GOOD),                     # not authenticated
         (bearer("other-audience"), GOOD),             # authenticated, but not for cachewarm
         (bearer("good"), b"{}"),                      # malformed
-        (bearer("good"), json.dumps({**REPORT, "cache": "gone"}).encode()),  # no such cache
+        (bearer("good"), json.dumps({**REPORT, "cache": "other"}).encode()),  # not the cache of its label
         (bearer("good"), GOOD),                       # taken
     ])
-    assert codes == [401, 401, 401, 400, 404, 202]
+    assert codes == [401, 401, 401, 400, 403, 202]
     assert store.usage("ml", "llama", dt.datetime.now(dt.timezone.utc)) is not None
     assert metrics.cache_hits.labels("ml", "llama")._value.get() == 2.0
     # One review per distinct token: the accepted one is not reviewed again.
     assert kube.calls.count("review_token") == 3
+
+
+def test_a_pod_labelled_for_a_cache_that_does_not_exist_gets_404() -> None:
+    kube = MemoryKube()
+    kube.reviews = {token("good"): REVIEW}
+    gone = json.dumps({**REPORT, "cache": "gone"}).encode()
+    assert exchange(kube, [(bearer("good"), gone)], pods=labelled(("ml", "trainer", "u-1", "gone")))[0] == [404]
+
+
+def test_a_report_counts_only_for_a_known_pod_labelled_for_its_cache() -> None:
+    kube = MemoryKube()
+    kube.reviews = {token("good"): REVIEW}
+    for pods in (labelled(("ml", "trainer", "u-1", "mistral")),  # labelled for another cache
+                 labelled(("ml", "trainer", "u-old", "llama")),  # a pod of that name, but another one (uid)
+                 labelled(("ml", "other", "u-1", "llama")),      # not watched at all
+                 LabelledPods("cachewarm.dev/cache")):
+        codes, metrics, store = exchange(kube, [(bearer("good"), GOOD)], pods=pods)
+        assert codes == [403] and store.caches() == []
+        assert metrics.cache_hits.labels("ml", "llama")._value.get() == 0.0
+    deleted = labelled()
+    deleted.observe("DELETED", {"metadata": {"namespace": "ml", "name": "trainer", "uid": "u-1"}})
+    assert exchange(kube, [(bearer("good"), GOOD)], pods=deleted)[0] == [403]
+
+
+def test_a_token_that_cannot_pass_a_review_is_refused_without_one() -> None:
+    kube = MemoryKube()
+    kube.reviews = {token("good"): REVIEW}
+    shapes = [
+        {"Authorization": "Bearer not-a-jwt"},
+        {"Authorization": "Bearer a.b.c"},                          # not base64url JSON
+        bearer("good", aud=["https://kubernetes.default.svc"]),      # another audience
+        bearer("good", aud="cachewarm", exp=1),                     # expired
+        bearer("good", exp="4102444800"),                           # exp not a number
+        bearer("good", **{"kubernetes.io": {"namespace": "ml"}}),   # not bound to a pod
+    ]
+    codes, _, _ = exchange(kube, [(h, GOOD) for h in shapes])
+    assert codes == [401] * len(shapes)
+    other_pod = bearer("good", **{"kubernetes.io": {"namespace": "ml", "pod": {"name": "x", "uid": "u-x"}}})
+    assert exchange(kube, [(other_pod, GOOD)])[0] == [403]
+    assert kube.calls.count("review_token") == 0
+
+
+def test_check_token_accepts_a_projected_token_shape_and_returns_its_pod() -> None:
+    assert check_token(token("t", aud="cachewarm"), now=0) == ("ml", "trainer", "u-1")
+    try:
+        check_token(token("t"), now=4102444800)
+    except ReportError as exc:
+        assert exc.status == 401 and "expired" in str(exc)
+    else:
+        raise AssertionError("an expired token passed")
+
+
+def test_a_full_review_queue_answers_503_at_once() -> None:
+    """With the queue full, a report that needs a review is answered 503 without one."""
+    kube = MemoryKube()
+    kube.reviews = {token("good"): REVIEW}
+
+    async def run() -> list[int]:
+        receiver = Receiver(kube=kube, store=Store(), metrics=Metrics(), leading=lambda: True,
+                            cache_exists=lambda ns, name: True, pods=labelled(), review_queue=1)
+        receiver._queued = 1  # one report already waits (a slow apiserver)
+        app = aiohttp.web.Application()
+        app.add_routes([aiohttp.web.post(PATH, receiver.handle)])
+        async with TestClient(TestServer(app)) as http:
+            first = (await http.post(PATH, data=GOOD, headers=bearer("good"))).status
+            receiver._queued = 0
+            second = (await http.post(PATH, data=GOOD, headers=bearer("good"))).status
+            return [first, second]
+    assert asyncio.run(run()) == [503, 202]
+    assert kube.calls.count("review_token") == 1
 
 
 def test_a_follower_and_a_failed_review_answer_503() -> None:
@@ -67,7 +141,7 @@ def test_a_follower_and_a_failed_review_answer_503() -> None:
 
 def test_an_accepted_token_for_another_pod_is_forbidden() -> None:
     kube = MemoryKube()
-    kube.reviews = {"theirs": {**REVIEW, "user": {**REVIEW["user"], "extra": {
+    kube.reviews = {token("theirs"): {**REVIEW, "user": {**REVIEW["user"], "extra": {
         "authentication.kubernetes.io/pod-name": ["trainer-2"], "authentication.kubernetes.io/pod-uid": ["u-2"]}}}}
     codes, metrics, store = exchange(kube, [(bearer("theirs"), GOOD)])
     assert codes == [403] and store.caches() == []

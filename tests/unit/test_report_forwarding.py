@@ -23,7 +23,7 @@ from cachewarm.reports.store import MAX_BODY_BYTES, Store
 from cachewarm.admission.keeper import TlsMaterial
 from cachewarm.admission.server import ServingTls
 from memkube import MemoryKube
-from reportdata import GOOD, REVIEW, bearer
+from reportdata import GOOD, REVIEW, bearer, labelled, token
 
 NOW = dt.datetime.now(dt.timezone.utc)
 SERVICE = "cachewarm-webhook.cachewarm-system.svc"
@@ -53,9 +53,9 @@ class Replica:
 async def leader_at(port: int, leader: Replica, material: TlsMaterial) -> AsyncIterator[None]:
     """The leader's receiver over HTTPS on 127.0.0.1:`port`, serving `material`."""
     kube = MemoryKube()
-    kube.reviews = {"good": REVIEW}
+    kube.reviews = {token("good"): REVIEW}
     receiver = Receiver(kube=kube, store=leader.store, metrics=leader.metrics, leading=lambda: True,
-                        cache_exists=lambda ns, name: (ns, name) == ("ml", "llama"))
+                        cache_exists=lambda ns, name: (ns, name) == ("ml", "llama"), pods=labelled())
     tls = ServingTls()
     tls.load(material)
     app = aiohttp.web.Application()
@@ -82,7 +82,7 @@ def exchange(requests: list[tuple[dict[str, str], bytes]], *, leader: Replica, f
         forwarder = Forwarder(leader_address=lambda: leader_address(port), own_address=own_address,
                               ca=lambda: ca, server_hostname=server_hostname, metrics=follower.metrics)
         receiver = Receiver(kube=MemoryKube(), store=follower.store, metrics=follower.metrics, leading=lambda: False,
-                            cache_exists=lambda ns, name: True, forwarder=forwarder)
+                            cache_exists=lambda ns, name: True, pods=labelled(), forwarder=forwarder)
         app = aiohttp.web.Application()
         app.add_routes([aiohttp.web.post(PATH, receiver.handle)])
         answers = []
@@ -165,7 +165,7 @@ def test_the_ca_is_read_at_each_forward() -> None:
         forwarder = Forwarder(leader_address=lambda: f"127.0.0.1:{port}", own_address="", ca=lambda: served[-1],
                               server_hostname=SERVICE, metrics=follower.metrics)
         receiver = Receiver(kube=MemoryKube(), store=follower.store, metrics=follower.metrics, leading=lambda: False,
-                            cache_exists=lambda ns, name: True, forwarder=forwarder)
+                            cache_exists=lambda ns, name: True, pods=labelled(), forwarder=forwarder)
         app = aiohttp.web.Application()
         app.add_routes([aiohttp.web.post(PATH, receiver.handle)])
         codes = []

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm.api import constants as c
-from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
 from cachewarm.builders.injection import inject_pod
 from cachewarm.builders.localcopy import add_local_copy, add_local_copy_in_process, local_copy_possible
@@ -51,12 +50,13 @@ def _without_env(containers: list[str], cache_name: str) -> list[str]:
 
 @dataclass
 class Admission:
-    """The webhook's answer for one pod: fields to set, warnings, an event to post."""
+    """The webhook's answer for one pod: fields to set, annotations, warnings. Nothing to
+    post: admission has no side effects (the webhook declares sideEffects: None, and a
+    dry-run or a forged review must write nothing)."""
 
     spec: dict[str, Any] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    event: tuple[dict[str, Any], Event] | None = None
     injected: bool = False
 
 
@@ -69,7 +69,6 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
     meta = pod.get("metadata") or {}
     namespace = str(meta.get("namespace") or "")
     cache_name = str((meta.get("labels") or {}).get(c.CACHE_LABEL) or "")
-    pod_name = meta.get("name") or f"{meta.get('generateName', '')}<generated>"
     entry = lookup(namespace, cache_name)
     out = Admission()
     if entry is None:
@@ -133,9 +132,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
     for kept in result.kept:
         out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
                             f"the value from CompilationCache {cache_name!r} was not applied to it")
-    if result.kept:
+    if result.kept and c.INJECTED_ANNOTATION in out.annotations:
+        # Said on the pod itself (no Event: admission writes nothing).
         names = ", ".join(sorted({f"{k.container}/{k.name}" for k in result.kept}))
-        ref = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
-               "metadata": {"name": cache_name, "namespace": namespace, "uid": entry["uid"]}}
-        out.event = (ref, Event("Warning", c.Reason.ENV_KEPT, f"Pod {pod_name} kept its own {names}"))
+        out.annotations[c.INJECTED_ANNOTATION] += f"; kept its own {names}"
     return out

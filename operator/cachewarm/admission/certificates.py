@@ -69,6 +69,14 @@ def make_ca(common_name: str, *, now: dt.datetime, days: int = 365) -> KeyPair:
     return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
+def make_client_cert(ca: KeyPair, common_name: str, *, now: dt.datetime, days: int = 365) -> KeyPair:
+    """A client certificate (TLS client auth) for `common_name`, signed by `ca`: what the
+    apiserver presents to the admission webhook (its admission configuration's
+    kubeConfigFile). Raises ValueError for a CA key make_ca did not make."""
+    return _leaf(ca, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]), None,
+                 ExtendedKeyUsageOID.CLIENT_AUTH, now=now, days=days)
+
+
 def make_serving_cert(
     ca: KeyPair, hosts: list[str], *, now: dt.datetime, days: int = 365
 ) -> KeyPair:
@@ -79,28 +87,35 @@ def make_serving_cert(
     """
     if not hosts:
         raise ValueError("a serving certificate needs at least one host name or IP")
+    return _leaf(ca, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]), _san(hosts),
+                 ExtendedKeyUsageOID.SERVER_AUTH, now=now, days=days)
+
+
+def _leaf(ca: KeyPair, subject: x509.Name, san: x509.SubjectAlternativeName | None, usage: x509.ObjectIdentifier,
+          *, now: dt.datetime, days: int) -> KeyPair:
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError("the CA key must be an EC key made by make_ca")
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .subject_name(subject)
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_san(hosts), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,
         )
-        .sign(ca_key, hashes.SHA256())
     )
+    if san is not None:
+        builder = builder.add_extension(san, critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 

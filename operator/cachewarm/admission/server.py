@@ -7,12 +7,21 @@ a handler that fails) gets a well-formed answer, and that a pod is never refused
 of us: the webhook only adds settings, so on any doubt it admits the pod unchanged. Its
 certificate is reloaded in place (`ServingTls.load`): new connections get the new one,
 the listener never closes.
+
+Two listeners share that certificate (`Listener`): the admission one, which asks for a
+client certificate of the configured CA when there is one (the apiserver's, through its
+admission configuration: anyone else is refused in the TLS handshake and learns nothing),
+and the reports one, which training pods reach with their tokens. Both bound what a
+client can hold: the TLS handshake, the time to send a request's headers and its body,
+the idle time between requests (keep-alive), and the connections open at once; a
+connection over any of them is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -60,10 +69,7 @@ def check_review(data: Any) -> str | None:
 
 async def serve(fn: kopf.WebhookFn, request: aiohttp.web.Request) -> aiohttp.web.Response:
     """One admission request: checked, handed to kopf's `fn`, answered; never a denial."""
-    try:
-        raw = await request.read()
-    except aiohttp.web.HTTPRequestEntityTooLarge as exc:
-        return _bad_request(f"request body too large: {exc.text}", status=413)
+    raw = await request.read()  # read (bounded in size and time) by the listener's middleware
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -105,12 +111,20 @@ async def serve(fn: kopf.WebhookFn, request: aiohttp.web.Request) -> aiohttp.web
 
 
 class ServingTls:
-    """The server's TLS context, whose certificate can be replaced while it serves.
+    """The servers' TLS contexts, whose certificate can be replaced while they serve.
     OpenSSL copies the certificate into each connection as it starts, so loading a new
-    one into the same context affects new handshakes only."""
+    one into the same context affects new handshakes only. `context` is the admission
+    listener's: with `client_ca` (PEM), a client must present a certificate that CA
+    signed (the apiserver's webhook client certificate) or the handshake fails;
+    `reports_context` never asks for one (pods authenticate with their tokens).
+    Raises ssl.SSLError for an unreadable `client_ca`."""
 
-    def __init__(self) -> None:
+    def __init__(self, client_ca: bytes = b"") -> None:
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        if client_ca:
+            self.context.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
+            self.context.verify_mode = ssl.CERT_REQUIRED
+        self.reports_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.material: TlsMaterial | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="cachewarm-tls-"))
 
@@ -127,40 +141,169 @@ class ServingTls:
             out.write(material.key_pem)
         try:
             self.context.load_cert_chain(str(certfile), str(keyfile))
+            self.reports_context.load_cert_chain(str(certfile), str(keyfile))
         finally:
             keyfile.unlink()
         self.material = material
         return True
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one client may hold of a listener (seconds, connections)."""
+
+    handshake_seconds: float = 5.0  # the TLS handshake
+    header_seconds: float = 5.0  # from the handshake to a request's complete headers
+    body_seconds: float = 10.0  # from the headers to the complete body
+    keepalive_seconds: float = 5.0  # from an answer to the next request's complete headers
+    max_connections: int = 256  # open at once; more are closed at once
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+class _Guard(asyncio.Protocol):
+    """Wraps aiohttp's protocol for one connection: refuses it past the connection cap,
+    and closes it when a deadline passes while it is not being answered (the request's
+    headers not in within header_seconds of its start or keepalive_seconds of the last
+    answer; the body's deadline is the middleware's)."""
+
+    def __init__(self, listener: Listener, inner: asyncio.Protocol) -> None:
+        self.listener, self.inner = listener, inner
+        self.transport: asyncio.BaseTransport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._admitted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if len(self.listener.open) >= self.listener.limits.max_connections:
+            self.listener.refused += 1
+            transport.abort()  # type: ignore[attr-defined]  # a transport that streams
+            return
+        self._admitted = True
+        self.listener.open[transport] = self
+        self.arm(self.listener.limits.header_seconds)
+        self.inner.connection_made(transport)
+
+    def arm(self, seconds: float | None) -> None:
+        """Close the connection in `seconds` unless re-armed; None: not while answering."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if seconds is not None and self.transport is not None:
+            self._timer = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        self.listener.expired += 1
+        if self.transport is not None:
+            self.transport.abort()  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if self._admitted:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self._admitted else None
+
+    def pause_writing(self) -> None:
+        if self._admitted:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._admitted:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.arm(None)
+        if self._admitted:
+            self._admitted = False
+            self.listener.open.pop(self.transport, None)  # type: ignore[arg-type]
+            self.inner.connection_lost(exc)
+
+
+_Route = Callable[[aiohttp.web.Request], Awaitable[aiohttp.web.StreamResponse]]
+
+
+class Listener:
+    """One HTTPS listener of `routes` (POST path -> handler; "/{id:.*}" a catch-all) on
+    `addr`:`port` with `context`, bounded by `limits`. `start()` then `stop()`."""
+
+    def __init__(self, *, name: str, addr: str, port: int, context: ssl.SSLContext,
+                 routes: Mapping[str, _Route], limits: Limits) -> None:
+        self.name, self.addr, self.port, self.context, self.limits = name, addr, port, context, limits
+        self.routes = dict(routes)
+        self.open: dict[asyncio.BaseTransport, _Guard] = {}
+        self.refused = self.expired = 0
+        self._runner: aiohttp.web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    @aiohttp.web.middleware
+    async def _deadlines(self, request: aiohttp.web.Request, handler: _Route) -> aiohttp.web.StreamResponse:
+        """The headers are in: the body within body_seconds (read whole, at most
+        max_body_bytes), the answer, then keepalive_seconds for the next request."""
+        guard = self.open.get(request.transport) if request.transport is not None else None
+        if guard is not None:
+            guard.arm(None)
+        try:
+            try:
+                await asyncio.wait_for(request.read(), self.limits.body_seconds)
+            except TimeoutError:
+                return _closing(_bad_request(f"request body not received within {self.limits.body_seconds:g}s",
+                                             status=408))
+            except aiohttp.web.HTTPRequestEntityTooLarge:
+                return _closing(_bad_request(f"request body larger than {self.limits.max_body_bytes} bytes",
+                                             status=413))
+            return await handler(request)
+        finally:
+            if guard is not None:
+                guard.arm(self.limits.keepalive_seconds)
+
+    async def start(self) -> None:
+        """Listen. Raises OSError (the port taken)."""
+        app = aiohttp.web.Application(middlewares=[self._deadlines], client_max_size=self.limits.max_body_bytes)
+        app.add_routes([aiohttp.web.post(path, fn) for path, fn in self.routes.items()])
+        self._runner = aiohttp.web.AppRunner(app, handle_signals=False, keepalive_timeout=self.limits.keepalive_seconds)
+        await self._runner.setup()
+        server = self._runner.server
+        assert server is not None
+        # reuse_port: replicas on one host (tests, a hostNetwork install) share the port.
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _Guard(self, server()), self.addr or None, self.port, ssl=self.context,
+            ssl_handshake_timeout=self.limits.handshake_seconds, reuse_address=True, reuse_port=True)
+        log.info("Serving %s on %s:%s", self.name, self.addr or "*", self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _closing(response: aiohttp.web.Response) -> aiohttp.web.Response:
+    response.force_close()
+    return response
+
+
 class AdmissionServer:
-    """A kopf webhook server (kopf.WebhookServerProtocol) on `addr`:`port` with `tls`."""
+    """A kopf webhook server (kopf.WebhookServerProtocol) on `addr`:`port` with `tls`
+    (its client-authenticating context), bounded by `limits`."""
 
     def __init__(self, *, addr: str, port: int, tls: ServingTls, url: str = "",
-                 routes: Mapping[str, Callable[[aiohttp.web.Request], Awaitable[aiohttp.web.StreamResponse]]]
-                 | None = None) -> None:
+                 limits: Limits | None = None) -> None:
         self.addr, self.port, self.tls, self.url = addr, port, tls, url
-        self.routes = dict(routes or {})  # POST paths served beside the admission webhook (reports)
+        self.limits = limits or Limits()
+        self.listener: Listener | None = None
 
     async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
         async def handle(request: aiohttp.web.Request) -> aiohttp.web.Response:
             return await serve(fn, request)
 
-        app = aiohttp.web.Application()
-        app.add_routes([*(aiohttp.web.post(path, fn) for path, fn in self.routes.items()),
-                        aiohttp.web.post("/{id:.*}", handle)])
-        runner = aiohttp.web.AppRunner(app, handle_signals=False)
-        await runner.setup()
+        self.listener = Listener(name="the admission webhook", addr=self.addr, port=self.port,
+                                 context=self.tls.context, routes={"/{id:.*}": handle}, limits=self.limits)
+        await self.listener.start()
         try:
-            # reuse_port: replicas on one host (tests, a hostNetwork install) share the port.
-            site = aiohttp.web.TCPSite(runner, self.addr or None, self.port, ssl_context=self.tls.context,
-                                       reuse_address=True, reuse_port=True)
-            await site.start()
-            log.info("Serving the admission webhook on %s:%s", self.addr or "*", self.port)
             config = kopf.WebhookClientConfig(url=self.url or f"https://{self.addr}:{self.port}")
             if self.tls.material is not None and self.tls.material.ca_pem:
                 config["caBundle"] = base64.b64encode(self.tls.material.ca_pem).decode("ascii")
             yield config
             await asyncio.Event().wait()  # serve until kopf cancels us
         finally:
-            await runner.cleanup()
+            await self.listener.stop()

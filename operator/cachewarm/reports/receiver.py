@@ -1,4 +1,4 @@
-"""POST /report/v1 on the operator's HTTPS server: reports from training pods.
+"""POST /report/v1 on the operator's reports listener (its own port): reports from training pods.
 
 Only the leader takes reports. The webhook Service spreads them over every replica, so a
 follower forwards each to the leader (`Forwarder`: to the address the leader names in the
@@ -9,11 +9,14 @@ just lost the Lease never sends it round again), or the leader not reached.
 
 In order on the leader, each step refusing with its own status and changing nothing: a
 body of at most reports.MAX_BODY_BYTES (413, on a follower too: it never forwards more);
-a bearer token (401); a well-formed report (400); the apiserver's TokenReview for audience
-`cachewarm` (401 when it does not authenticate the token, 503 when the review cannot be
-made); the token's pod is the report's pod and the cache is in its namespace (403); the
-cache exists (404); at most one report per pod every few seconds (429). Then the report
-is kept (202).
+a bearer token (401); a well-formed report (400); the token's shape checked locally (a
+JWT for audience cachewarm, not expired, bound to a pod, that pod the report's: 401/403,
+no review asked); a place in the bounded TokenReview queue (503 at once when it is full,
+never an unbounded wait); the apiserver's TokenReview for audience `cachewarm` (401 when
+it does not authenticate the token, 503 when the review cannot be made); the token's pod
+is the report's pod and the cache is in its namespace (403); the pod is a labelled pod
+the operator watches, labelled for the report's cache (403); the cache exists (404); at
+most one report per pod every few seconds (429). Then the report is kept (202).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from cachewarm.api.metrics import Metrics
 PATH = "/report/v1"
 # TokenReviews in flight at once: a flood of reports waits here, not in the apiserver.
 MAX_REVIEWS = 4
+# Reports waiting for one of those: past this many, a report is answered 503 at once.
+MAX_REVIEW_QUEUE = 64
 # An accepted token is taken again for this long without another review (the kubelet
 # rotates projected tokens well before they expire; a pod deleted meanwhile reports nothing).
 REVIEW_CACHE_SECONDS = 300.0
@@ -125,10 +130,13 @@ class Forwarder:
 class Receiver:
     def __init__(self, *, kube: KubeClient, store: reports.Store, metrics: Metrics,
                  leading: Callable[[], bool], cache_exists: Callable[[str, str], bool],
-                 forwarder: Forwarder | None = None) -> None:
+                 pods: reports.LabelledPods, forwarder: Forwarder | None = None,
+                 review_queue: int = MAX_REVIEW_QUEUE) -> None:
         self.kube, self.store, self.metrics = kube, store, metrics
         self.leading, self.cache_exists, self.forwarder = leading, cache_exists, forwarder
+        self.pods, self.review_queue = pods, review_queue
         self._reviews = asyncio.Semaphore(MAX_REVIEWS)
+        self._queued = 0  # reports waiting for, or in, a review
         self._accepted: dict[str, tuple[float, Mapping[str, Any]]] = {}  # sha256(token) -> (until, review)
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
@@ -166,8 +174,12 @@ class Receiver:
         if scheme.lower() != "bearer" or not token.strip():
             raise reports.ReportError("a report needs the pod's ServiceAccount token (Authorization: Bearer)", 401)
         report = reports.parse(body)
+        claimed = reports.check_token(token.strip(), time.time())
+        if claimed != (report.pod.namespace, report.pod.name, report.pod.uid):
+            raise reports.ReportError("the token is bound to another pod than the one the report names", 403)
         reviewed = await self._review(token.strip())
         reports.check_identity(report, reviewed)
+        self.pods.check(report)
         if not self.cache_exists(report.pod.namespace, report.cache):
             raise reports.ReportError(f"no CompilationCache {report.pod.namespace}/{report.cache}", 404)
         delta = self.store.record(report, dt.datetime.now(dt.timezone.utc))
@@ -182,12 +194,18 @@ class Receiver:
         cached = self._accepted.get(digest)
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
-        async with self._reviews:
-            try:
-                reviewed: Mapping[str, Any] = await asyncio.to_thread(self.kube.review_token, token,
-                                                                      [reports.AUDIENCE])
-            except KubeError as exc:
-                raise reports.ReportError(f"the token could not be reviewed: {exc}", 503) from None
+        if self._queued >= self.review_queue:
+            raise reports.ReportError(f"{self._queued} reports are waiting for a token review; try again later", 503)
+        self._queued += 1
+        try:
+            async with self._reviews:
+                try:
+                    reviewed: Mapping[str, Any] = await asyncio.to_thread(self.kube.review_token, token,
+                                                                          [reports.AUDIENCE])
+                except KubeError as exc:
+                    raise reports.ReportError(f"the token could not be reviewed: {exc}", 503) from None
+        finally:
+            self._queued -= 1
         if not reviewed.get("authenticated") or reports.AUDIENCE not in (reviewed.get("audiences") or []):
             raise reports.ReportError("the apiserver does not accept this token for audience cachewarm", 401)
         if len(self._accepted) >= REVIEW_CACHE_SIZE:
@@ -200,15 +218,14 @@ class Receiver:
 
 
 async def _body(request: aiohttp.web.Request) -> bytes:
-    """The whole body, read until it ends or passes the size cap (ReportError 413); a
-    single read may return only what has arrived so far."""
+    """The whole body (the listener reads it first, within its size and time limits; a
+    report is much smaller still: ReportError 413)."""
     if (request.content_length or 0) > reports.MAX_BODY_BYTES:
         raise reports.ReportError(f"report is larger than {reports.MAX_BODY_BYTES} bytes", 413)
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await request.content.read(65536):
-        size += len(chunk)
-        if size > reports.MAX_BODY_BYTES:
-            raise reports.ReportError(f"report is larger than {reports.MAX_BODY_BYTES} bytes", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        body = await request.read()
+    except aiohttp.web.HTTPRequestEntityTooLarge:
+        raise reports.ReportError(f"report is larger than {reports.MAX_BODY_BYTES} bytes", 413) from None
+    if len(body) > reports.MAX_BODY_BYTES:
+        raise reports.ReportError(f"report is larger than {reports.MAX_BODY_BYTES} bytes", 413)
+    return body

@@ -14,8 +14,11 @@ copy failed and the pod started cold (a LocalCopyCold Event).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import datetime as dt
+import json
 import threading
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -70,9 +73,9 @@ class Counts(_Strict):
 
 
 class Process(_Strict):
-    pid: int = Field(ge=0)
-    started: int = Field(ge=0)
-    index: int = Field(default=0, ge=0)
+    pid: int = Field(ge=0, le=2**31)
+    started: int = Field(ge=0, le=2**63)
+    index: int = Field(default=0, ge=0, le=10**6)
 
 
 class LocalCopy(_Strict):
@@ -123,7 +126,7 @@ class Report(_Strict):
     pod: PodRef
     cache: str = Field(min_length=1, max_length=253)
     process: Process
-    sequence: int = Field(ge=1)
+    sequence: int = Field(ge=1, le=2**63)
     final: bool = False  # the process's last report, at exit
     counts: Counts
     fingerprint: Fingerprint = Field(default_factory=Fingerprint)
@@ -161,6 +164,85 @@ def check_identity(report: Report, reviewed: Mapping[str, Any]) -> None:
         raise ReportError(f"the token belongs to pod {namespace}/{pod_name}, not to the pod the report names", 403)
     if "/" in report.cache:
         raise ReportError("a pod reports only for a cache in its own namespace", 403)
+
+
+MAX_TOKEN_BYTES = 16 * 1024  # a projected token is about 1 KiB
+
+
+def _segment(part: str) -> Any:
+    """One base64url JWT segment as JSON. Raises ValueError."""
+    try:
+        raw = base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+        return json.loads(raw)
+    except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def check_token(token: str, now: float) -> tuple[str, str, str]:
+    """The pod a projected ServiceAccount token claims to be bound to (namespace, name,
+    uid), checked locally before the apiserver is asked to review it: a JWT (three
+    base64url parts, a JSON header and payload), for audience cachewarm, not expired at
+    `now` (epoch seconds), with the kubernetes.io pod claim. Nothing here is trusted
+    (the signature is the apiserver's to check); it only spares a TokenReview for what
+    cannot pass one. Raises ReportError (401)."""
+    if len(token) > MAX_TOKEN_BYTES:
+        raise ReportError("the token is not a ServiceAccount token (too long)", 401)
+    parts = token.split(".")
+    if len(parts) != 3 or not all(parts):
+        raise ReportError("the token is not a ServiceAccount token (not a JWT)", 401)
+    try:
+        header, payload = _segment(parts[0]), _segment(parts[1])
+    except ValueError:
+        raise ReportError("the token is not a ServiceAccount token (not base64url JSON)", 401) from None
+    if not isinstance(header, dict) or not isinstance(payload, dict):
+        raise ReportError("the token is not a ServiceAccount token (not a JSON object)", 401)
+    aud = payload.get("aud")
+    audiences = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
+    if AUDIENCE not in audiences:
+        raise ReportError(f"the token is not for audience {AUDIENCE}", 401)
+    exp = payload.get("exp")
+    if not isinstance(exp, (int, float)) or isinstance(exp, bool) or exp <= now:
+        raise ReportError("the token has expired (or says no expiry)", 401)
+    claim = payload.get("kubernetes.io")
+    pod = claim.get("pod") if isinstance(claim, dict) else None
+    namespace = claim.get("namespace") if isinstance(claim, dict) else None
+    if not isinstance(pod, dict) or not all(isinstance(v, str) and v for v in
+                                            (namespace, pod.get("name"), pod.get("uid"))):
+        raise ReportError("the token is not bound to a pod (a projected ServiceAccount token is needed)", 401)
+    return str(namespace), str(pod["name"]), str(pod["uid"])
+
+
+class LabelledPods:
+    """The labelled pods the operator watches (namespace, name) -> (uid, the cache it is
+    labelled for): a report counts only for the cache its pod is labelled for. Kept on
+    the event loop (watch events in, report checks out)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._pods: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def observe(self, event_type: str | None, pod: Mapping[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        cache = (meta.get("labels") or {}).get(self.label)
+        if event_type == "DELETED" or not cache:
+            self._pods.pop(key, None)
+        else:
+            self._pods[key] = (str(meta.get("uid") or ""), str(cache))
+
+    def get(self, namespace: str, name: str) -> tuple[str, str] | None:
+        return self._pods.get((namespace, name))
+
+    def check(self, report: Report) -> None:
+        """The report's pod is one we watch, that very pod (uid), labelled for the
+        report's cache. Raises ReportError (403)."""
+        found = self.get(report.pod.namespace, report.pod.name)
+        if found is None or found[0] != report.pod.uid:
+            raise ReportError(f"pod {report.pod.namespace}/{report.pod.name} is not a labelled pod the operator "
+                              "knows (yet)", 403)
+        if found[1] != report.cache:
+            raise ReportError(f"pod {report.pod.namespace}/{report.pod.name} is labelled for CompilationCache "
+                              f"{found[1]!r}, not {report.cache!r}", 403)
 
 
 @dataclasses.dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import datetime as dt
 import logging
 import time
 from typing import Any
@@ -26,8 +25,6 @@ from cachewarm.reconcile.status import was_warmed
 from cachewarm.reconcile import warmup as warmups
 from cachewarm.api import constants as c
 from cachewarm.builders.reporting import Reporting
-from cachewarm.clients.kube import KubeClient, KubeError
-from cachewarm.api.events import Event
 
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
 WEBHOOK_ID = "inject-cache"
@@ -41,7 +38,10 @@ async def on_cache_event(body: kopf.Body, memo: Any, **kwargs: Any) -> None:
 
 async def on_pod_event(body: kopf.Body, memo: Any, caches: kopf.Index[Any, Any], **kwargs: Any) -> None:
     """Every labelled pod, at startup and on each change: counted if the webhook injected
-    it; released (leader only) if it is held for a cache that does not exist."""
+    it; released (leader only) if it is held for a cache that does not exist. Kept in
+    memo.pods too: a report counts only for the cache its pod is labelled for."""
+    if "pods" in memo:
+        memo.pods.observe(kwargs.get("type"), body)
     if kwargs.get("type") == "DELETED":
         return
     meta = body.get("metadata") or {}
@@ -93,9 +93,7 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
         patch.spec[key] = value
     if answer.annotations:
         patch.metadata.setdefault("annotations", {}).update(answer.annotations)
-    warnings.extend(answer.warnings)
-    if not dryrun and answer.event is not None:
-        _post_in_background(memo.kube, *answer.event)
+    warnings.extend(answer.warnings)  # admission writes nothing (no Event): sideEffects None
     _count_admission(memo, "injected" if answer.injected else "unchanged", started)
 
 
@@ -115,24 +113,6 @@ def _count_admission(memo: Any, outcome: str, started: float) -> None:
     if metrics is not None:
         metrics.admissions.labels(outcome).inc()
         metrics.admission_seconds.labels(outcome).observe(time.perf_counter() - started)
-
-
-_background: set[asyncio.Future[None]] = set()
-
-
-def _post_in_background(kube: KubeClient, ref: dict[str, Any], event: Event) -> None:
-    """Post an Event without holding up the admission response."""
-
-    def post() -> None:
-        try:
-            kube.post_event(ref, type=event.type, reason=event.reason, message=event.message,
-                            now=dt.datetime.now(dt.timezone.utc))
-        except KubeError as exc:
-            log.warning("Could not post event %s: %s", event.reason, exc)
-
-    future = asyncio.get_running_loop().run_in_executor(None, post)
-    _background.add(future)
-    future.add_done_callback(_background.discard)
 
 
 def register(registry: kopf.OperatorRegistry, *, webhook: bool) -> None:

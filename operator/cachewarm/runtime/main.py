@@ -1,5 +1,5 @@
 """Runs the operator: settings, logging, kopf registry, leader election, the reconcile
-controller, the webhook endpoint and its certificate, and the event loop."""
+controller, the webhook and reports listeners and their certificate, and the event loop."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import datetime as dt
 import os
 import signal
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -25,9 +26,9 @@ from cachewarm.runtime.queue import backoff
 from cachewarm.api.metrics import Metrics
 from cachewarm.reports.receiver import PATH as REPORT_PATH
 from cachewarm.reports.receiver import Forwarder, Receiver
-from cachewarm.reports.store import Store
+from cachewarm.reports.store import LabelledPods, Store
 from cachewarm.runtime.settings import Settings
-from cachewarm.admission.server import AdmissionServer, ServingTls
+from cachewarm.admission.server import AdmissionServer, Limits, Listener, ServingTls
 
 # Retries of the webhook configuration stop doubling here: once it is installed, the
 # operator should notice within a minute.
@@ -57,6 +58,7 @@ def run(settings: Settings) -> None:
         settings=settings,
         metrics=metrics,
         reports=Store(dt.timedelta(seconds=settings.report_window_seconds)),
+        pods=LabelledPods(c.CACHE_LABEL),
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
         kube=kube,
         injections=RecentInjections(settings.injection_window_seconds),
@@ -89,9 +91,12 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     log = logs.get("cachewarm.operator")
     handlers.configure_kopf(settings)
     # Where this replica takes reports; named in the Lease while it leads.
-    reports_at = address(ours.pod_ip, ours.webhook_port) if ours.webhook_enabled else ""
+    reports_at = address(ours.pod_ip, ours.reports_port) if ours.webhook_enabled else ""
     if ours.webhook_enabled:
-        tls = ServingTls()
+        tls = ServingTls(Path(ours.admission_client_ca).read_bytes() if ours.admission_client_ca else b"")
+        if not ours.admission_client_ca:
+            log.warning("The admission listener answers any caller that reaches it (no admission_client_ca): it "
+                        "cannot tell the apiserver from a pod; see docs/security.md")
         material, authoritative = await _first_material(ours, memo.kube)
         try:
             tls.load(material)
@@ -100,8 +105,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
                         error=f"{type(exc).__name__}: {exc}")
             tls.load(servingcert.in_memory(webhook_hosts(ours), dt.datetime.now(dt.timezone.utc)))
             authoritative = False
-        # Reports from training pods arrive on the same HTTPS server (and certificate); a
-        # follower forwards them to the leader, trusting what it serves itself.
+        # Reports from training pods arrive on their own listener (same certificate, no
+        # client certificate asked); a follower forwards them to the leader's, trusting
+        # what it serves itself.
         memo.forwarder = Forwarder(
             leader_address=lambda: parse_identity(memo.leadership.holder)[1] if "leadership" in memo else None,
             own_address=reports_at,
@@ -111,9 +117,20 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             kube=memo.kube, store=memo.reports, metrics=memo.metrics,
             leading=lambda: "controller" in memo and memo.controller.leader.is_leader,
             cache_exists=lambda ns, name: "controller" in memo and memo.controller.has_cache(ns, name),
-            forwarder=memo.forwarder)
+            pods=memo.pods, forwarder=memo.forwarder, review_queue=ours.report_review_queue)
+        limits = Limits(handshake_seconds=ours.http_header_seconds, header_seconds=ours.http_header_seconds,
+                        body_seconds=ours.http_body_seconds, keepalive_seconds=ours.http_keepalive_seconds,
+                        max_connections=ours.http_max_connections)
+        memo.report_listener = Listener(name="reports", addr=ours.webhook_address, port=ours.reports_port,
+                                        context=tls.reports_context, routes={REPORT_PATH: receiver.handle},
+                                        limits=limits)
+        try:
+            await memo.report_listener.start()
+        except OSError as exc:
+            log.error("Could not listen for reports; pods' reports are not taken", port=ours.reports_port,
+                      error=str(exc))
         settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
-                                                    url=ours.webhook_url, routes={REPORT_PATH: receiver.handle})
+                                                    url=ours.webhook_url, limits=limits)
         keeper = WebhookKeeper(ours, memo.kube, tls, authoritative)
         await keeper.point_configuration()
         memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
@@ -162,6 +179,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     forwarder = memo.get("forwarder")
     if forwarder is not None:
         await forwarder.close()
+    report_listener = memo.get("report_listener")
+    if report_listener is not None:
+        await report_listener.stop()
     if leadership is not None:
         await asyncio.to_thread(leadership.release)
 

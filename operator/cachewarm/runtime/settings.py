@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -52,8 +53,42 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="Timeout of one Kubernetes API request the operator makes outside its watches."
     )
     report_url: str = Field(
-        default="https://cachewarm-webhook.cachewarm-system.svc/report/v1",
-        description="Where training pods send their reports (the operator's HTTPS server, through its Service).",
+        default="https://cachewarm-webhook.cachewarm-system.svc:9444/report/v1",
+        description="Where training pods send their reports (the operator's reports listener, reports_port, "
+                    "through its Service).",
+    )
+    reports_port: int = Field(
+        default=9444, ge=1, le=65535,
+        description="HTTPS port of the reports listener (on webhook_address, with the webhook's certificate; no "
+                    "client certificate asked): training pods' reports, apart from admission.",
+    )
+    admission_client_ca: str = Field(
+        default="",
+        description="PEM file of the CA that signs the apiserver's webhook client certificate (its "
+                    "--admission-control-config-file): the admission listener then refuses, in the TLS handshake, "
+                    "any caller without a certificate of it. Empty: any caller that reaches the port is answered "
+                    "(GKE cannot give the apiserver a webhook client certificate; see docs/security.md).",
+    )
+    http_header_seconds: float = Field(
+        default=5.0, gt=0, le=300,
+        description="Both listeners: a connection's TLS handshake, and a request's headers after it, each within "
+                    "this long, or the connection is closed.",
+    )
+    http_body_seconds: float = Field(
+        default=10.0, gt=0, le=300,
+        description="Both listeners: a request's body within this long after its headers (else 408, closed).",
+    )
+    http_keepalive_seconds: float = Field(
+        default=5.0, gt=0, le=300,
+        description="Both listeners: an idle connection's next request headers within this long, or it is closed.",
+    )
+    http_max_connections: int = Field(
+        default=256, ge=1, le=100_000,
+        description="Both listeners, each: connections open at once; more are closed as they are made.",
+    )
+    report_review_queue: int = Field(
+        default=64, ge=1, le=100_000,
+        description="Reports waiting for a TokenReview at once (4 run at a time); more are answered 503 at once.",
     )
     report_window_seconds: float = Field(
         default=3600.0, gt=0, description="status.usage sums the reports of training pods from this long back."
@@ -140,6 +175,18 @@ class Settings(BaseSettings):
     injection_window_seconds: float = Field(
         default=3600.0, gt=0, description="Window over which status.injection.recentPods counts injected pods."
     )
+
+    @field_validator("admission_client_ca")
+    @classmethod
+    def _client_ca(cls, value: str) -> str:
+        """A readable PEM file of CA certificates (checked now: a typo must not leave the
+        admission listener open to anyone, nor stop it later)."""
+        if value:
+            try:
+                ssl.create_default_context(cafile=value)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"not a readable PEM file of CA certificates: {value!r} ({exc})") from exc
+        return value
 
     @field_validator("namespaces", "webhook_hosts", mode="before")
     @classmethod

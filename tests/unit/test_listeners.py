@@ -1,0 +1,195 @@
+"""The operator's HTTPS listeners (admission/server.Listener) in process, over real TLS
+sockets on loopback: a client that sends its headers or body too slowly, idles after an
+answer, or comes past the connection cap is closed; the admission context refuses a
+caller without the apiserver's client certificate in the handshake.
+
+Deadlines here are short (a fraction of a second) so a test ends quickly; the asserts
+are on what happened (closed or answered), never on how long it took. A read that waits
+WAIT seconds without the server closing is a failure: the defaults without these limits
+(aiohttp's keep-alive of an hour, no header deadline) would hold the connection far
+longer."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ssl
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import aiohttp.web
+import pytest
+
+from cachewarm.admission import certificates as certs
+from cachewarm.admission.keeper import TlsMaterial
+from cachewarm.admission.server import Limits, Listener, ServingTls
+from cachewarm_testbed.processes import free_port
+
+NOW = dt.datetime.now(dt.timezone.utc)
+WAIT = 20.0  # far beyond any limit below
+FAST = Limits(handshake_seconds=1.0, header_seconds=0.5, body_seconds=0.5, keepalive_seconds=0.5,
+              max_connections=2, max_body_bytes=1024)
+T = TypeVar("T")
+
+
+async def ok(request: aiohttp.web.Request) -> aiohttp.web.Response:
+    return aiohttp.web.json_response({"got": len(await request.read())})
+
+
+def pki() -> tuple[TlsMaterial, certs.KeyPair, certs.KeyPair]:
+    ca = certs.make_ca("serving", now=NOW)
+    leaf = certs.make_serving_cert(ca, ["127.0.0.1"], now=NOW)
+    client_ca = certs.make_ca("apiserver-client-ca", now=NOW)
+    return TlsMaterial(leaf.cert_pem, leaf.key_pem, ca.cert_pem), client_ca, certs.make_client_cert(
+        client_ca, "kube-apiserver", now=NOW)
+
+
+def client_context(ca_pem: bytes, client: certs.KeyPair | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    if client is not None:
+        with tempfile.TemporaryDirectory() as where:
+            crt, key = Path(where) / "c.crt", Path(where) / "c.key"
+            crt.write_bytes(client.cert_pem)
+            key.write_bytes(client.key_pem)
+            context.load_cert_chain(str(crt), str(key))
+    return context
+
+
+def serving(limits: Limits, body: Callable[[int, ServingTls], Awaitable[T]], client_ca: bytes = b"",
+            admission: bool = False) -> T:
+    material, _, _ = MATERIAL
+    tls = ServingTls(client_ca)
+    tls.load(material)
+
+    async def run() -> T:
+        port = free_port()
+        listener = Listener(name="test", addr="127.0.0.1", port=port,
+                            context=tls.context if admission else tls.reports_context,
+                            routes={"/x": ok}, limits=limits)
+        await listener.start()
+        try:
+            return await body(port, tls)
+        finally:
+            await listener.stop()
+    return asyncio.run(run())
+
+
+MATERIAL = pki()
+
+
+async def connect(port: int, context: ssl.SSLContext | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, ssl=context or client_context(MATERIAL[0].ca_pem),
+                                         server_hostname="127.0.0.1")
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    """True when the server closes the connection (EOF or reset) before WAIT passes."""
+    try:
+        while await asyncio.wait_for(reader.read(65536), WAIT):
+            pass
+    except (ConnectionError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+async def post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes = b"{}") -> bytes:
+    writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    return await asyncio.wait_for(reader.readuntil(b"}"), WAIT)
+
+
+def test_headers_sent_too_slowly_close_the_connection() -> None:
+    # Keep-alive far off: only the header deadline can close this one, which sends a
+    # header byte every 0.1 s and never ends them (slowloris).
+    limits = Limits(handshake_seconds=5, header_seconds=0.5, body_seconds=5, keepalive_seconds=WAIT * 2,
+                    max_connections=2, max_body_bytes=1024)
+
+    async def body(port: int, _: ServingTls) -> bool:
+        reader, writer = await connect(port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+
+        async def dribble() -> None:
+            for _ in range(int(WAIT * 10)):  # one byte of one header's value at a time
+                writer.write(b"y")
+                await asyncio.sleep(0.1)
+        task = asyncio.create_task(dribble())
+        try:
+            return await closed(reader)
+        finally:
+            task.cancel()
+    assert serving(limits, body)
+
+
+def test_a_body_sent_too_slowly_gets_408_and_is_closed() -> None:
+    async def body(port: int, _: ServingTls) -> tuple[bytes, bool]:
+        reader, writer = await connect(port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), WAIT)
+        return status, await closed(reader)
+    status, was_closed = serving(FAST, body)
+    assert status.startswith(b"HTTP/1.1 408") and was_closed
+
+
+def test_an_idle_connection_after_an_answer_is_closed_and_a_body_over_the_cap_is_413() -> None:
+    async def body(port: int, _: ServingTls) -> tuple[bytes, bytes, bool]:
+        reader, writer = await connect(port)
+        answered = await post(reader, writer)
+        reader2, writer2 = await connect(port)
+        writer2.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000)
+        await writer2.drain()
+        too_large = await asyncio.wait_for(reader2.readline(), WAIT)
+        return answered, too_large, await closed(reader)
+    answered, too_large, idle_closed = serving(FAST, body)
+    assert answered.startswith(b"HTTP/1.1 200") and answered.endswith(b'{"got": 2}')
+    assert too_large.startswith(b"HTTP/1.1 413")
+    assert idle_closed
+
+
+def test_connections_past_the_cap_are_closed_and_those_within_it_served() -> None:
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+                    max_connections=2, max_body_bytes=1024)
+
+    async def body(port: int, _: ServingTls) -> tuple[bool, bytes]:
+        held = [await connect(port), await connect(port)]
+        await asyncio.sleep(0)  # both handshakes done by connect(): they count
+        reader, _writer = await connect(port)
+        third_closed = await closed(reader)
+        return third_closed, await post(*held[0])
+    third_closed, first = serving(limits, body)
+    assert third_closed and first.startswith(b"HTTP/1.1 200")
+
+
+def test_the_admission_context_refuses_a_caller_without_the_apiservers_client_certificate() -> None:
+    material, client_ca, client = MATERIAL
+    stranger_ca = certs.make_ca("not-the-apiserver", now=NOW)
+    stranger = certs.make_client_cert(stranger_ca, "kube-apiserver", now=NOW)
+
+    async def body(port: int, _: ServingTls) -> list[str]:
+        outcomes = []
+        for who in (None, stranger, client):
+            try:
+                reader, writer = await connect(port, client_context(material.ca_pem, who))
+                outcomes.append((await post(reader, writer)).split(b"\r\n")[0].decode())
+            except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as exc:
+                outcomes.append(f"refused: {type(exc).__name__}")
+        return outcomes
+    outcomes = serving(FAST, body, client_ca=client_ca.cert_pem, admission=True)
+    assert outcomes[0].startswith("refused") and outcomes[1].startswith("refused"), outcomes
+    assert outcomes[2] == "HTTP/1.1 200 OK"
+
+
+def test_without_a_client_ca_the_admission_context_asks_for_no_certificate() -> None:
+    async def body(port: int, _: ServingTls) -> bytes:
+        return await post(*await connect(port))
+    assert serving(FAST, body, admission=True).startswith(b"HTTP/1.1 200")
+
+
+def test_an_unreadable_client_ca_stops_the_start() -> None:
+    with pytest.raises(ssl.SSLError):
+        ServingTls(b"-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
