@@ -47,7 +47,8 @@ def test_invalid_cache_admits_unchanged_with_the_reason() -> None:
 def test_injection_sets_env_and_annotation_without_gate_by_default() -> None:
     answer = admit.admit_pod(pod(), lookup(entry({**SPEC, "warmup": WARMUP})))
     assert answer.injected and "schedulingGates" not in answer.spec
-    assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadWrite, gs://b-1/p)"}
+    # A spec without a mode reads only (D6: the CRD's default, and the model's).
+    assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadOnly, gs://b-1/p)"}
     assert answer.warnings == []
 
 

@@ -32,6 +32,8 @@ POOLS = [
 WARMER = "cachewarm/warmer:0.1.0"
 # The ConfigMaps the operator verified (status.injection.configMaps), as the index has them.
 ENV_CM, BOOT_CM = "cachewarm-llama-env-0123456789", "cachewarm-llama-boot-abcdef0123"
+# The generation of each pool's manifest the operator recorded from its own warmers.
+MANIFESTS = {"cpu": "1700000000000001", "h100": "1700000000000002", "a100": "3", "v5p": "4"}
 
 
 def cache_spec(local: dict[str, Any] | None = None, report: bool = True, pools: list[dict[str, Any]] | None = None
@@ -53,9 +55,10 @@ def training_pod(**spec: Any) -> dict[str, Any]:
 
 
 def admit(pod: dict[str, Any], spec: dict[str, Any], *, warmer: str | None = WARMER,
-          reporting: bool = True, boot: str | None = BOOT_CM) -> admission.Admission:
+          reporting: bool = True, boot: str | None = BOOT_CM,
+          manifests: dict[str, str] | None = None) -> admission.Admission:
     entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True, env_configmap=ENV_CM,
-                                  boot_configmap=boot)
+                                  boot_configmap=boot, manifests=MANIFESTS if manifests is None else manifests)
     return admission.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, warmer)
 
@@ -128,7 +131,7 @@ def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifest
     assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache"} in copier["volumeMounts"]
     got = env(copier)
     assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the training container's env, as it reaches GCS
-    assert got["CACHEWARM_COPY_MANIFESTS"] == "llama/.cachewarm/pools/team/llama/h100.json"
+    assert got["CACHEWARM_COPY_MANIFESTS"] == "llama/.cachewarm/pools/team/llama/h100.json#1700000000000002"
     assert (got["CACHEWARM_COPY_BUCKET"], got["CACHEWARM_COPY_PREFIX"], got["CACHEWARM_COPY_DEST"]) == (
         "team-cache", "llama", "/cachewarm-cache")
     assert got["CACHEWARM_COPY_MAX_BYTES"] == str(int(20 * 2**30 * 0.9))
@@ -146,8 +149,9 @@ def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifest
                      "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}}}},
                  id="Ephemeral-default-class"),
     pytest.param({}, {"emptyDir": {"sizeLimit": "10Gi"}}, id="EmptyDir"),
-    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax"},
-                 {"hostPath": {"path": "/mnt/disks/ssd0/jax", "type": "DirectoryOrCreate"}}, id="HostPath"),
+    # Withdrawn (D1): a cache stored with it gets an EmptyDir of its sizeLimit.
+    pytest.param({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax", "sizeLimit": "30Gi"},
+                 {"emptyDir": {"sizeLimit": "30Gi"}}, id="HostPath"),
     pytest.param({"volume": "Ephemeral", "sizeLimit": "50Gi", "storageClassName": "premium-rwo"},
                  {"ephemeral": {"volumeClaimTemplate": {
                      "metadata": {"labels": {"app.kubernetes.io/managed-by": "cachewarm"}},
@@ -215,8 +219,33 @@ def test_without_warmup_the_whole_prefix_is_copied() -> None:
     spec = cache_spec({})
     del spec["warmup"]
     copier = next(c for c in admit(training_pod(), spec).spec["initContainers"] if c["name"] == "cachewarm-copy")
-    assert env(copier)["CACHEWARM_COPY_MANIFESTS"] == ""
+    assert "CACHEWARM_COPY_MANIFESTS" not in env(copier)  # unset: the prefix, trusting the bucket's IAM
     assert copier["command"][4] == "python"
+
+
+@pytest.mark.parametrize(("manifests", "expected"), [
+    pytest.param({"cpu": "1", "h100": "2", "a100": "3", "v5p": "4"},
+                 "llama/.cachewarm/pools/team/llama/h100.json#2,llama/.cachewarm/pools/team/llama/a100.json#3",
+                 id="all-known"),
+    pytest.param({"a100": "3"}, "llama/.cachewarm/pools/team/llama/a100.json#3", id="one-known"),
+    pytest.param({"cpu": "1"}, "", id="another-pools-only"),  # set, empty: trusts nothing
+    pytest.param({}, "", id="none-known"),
+    pytest.param({"h100": "2,x.json#9", "a100": "-3", "v5p": ""}, "", id="not-generations"),
+    pytest.param({"h100": "12345678901234567890", "a100": " 3"}, "", id="too-long-or-padded"),
+])
+def test_the_copier_trusts_only_the_manifests_the_operator_recorded_pinned_to_their_generation(
+        manifests: dict[str, str], expected: str) -> None:
+    """D3: a GPU pod (either GPU pool) gets `<object>#<generation>` for each of its pools
+    whose generation the operator recorded from its own warmers; with none, the variable
+    set but empty (the copier copies nothing); anything that is not a decimal generation
+    is left out, never passed on (a ',' or '#' would make another item)."""
+    pod = training_pod()
+    pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "8"
+    for answer in (admit(pod, cache_spec({}), manifests=manifests),
+                   admit_known(pod, cache_spec({}), manifests=manifests)):
+        [holder] = [ct for ct in [*answer.spec["containers"], *answer.spec["initContainers"]]
+                    if "CACHEWARM_COPY_BUCKET" in env(ct)]
+        assert env(holder)["CACHEWARM_COPY_MANIFESTS"] == expected
 
 
 def test_the_copier_runs_with_the_warmups_python() -> None:
@@ -237,11 +266,13 @@ def test_an_emptydir_copy_stays_within_half_the_pods_ephemeral_storage_limits() 
     pod["spec"]["containers"].append({"name": "side", "image": "side:1"})
     copier = next(c for c in admit(pod, cache_spec({})).spec["initContainers"] if c["name"] == "cachewarm-copy")
     assert env(copier)["CACHEWARM_COPY_MAX_BYTES"] == str(int(10 * 2**30 * 0.9))
-    # A hostPath is not the pod's ephemeral storage.
+    # An ephemeral claim is not the pod's ephemeral storage; a HostPath cache's copy (an
+    # EmptyDir now) is.
     pod["spec"]["containers"].pop()
-    local = {"volume": "HostPath", "hostPath": "/mnt/ssd"}
-    copier = next(c for c in admit(pod, cache_spec(local)).spec["initContainers"] if c["name"] == "cachewarm-copy")
-    assert env(copier)["CACHEWARM_COPY_MAX_BYTES"] == str(int(10 * 2**30 * 0.9))
+    for local, budget in (({"volume": "Ephemeral"}, int(10 * 2**30 * 0.9)),
+                          ({"volume": "HostPath", "hostPath": "/mnt/ssd"}, 2**30)):
+        copier = next(c for c in admit(pod, cache_spec(local)).spec["initContainers"] if c["name"] == "cachewarm-copy")
+        assert env(copier)["CACHEWARM_COPY_MAX_BYTES"] == str(budget)
 
 
 def test_the_copier_runs_the_pods_default_container_not_a_sidecar_listed_first() -> None:
@@ -267,18 +298,42 @@ def test_envfrom_containers_read_the_bucket_from_the_configmap_which_never_names
     assert train["envFrom"][0] == {"configMapRef": {"name": ENV_CM, "optional": True}}
 
 
-def test_the_copier_runs_as_the_main_containers_user_without_its_privileges() -> None:
-    """A TPU or GPU container may be privileged or add capabilities; the copy needs
-    neither: it keeps who the container runs as and its confinement, and asks for what
-    PodSecurity restricted wants."""
-    pod = training_pod()
-    pod["spec"]["containers"][0]["securityContext"] = {
-        "privileged": True, "capabilities": {"add": ["SYS_RESOURCE"]}, "runAsUser": 1000, "runAsGroup": 1000,
-        "seccompProfile": {"type": "Localhost", "localhostProfile": "train.json"}}
-    copier = next(c for c in admit(pod, cache_spec({})).spec["initContainers"] if c["name"] == "cachewarm-copy")
-    assert copier["securityContext"] == {
-        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsUser": 1000, "runAsGroup": 1000,
-        "seccompProfile": {"type": "Localhost", "localhostProfile": "train.json"}}
+def d7(user: int) -> dict[str, Any]:
+    """The one securityContext of every init container we add (D7)."""
+    return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True, "runAsUser": user, "seccompProfile": {"type": "RuntimeDefault"},
+            "readOnlyRootFilesystem": True}
+
+
+@pytest.mark.parametrize(("pod_context", "container_context", "user"), [
+    pytest.param({}, {"privileged": True}, 65532, id="privileged"),
+    pytest.param({"runAsUser": 0}, {"capabilities": {"add": ["SYS_ADMIN"]}}, 65532, id="root-pod-sys-admin"),
+    pytest.param({}, {"runAsUser": 0, "allowPrivilegeEscalation": True, "runAsNonRoot": False}, 65532, id="root"),
+    pytest.param({"runAsUser": 1000, "runAsNonRoot": False}, {"privileged": True,
+                 "seccompProfile": {"type": "Unconfined"}, "readOnlyRootFilesystem": False}, 1000, id="pod-user"),
+    pytest.param({}, {"runAsUser": 1000, "runAsGroup": 0, "capabilities": {"add": ["SYS_RESOURCE"]},
+                      "seLinuxOptions": {"type": "spc_t"}, "procMount": "Unmasked"}, 1000, id="container-user"),
+])
+@pytest.mark.parametrize("report", [True, False])
+def test_every_init_container_we_add_has_the_fixed_restricted_context_never_the_training_containers(
+        pod_context: dict[str, Any], container_context: dict[str, Any], user: int, report: bool) -> None:
+    """D7: a TPU or GPU container may be privileged, root or add capabilities; the copy,
+    the reporter's copy and its recorder need none of it, whatever the training container
+    has: PodSecurity restricted, as its user where not root, else 65532."""
+    pod = training_pod(securityContext=pod_context)
+    pod["spec"]["containers"][0]["securityContext"] = container_context
+    # The copier in place of the recorder; then a recorder of its own, for a second container
+    # of another image (the main one's PYTHONPATH, from a reference, keeps the reporter off it).
+    sidecar = {"name": "eval", "image": "eval:1", "securityContext": container_context}
+    for more in ([], [sidecar]):
+        pod["spec"]["containers"] += more
+        if more:
+            pod["spec"]["containers"][0]["env"].append(
+                {"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {"name": "e", "key": "p"}}})
+        init = admit(pod, cache_spec({}, report=report), reporting=report).spec["initContainers"]
+        assert {ct["name"] for ct in init} >= {"cachewarm-reporter", "cachewarm-copy"}
+        assert all(ct["securityContext"] == d7(user) for ct in init), [ct["securityContext"] for ct in init]
+    assert "cachewarm-pythonpath" in {ct["name"] for ct in init} or not report
 
 
 @pytest.mark.parametrize(("change", "folded"), [
@@ -316,17 +371,25 @@ def test_reinvocation_resyncs_a_folded_copiers_resources_with_the_training_conta
     assert copier["resources"] == {"limits": {"cpu": "2", "memory": "4Gi"}}
 
 
-def test_a_hostpath_copy_is_the_caches_own_subpath_in_every_container_and_the_copier() -> None:
-    """`<hostPath>/<namespace>/<cache>` as a subPath (the kubelet makes it with hostPath's
-    own mode, so a root the admin made writable gives each cache a writable directory)."""
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_hostpath_cache_gets_each_pod_its_own_emptydir_copy_and_says_why(in_process: bool) -> None:
+    """D1: no copy shared between pods. A cache stored with HostPath (the CRD refuses it in
+    new or changed specs) gets an EmptyDir of its sizeLimit, mounted read-only in every
+    container of the pod's own; the webhook says why. No hostPath, no subPath anywhere."""
     pod = training_pod()
     pod["spec"]["initContainers"] = [{"name": "fetch", "image": "busybox", "command": ["true"]}]
-    spec = admit(pod, cache_spec({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax"})).spec
-    mounts = {ct["name"]: next(m for m in ct["volumeMounts"] if m["name"] == "cachewarm-cache")
-              for ct in [*spec["containers"], *spec["initContainers"]] if ct["name"] != "cachewarm-reporter"}
-    assert set(mounts) == {"train", "fetch", "cachewarm-copy"}
-    assert {m["subPath"] for m in mounts.values()} == {"team/llama"}
-    assert mounts["cachewarm-copy"].get("readOnly") is None and mounts["train"]["readOnly"] is True
+    spec = cache_spec({"volume": "HostPath", "hostPath": "/mnt/disks/ssd0/jax", "sizeLimit": "30Gi"})
+    answer = admit_known(pod, spec) if in_process else admit(pod, spec)
+    assert any("HostPath local copy, which is no longer served" in w and "another pod reads" in w and "30Gi" in w
+               for w in answer.warnings), answer.warnings
+    assert "hostPath" not in json.dumps(answer.spec) and "subPath" not in json.dumps(answer.spec)
+    assert {"name": "cachewarm-cache", "emptyDir": {"sizeLimit": "30Gi"}} in answer.spec["volumes"]
+    ours = ("cachewarm-reporter", "cachewarm-copy")
+    for ct in [*answer.spec["containers"], *answer.spec["initContainers"]]:
+        for m in ct.get("volumeMounts") or []:
+            if m["name"] == "cachewarm-cache" and ct["name"] not in ours and m["mountPath"] != "/cachewarm-copy":
+                assert m["readOnly"] is True, ct["name"]
+    assert not any("HostPath" in w for w in admit(pod, cache_spec({"sizeLimit": "30Gi"})).warnings)
 
 
 def test_the_copier_mounts_only_the_ready_volumes_that_hold_the_cas_the_main_container_names() -> None:
@@ -449,10 +512,12 @@ def test_a_pod_whose_own_volumes_clash_with_ours_reads_the_bucket(clash: dict[st
 # --- in process: no init container ---------------------------------------------------------
 
 def admit_known(pod: dict[str, Any], spec: dict[str, Any], image_pythonpath: str | None = "/app", *,
-                reporting: bool = True, boot: str | None = BOOT_CM) -> admission.Admission:
+                reporting: bool = True, boot: str | None = BOOT_CM,
+                manifests: dict[str, str] | None = None) -> admission.Admission:
     """admit, with the warmers having reported the warmup image's PYTHONPATH."""
     entry = admission.index_entry(spec, generation=3, uid="uid-1", warmed=True, image_pythonpath=image_pythonpath,
-                                  env_configmap=ENV_CM, boot_configmap=boot)
+                                  env_configmap=ENV_CM, boot_configmap=boot,
+                                  manifests=MANIFESTS if manifests is None else manifests)
     return admission.admit_pod(pod, lambda ns, name: entry if (ns, name) == ("team", "llama") else None,
                              Reporting(WARMER, "https://10.96.0.100/report/v1", "PEM") if reporting else None, WARMER)
 
@@ -483,7 +548,7 @@ def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_pr
     assert got["PYTHONPATH"] == "/cachewarm-boot:/app" and "CACHEWARM_RESTORE_IMAGE_PYTHONPATH" not in got
     assert got["CACHEWARM_COPY_IN_PROCESS"] == "1" and got["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
     assert got["CACHEWARM_COPY_DEST"] == "/cachewarm-copy" and got["CACHEWARM_COPY_BUCKET"] == "team-cache"
-    assert got["CACHEWARM_COPY_MANIFESTS"].split(",")[0] == "llama/.cachewarm/pools/team/llama/cpu.json"
+    assert got["CACHEWARM_COPY_MANIFESTS"].split(",")[0] == "llama/.cachewarm/pools/team/llama/cpu.json#1700000000000001"
     assert got["CACHEWARM_COPY_SUMMARY"] == got["CACHEWARM_LOCAL_COPY_SUMMARY"] == "/cachewarm-reporter/local-copy.json"
     assert got["CACHEWARM_REPORT_URL"] == "https://10.96.0.100/report/v1"
     assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the pod's own env, which the copy uses as it runs
@@ -589,11 +654,11 @@ def test_in_process_without_the_reporter_there_is_no_report_env_nor_token() -> N
     assert not answer.spec.get("initContainers")
 
 
-def test_in_process_a_hostpath_copy_is_the_caches_own_subpath_read_only_for_jax_and_writable_for_the_copier() -> None:
-    answer = admit_known(training_pod(), cache_spec({"volume": "HostPath", "hostPath": "/mnt/ssd/cachewarm"}))
+def test_in_process_the_copy_is_read_only_for_jax_and_writable_only_at_the_copiers_path() -> None:
+    answer = admit_known(training_pod(), cache_spec({}))
     mounts = [m for m in answer.spec["containers"][0]["volumeMounts"] if m["name"] == "cachewarm-cache"]
-    assert mounts == [{"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True, "subPath": "team/llama"},
-                      {"name": "cachewarm-cache", "mountPath": "/cachewarm-copy", "subPath": "team/llama"}]
+    assert mounts == [{"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True},
+                      {"name": "cachewarm-cache", "mountPath": "/cachewarm-copy"}]
 
 
 def test_in_process_a_container_a_later_webhook_added_reads_the_copy_and_no_init_container_appears() -> None:
@@ -725,3 +790,48 @@ def test_without_a_verified_boot_configmap_the_copy_is_by_init_container_and_not
     assert not any("configMap" in v for v in answer.spec["volumes"])
     assert "/cachewarm-boot" not in json.dumps(answer.spec)
     assert "cachewarm-boot" in {v["name"] for v in admit_known(pod, cache_spec({})).spec["volumes"]}
+
+
+def tokens(spec: dict[str, Any]) -> list[str]:
+    """The volumes of the patched pod spec that carry a ServiceAccount token."""
+    return [v["name"] for v in spec.get("volumes") or []
+            if any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])]
+
+
+@pytest.mark.parametrize("path", ["reporter-only", "copy-by-init", "copy-in-process"])
+def test_a_pod_that_opted_out_of_tokens_gets_none_from_us_and_no_reporter(path: str) -> None:
+    """D8: automountServiceAccountToken false is its owner saying no token; we add none
+    (the reporter's projected one), so no reporter either, and say why."""
+    spec = cache_spec(None if path == "reporter-only" else {})
+    def run(pod: dict[str, Any]) -> admission.Admission:
+        return admit_known(pod, spec) if path == "copy-in-process" else admit(pod, spec)
+    opted_out = run(training_pod(automountServiceAccountToken=False))
+    assert tokens(opted_out.spec) == []
+    assert "CACHEWARM_REPORT_URL" not in json.dumps(opted_out.spec)
+    assert "cachewarm-pythonpath" not in {ct["name"] for ct in opted_out.spec.get("initContainers") or []}
+    assert any("automountServiceAccountToken false" in w and "no reporter" in w for w in opted_out.warnings)
+    for automount in (True, None):  # only false opts out
+        pod = training_pod(**({"automountServiceAccountToken": automount} if automount is not None else {}))
+        answer = run(pod)
+        assert tokens(answer.spec) == ["cachewarm-report-token"] and not any("automount" in w for w in answer.warnings)
+    if path != "reporter-only":  # the copy itself still comes
+        assert "CACHEWARM_COPY_BUCKET" in json.dumps(opted_out.spec)
+
+
+@pytest.mark.parametrize("name", ["cachewarm-cache", "cachewarm-boot", "cachewarm-reporter", "cachewarm-report-token"])
+@pytest.mark.parametrize("where", ["containers", "initContainers"])
+def test_a_users_mount_of_a_volume_named_like_ours_never_gets_that_volume_nor_the_copy(name: str, where: str) -> None:
+    """A mount of a volume the pod lacks is refused by the apiserver, unless our patch adds
+    one of that name: then the user's container would mount the copy writable, our code, or
+    our token, where it chose. Such a pod gets no copy, and no volume of that name."""
+    for run in (admit, admit_known):
+        pod = training_pod()
+        evil = {"name": "evil", "image": "train:1", "volumeMounts": [{"name": name, "mountPath": "/mine"}]}
+        if where == "containers":
+            pod["spec"]["containers"].append(evil)
+        else:
+            pod["spec"]["initContainers"] = [evil]
+        answer = run(pod, cache_spec({}))
+        volumes = {v["name"] for v in answer.spec.get("volumes") or []}
+        assert name not in volumes, answer.spec  # the apiserver refuses the pod: its mount names none
+        assert "cachewarm-cache" not in volumes and any("cannot get" in w for w in answer.warnings)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from cachewarm.builders.reporting import Reporting, add_reporter
 
 REPORTING = Reporting(image="cachewarm/warmer:0.1.0", url="https://op/report/v1", ca_pem="-----BEGIN CERTIFICATE-----")
@@ -43,13 +45,20 @@ def test_a_pod_patched_already_is_not_patched_again_and_one_with_no_taker_is_not
     assert add_reporter(only_env_from, only_env_from["containers"], [], "llama", REPORTING) is None
 
 
-def test_the_recorder_runs_exactly_as_the_training_container_and_windows_pods_are_left_alone() -> None:
+def d7(user: int) -> dict[str, Any]:
+    """The one securityContext of every init container we add (D7)."""
+    return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True, "runAsUser": user, "seccompProfile": {"type": "RuntimeDefault"},
+            "readOnlyRootFilesystem": True}
+
+
+def test_the_recorder_never_runs_as_the_privileged_training_container_and_windows_pods_are_left_alone() -> None:
     privileged = {"containers": [{"name": "train", "image": "tpu:1", "imagePullPolicy": "Never",
                                   "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}}]}
     added = add_reporter(privileged, privileged["containers"], [], "llama", REPORTING)
     assert added is not None
-    recorder = added[1][1]
-    assert recorder["securityContext"] == privileged["containers"][0]["securityContext"]  # nothing the API refuses
+    copier, recorder = added[1]
+    assert recorder["securityContext"] == copier["securityContext"] == d7(65532)
     assert recorder["imagePullPolicy"] == "Never"
     assert "resources" not in recorder  # none set: a LimitRange's defaults apply, as to the container
     windows = {**privileged, "os": {"name": "windows"}}
@@ -111,18 +120,21 @@ def test_on_reinvocation_the_init_containers_follow_resources_a_later_webhook_ch
     assert add_reporter(settled, settled["containers"], settled["initContainers"], "llama", REPORTING) is None
 
 
-def test_the_copy_runs_as_its_images_user_and_asks_for_one_only_where_the_pod_asks_for_root() -> None:
-    s = {"containers": [{"name": "train", "image": "train:1"}]}
+@pytest.mark.parametrize(("pod_context", "container_context", "user"), [
+    ({}, {}, 65532),  # the image's user, perhaps root: ours
+    ({"runAsUser": 0}, {}, 65532),  # root: ours (runAsNonRoot would refuse 0)
+    ({"runAsUser": 1000, "runAsNonRoot": False}, {}, 1000),  # the pod's user
+    ({"runAsUser": 1000}, {"runAsUser": 2000}, 2000),  # the container's wins over the pod's
+    ({"runAsUser": 1000}, {"runAsUser": 0, "privileged": True}, 65532),  # the container's root
+    ({}, {"runAsUser": True}, 65532),  # not a user (the apiserver would refuse it): ours
+])
+def test_our_init_containers_run_as_the_training_containers_user_unless_root(
+        pod_context: dict[str, Any], container_context: dict[str, Any], user: int) -> None:
+    s = {"containers": [{"name": "train", "image": "train:1", "securityContext": container_context}],
+         "securityContext": pod_context}
     added = add_reporter(s, s["containers"], [], "llama", REPORTING)
     assert added is not None
-    context = added[1][0]["securityContext"]
-    assert context["runAsNonRoot"] is True and "runAsUser" not in context
-    # A pod running as root: without a user of its own the copy would inherit 0, which its
-    # runAsNonRoot makes the kubelet refuse (the pod would never start).
-    root = {**s, "securityContext": {"runAsUser": 0}}
-    added = add_reporter(root, root["containers"], [], "llama", REPORTING)
-    assert added is not None
-    assert added[1][0]["securityContext"]["runAsUser"] == 65532
+    assert [ct["securityContext"] for ct in added[1]] == [d7(user), d7(user)]
 
 
 def test_on_reinvocation_what_a_later_webhook_added_to_our_init_containers_stays() -> None:

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm.api import constants as c
-from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
+from cachewarm.api.model import CacheSpec, InvalidSpec, LocalCopy, parse_spec
 from cachewarm.builders.injection import inject_pod
-from cachewarm.builders.localcopy import add_local_copy, add_local_copy_in_process, local_copy_possible
+from cachewarm.builders.localcopy import HOST_PATH_WITHDRAWN, add_local_copy, add_local_copy_in_process
+from cachewarm.builders.localcopy import local_copy_possible, served
 from cachewarm.builders.localcopy import in_process as is_in_process
 from cachewarm.builders.reporting import Reporting, add_reporter
 from cachewarm.reconcile.pods import CacheLookup
@@ -38,6 +39,38 @@ def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, wa
     return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed,
             "refused": refused, "image_pythonpath": image_pythonpath, "manifests": dict(manifests or {}),
             "env_configmap": env_configmap, "boot_configmap": boot_configmap}
+
+
+def _with_local(cache: CacheSpec, local: LocalCopy | None) -> CacheSpec:
+    return cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": local})})
+
+
+def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, reporting: Reporting | None,
+            warmer_image: str | None, warnings: list[str]) -> tuple[CacheSpec, Reporting | None]:
+    """(the cache as this pod gets it, the reporting it gets), each difference from what
+    the cache asks for said in `warnings`: a HostPath copy is an EmptyDir one (D1); no copy
+    where the pod cannot have one (it reads the bucket); no reporter, and so no token,
+    for a pod whose owner opted out of ServiceAccount tokens (D8)."""
+    local = cache.injection.local_copy
+    if local is not None and local.volume == "HostPath":
+        warnings.append(f"cachewarm: CompilationCache {cache_name!r} {HOST_PATH_WITHDRAWN} "
+                        f"(sizeLimit {local.size_limit})")
+        cache = _with_local(cache, served(local))
+    if cache.injection.local_copy is not None and not local_copy_possible(pod_spec, warmer_image):
+        # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
+        cache = _with_local(cache, None)
+        warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
+                        "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
+                        "cachewarm-reporter or cachewarm-report-token, or a mount of one, or one mounted at "
+                        "/cachewarm-cache, /cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or "
+                        "/var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
+    reports = reporting if cache.injection.report else None
+    if reports is not None and pod_spec.get("automountServiceAccountToken") is False:
+        reports = None
+        warnings.append(f"cachewarm: this pod sets automountServiceAccountToken false, so cachewarm gives it no "
+                        f"ServiceAccount token either, and no reporter: CompilationCache {cache_name!r} gets no "
+                        "report from it")
+    return cache, reports
 
 
 def _without_env(containers: list[str], cache_name: str) -> list[str]:
@@ -81,13 +114,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
                             "pod admitted without the cache")
         return out
     pod_spec = pod.get("spec") or {}
-    if cache.injection.local_copy is not None and not local_copy_possible(pod_spec, warmer_image):
-        # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
-        cache = cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": None})})
-        out.warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
-                            "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
-                            "cachewarm-reporter or cachewarm-report-token, or mounted at /cachewarm-cache, "
-                            "/cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or /var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
+    cache, reports = _served(cache, pod_spec, cache_name, reporting, warmer_image, out.warnings)
     result = inject_pod(pod, cache_name, entry["generation"], cache, entry.get("env_configmap"))
     if result.changed:
         out.spec["containers"] = result.containers
@@ -98,14 +125,14 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
     containers = result.containers
     init_containers = result.init_containers if result.init_containers is not None else pod_spec.get("initContainers") or []
     volumes = list(pod_spec.get("volumes") or [])
-    reports = reporting if cache.injection.report else None
     in_process = None
     if cache.injection.local_copy is not None and warmer_image:
         # In process where the pod's PYTHONPATH is known: no init container at all.
         in_process = add_local_copy_in_process(
             pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace, cache_name=cache_name,
             image_pythonpath=entry.get("image_pythonpath"), reporting=reports,
-            boot_configmap=entry.get("boot_configmap"), annotations=meta.get("annotations"))
+            boot_configmap=entry.get("boot_configmap"), annotations=meta.get("annotations"),
+            manifests=entry.get("manifests"))
         if in_process is not None:
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = in_process
             out.injected = True
@@ -119,7 +146,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
             out.injected = True
     if by_init and cache.injection.local_copy is not None and warmer_image:
         copied = add_local_copy(pod_spec, containers, init_containers, volumes, cache=cache, namespace=namespace,
-                                cache_name=cache_name, image=warmer_image, annotations=meta.get("annotations"))
+                                cache_name=cache_name, image=warmer_image, annotations=meta.get("annotations"),
+                                manifests=entry.get("manifests"))
         if copied is not None:
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = copied
             out.injected = True

@@ -7,6 +7,7 @@ Pure: spec in, spec out.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
@@ -46,6 +47,9 @@ RECORD_AND_RUN_COPIER = 'printf %s "$PYTHONPATH" > "$2"; ' + RUN_COPIER
 # The annotation kubectl reads to pick a pod's main container; the copier runs its image.
 DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 GPU, TPU = "nvidia.com/gpu", "google.com/tpu"
+# A GCS object generation, as status.warmup.pools[].manifestGeneration holds it (decimal;
+# an int64 in GCS: at most 19 digits).
+GENERATION = re.compile(r"[0-9]{1,19}")
 
 
 def _kind_of_pod(spec: Mapping[str, Any]) -> str:
@@ -118,28 +122,31 @@ def budget_bytes(size_limit: str, spec: Mapping[str, Any] | None = None, volume_
     return int(budget)
 
 
-def cache_subpath(namespace: str, cache_name: str) -> str:
-    """A HostPath copy's directory within hostPath, the cache's own (`<namespace>/<cache>`;
-    a namespace is a DNS label, a cache's name a DNS subdomain: no '/' and no '..'), so the
-    cache's pods on a node share it and never see another cache's entries, nor those of
-    another namespace. A subPath of the hostPath volume: the kubelet creates it with the
-    mode of hostPath itself, so a directory the admin made writable for the pods' users
-    (e.g. 1777) gives each cache a directory they can write."""
-    return f"{namespace}/{cache_name}"
+# D1: the copy is each pod's own. A copy shared between pods (the withdrawn HostPath, a
+# node's directory the cache's pods shared) is a writable mount another pod reads: one pod
+# could plant an entry, or code, that every later pod of the cache on the node loads.
+HOST_PATH_WITHDRAWN = ("asks for a HostPath local copy, which is no longer served: a copy shared between pods is "
+                       "a writable mount that another pod reads (one pod could plant what every later pod of the "
+                       "cache on the node loads); this pod gets its own EmptyDir copy")
 
 
-def local_mount(local: LocalCopy, namespace: str, cache_name: str) -> dict[str, Any]:
-    """The copy's mount in the pod's containers (read-only; the copier's is not)."""
-    mount: dict[str, Any] = {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
+def served(local: LocalCopy) -> LocalCopy:
+    """The copy a pod gets for `local`: the one it asks for, except a HostPath copy (the
+    CRD refuses it in new or changed specs; a cache stored with it parses), which is an
+    EmptyDir of the same sizeLimit (the caller says so: HOST_PATH_WITHDRAWN)."""
     if local.volume == "HostPath":
-        mount["subPath"] = cache_subpath(namespace, cache_name)
-    return mount
+        return local.model_copy(update={"volume": "EmptyDir", "host_path": None})
+    return local
+
+
+def local_mount() -> dict[str, Any]:
+    """The copy's mount in the pod's containers (read-only; the copier's is not)."""
+    return {"name": LOCAL_VOLUME, "mountPath": LOCAL_DIR, "readOnly": True}
 
 
 def volume(local: LocalCopy) -> dict[str, Any]:
-    """The pod volume that holds the copy."""
-    if local.volume == "HostPath":
-        return {"name": LOCAL_VOLUME, "hostPath": {"path": local.host_path, "type": "DirectoryOrCreate"}}
+    """The pod volume that holds the copy: the pod's own, never one another pod mounts
+    (an emptyDir, or an ephemeral claim made for this pod and deleted with it)."""
     if local.volume == "Ephemeral":
         claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
                                  "resources": {"requests": {"storage": local.size_limit}}}
@@ -147,20 +154,38 @@ def volume(local: LocalCopy) -> dict[str, Any]:
             claim["storageClassName"] = local.storage_class_name
         return {"name": LOCAL_VOLUME, "ephemeral": {"volumeClaimTemplate": {
             "metadata": {"labels": {c.MANAGED_BY_LABEL: c.MANAGED_BY}}, "spec": claim}}}
+    # EmptyDir, and HostPath (withdrawn) where a caller did not go through `served`.
     return {"name": LOCAL_VOLUME, "emptyDir": {"sizeLimit": local.size_limit}}
 
 
+def pinned_manifests(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str],
+                     manifests: Mapping[str, str] | None) -> str | None:
+    """CACHEWARM_COPY_MANIFESTS (D3): `<object>#<generation>` for each of `pools` whose
+    manifest generation the operator recorded from its own warmers (`manifests`, pool ->
+    decimal generation; anything else there is not a generation and is left out), comma
+    separated; "" (set, empty: the copier trusts nothing and copies nothing) when the
+    cache has warmup pools and none of these is known; None (unset: the copier copies the
+    prefix, trusting whoever can write the bucket) for a cache without warmup."""
+    if cache.warmup is None:
+        return None
+    known = manifests or {}
+    return ",".join(f"{manifest_object(cache.storage.gcs, namespace, cache_name, p)}#{known[p]}"
+                    for p in pools if GENERATION.fullmatch(str(known.get(p, ""))))
+
+
 def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str],
-               spec: Mapping[str, Any] | None = None, dest: str = LOCAL_DIR) -> list[dict[str, str]]:
+               spec: Mapping[str, Any] | None = None, dest: str = LOCAL_DIR,
+               manifests: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """The copier's settings (agents/copier.py); its manifests as pinned_manifests says."""
     local = cache.injection.local_copy
     assert local is not None
     gcs = cache.storage.gcs
+    pinned = pinned_manifests(cache, namespace, cache_name, pools, manifests)
     return [
         {"name": c.ENV_COPY_BUCKET, "value": gcs.bucket},
         {"name": c.ENV_COPY_PREFIX, "value": gcs.prefix},
         {"name": c.ENV_COPY_DEST, "value": dest},
-        {"name": c.ENV_COPY_MANIFESTS,
-         "value": ",".join(manifest_object(gcs, namespace, cache_name, p) for p in pools)},
+        *([{"name": c.ENV_COPY_MANIFESTS, "value": pinned}] if pinned is not None else []),
         {"name": c.ENV_COPY_MAX_BYTES, "value": str(budget_bytes(local.size_limit, spec, local.volume))},
         {"name": c.ENV_COPY_WORKERS, "value": str(local.workers)},
         {"name": c.ENV_COPY_DEADLINE_SECONDS, "value": str(local.timeout_seconds)},
@@ -168,35 +193,25 @@ def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequenc
     ]
 
 
-# What the copier keeps of the main container's securityContext: who it runs as (so it
-# writes what that user may write) and its confinement; never privileged or added
-# capabilities, which a TPU or GPU container may have and the copy does not need.
-IDENTITY = ("runAsUser", "runAsGroup", "runAsNonRoot", "seLinuxOptions", "seccompProfile", "appArmorProfile",
-            "windowsOptions")
-
-
-def copier_security(context: Mapping[str, Any]) -> dict[str, Any]:
-    """The copier's securityContext: the main container's identity and confinement, with
-    what PodSecurity "restricted" asks of a container (its seccomp profile only where the
-    container sets none: the pod's then applies)."""
-    kept = {k: copy.deepcopy(v) for k, v in context.items() if k in IDENTITY}
-    return {**{k: v for k, v in reporter.RESTRICTED.items() if k != "seccompProfile"}, **kept}
-
-
 def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
     """Whether add_local_copy can give this pod a copy: a warmer image to bring the copier,
     a Linux pod, a container with an image, and no volume of its own named like ours nor
-    mount of its own where ours go (ours, on reinvocation, come with our copier or our boot
-    volume)."""
+    mount of its own where ours go, nor of a volume named like ours (a mount of a volume
+    the pod lacks, which ours would complete: the user's container would mount the copy,
+    or our token, writable where we mount it read-only). Ours, on reinvocation, come with
+    our copier or our boot volume; the reporter's mounts with its volume."""
     names = {v.get("name") for v in spec.get("volumes") or []}
     inits = {ct.get("name") for ct in spec.get("initContainers") or []}
     if COPIER_CONTAINER in inits or in_process(spec):  # ours: a reinvocation
         return bool(image)
+    mounts = [m for ct in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+              for m in ct.get("volumeMounts") or []]
+    ours = {LOCAL_VOLUME, BOOT_VOLUME} | ({reporter.VOLUME, reporter.TOKEN_VOLUME} if reporter.VOLUME not in names
+                                           else set())
     clash = bool({LOCAL_VOLUME, BOOT_VOLUME, reporter.TOKEN_VOLUME} & names) or \
         (reporter.VOLUME in names and reporter.COPY_CONTAINER not in inits) or any(
         str(m.get("mountPath") or "").rstrip("/") in (LOCAL_DIR, BOOT_DIR, COPY_DIR, reporter.DIR, reporter.TOKEN_DIR)
-        for ct in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
-        for m in ct.get("volumeMounts") or [])
+        or m.get("name") in ours for m in mounts)
     return bool(image) and not clash and (spec.get("os") or {}).get("name") != "windows" and \
         any(ct.get("image") for ct in spec.get("containers") or [])
 
@@ -204,7 +219,7 @@ def local_copy_possible(spec: Mapping[str, Any], image: str | None) -> bool:
 def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]],
                    init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
                    cache: CacheSpec, namespace: str, cache_name: str, image: str,
-                   annotations: Mapping[str, str] | None = None
+                   annotations: Mapping[str, str] | None = None, manifests: Mapping[str, str] | None = None
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the local copy added, each as the rest of
     the patch leaves them (the reporter's init containers, when there, come first), or None
@@ -216,8 +231,9 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
     - the reporter's copy init container (of the warmer image) also copies the copier and
       busybox, or one is added that does just that;
     - an init container of the training image (the main container's: its pull policy,
-      identity, env and envFrom, so it reaches GCS as the pod would, e.g. through its
-      proxy; its CPU, memory and ephemeral-storage; its CA mounts) that runs the copier
+      env and envFrom, so it reaches GCS as the pod would, e.g. through its proxy; its
+      user where not root, never its privileges (reporter.init_security); its CPU, memory
+      and ephemeral-storage; its CA mounts) that runs the copier
       with the image's python, after the reporter's and before the pod's own init
       containers, recording the image's PYTHONPATH in place of the reporter's recorder
       where it can (_folds_recorder);
@@ -242,7 +258,7 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
     tools = next((c for c in init_containers if c.get("name") == reporter.COPY_CONTAINER), None)
     if tools is None:
         out_volumes.append({"name": reporter.VOLUME, "emptyDir": {"sizeLimit": "10Mi"}})
-        init.append(reporter.copy_container(spec, image, files, resources))
+        init.append(reporter.copy_container(spec, image, files, resources, original))
     fold = _folds_recorder(init_containers, original)
     for container in init_containers:
         new = copy.deepcopy(dict(container))
@@ -251,7 +267,7 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
             new["command"] = [*command[:-1], *(f for f in files if f not in command), command[-1]]
         if container.get("name") in ours and not (fold and container.get("name") == reporter.PATH_CONTAINER):
             init.append(new)
-    mount = local_mount(local, namespace, cache_name)
+    mount = local_mount()
     script, args = (RECORD_AND_RUN_COPIER, [python, COPIER_FILE, reporter.RECORD_FILE]) if fold else \
         (RUN_COPIER, [python, COPIER_FILE])
     copier: dict[str, Any] = {
@@ -259,12 +275,14 @@ def add_local_copy(spec: Mapping[str, Any], containers: Sequence[Mapping[str, An
         **({"imagePullPolicy": original["imagePullPolicy"]} if original.get("imagePullPolicy") else {}),
         "command": [f"{reporter.DIR}/busybox", "sh", "-c", script, *args],
         "env": [*(copy.deepcopy(e) for e in original.get("env") or [] if not e.get("name", "").startswith("CACHEWARM_COPY_")),
-                *copier_env(cache, namespace, cache_name, pools, spec)],
+                *copier_env(cache, namespace, cache_name, pools, spec, manifests=manifests)],
         **({"envFrom": copy.deepcopy(original["envFrom"])} if original.get("envFrom") else {}),
         "volumeMounts": [*_ca_mounts(original, spec.get("volumes") or []),
                          {"name": reporter.VOLUME, "mountPath": reporter.DIR},
                          {k: v for k, v in mount.items() if k != "readOnly"}],
-        "securityContext": copier_security(original.get("securityContext") or {}),
+        # Never the main container's (privileged, root, capabilities): reporter.init_security.
+        # It writes files 0644 and directories 0755, which every container of the pod reads.
+        "securityContext": reporter.init_security(spec, original),
         **({"resources": resources} if resources else {}),
     }
     init.append(copier)
@@ -341,7 +359,7 @@ def _reinvoked(containers: Sequence[Mapping[str, Any]],
     mounts something else there; and the copier takes the main container's CPU, memory
     and ephemeral storage again when a later webhook (VPA's) changed them. None when
     nothing changes."""
-    mount = local_mount(local, namespace, cache_name)
+    mount = local_mount()
     ours = (reporter.COPY_CONTAINER, reporter.PATH_CONTAINER, COPIER_CONTAINER)
     # The main container as at the first admission: the annotation's, else the first of
     # the copier's image (a sidecar a later webhook put first has another image).
@@ -398,8 +416,8 @@ BOOT_DIR = "/cachewarm-boot"
 BOOT_VOLUME = "cachewarm-boot"
 # The copy's volume again, writable, where the copier writes (CACHEWARM_COPY_DEST): JAX's
 # directory (LOCAL_DIR) stays read-only, so no JAX setting of the container's own makes
-# it write entries into the copy (past an emptyDir's budget, or into a node's HostPath
-# directory that the cache's pods share).
+# it write entries into the copy (past an emptyDir's budget). The copy is the pod's own:
+# what one process of it writes there, only this pod reads.
 COPY_DIR = "/cachewarm-copy"
 IN_PROCESS_ENV = c.ENV_COPY_IN_PROCESS
 # The files of the boot ConfigMap (and of BOOT_DIR): agents/payload.py's list.
@@ -505,11 +523,13 @@ def _taker_pythonpath(container: Mapping[str, Any], *, main: Mapping[str, Any],
 
 
 def _in_process_env(cache: CacheSpec, spec: Mapping[str, Any], *, namespace: str, cache_name: str,
-                    reporting: reporter.Reporting | None) -> list[dict[str, Any]]:
+                    reporting: reporter.Reporting | None, manifests: Mapping[str, str] | None
+                    ) -> list[dict[str, Any]]:
     """What a taker's env gets: the copier's settings (writing to COPY_DIR), IN_PROCESS_ENV,
     and with `reporting` the reporter's env and where the copy's summary is."""
     pools = pools_for(spec, cache.warmup.pools) if cache.warmup is not None else []
-    ours = [*copier_env(cache, namespace, cache_name, pools, spec, dest=COPY_DIR), {"name": IN_PROCESS_ENV, "value": "1"}]
+    ours = [*copier_env(cache, namespace, cache_name, pools, spec, dest=COPY_DIR, manifests=manifests),
+            {"name": IN_PROCESS_ENV, "value": "1"}]
     if reporting is not None:
         ours += [*reporter.report_env(cache_name, reporting, restore=False), {"name": SUMMARY_ENV, "value": SUMMARY_FILE}]
     return ours
@@ -520,7 +540,7 @@ def _in_process_mounts(local: LocalCopy, *, namespace: str, cache_name: str,
     """(the copy's read-only mount at LOCAL_DIR, which every container gets; what a taker
     mounts: the boot files, the reporter's folder, the copy read-only and writable at
     COPY_DIR, and with `reporting` the token)."""
-    mount = local_mount(local, namespace, cache_name)
+    mount = local_mount()
     writable = {**{k: v for k, v in mount.items() if k != "readOnly"}, "mountPath": COPY_DIR}
     mounts: list[dict[str, Any]] = [
         {"name": BOOT_VOLUME, "mountPath": BOOT_DIR, "readOnly": True},
@@ -570,7 +590,7 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
                               init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]], *,
                               cache: CacheSpec, namespace: str, cache_name: str, image_pythonpath: str | None,
                               reporting: reporter.Reporting | None, boot_configmap: str | None,
-                              annotations: Mapping[str, str] | None = None
+                              annotations: Mapping[str, str] | None = None, manifests: Mapping[str, str] | None = None
                               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(containers, initContainers, volumes) with the local copy added in process, each
     as the rest of the patch leaves them (the env injection's; never the reporter's init
@@ -612,7 +632,8 @@ def add_local_copy_in_process(spec: Mapping[str, Any], containers: Sequence[Mapp
                                  image_pythonpath=image_pythonpath)
     if path_of(main) is None:
         return None
-    env = _in_process_env(cache, spec, namespace=namespace, cache_name=cache_name, reporting=reporting)
+    env = _in_process_env(cache, spec, namespace=namespace, cache_name=cache_name, reporting=reporting,
+                          manifests=manifests)
     mount, mounts = _in_process_mounts(local, namespace=namespace, cache_name=cache_name, reporting=reporting)
     out = [_in_process_container(ct, path_of(ct), mount=mount, env=env, mounts=mounts, summary=True)
            for ct in containers]
@@ -628,7 +649,7 @@ def _reinvoked_in_process(containers: Sequence[Mapping[str, Any]], init_containe
     JAX_COMPILATION_CACHE_DIR from the env injection) gets the copy's volume read-only,
     unless it mounts something else there; no init container of ours to follow the main
     container's resources. None when nothing changes."""
-    mount = local_mount(local, namespace, cache_name)
+    mount = local_mount()
 
     def lacks(ct: Mapping[str, Any]) -> bool:
         return not any(m.get("name") == LOCAL_VOLUME or str(m.get("mountPath") or "").rstrip("/") == LOCAL_DIR

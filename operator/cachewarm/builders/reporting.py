@@ -46,10 +46,38 @@ BUSYBOX = payload.in_image(payload.BUSYBOX)  # static: it runs in any image of t
 RECORD_PYTHONPATH = 'printf %s "$PYTHONPATH" > "$0"; exit 0'
 RECORD_FILE = f"{DIR}/image-pythonpath"  # the reporter's sitecustomize restores it
 SHARED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
-# What PodSecurity "restricted" asks of a container; the copy runs as the warmer image's
-# user, the recorder as the training container does (its own securityContext).
-RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-              "seccompProfile": {"type": "RuntimeDefault"}}
+# The user of every init container we add where the pod's main container runs as root or
+# names no user: the warmer image's (distroless "nonroot").
+NONROOT_USER = 65532
+
+
+def init_security(spec: Mapping[str, Any], main: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The securityContext of every init container we add (the reporter's copy and
+    recorder, the local copy's copier): fixed, never the user's, whatever the training
+    container has (privileged, root, SYS_ADMIN: our containers need none of it). What
+    PodSecurity "restricted" asks, and a read-only root filesystem (each writes only to
+    our emptyDir and the copy's volume).
+
+    It runs as the `main` container's user where that is not root (its own runAsUser,
+    else the pod's), so it reads what that user reads (a credentials file, a CA bundle)
+    and runs its image's python; else (root, or no user named: the image's, perhaps root)
+    as NONROOT_USER, always with runAsNonRoot, which also holds where the pod sets
+    runAsNonRoot false (a container's setting wins over the pod's). 65532 writes an
+    emptyDir (created 0777) and the reporter's folder; an Ephemeral volume's root is
+    writable by it only where the pod sets an fsGroup (pod-level: the kubelet gives the
+    volume to that group, and our container is in it) or the provisioner makes it so:
+    otherwise the copier cannot write, says so in its summary, and the pod starts cold.
+    Where the image's python, or the credentials it reads, are root's alone (0700, 0400)
+    the same: cold, said. A pod-level runAsGroup, fsGroup, seLinuxOptions and
+    supplementalGroups still apply to it. (A runAsUser of ours is refused by a policy that
+    assigns users from a range, OpenShift's restricted SCC: there, pods name their user.)"""
+    user = ((main or {}).get("securityContext") or {}).get("runAsUser")
+    if user is None:
+        user = (spec.get("securityContext") or {}).get("runAsUser")
+    ok = isinstance(user, int) and not isinstance(user, bool) and user > 0
+    return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True, "runAsUser": user if ok else NONROOT_USER,
+            "seccompProfile": {"type": "RuntimeDefault"}, "readOnlyRootFilesystem": True}
 
 
 @dataclass(frozen=True)
@@ -144,19 +172,15 @@ def _resynced(containers: Sequence[Mapping[str, Any]], init_containers: Sequence
     return [copy.deepcopy(dict(c)) for c in containers], init, volumes
 
 
-def copy_container(spec: Mapping[str, Any], image: str, files: Sequence[str], resources: Mapping[str, Any]
-                   ) -> dict[str, Any]:
+def copy_container(spec: Mapping[str, Any], image: str, files: Sequence[str], resources: Mapping[str, Any],
+                   main: Mapping[str, Any] | None) -> dict[str, Any]:
     """The init container of the warmer image that copies `files` into the VOLUME at DIR
-    (the reporter's, and the local copy's copier: builders/localcopy.py)."""
+    (the reporter's, and the local copy's copier: builders/localcopy.py), as init_security
+    says for the pod's `main` container."""
     return {
         "name": COPY_CONTAINER, "image": image, "command": ["cp", *files, DIR],
         "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
-        # As the image's user (65532) or the pod's; runAsUser of ours (which a policy that
-        # assigns users from a range, OpenShift's restricted SCC, would refuse) only where
-        # the pod asks for root, which runAsNonRoot would refuse.
-        "securityContext": {**RESTRICTED, "runAsNonRoot": True,
-                            **({"runAsUser": 65532} if (spec.get("securityContext") or {}).get("runAsUser") == 0
-                               else {})},
+        "securityContext": init_security(spec, main),
         **({"resources": copy.deepcopy(dict(resources))} if resources else {}),
     }
 
@@ -180,9 +204,12 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
     if (spec.get("os") or {}).get("name") == "windows":
         return None
     if any(v.get("name") == TOKEN_VOLUME for v in volumes) or any(
-            str(m.get("mountPath") or "").rstrip("/") in (DIR, TOKEN_DIR)
+            str(m.get("mountPath") or "").rstrip("/") in (DIR, TOKEN_DIR) or m.get("name") in (VOLUME, TOKEN_VOLUME)
             for ct in [*containers, *init_containers] for m in ct.get("volumeMounts") or []):
-        return None  # the pod's own volume or mount where ours go: two of one name or path are refused
+        # The pod's own volume or mount where ours go (two of one name or path are
+        # refused), or a mount of a volume named like ours that the pod lacks (ours would
+        # complete it: the token, or our code, where the user put it).
+        return None
     eligible = [c for c in containers if not c.get("envFrom") and c.get("image") and own_pythonpath(c)[1] is not None]
     if not eligible:
         return None
@@ -209,14 +236,14 @@ def add_reporter(spec: Mapping[str, Any], containers: Sequence[Mapping[str, Any]
         out.append(new)
     resources = resources_of(first)
     init: list[dict[str, Any]] = [
-        copy_container(spec, reporting.image, [payload.in_image(f) for f in payload.REPORTER_COPY], resources),
+        copy_container(spec, reporting.image, [payload.in_image(f) for f in payload.REPORTER_COPY], resources, first),
         {"name": PATH_CONTAINER, "image": first["image"],
          **({"imagePullPolicy": first["imagePullPolicy"]} if first.get("imagePullPolicy") else {}),
          "command": [f"{DIR}/busybox", "sh", "-c", RECORD_PYTHONPATH, RECORD_FILE],
          "volumeMounts": [{"name": VOLUME, "mountPath": DIR}],
-         # Exactly the training container's: it runs its image, as its user, and whatever
-         # the namespace's PodSecurity admits for that container it admits for this one.
-         **({"securityContext": copy.deepcopy(first["securityContext"])} if first.get("securityContext") else {}),
+         # Never the training container's (privileged, root, capabilities): init_security.
+         # Its busybox needs none of it.
+         "securityContext": init_security(spec, first),
          **({"resources": copy.deepcopy(resources)} if resources else {})},
     ]
     volumes += [{"name": VOLUME, "emptyDir": {"sizeLimit": "10Mi"}},
