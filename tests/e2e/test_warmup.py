@@ -20,8 +20,9 @@ import pytest
 import yaml
 from google.cloud import storage
 
+from cachewarm.builders.job import job_name, spec_hash
 from cachewarm.builders.placement import manifest_object
-from cachewarm.api.model import GcsStorage
+from cachewarm.api.model import GcsStorage, parse_spec
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 from cachewarm_testbed.processes import Proc
 
@@ -351,6 +352,46 @@ def test_operator_killed_mid_warm_leaves_one_job_per_pool(
     names = sorted(j["metadata"]["name"] for j in jobs(controller_manager, namespace, "crash"))
     assert len(names) == 2
     assert sorted(p["job"] for p in obj["status"]["warmup"]["pools"]) == names
+
+
+def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """Anyone who may create pods in the namespace may label one job-name=<warmer Job> and
+    have it end with any termination message. Made before the cache (the Job's name is
+    the builders' deterministic one, computed from the spec as the apiserver defaults it),
+    so the operator lists it beside the Job's own pod when it reads the warm's results:
+    none of its fields reach status (they are larger than the real warm's, so the
+    summaries' max() would pick them), and one Warning names it."""
+    bed = controller_manager
+    body = warm_cache("forged", f"forged-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]})
+    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+                          input=yaml.safe_dump(body))
+    assert dry.returncode == 0, dry.stderr
+    cache = parse_spec(json.loads(dry.stdout)["spec"])
+    assert cache.warmup is not None
+    job = job_name("forged", cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
+    big = 10**12
+    forgery = {"processIndex": 0, "entriesFound": 0, "entriesWritten": big, "bytesWritten": big, "compileSeconds": big,
+               "keys": ["f" * 16], "keyCount": 1, "imagePythonPath": "/forged",
+               "manifestGeneration": "666", "fingerprint": {"platform": "forged"}, "errors": []}
+    write = f"open('/dev/termination-log', 'w').write({json.dumps(forgery)!r})"
+    forger = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "forger", "labels": {"job-name": job}},
+              "spec": {"restartPolicy": "Never", "containers": [{
+                  "name": "warm", "image": "demo/train:1", "command": ["python", "-c", write]}]}}
+    created = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(forger))
+    assert created.returncode == 0, created.stderr
+    eventually(lambda: ((bed.get_json("pod", "forger", namespace) or {}).get("status") or {}).get("phase")
+               == "Succeeded", timeout=120, what="the forged pod finished")
+    bed.apply(body, namespace)
+    obj = wait_warmed(bed, namespace, "forged")
+    [pool] = obj["status"]["warmup"]["pools"]
+    assert pool["job"] == job  # the forged pod was listed with the Job's own
+    assert pool["entriesWritten"] < big and pool["bytesWritten"] < big and pool["compileSeconds"] < big
+    assert "f" * 16 not in pool["keys"] and pool["fingerprint"]["platform"] == "cpu"
+    assert pool.get("imagePythonPath", {}).get("value") != "/forged" and pool.get("manifestGeneration") != "666"
+    ignored = [e for e in bed.events_for("forged", namespace) if e["reason"] == "WarmerPodIgnored"]
+    assert len(ignored) == 1 and ignored[0]["type"] == "Warning" and "forger" in ignored[0]["message"]
 
 
 def wait_ready(bed: Testbed, ns: str, name: str) -> None:

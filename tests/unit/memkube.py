@@ -88,10 +88,12 @@ class MemoryKube(KubeClient):
         name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
         if any(o["metadata"]["name"] == name and _namespace(o) == namespace for o in store):
             return None
+        stored = copy.deepcopy(body)
+        stored["metadata"].setdefault("uid", f"uid-{len(self.created)}-{name}")  # as the apiserver gives one
         if not dry_run:
             self.created.append(copy.deepcopy(body))
-            store.append(copy.deepcopy(body))
-        return copy.deepcopy(body)
+            store.append(copy.deepcopy(stored))
+        return stored
 
     def delete_job(self, namespace: str, name: str) -> None:
         self._check("delete_job")
@@ -115,10 +117,18 @@ class MemoryKube(KubeClient):
                 self.released.append((namespace, name, index))
                 del gates[index]
 
-    def apply_configmap(self, body: dict[str, Any]) -> None:
-        self._check("apply_configmap")
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._check("read_configmap")
+        found = self.configmaps.get((namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    def create_configmap(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        self._check("create_configmap")
         meta = body["metadata"]
-        self.configmaps[(meta["namespace"], meta["name"])] = body
+        if (meta["namespace"], meta["name"]) in self.configmaps:
+            return None
+        self.configmaps[(meta["namespace"], meta["name"])] = copy.deepcopy(body)
+        return copy.deepcopy(body)
 
     def post_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str,
                    now: dt.datetime) -> None:

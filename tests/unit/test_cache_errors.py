@@ -208,8 +208,8 @@ def test_a_warm_cache_that_rewarms_stays_warmed(kube: MemoryKube) -> None:
     assert (first["status"], first["reason"]) == ("False", "Warming")
 
 
-def test_an_env_configmap_that_cannot_be_applied_is_a_condition_and_the_rest_is_reported(kube: MemoryKube) -> None:
-    kube.fail["apply_configmap"] = KubeError("applying ConfigMap ml/cachewarm-llama-env: 403 Forbidden", 403)
+def test_an_env_configmap_that_cannot_be_read_is_a_condition_and_the_rest_is_reported(kube: MemoryKube) -> None:
+    kube.fail["read_configmap"] = KubeError("reading ConfigMap ml/cachewarm-llama-env-0: 403 Forbidden", 403)
     outcome = reconcile(kube, FakeGcs(), spec())
     c = conds(outcome)
     assert c["InjectionReady"]["status"] == "False" and "403" in c["InjectionReady"]["message"]
@@ -230,6 +230,7 @@ def test_the_env_configmap_holds_the_pod_env_and_is_owned_by_the_cache(kube: Mem
     assert cm["data"]["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p"
     assert cm["data"]["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "1e9"  # the pod role: ReadOnly reads only
     assert conds(outcome)["InjectionReady"]["status"] == "True"
+    assert outcome.status["injection"]["configMaps"] == {"env": cm["metadata"]["name"], "boot": None}
 
 
 class UnlistableGcs(FakeGcs):
@@ -246,3 +247,27 @@ def test_a_listing_that_fails_after_the_warmers_were_read_is_a_gcs_condition_not
     assert warmed["message"].startswith("The cache's entries could not be listed: listing gs://b-1/p: GCS answered 503")
     assert isinstance(outcome.failure, GcsUnavailable)
     assert conds(outcome)["BucketReady"]["status"] == "True"
+
+
+def labelled(name: str, *, automount: bool | None, phase: str = "Running", deleting: bool = False,
+             cache: str = "llama") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ml", "labels": {"cachewarm.dev/cache": cache}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-22T06:59:00Z"
+    pod_spec = {} if automount is None else {"automountServiceAccountToken": automount}
+    return {"metadata": meta, "spec": pod_spec, "status": {"phase": phase}}
+
+
+def test_pods_that_opted_out_of_tokens_are_counted_in_status(kube: MemoryKube) -> None:
+    """D8: status.reports.podsOptedOut counts the cache's live labelled pods that set
+    automountServiceAccountToken false, not those that left it unset or true, finished,
+    being deleted, or labelled for another cache."""
+    kube.pods = [labelled("out-1", automount=False), labelled("out-2", automount=False, phase="Pending"),
+                 labelled("unset", automount=None), labelled("in", automount=True),
+                 labelled("done", automount=False, phase="Succeeded"), labelled("gone", automount=False, deleting=True),
+                 labelled("other", automount=False, cache="gpt")]
+    outcome = reconcile(kube, FakeGcs(), spec(), {"reports": {"podsOptedOut": 9}})
+    assert outcome.status["reports"] == {"podsOptedOut": 2}
+    kube.fail["list_pods"] = KubeError("listing Pods in ml: 503", 503)
+    kept = reconcile(kube, FakeGcs(), {"storage": spec()["storage"]}, {"reports": {"podsOptedOut": 2}})
+    assert "reports" not in kept.status  # a failed count writes nothing: the merge patch keeps the last one

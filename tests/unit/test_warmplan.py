@@ -73,7 +73,7 @@ def job(name: str, pool: str = "cpu", state: str = "Running", *, generation: int
         "Failed": {"startTime": STAMP, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
                                                        "lastTransitionTime": failed}]},
     }[state]
-    meta: dict[str, Any] = {"name": name, "namespace": NS,
+    meta: dict[str, Any] = {"name": name, "namespace": NS, "uid": job_uid(name),
                             "labels": {"cachewarm.dev/warmer-for": NAME, "cachewarm.dev/pool": pool},
                             "annotations": {"cachewarm.dev/generation": str(generation)},
                             "ownerReferences": [{"kind": "CompilationCache", "name": NAME, "uid": UID,
@@ -84,8 +84,21 @@ def job(name: str, pool: str = "cpu", state: str = "Running", *, generation: int
             "status": status}
 
 
-def pod(node: str | None = "node-a", summary: dict[str, Any] | None = None, unschedulable: str = "") -> dict[str, Any]:
-    """A warmer pod: where it runs, what its warm container said when it ended."""
+def job_uid(name: str) -> str:
+    return f"uid-of-{name}"
+
+
+def owned_by(job_name: str, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`pods` as the Job controller makes them: their controller is the Job, by uid."""
+    ref = {"apiVersion": "batch/v1", "kind": "Job", "name": job_name, "uid": job_uid(job_name), "controller": True}
+    return [{**p, "metadata": {**p.get("metadata", {}), "ownerReferences": [ref]}} for p in pods]
+
+
+def pod(node: str | None = "node-a", summary: dict[str, Any] | None = None, unschedulable: str = "",
+        name: str = "") -> dict[str, Any]:
+    """A pod labelled job-name=<Job>: where it runs, what its warm container said when it
+    ended. Owned by nobody: the Case's `pods` are made the Job's own (owned_by), its
+    `forged` pods stay as they are."""
     status: dict[str, Any] = {}
     if summary is not None:
         status["containerStatuses"] = [{"name": "warm", "imageID": "docker.io/train@sha256:" + "a" * 64,
@@ -93,7 +106,8 @@ def pod(node: str | None = "node-a", summary: dict[str, Any] | None = None, unsc
     if unschedulable:
         status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                  "message": unschedulable}]
-    return {"spec": {"containers": [{"name": "warm"}], **({"nodeName": node} if node else {})}, "status": status}
+    return {"metadata": {"name": name} if name else {},
+            "spec": {"containers": [{"name": "warm"}], **({"nodeName": node} if node else {})}, "status": status}
 
 
 def pending(cache: CacheSpec, pool: str = "cpu", token: str = "", attempt: int = 1, **more: Any) -> dict[str, Any]:
@@ -128,7 +142,9 @@ class Case:
     cache: CacheSpec
     jobs: list[dict[str, Any]] = field(default_factory=list)
     services: list[dict[str, Any]] = field(default_factory=list)
-    pods: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the pods the plan reads, by Job
+    pods: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the Job's own pods the plan reads, by Job
+    # Pods labelled job-name=<Job> that the Job did not create (listed with its own, after them).
+    forged: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     previous: list[dict[str, Any]] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)  # more of WarmContext: now, annotations, retry, ...
     steps: list[tuple[str, ...]] = field(default_factory=list)
@@ -195,6 +211,19 @@ REFRESHED = {**WARM, "job": JR, "specHash": digest(C, token="1"), "entriesFound"
              "bytesWritten": 0, "refreshFailed": 2, "refreshError": REFRESH_ERROR}
 del REFRESHED["imagePythonPath"], REFRESHED["fingerprint"]
 
+FORGED = WARMUP + "test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results"
+# What a pod anyone may label job-name=<Job> claims: every field it could put in status.
+FORGERY = {"processIndex": 0, "entriesFound": 0, "entriesWritten": 9999, "bytesWritten": 9999, "compileSeconds": 99.0,
+           "keys": ["ff"], "keyCount": 1, "fingerprint": {"platform": "tpu", "devices": 64},
+           "imagePythonPath": "/evil", "manifestGeneration": "666", "errors": ["forged"]}
+
+
+def IGNORED(*pods: str) -> tuple[str, ...]:  # noqa: N802 - reads as the table's constants
+    return ("Warning", "WarmerPodIgnored",
+            f"Ignored {len(pods)} pod(s) labelled job-name={J} that warmer Job {J} did not create ({', '.join(pods)}): "
+            "a warmer's results are read only from the Job's own pods")
+
+
 CASES: dict[str, Callable[[], Case]] = {
     # --- A first warm, its Job running, its results read once ---------------------------
     "first-warm": lambda: Case(HIT, C, steps=[CREATED], pools=[pending(C)], warmed_says="Warming: cpu Pending"),
@@ -218,6 +247,44 @@ CASES: dict[str, Callable[[], Case]] = {
         WARMUP + "test_operator_killed_mid_warm_leaves_one_job_per_pool", TWO,
         jobs=[job(JA, "a", "Pending"), job(JB, "b", "Pending")], pods={JA: [], JB: []},
         pools=[pending(TWO, "a"), pending(TWO, "b")]),
+    # --- Results only from the Job's own pods (a pod labelled job-name=<Job> is anyone's) -
+    "forged-pod-beside-the-warmer-is-ignored": lambda: Case(
+        FORGED, C, jobs=[job(J, state="Succeeded")], pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "17"})]},
+        forged={J: [pod("node-x", FORGERY, name="forger")]}, previous=[pending(C)],
+        context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached"),
+               IGNORED("forger")],
+        pools=[{**WARM, "manifestGeneration": "17"}], warmed=(True, "Warmed")),
+    "only-a-forged-pod-says-nothing-of-it": lambda: Case(
+        FORGED, C, jobs=[job(J, state="Succeeded")], pods={J: []}, forged={J: [pod("node-x", FORGERY, name="f")]},
+        previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 0 entries written, 0 already cached"),
+               IGNORED("f")],
+        pools=[{k: v for k, v in WARM.items() if k in ("name", "job", "specHash", "state", "startTime",
+                                                       "completionTime", "attempt")}],
+        warmed=(True, "Warmed")),
+    "a-forged-pod-of-a-running-job-is-not-read-nor-said": lambda: Case(
+        FORGED, C, jobs=[job(J)], pods={J: []}, forged={J: [pod("node-x", FORGERY, name="f")]}, previous=[pending(C)],
+        pools=[{"name": "cpu", "job": J, "specHash": H, "state": "Running", "startTime": STAMP, "attempt": 1}]),
+    # --- The manifest's generation (D3): recorded as reported, kept while the pool re-warms
+    "manifest-generation-not-decimal-is-not-recorded": lambda: Case(
+        "", C, jobs=[job(J, state="Succeeded")], pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "1e9"})]},
+        previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached")],
+        pools=[WARM], warmed=(True, "Warmed")),
+    "manifest-generation-kept-while-rewarming": lambda: Case(
+        REWARMS, NEW_IMAGE, jobs=[job(J, state="Succeeded")], previous=[{**WARM, "manifestGeneration": "17"}],
+        context={"cache_entries": 2, "warmed_before": True},
+        steps=[("create Job", J2, "WarmerCreated", f"Created warmer Job {J2} for pool cpu")],
+        pools=[pending(NEW_IMAGE, manifestGeneration="17")], warmed=(True, "Rewarming")),
+    "manifest-generation-replaced-by-the-new-warmers": lambda: Case(
+        REWARMS, NEW_IMAGE, jobs=[job(J2, state="Succeeded", image="train:2")],
+        pods={J2: [pod(summary={**SUMMARY, "manifestGeneration": "18"})]},
+        previous=[pending(NEW_IMAGE, manifestGeneration="17")],
+        context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"}), "warmed_before": True},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J2} finished: 2 entries written, 0 already cached")],
+        pools=[{**WARM, "job": J2, "specHash": digest(NEW_IMAGE), "manifestGeneration": "18",
+                "imagePythonPath": {"image": "train:2", "value": "/app"}}], warmed=(True, "Warmed")),
     # --- A new program: a new Job, the old one stopped first ---------------------------
     "image-change-after-a-finished-warm": lambda: Case(
         REWARMS, NEW_IMAGE, jobs=[job(J, state="Succeeded")], previous=[WARM],
@@ -411,7 +478,8 @@ def test_the_plan_of_each_warmup_scenario(scenario: str) -> None:
     ctx = WarmContext(case.cache, NS, NAME, UID, warmer_image="w", generation=2, previous=case.previous,
                       **{"now": NOW, **case.context})
     assert results_to_read(ctx, case.jobs) == list(case.pods)
-    plan = plan_warmup(ctx, WarmView(case.jobs, case.services, case.pods))
+    listed = {j: [*owned_by(j, pods), *case.forged.get(j, [])] for j, pods in case.pods.items()}
+    plan = plan_warmup(ctx, WarmView(case.jobs, case.services, listed))
     assert [said(s) for s in plan.steps] == case.steps
     assert plan.pools == case.pools
     assert (plan.condition.status, plan.condition.reason) == case.warmed, plan.condition
@@ -443,7 +511,7 @@ def test_the_created_objects_are_the_builders_for_this_cache() -> None:
 def test_the_plan_reads_only_the_view_it_is_given() -> None:
     """The same view and context plan the same, and planning changes neither: the plan is a
     value, safe to compute again after a failed apply."""
-    view = WarmView([job(J, state="Succeeded")], [service("cpu")], {J: [pod(summary=SUMMARY)]})
+    view = WarmView([job(J, state="Succeeded")], [service("cpu")], {J: owned_by(J, [pod(summary=SUMMARY)])})
     before = json.dumps([view.jobs, view.services, view.pods], sort_keys=True)
     ctx = WarmContext(C, NS, NAME, UID, NOW, "w", 2, previous=[pending(C)])
     assert plan_warmup(ctx, view) == plan_warmup(ctx, view)

@@ -422,6 +422,12 @@ def test_a_summary_with_more_keys_than_fit_keeps_the_count_and_says_it_was_cut(
     assert 100 < len(summary["keys"]) < 400 and set(summary["keys"]) <= set(keys)
 
 
+def owner(job: dict[str, Any]) -> dict[str, Any]:
+    """The controller reference the Job controller puts on the pods it makes."""
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"], "uid": job["metadata"]["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
 def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_warmed() -> None:
     """reconcile_warmup against an in-memory cluster: the Job is created once, its pods'
     results are read when it finishes, and a later reconcile of the finished Job lists no
@@ -440,7 +446,7 @@ def test_a_warm_cycle_through_the_client_creates_once_reads_results_once_and_is_
     summary = {"entriesFound": 0, "entriesWritten": 2, "bytesWritten": 30, "compileSeconds": 4.0,
                "keys": ["aa", "bb"], "errors": []}
     cluster.pods = [{"metadata": {"name": "warm-0", "namespace": "ml",
-                                  "labels": {"job-name": job["metadata"]["name"]}},
+                                  "labels": {"job-name": job["metadata"]["name"]}, "ownerReferences": [owner(job)]},
                      "spec": {"nodeName": "node-a"},
                      "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {
                          "message": json.dumps(summary)}}}]}}]
@@ -567,7 +573,8 @@ def finished_warm(cache: Any, reported: str) -> dict[str, Any]:
     [job] = cluster.jobs
     job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
     summary = {"processIndex": 0, "entriesWritten": 1, "keys": ["aa"], "imagePythonPath": reported, "errors": []}
-    cluster.pods = [{"metadata": {"name": "warm-0", "namespace": "ml", "labels": {"job-name": job["metadata"]["name"]}},
+    cluster.pods = [{"metadata": {"name": "warm-0", "namespace": "ml", "labels": {"job-name": job["metadata"]["name"]},
+                                  "ownerReferences": [owner(job)]},
                      "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {
                          "message": json.dumps(summary)}}}]}}]
     done = reconcile_warmup(cluster, cache, namespace="ml", name="llama", uid="u-1", annotations={},

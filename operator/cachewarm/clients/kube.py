@@ -60,7 +60,7 @@ def _api_message(exc: ApiException) -> str:
         return ""
 
 
-_TYPED: dict[str, Any] = {"Job": client.V1Job, "Service": client.V1Service}
+_TYPED: dict[str, Any] = {"Job": client.V1Job, "Service": client.V1Service, "ConfigMap": client.V1ConfigMap}
 # Turns the client's models into plain dicts; it only serializes and never connects.
 _SERIALIZER = client.ApiClient(client.Configuration())
 
@@ -252,17 +252,24 @@ class KubeClient:
             return [_dict(item) for item in found.items]
         return [pod for ns in namespaces for pod in self._list(api.list_namespaced_pod, "Pods", ns, selector)]
 
-    def apply_configmap(self, body: dict[str, Any]) -> None:
-        """Server-side apply of a ConfigMap we own (field manager cachewarm): created when
-        missing, an unchanged apply writes nothing. Not forced: a field someone else set
-        to another value is a conflict (409, KubeError), never taken over, so a ConfigMap
-        of the same name that is not ours is not adopted. Needs only create and patch,
-        never read access to ConfigMaps. Raises KubeError."""
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A ConfigMap as stored (binaryData in base64), or None when it does not exist.
+        Raises KubeError."""
+        found: Any = None
+        with _errors(f"reading ConfigMap {namespace}/{name}", ok=(404,)):
+            found = self._core().read_namespaced_config_map(name, namespace, _request_timeout=self.timeout)
+        return None if found is None else _dict(found)
+
+    def create_configmap(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Create a ConfigMap through the typed client. Returns it as the apiserver stored
+        it, or None when one of that name exists (never changed: it may be someone else's).
+        Raises KubeError (reason InvalidObject when the client refuses the object)."""
         meta = body["metadata"]
-        with _errors(f"applying ConfigMap {meta['namespace']}/{meta['name']}"):
-            self._core().patch_namespaced_config_map(
-                meta["name"], meta["namespace"], body, field_manager="cachewarm", force=False,
-                _content_type="application/apply-patch+yaml", _request_timeout=self.timeout)
+        obj = typed(body)
+        created: Any = None
+        with _errors(f"creating ConfigMap {meta['namespace']}/{meta['name']}", ok=(409,)):
+            created = self._core().create_namespaced_config_map(meta["namespace"], obj, _request_timeout=self.timeout)
+        return None if created is None else _dict(created)
 
     # --- CompilationCaches, read and written by the operator's own controller (not kopf) ---
 

@@ -144,8 +144,9 @@ def _reconcile(one: _Pass) -> Outcome:
     # listing taken before could miss the last entries of a warmer that finished meanwhile.
     listing_due = inventory_due(one.obj.status, one.generation, one.now, one.wiring.inventory_every)
     seen = _bucket(one, cache, take_inventory=listing_due and cache.warmup is None)
-    seen.injection = publish_configmaps(one.wiring.kube, cache, one.obj.status, one.events, namespace=one.obj.namespace,
-                                        name=one.obj.name, uid=str(one.obj.meta.get("uid") or ""))
+    seen.injection, seen.configmaps = publish_configmaps(
+        one.wiring.kube, cache, one.obj.status, one.events, namespace=one.obj.namespace, name=one.obj.name,
+        uid=str(one.obj.meta.get("uid") or ""))
     if not seen.injection.status:
         one.failed(RuntimeError(seen.injection.message))
     try:
@@ -156,6 +157,7 @@ def _reconcile(one: _Pass) -> Outcome:
         _warm_failed(one, cache, seen, exc)
     if cache.warmup is not None:
         _keys_match(one, seen)
+    _opted_out(one, seen)
     return Outcome(assemble(one.obj.status, one.generation, seen, one.injection, cache.warmup is not None, one.now,
                             one.failure is not None),
                    one.events, one.failure, requeue_at=next_scheduled_warm(cache, one.now))
@@ -282,6 +284,21 @@ def _warm_failed(one: _Pass, cache: CacheSpec, seen: Seen, exc: Exception) -> No
     if changed(one.obj.status, error):
         one.events.append(Event("Warning", reason, message[:1000]))
     one.failed(exc)
+
+
+def _opted_out(one: _Pass, seen: Seen) -> None:
+    """status.reports.podsOptedOut: the cache's labelled pods, not finished nor being
+    deleted, that set automountServiceAccountToken false (D8: they get no token and no
+    reporter from us, so they report nothing). A failed listing leaves the last count."""
+    try:
+        pods = one.wiring.kube.list_pods(one.obj.namespace, f"{c.CACHE_LABEL}={one.obj.name}")
+    except KubeError as exc:
+        log.warning("Could not count the pods of %s/%s that opted out of tokens: %s", one.obj.namespace,
+                    one.obj.name, exc)
+        return
+    seen.pods_opted_out = sum(1 for p in pods if (p.get("spec") or {}).get("automountServiceAccountToken") is False
+                              and not (p.get("metadata") or {}).get("deletionTimestamp")
+                              and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
 
 
 def _keys_match(one: _Pass, seen: Seen) -> None:

@@ -1,6 +1,14 @@
-"""The ConfigMaps a cache's pods read, applied on every reconcile: the cache env (for
-containers with envFrom sources) and, with a local copy, the boot ConfigMap holding the
-shipped agents' code (agents/payload.py) and its bytecode, compiled once per process."""
+"""The ConfigMaps a cache's pods read, created and checked on every reconcile: the cache
+env (for containers with envFrom sources) and, with a local copy, the boot ConfigMap
+holding the shipped agents' code (agents/payload.py) and its bytecode, compiled once per
+process. Both are immutable and named by their content's hash; anyone with ConfigMap write
+in the namespace may create one of those names first, so each is used (recorded in
+status.injection.configMaps, which is all the webhook reads) only while what the API holds
+is what the operator wrote (D4).
+
+Older ConfigMaps of a cache (another content: its spec or the operator changed) are left
+to the garbage collector, which deletes them with the cache: a pod admitted with an older
+name may still be starting, and nothing here can prove that none is."""
 
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from cachewarm.api import constants as c
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec
-from cachewarm.builders.injection import env_configmap
+from cachewarm.builders.injection import CONTENT_SHA256_ANNOTATION, body_sha256, env_configmap
 from cachewarm.builders.localcopy import BOOT_FILES, BYTECODE_SCRIPT, BYTECODE_TAG, boot_configmap, bytecode_key
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.reconcile.status import changed
@@ -28,38 +36,93 @@ from cachewarm.reconcile.status import changed
 log = logging.getLogger("cachewarm.service")
 
 
-def publish_configmaps(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *, namespace: str, name: str,
-                 uid: str) -> Cond:
-    """The ConfigMap containers with envFrom sources read the cache env from, applied
-    (created, or restored if someone changed it) on every reconcile. Its condition; a
-    Warning Event when it newly fails."""
-    owner = {"name": name, "uid": uid}
-    env_body = env_configmap(cache, name, namespace, owner)
-    configmap = env_body["metadata"]["name"]
+CONFIGMAP_NOT_OURS = "ConfigMapNotOurs"  # TODO(H-mode): constants.Reason.CONFIGMAP_NOT_OURS
+ROLES = {"env": "the cache env, for containers with envFrom sources",
+         "boot": "the code of the local copy pods make in process"}
+
+
+def not_ours(existing: Mapping[str, Any], desired: Mapping[str, Any], uid: str) -> str:
+    """Why `existing` (a ConfigMap as the API returns it) is not the one the operator
+    wrote as `desired` for the cache of `uid` ("" when it is). Its content must hash to
+    what we wrote (the name already says the hash: anyone may create that name first), and
+    it must be immutable (no one edits it after it was checked), labelled and controlled
+    by the cache (so the ConfigMap watch sees it change and it goes with the cache)."""
+    want = desired["metadata"]["annotations"][CONTENT_SHA256_ANNOTATION]
+    meta = existing.get("metadata") or {}
+    why = []
     try:
-        kube.apply_configmap(env_body)
-    except KubeError as exc:
-        cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
-                    f"ConfigMap {configmap} with the cache env could not be applied: {exc}; pods whose containers "
-                    "have envFrom sources may start without the cache env; retrying"[:1000])
-        if changed(status, cond):
-            events.append(Event("Warning", exc.reason, cond.message))
-        return cond
-    boot = ""
+        content = body_sha256(existing)
+    except ValueError:
+        content = ""
+    if content != want:
+        why.append("its content is not what the operator wrote")
+    if existing.get("immutable") is not True:
+        why.append("it is not immutable")
+    if (meta.get("labels") or {}).get(c.MANAGED_BY_LABEL) != c.MANAGED_BY:
+        why.append(f"it lacks the label {c.MANAGED_BY_LABEL}={c.MANAGED_BY}")
+    if not any(r.get("controller") and r.get("uid") == uid for r in meta.get("ownerReferences") or []):
+        why.append("its controller is not this cache")
+    return ", ".join(why)
+
+
+def ensure_configmap(kube: KubeClient, desired: dict[str, Any], uid: str) -> str:
+    """Create `desired` unless a ConfigMap of its name exists, then check what is there
+    (not_ours; "" when it is ours). Never updates nor deletes one: a ConfigMap of our name
+    with other content is someone else's. Raises KubeError."""
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    existing = kube.read_configmap(namespace, name)
+    if existing is None:
+        existing = kube.create_configmap(desired) or kube.read_configmap(namespace, name)
+    if existing is None:
+        raise KubeError(f"ConfigMap {namespace}/{name} was created by someone else and deleted again; retrying")
+    return not_ours(existing, desired, uid)
+
+
+def publish_configmaps(kube: KubeClient, cache: CacheSpec, status: Mapping[str, Any], events: list[Event], *,
+                       namespace: str, name: str, uid: str) -> tuple[Cond, dict[str, str | None]]:
+    """The ConfigMaps the cache's pods read (the env one; the boot one with a local copy),
+    created when missing and checked on every reconcile (ensure_configmap). Returns
+    InjectionReady, and status.injection.configMaps: the name of each one found to be ours,
+    None for the others (removed from status by the merge patch, so the webhook stops
+    using them); one that could not be read is left out (status keeps the last check: an
+    apiserver error is no sign of tampering). A Warning Event when the condition newly fails."""
+    owner = {"name": name, "uid": uid}
+    wanted = {"env": env_configmap(cache, name, namespace, owner)}
     if cache.injection.local_copy is not None:
-        boot_body = boot_configmap(name, namespace, owner, boot_files(), boot_bytecode_files())
+        wanted["boot"] = boot_configmap(name, namespace, owner, boot_files(), boot_bytecode_files())
+    names: dict[str, str | None] = {"env": None, "boot": None}
+    refused: list[str] = []
+    failed: KubeError | None = None
+    for role, body in wanted.items():
         try:
-            kube.apply_configmap(boot_body)
+            why = ensure_configmap(kube, body, uid)
         except KubeError as exc:
-            cond = Cond(c.Condition.INJECTION_READY, False, exc.reason,
-                        f"ConfigMap {boot_body['metadata']['name']} with the local copy's code could not be applied: "
-                        f"{exc}; pods that copy in process start cold; retrying"[:1000])
-            if changed(status, cond):
-                events.append(Event("Warning", exc.reason, cond.message))
-            return cond
-        boot = f"; ConfigMap {boot_body['metadata']['name']} holds the code of the local copy pods make in process"
+            failed = failed or exc
+            del names[role]
+            continue
+        if why:
+            refused.append(f"ConfigMap {body['metadata']['name']} ({ROLES[role]}) exists, but {why}")
+        else:
+            names[role] = str(body["metadata"]["name"])
+    cond = _condition(names, refused, failed)
+    if not cond.status and changed(status, cond):
+        events.append(Event("Warning", cond.reason, cond.message))
+    return cond, names
+
+
+def _condition(names: Mapping[str, str | None], refused: list[str], failed: KubeError | None) -> Cond:
+    if refused:
+        return Cond(c.Condition.INJECTION_READY, False, CONFIGMAP_NOT_OURS,
+                    f"{'; '.join(refused)}: the operator does not use it and never deletes it. Until someone "
+                    "deletes it (the operator then creates its own), pods get none of it: containers with envFrom "
+                    "sources no cache env, pods with a local copy one made by an init container"[:1000])
+    if failed is not None:
+        return Cond(c.Condition.INJECTION_READY, False, failed.reason,
+                    f"The cache's ConfigMaps could not be read or created: {failed}; pods get only those verified "
+                    "before; retrying"[:1000])
+    boot = f"; ConfigMap {names['boot']} holds {ROLES['boot']}" if names.get("boot") else ""
     return Cond(c.Condition.INJECTION_READY, True, c.Reason.RECONCILED,
-                f"ConfigMap {configmap} holds the cache env; containers with envFrom sources read it first, so "
+                f"ConfigMap {names['env']} holds the cache env; containers with envFrom sources read it first, so "
                 f"their own env and envFrom values win{boot}")
 
 

@@ -29,6 +29,9 @@ class Seen:
     waiting_pods: int | None = None
     injection: Cond | None = None
     keys_match: Cond | None = None
+    # status.injection.configMaps: role -> the verified ConfigMap (None: none; removed by the merge patch)
+    configmaps: dict[str, str | None] | None = None
+    pods_opted_out: int | None = None  # None: not counted this time (status keeps the last count)
 
 
 # What only a person can fix: the bucket (BucketReady) or the warm (Warmed) stays as it is
@@ -103,7 +106,11 @@ def assemble(status: Mapping[str, Any], generation: int, seen: Seen, injection: 
         injection = {**injection, "waitingPods": seen.waiting_pods}
     elif (status.get("injection") or {}).get("waitingPods") is not None:
         injection = {**injection, "waitingPods": None}  # no longer waits: removed (a merge patch)
+    if seen.configmaps is not None:
+        injection = {**injection, "configMaps": seen.configmaps}
     out["injection"] = injection
+    if seen.pods_opted_out is not None:
+        out["reports"] = {**(status.get("reports") or {}), "podsOptedOut": seen.pods_opted_out}
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from cachewarm.builders.placement import pool_shape
 from cachewarm.builders.tpu import TpuShapeError
 
 ACTIVE_STATES = ("Pending", "Running")
+WARMER_POD_IGNORED = "WarmerPodIgnored"  # TODO(H-mode): constants.Reason.WARMER_POD_IGNORED
 MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
 IMAGE_PYTHONPATH_LIMIT = 1000  # characters: the CRD's maxLength (warmer.IMAGE_PYTHONPATH_LIMIT)
 
@@ -107,6 +109,23 @@ def _job_failure(job: Mapping[str, Any]) -> str:
         if cond.get("type") in ("Failed", "FailureTarget") and cond.get("status") == "True":
             return f"{cond.get('reason', 'Failed')}: {cond.get('message', '')}".strip(": ")
     return ""
+
+
+def owned_pods(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
+               ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """`pods` (listed by the label job-name=<job>) split into those the Job made (their
+    controller ownerReference is the Job, by uid) and the others. Anyone who may create
+    pods in the namespace can put that label on a pod of their own with any termination
+    message; only the Job's pods are warmers, so only theirs are read. A Job without a
+    uid (never one an apiserver lists) owns nothing."""
+    uid = str((job.get("metadata") or {}).get("uid") or "")
+    owned: list[Mapping[str, Any]] = []
+    others: list[Mapping[str, Any]] = []
+    for pod in pods:
+        controllers = [r for r in (pod.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")]
+        mine = bool(uid) and any(r.get("kind") == "Job" and r.get("uid") == uid for r in controllers)
+        (owned if mine else others).append(pod)
+    return owned, others
 
 
 def read_summaries(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -196,6 +215,16 @@ def _pythonpath(value: Any) -> str | None:
     return value
 
 
+MANIFEST_GENERATION = re.compile(r"[0-9]{1,20}")  # the CRD's pattern: a GCS generation (int64), in decimal
+
+
+def manifest_generation(value: Any) -> str | None:
+    """A reported manifestGeneration status can hold: a decimal string of 1 to 20 ASCII
+    digits, as the CRD's pattern says (None otherwise). It is what the copier in every pod
+    of the cache trusts (the manifest at that generation), so nothing else is copied."""
+    return value if isinstance(value, str) and MANIFEST_GENERATION.fullmatch(value) else None
+
+
 def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | None,
                 summaries: Sequence[Mapping[str, Any]], pods: PodsView | None = None, *,
                 env_sets_pythonpath: bool = False) -> dict[str, Any]:
@@ -238,6 +267,11 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         if reported is not None:
             out["keys"] = sorted({str(k) for k in reported["keys"]})[:MAX_KEYS]
             out["keyCount"] = int(reported.get("keyCount", len(out["keys"])) or 0)
+        # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
+        generation = next((g for g in (manifest_generation(s.get("manifestGeneration")) for s in writers)
+                           if g is not None), None)
+        if generation is not None:
+            out["manifestGeneration"] = generation
         # What the keys were computed with (process 0's view), and the image by digest.
         found = next((s["fingerprint"] for s in writers if isinstance(s.get("fingerprint"), Mapping)
                       and s["fingerprint"]), None)
@@ -606,6 +640,8 @@ def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
     steps = [s for d in decided for s in d.steps]
     steps += [DeleteService(s) for s in services_to_delete(view.services, keep, untouchable)]
     pools = [d.entry for d in decided if d.entry is not None]
+    for entry in pools:
+        _keep_manifest(entry, ctx.previous_of(str(entry.get("name"))))
     slot = scheduled_slot(ctx.cache, ctx.now)
     if slot is not None:
         # The slot each pool's current warmer is for (the slot is part of its hash), so the
@@ -615,6 +651,16 @@ def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
             if entry.get("specHash") is not None and entry.get("specHash") == digests.get(str(entry.get("name"))):
                 entry["scheduledTime"] = timefmt.rfc3339(slot)
     return WarmPlan(tuple(steps), pools, warmed_condition(pools, ctx.cache_entries, ctx.warmed_before, ctx.entry_keys))
+
+
+def _keep_manifest(entry: dict[str, Any], prev: Mapping[str, Any]) -> None:
+    """A pool's manifestGeneration stays the last one its own warmer reported until a
+    later warmer of the pool reports another: pods keep their copy while it re-warms (the
+    object at that generation is what our warmer wrote; once overwritten, the copier finds
+    no object at it and copies nothing)."""
+    kept = manifest_generation(prev.get("manifestGeneration"))
+    if kept is not None and "manifestGeneration" not in entry:
+        entry["manifestGeneration"] = kept
 
 
 def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[str, Any]]]) -> PoolDecision:
@@ -720,13 +766,21 @@ def _recorded(ctx: WarmContext, a: Aim, current: Mapping[str, Any]) -> PoolDecis
 def _results(ctx: WarmContext, a: Aim, current: Mapping[str, Any], state: str,
              pods: Sequence[Mapping[str, Any]]) -> PoolDecision:
     """The current Job's state, and once it finished, its warmers' summaries."""
-    summaries = read_summaries(pods) if state not in ACTIVE_STATES else []
-    status = pool_status(a.job, a.pool, a.digest, current, summaries, read_pods(pods),
+    owned, others = owned_pods(current, pods)
+    summaries = read_summaries(owned) if state not in ACTIVE_STATES else []
+    status = pool_status(a.job, a.pool, a.digest, current, summaries, read_pods(owned),
                          env_sets_pythonpath=any(e.name == "PYTHONPATH" for e in ctx.warmup.env))
     status["attempt"] = a.attempt
     if state == "Failed":
         status, _ = plan_retry(status, a.attempt, failed_at(current) or ctx.now, ctx.retry, ctx.now)
-    return PoolDecision(a.pool.name, tuple(_said(a, state, status)), status,
+    said = _said(a, state, status)
+    if others and state not in ACTIVE_STATES:
+        # Said once: a finished Job's pods are read by this one reconcile (then recorded).
+        names = ", ".join(sorted(str((p.get("metadata") or {}).get("name") or "?") for p in others)[:5])
+        said.append(Event("Warning", WARMER_POD_IGNORED,
+                          f"Ignored {len(others)} pod(s) labelled job-name={a.job} that warmer Job {a.job} did not "
+                          f"create ({names}): a warmer's results are read only from the Job's own pods"[:1000]))
+    return PoolDecision(a.pool.name, tuple(said), status,
                         keep_service=state in ACTIVE_STATES and a.hosts > 1, digest=a.digest)
 
 

@@ -22,13 +22,14 @@ from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec
 from cachewarm.clients.kube import KubeClient
 from cachewarm.reconcile.warmplan import (ACTIVE_STATES, BUCKET_VERDICTS, Create, DeleteJob, DeleteService, WarmContext,
-                                          WarmPlan, WarmRetry, WarmView, image_pythonpath, last_slot, missing_entries,
+                                          WarmPlan, WarmRetry, WarmView, image_pythonpath, last_slot,
+                                          manifest_generation, missing_entries,
                                           next_scheduled_warm, next_slot, plan_warmup, results_to_read, rewarm_token,
                                           warmed_condition)
 
 # What the rest of the operator imports from here (the decisions live in warmplan).
 __all__ = ["ACTIVE_STATES", "BUCKET_VERDICTS", "WarmRetry", "WarmupOutcome", "apply_plan", "image_pythonpath",
-           "last_slot", "missing_entries", "next_scheduled_warm", "next_slot", "observe_warmers", "reconcile_warmup",
+           "last_slot", "manifest_generations", "missing_entries", "next_scheduled_warm", "next_slot", "observe_warmers", "reconcile_warmup",
            "release_waiting_pods", "rewarm_token", "warmed_condition"]
 
 
@@ -41,6 +42,17 @@ class WarmupOutcome:
     @property
     def active(self) -> bool:
         return any(p.get("state") in ACTIVE_STATES for p in self.pools)
+
+
+def manifest_generations(pools: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Pool name -> the generation of its manifest, from status.warmup.pools (those with a
+    valid one only; the webhook gives pods' copiers these and no other)."""
+    out: dict[str, str] = {}
+    for pool in pools:
+        generation = manifest_generation(pool.get("manifestGeneration"))
+        if generation is not None and isinstance(pool.get("name"), str):
+            out[pool["name"]] = generation
+    return out
 
 
 def observe_warmers(kube: KubeClient, ctx: WarmContext) -> WarmView:
