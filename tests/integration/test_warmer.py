@@ -200,8 +200,9 @@ def test_a_targets_warm_writes_the_entries_it_relied_on_to_the_pools_manifest(
     tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client
 ) -> None:
     """The manifest names exactly the entries the summary's keys name (not another
-    program's entry under the prefix), with their sizes in the bucket; a stale manifest is
-    replaced; a re-warm that finds them names them again."""
+    program's entry under the prefix), with their size, md5Hash and generation as GCS has
+    them (version 2); the summary's manifestGeneration is the written manifest object's
+    generation; a stale manifest is replaced; a re-warm that finds them names them again."""
     bucket = f"manifest-{uuid.uuid4().hex[:10]}"
     storage_only.create_bucket(bucket, location="us-central1")
     name = "jax/.cachewarm/pools/ns/llama/cpu.json"
@@ -217,16 +218,21 @@ def test_a_targets_warm_writes_the_entries_it_relied_on_to_the_pools_manifest(
         assert code == 0, log
         assert (summary["entriesWritten"], summary["entriesFound"]) == ((2, 0) if attempt == "writes" else (0, 2))
         assert len(summary["keys"]) == 2 and summary["manifestEntries"] == 2 and "manifestError" not in summary
-        blobs = {b.name.removeprefix("jax/"): b.size for b in storage_only.list_blobs(bucket, prefix="jax/")
+        blobs = {b.name.removeprefix("jax/"): b for b in storage_only.list_blobs(bucket, prefix="jax/")
                  if b.name.endswith("-cache")}
-        relied = {n: size for n, size in blobs.items()
-                  if n.removesuffix("-cache").rsplit("-", 1)[1][:16] in summary["keys"]}
+        relied = {n: b for n, b in blobs.items() if n.removesuffix("-cache").rsplit("-", 1)[1][:16] in summary["keys"]}
         assert len(relied) == 2 and OLD_PROGRAM not in relied
         manifest, content_type = read_manifest(storage_only, bucket, name)
         assert content_type == "application/json"
-        assert manifest["entries"] == [{"name": n, "size": relied[n]} for n in sorted(relied)]
-        assert all(size > 0 for size in relied.values())
-        assert (manifest["version"], manifest["pool"]) == (1, "cpu")
+        # GCS's own values, read here through another client (the emulator gives md5Hash and
+        # generation as GCS does: base64, and a decimal string in JSON).
+        assert manifest["entries"] == [{"name": n, "size": relied[n].size, "md5": relied[n].md5_hash,
+                                        "generation": str(relied[n].generation)} for n in sorted(relied)]
+        assert all(b.size > 0 and b.md5_hash for b in relied.values())
+        assert (manifest["version"], manifest["pool"]) == (2, "cpu")
+        written_blob = storage_only.bucket(bucket).get_blob(name)
+        assert written_blob is not None and summary["manifestGeneration"] == str(written_blob.generation)
+        assert "manifestLeftOut" not in summary
         assert manifest["fingerprint"] == summary["fingerprint"]
         written = dt.datetime.strptime(manifest["writtenTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
         assert began <= written <= ended, (began, written, ended)
@@ -248,10 +254,12 @@ def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
     assert code == 0, log
     assert summary["manifestEntries"] == len(summary["keys"]) >= 1
     assert len(read_manifest(storage_only, bucket, name)[0]["entries"]) == summary["manifestEntries"]
+    assert summary["manifestGeneration"] == str(storage_only.bucket(bucket).get_blob(name).generation)
     code, summary, log = gcs_warm(tmp_path, storage_bed, url, manifest, "command", "--", "sh", "-c",
                                   f"{sys.executable} {script}")
     assert code == 0, log
     assert "keys" not in summary and "manifestEntries" not in summary and "manifestError" not in summary
+    assert "manifestGeneration" not in summary  # none written: nothing for the operator to record
     assert storage_only.bucket(bucket).get_blob(name) is None
     assert "Removed the manifest" in log
     # Nothing to remove is no error either.
@@ -269,9 +277,37 @@ def test_a_manifest_that_cannot_be_written_is_reported_and_the_warm_stands(
                                   "targets", "warm_targets:quick_targets")
     assert code == 0, log
     assert summary["errors"] == [] and summary["entriesWritten"] == 1 and len(summary["keys"]) == 1
-    assert "manifestEntries" not in summary
+    assert "manifestEntries" not in summary and "manifestGeneration" not in summary
     assert summary["manifestError"].startswith("could not write the manifest gs://no-such-bucket-cw/m/cpu.json")
     assert "Could not write the manifest" in log
+
+
+def test_an_entry_whose_digests_cannot_be_read_is_left_out_and_a_rewritten_manifest_is_not_reported(
+    storage_bed: Testbed, storage_only: storage.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warmer's own calls, in this process against the emulator: an entry GCS does not
+    list (gone, or without md5Hash or generation) is left out of the manifest, counted; a
+    manifest object that does not hold the bytes just written (rewritten meanwhile) gives no
+    generation, so the operator records none."""
+    from cachewarm.agents import warmer  # noqa: PLC0415
+
+    for key, value in storage_bed.env().items():
+        if key != "KUBECONFIG":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
+    bucket = f"manifest-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    there, gone = "jit_a-" + "a" * 64 + "-cache", "jit_b-" + "b" * 64 + "-cache"
+    storage_only.bucket(bucket).blob(f"jax/{there}").upload_from_string(b"entry")
+    name = "jax/.cachewarm/pools/ns/llama/cpu.json"
+    out = warmer.write_manifest(f"gs://{bucket}/{name}", [there, gone], None, f"gs://{bucket}/jax")
+    blob = storage_only.bucket(bucket).get_blob(name)
+    assert blob is not None
+    assert out == {"manifestEntries": 1, "manifestGeneration": str(blob.generation), "manifestLeftOut": 1}
+    assert [e["name"] for e in json.loads(blob.download_as_bytes())["entries"]] == [there]
+    blob.upload_from_string(b'{"version": 2, "entries": []}')  # someone else's bytes now
+    with pytest.raises(ValueError, match="does not hold the manifest just written"):
+        warmer.written_generation(f"{bucket}/{name}", b'{"version":2,"entries":[]} ')
 
 
 MULTI_HOST_TARGETS = '''

@@ -20,8 +20,13 @@ target failed; 2 when nothing ended up in the cache (nothing compiled, or every 
 below the cache's size/time thresholds, or no cache directory).
 
 Manifest ($CACHEWARM_MANIFEST, a gs:// URL the operator sets per pool): process 0 writes
-there the entries the warm relied on (names and sizes), for training pods' local copies,
-or removes it when it cannot name them (an entrypoint in a child process). Never fatal.
+there the entries the warm relied on, for training pods' local copies, or removes it when
+it cannot name them (an entrypoint in a child process). Never fatal. Version 2 (issue 28):
+each entry with its size, GCS's md5Hash and generation, read from GCS after the warm (an
+entry whose digests cannot be read is left out, `manifestLeftOut`); the summary's
+`manifestGeneration` is the generation of the manifest object written, read back and
+checked to hold these very bytes, which the operator records (from this Job's own pod
+only) and pods' copiers then trust, and only that.
 
 Multi-host pools (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID in the env):
 targets mode joins the JAX distributed runtime once; command mode leaves that to the
@@ -190,7 +195,7 @@ REFRESH_THREADS = 8  # customTime PATCHes in flight at once
 ENV_MANIFEST = "CACHEWARM_MANIFEST"  # the pool's manifest, a gs:// URL
 ENV_SUMMARY_FILE = "CACHEWARM_SUMMARY_FILE"  # where the summary goes (default /dev/termination-log)
 MANIFEST_ENV = ENV_MANIFEST  # the older name, which tests/unit/test_job_builder.py reads
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # entries carry size, md5 (GCS md5Hash) and generation
 _FILESYSTEM: Any = None
 
 
@@ -274,28 +279,74 @@ def manifest_pool(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
 
 
-def write_manifest(url: str, entries: dict[str, int], fp: dict[str, Any] | None) -> dict[str, Any]:
-    """Write the pool's manifest: the entries ({name: bytes}, names ending in -cache) this
-    warm relied on, so a pod's local copy takes only those. gs:// only. Never raises:
-    returns {"manifestEntries": n}, or {"manifestError": why} (the warm stands either way)."""
-    manifest: dict[str, Any] = {
-        "version": MANIFEST_VERSION,
-        "pool": manifest_pool(url),
-        "entries": [{"name": name, "size": int(size)} for name, size in sorted(entries.items())],
-        "writtenTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if fp:
-        manifest["fingerprint"] = fp
+def _md5_base64(data: bytes) -> str:
+    import base64  # noqa: PLC0415
+
+    return base64.b64encode(hashlib.md5(data).digest()).decode()  # noqa: S324 - GCS's md5Hash form
+
+
+def entry_digests(cache_url: str, names: Iterable[str]) -> tuple[list[dict[str, Any]], int]:
+    """The manifest's entries for `names` (objects directly under the gs:// cache
+    directory): each {"name", "size", "md5", "generation"} as GCS lists it now, sorted by
+    name, and how many were left out (not listed, or without md5Hash or generation: a
+    composite object has no MD5). Raises what the listing raises."""
+    base = cache_url[len("gs://"):].rstrip("/")
+    listed = {str(o.get("name", "")).rsplit("/", 1)[-1]: o
+              for o in gcs_filesystem().ls(base, detail=True, refresh=True) if isinstance(o, dict)}
+    out: list[dict[str, Any]] = []
+    for name in sorted(set(names)):
+        obj = listed.get(name) or {}
+        md5, generation, size = obj.get("md5Hash"), obj.get("generation"), obj.get("size")
+        if isinstance(md5, str) and md5 and generation is not None and str(generation).isdigit() and \
+                isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+            out.append({"name": name, "size": size, "md5": md5, "generation": str(generation)})
+    return out, len(set(names)) - len(out)
+
+
+def written_generation(path: str, data: bytes) -> str:
+    """The generation of the object at `path` (bucket/name), read back from GCS, when it
+    holds `data` (its MD5 and size): the manifest this warmer wrote, not one rewritten
+    since. Raises ValueError when it does not, or what the read raises."""
+    fs = gcs_filesystem()
+    fs.invalidate_cache(path)
+    info = fs.info(path)
+    generation = str(info.get("generation") or "")
+    if info.get("md5Hash") != _md5_base64(data) or int(info.get("size") or -1) != len(data) or \
+            not generation.isdigit():
+        raise ValueError(f"gs://{path} does not hold the manifest just written (rewritten meanwhile?)")
+    return generation
+
+
+def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, cache_url: str = "") -> dict[str, Any]:
+    """Write the pool's manifest: the entries (names ending in -cache, under the gs:// cache
+    directory `cache_url`) this warm relied on, with GCS's size, md5Hash and generation of
+    each, so a pod's local copy takes only those and checks each. gs:// only. Never raises:
+    returns {"manifestEntries": n, "manifestGeneration": g[, "manifestLeftOut": k]}, or
+    {"manifestError": why} (the warm stands either way)."""
     try:
-        if not url.startswith("gs://"):
-            raise ValueError(f"{ENV_MANIFEST} must be a gs:// URL")
+        if not url.startswith("gs://") or not cache_url.startswith("gs://"):
+            raise ValueError(f"{ENV_MANIFEST} and the cache directory must be gs:// URLs")
+        recorded, left_out = entry_digests(cache_url, entries)
+        manifest: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "pool": manifest_pool(url),
+            "entries": recorded,
+            "writtenTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        if fp:
+            manifest["fingerprint"] = fp
         data = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
-        gcs_filesystem().pipe_file(url[len("gs://"):], data, content_type="application/json")
+        path = url[len("gs://"):]
+        gcs_filesystem().pipe_file(path, data, content_type="application/json")
+        generation = written_generation(path, data)
     except Exception as exc:  # noqa: BLE001 - the manifest helps pods copy less; never fatal
         log("Could not write the manifest", url=url, error=repr(exc))
         return {"manifestError": f"could not write the manifest {url}: {type(exc).__name__}: {exc}"[:300]}
-    log("Wrote the manifest", url=url, entries=len(entries))
-    return {"manifestEntries": len(entries)}
+    log("Wrote the manifest", url=url, entries=len(recorded), generation=generation, leftOut=left_out)
+    out: dict[str, Any] = {"manifestEntries": len(recorded), "manifestGeneration": generation}
+    if left_out:
+        out["manifestLeftOut"] = left_out
+    return out
 
 
 def remove_manifest(url: str) -> dict[str, Any]:
@@ -675,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         # A warm that failed or relied on nothing leaves the manifest as it was: an empty or
         # partial one would have pods copy less than the cache holds for them.
         if manifest and relied and not errors:
-            summary.update(write_manifest(manifest, {f"{k}-cache": after[f"{k}-cache"] for k in relied}, fp))
+            summary.update(write_manifest(manifest, [f"{k}-cache" for k in relied], fp, cache.url))
     elif index == 0 and manifest:
         summary.update(remove_manifest(manifest))
     summary["errors"] = errors
