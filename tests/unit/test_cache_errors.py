@@ -271,3 +271,12 @@ def test_pods_that_opted_out_of_tokens_are_counted_in_status(kube: MemoryKube) -
     kube.fail["list_pods"] = KubeError("listing Pods in ml: 503", 503)
     kept = reconcile(kube, FakeGcs(), {"storage": spec()["storage"]}, {"reports": {"podsOptedOut": 2}})
     assert "reports" not in kept.status  # a failed count writes nothing: the merge patch keeps the last one
+
+
+def test_the_specs_own_conditions_are_in_status(kube: MemoryKube) -> None:
+    """PodsReadOnly and LocalCopyAsSpecified (reconcile/podsmode.py) come with every
+    reconcile of a readable spec, as that spec says."""
+    writer = conds(reconcile(kube, FakeGcs(), {**spec(), "injection": {"mode": "ReadWrite"}}))
+    assert (writer["PodsReadOnly"]["status"], writer["PodsReadOnly"]["reason"]) == ("False", "ReadWriteChosen")
+    reader = conds(reconcile(kube, FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly"}}))
+    assert reader["PodsReadOnly"]["status"] == "True" and "LocalCopyAsSpecified" in reader

@@ -24,6 +24,7 @@ from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.reconcile.bucket import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
 from cachewarm.reconcile.configmaps import publish_configmaps
 from cachewarm.reconcile.admitted import RecentInjections
+from cachewarm.reconcile import podsmode
 from cachewarm.reconcile.keysmatch import keys_match
 from cachewarm.reconcile.pods import release_held_pods
 from cachewarm.reconcile.status import Seen, assemble, changed, inventory_due, transition_events, was_warmed, \
@@ -144,6 +145,7 @@ def _reconcile(one: _Pass) -> Outcome:
     # listing taken before could miss the last entries of a warmer that finished meanwhile.
     listing_due = inventory_due(one.obj.status, one.generation, one.now, one.wiring.inventory_every)
     seen = _bucket(one, cache, take_inventory=listing_due and cache.warmup is None)
+    seen.spec = podsmode.spec_conditions(cache, one.obj.name)
     seen.injection, seen.configmaps = publish_configmaps(
         one.wiring.kube, cache, one.obj.status, one.events, namespace=one.obj.namespace, name=one.obj.name,
         uid=str(one.obj.meta.get("uid") or ""))

@@ -36,7 +36,6 @@ from cachewarm.reconcile.status import changed
 log = logging.getLogger("cachewarm.service")
 
 
-CONFIGMAP_NOT_OURS = "ConfigMapNotOurs"  # TODO(H-mode): constants.Reason.CONFIGMAP_NOT_OURS
 ROLES = {"env": "the cache env, for containers with envFrom sources",
          "boot": "the code of the local copy pods make in process"}
 
@@ -112,7 +111,7 @@ def publish_configmaps(kube: KubeClient, cache: CacheSpec, status: Mapping[str, 
 
 def _condition(names: Mapping[str, str | None], refused: list[str], failed: KubeError | None) -> Cond:
     if refused:
-        return Cond(c.Condition.INJECTION_READY, False, CONFIGMAP_NOT_OURS,
+        return Cond(c.Condition.INJECTION_READY, False, c.Reason.CONFIGMAP_NOT_OURS,
                     f"{'; '.join(refused)}: the operator does not use it and never deletes it. Until someone "
                     "deletes it (the operator then creates its own), pods get none of it: containers with envFrom "
                     "sources no cache env, pods with a local copy one made by an init container"[:1000])

@@ -9,7 +9,7 @@ import datetime as dt
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cachewarm.api import conditions
@@ -31,7 +31,8 @@ class Seen:
     keys_match: Cond | None = None
     # status.injection.configMaps: role -> the verified ConfigMap (None: none; removed by the merge patch)
     configmaps: dict[str, str | None] | None = None
-    pods_opted_out: int | None = None  # None: not counted this time (status keeps the last count)
+    pods_opted_out: int | None = None
+    spec: list[Cond] = field(default_factory=list)  # what the spec alone says (reconcile/podsmode.py)  # None: not counted this time (status keeps the last count)
 
 
 # What only a person can fix: the bucket (BucketReady) or the warm (Warmed) stays as it is
@@ -87,7 +88,7 @@ def assemble(status: Mapping[str, Any], generation: int, seen: Seen, injection: 
         ready = Cond(c.Condition.READY, True, c.Reason.RECONCILED, "The cache is ready for warmers and training pods")
     updates = [bucket.condition, ready, reconciling, stalled, *bucket.settings,
                *([seen.warm_condition] if seen.warm_condition else []), *([seen.injection] if seen.injection else []),
-               *([seen.keys_match] if seen.keys_match else [])]
+               *([seen.keys_match] if seen.keys_match else []), *seen.spec]
     existing = [cd for cd in status.get("conditions") or []
                 if has_warmup or cd.get("type") not in (c.Condition.WARMED, c.Condition.KEYS_MATCH)]
     out: dict[str, Any] = {

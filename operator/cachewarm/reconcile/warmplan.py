@@ -33,7 +33,6 @@ from cachewarm.builders.placement import pool_shape
 from cachewarm.builders.tpu import TpuShapeError
 
 ACTIVE_STATES = ("Pending", "Running")
-WARMER_POD_IGNORED = "WarmerPodIgnored"  # TODO(H-mode): constants.Reason.WARMER_POD_IGNORED
 MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
 IMAGE_PYTHONPATH_LIMIT = 1000  # characters: the CRD's maxLength (warmer.IMAGE_PYTHONPATH_LIMIT)
 
@@ -777,7 +776,7 @@ def _results(ctx: WarmContext, a: Aim, current: Mapping[str, Any], state: str,
     if others and state not in ACTIVE_STATES:
         # Said once: a finished Job's pods are read by this one reconcile (then recorded).
         names = ", ".join(sorted(str((p.get("metadata") or {}).get("name") or "?") for p in others)[:5])
-        said.append(Event("Warning", WARMER_POD_IGNORED,
+        said.append(Event("Warning", c.Reason.WARMER_POD_IGNORED,
                           f"Ignored {len(others)} pod(s) labelled job-name={a.job} that warmer Job {a.job} did not "
                           f"create ({names}): a warmer's results are read only from the Job's own pods"[:1000]))
     return PoolDecision(a.pool.name, tuple(said), status,
