@@ -116,9 +116,10 @@ def summary_of(stdout: str) -> dict[str, Any]:
     return dict(json.loads(stdout.strip().splitlines()[-1])["cachewarm-copier"])
 
 
-def run_copier(settings: dict[str, str], timeout: float = 120) -> dict[str, Any]:
+def run_copier(settings: dict[str, str], timeout: float = 120, umask: int | None = None) -> dict[str, Any]:
+    """The copier as the init container runs it (under `umask` when given); its summary."""
     out = subprocess.run([sys.executable, "-I", "-S", str(COPIER)], env=process_env(settings), capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, preexec_fn=None if umask is None else lambda: os.umask(umask))
     assert out.returncode == 0, out.stderr  # never fails the pod
     return summary_of(out.stdout)
 
@@ -769,8 +770,11 @@ def test_the_destination_is_made_not_writable_by_others_and_a_foreign_world_writ
     import stat  # noqa: PLC0415
 
     bucket, _ = fill(storage_only)
-    summary = run_copier(env_for(storage_bed, bucket, tmp_path / "made" / "here"))
-    assert stat.S_IMODE((tmp_path / "made" / "here").stat().st_mode) & 0o022 == 0
+    # umask 0, so that what the copier asks for is what it gets (a pod's umask may be anything).
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path / "made" / "here"), umask=0)
+    made = tmp_path / "made" / "here"
+    assert stat.S_IMODE(made.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in made.iterdir()} == {0o644}
     assert "destWorldWritable" not in summary and summary["copied"] == 5
     if os.geteuid() != 0:
         pytest.skip("making a directory another user owns needs root")  # the note itself is tested above
@@ -826,6 +830,23 @@ def test_a_pinned_generation_gcs_no_longer_has_is_a_404_and_refused(tmp_path: Pa
     assert (summary["copied"], summary["failed"]) == (1, 1) and "HTTP 404" in summary["errors"][0], summary
     assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [base(a)]
     assert (old["manifestsMissing"], old["trusted"], old["copied"]) == ([f"{pool}#7"], 0, 0)
+
+
+def test_a_manifest_read_corrupted_is_tried_again_then_refused(tmp_path: Path) -> None:
+    """A manifest's bytes must match its metadata's MD5 at the pinned generation: a transfer
+    corrupted once is read again; corrupted every time (or rewritten between the two
+    requests), it is refused and nothing of it copied."""
+    a = f"jax/{entry('jit_a', 'a')}"
+    pool = f"{MANIFESTS}/h100.json"
+    for faults, trusted in (["corrupt"], 1), (["corrupt"] * 10, 0):
+        objects = {a: os.urandom(100), pool: b""}
+        with FaultInjector(objects, {pool: faults}).serving() as server:
+            objects[pool] = faulty_manifest(server, a)
+            summary = run_copier(faulty_env(server, tmp_path / str(trusted), manifests=f"{pool}#{server.generation(pool)}"))
+        assert (summary["trusted"], summary["copied"]) == (trusted, trusted), summary
+        assert server.requests[pool] == (2 if trusted else copier.CORRUPT_ATTEMPTS)
+        if not trusted:
+            assert "MD5" in summary["manifestError"] and summary["manifestsRefused"] == 1
 
 
 def test_in_prefix_mode_a_listed_object_without_size_or_md5_is_skipped(tmp_path: Path) -> None:

@@ -554,9 +554,6 @@ class Client:
         metadata must name that generation (a server that does not pin, as the testbed's
         emulator, answers the live object's) and its bytes must be that metadata's size and
         MD5 (the object rewritten between the two requests). Raises CopyError."""
-        import base64  # noqa: PLC0415
-        import hashlib  # noqa: PLC0415
-
         meta = self.metadata(bucket, name, generation)
         entry = _entry(meta.get("size"), meta.get("md5Hash"), meta.get("generation"))
         if entry is None or entry.generation != generation:
@@ -564,14 +561,17 @@ class Client:
                             "(rewritten since its warmer wrote it)")
         if entry.size > MAX_MANIFEST_BYTES:
             raise CopyError(f"{name}: larger than {MAX_MANIFEST_BYTES} bytes")
-        data = self.read(bucket, name, entry.size, generation)
-        if len(data) != entry.size or base64.b64encode(hashlib.md5(data).digest()).decode() != entry.md5:  # noqa: S324
-            raise CopyError(f"{name}: its bytes are not generation {generation}'s (rewritten meanwhile)")
-        return data
+        return self.read(bucket, name, entry.size, generation, entry.md5)
 
-    def read(self, bucket: str, name: str, limit: int = MAX_MANIFEST_BYTES, generation: str = "") -> bytes:
-        """A small object's content (of that generation when given). Raises CopyError (with
-        the status on an HTTP error), also when it is larger than `limit`."""
+    def read(self, bucket: str, name: str, limit: int = MAX_MANIFEST_BYTES, generation: str = "",
+             md5: str = "") -> bytes:
+        """A small object's content (of that generation when given; exactly `limit` bytes
+        with this MD5 when `md5` is given, else tried again as a corrupted transfer, and
+        refused as changed after CORRUPT_ATTEMPTS). Raises CopyError (with the status on an
+        HTTP error), also when it is larger than `limit`."""
+        import base64  # noqa: PLC0415
+        import hashlib  # noqa: PLC0415
+
         url = self._media(bucket, name, generation)
 
         def attempt() -> bytes:
@@ -581,6 +581,8 @@ class Client:
             # read(n) returns what came before the connection ended, without an error.
             if length is not None and length.isdigit() and len(data) < min(int(length), limit + 1):
                 raise Broken(f"{name}: the connection ended after {len(data)} of {length} bytes")
+            if md5 and (len(data) != limit or base64.b64encode(hashlib.md5(data).digest()).decode() != md5):  # noqa: S324
+                raise Corrupt(f"{name}: its bytes are not generation {generation}'s (MD5; rewritten meanwhile?)")
             return data
         data = self._attempts(url, attempt)
         if len(data) > limit:
