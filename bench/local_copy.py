@@ -221,7 +221,12 @@ class Bench:
             copier = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "cachewarm-copy" if inits else "train").stdout
             summary = json.loads(next(x for x in copier.splitlines() if "cachewarm-copier" in x))["cachewarm-copier"]
             out.update(copySeconds=summary.get("seconds"), copied=summary.get("copied"), copyBytes=summary.get("bytes"),
-                       cold=summary.get("cold"))
+                       cold=summary.get("cold"), trusted=summary.get("trusted"), present=summary.get("present"))
+            # With the checks on (issue 28: pinned manifests, MD5 of every entry), a copy that
+            # trusted nothing would time a cold start, not the copy: refuse to report it.
+            if summary.get("cold") or not summary.get("copied") or summary.get("source") != "manifest" \
+                    or not summary.get("trusted"):
+                raise SystemExit(f"pod {name} ({kind}): the copy trusted or copied nothing: {summary}")
         if self.containerd_log is not None:
             timeline = containerd_timeline(self.containerd_log, name, t0)
             out.update(containers=timeline, kubeletWait=kubelet_wait(timeline))

@@ -429,7 +429,8 @@ def _close(answer: urllib.error.HTTPError) -> None:
 
 
 class Client:
-    """The GCS JSON API calls the copier makes (list, media download), with retries."""
+    """The GCS JSON API calls the copier makes (list, an object's metadata, media download
+    pinned to a generation), with retries."""
 
     def __init__(self, endpoint: str, token: Callable[[], str | None], context: ssl.SSLContext | None = None) -> None:
         import urllib.request  # noqa: PLC0415
@@ -439,7 +440,8 @@ class Client:
         self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
         self._partials = itertools.count()
         self._lock = threading.Lock()
-        # pid alone is not unique: init containers of pods sharing a hostPath are often pid 1 each.
+        # pid alone is not unique: two copiers into one directory (a pod's processes, or the pods
+        # of a HostPath copy before issue 28) are often pid 1 each in their containers.
         self._run = f"{os.getpid()}-{os.urandom(6).hex()}"
         # time.monotonic() after which no request starts and downloads in flight stop, so
         # the deadline bounds a black-holed network too (run() sets it).
