@@ -409,7 +409,8 @@ class FaultInjector(http.server.ThreadingHTTPServer):
     (the same, ended by a TCP reset), "corrupt" (the full length, every byte flipped),
     "drip" (the full length, then a byte every 0.2 s, so no read ever times out), "long"
     (a Content-Length and body 1 KiB longer than the object), "unbounded" (1 KiB more,
-    without a Content-Length: the body ends when the connection closes). With
+    without a Content-Length: the body ends when the connection closes), "othergen" (the
+    object's bytes with an x-goog-generation header of another generation). With
     `tls`, HTTPS. It counts the requests for each object ("list" for the listing)."""
 
     daemon_threads = True
@@ -488,6 +489,13 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             body = bytes(b ^ 0xFF for b in body)
         if fault in ("long", "unbounded"):
             body += os.urandom(1024)
+        if fault == "othergen":  # the right bytes, said to be another generation's
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("x-goog-generation", "5")
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if fault == "unbounded":
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -872,6 +880,18 @@ def test_a_server_answering_more_bytes_than_the_entry_has_is_refused(fault: str,
     assert "bytes answered" in summary["errors"][0] and base(a) in summary["errors"][0]
     assert server.requests[a] == copier.CORRUPT_ATTEMPTS
     assert [p.name for p in tmp_path.iterdir()] == [base(b)]  # no partial file either
+
+
+def test_an_answer_that_says_it_is_another_generation_is_refused(tmp_path: Path) -> None:
+    """GCS names the generation it sent (x-goog-generation): one other than the pinned is
+    refused even when its bytes would pass (a server or proxy that ignored the pin)."""
+    a, b = f"jax/{entry('jit_a', 'a')}", f"jax/{entry('jit_b', 'b')}"
+    objects = {a: os.urandom(100), b: os.urandom(200)}
+    with FaultInjector(objects, {a: ["othergen"] * 10}).serving() as server:
+        summary = run_copier(faulty_env(server, tmp_path))
+    assert (summary["copied"], summary["failed"]) == (1, 1), summary
+    assert "generation 5 sent" in summary["errors"][0]
+    assert [p.name for p in tmp_path.iterdir()] == [base(b)]
 
 
 def test_manifests_set_but_naming_none_with_a_generation_copy_nothing(
