@@ -301,3 +301,97 @@ def test_a_killed_run_is_undone_by_the_next_start(real: RealBed, tmp_path: Path)
         if killed_bed is not None:
             killed_bed.stop()  # the killed run's control plane
     assert before.differences(HostSnapshot.take()) == {}
+
+
+# --- issue 28: what cachewarm injects runs with least privilege (builders' part) ----------
+
+@pytest.fixture(scope="module")
+def with_warmer() -> Iterator[tuple[Testbed, RealNode]]:
+    """A real node of its own (the tests above stopped theirs: one per machine) holding the
+    warmer image, which cachewarm's init containers copy their tools from. Only that image
+    is built (cached by content)."""
+    from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(images, "BUILDS", tuple(b for b in images.BUILDS if b.ref == images.WARMER_IMAGE))
+        archives = images.build_all()
+    bed = Testbed()
+    try:
+        bed.start(controller_manager=True, real_node=True)
+        node = bed.start_real_node()
+        node.import_images(archives)
+        yield bed, node
+    finally:
+        bed.stop()
+
+
+def runtime_spec(node: RealNode, container_id: str) -> dict[str, Any]:
+    """The OCI runtime spec containerd handed runc for a container (`ctr containers info`)."""
+    info = node.ctr("containers", "info", container_id.removeprefix("containerd://"))
+    spec: dict[str, Any] = json.loads(info.stdout)["Spec"]
+    return spec
+
+
+def test_our_init_containers_run_unprivileged_beside_a_privileged_root_container_that_cannot_write_the_copy(
+        with_warmer: tuple[Testbed, RealNode]) -> None:
+    """D7 and D1 on a real kubelet + containerd + runc. The pod patch is the webhook's
+    (admit_pod, the same function the webhook runs; this bed has no operator, so the pod
+    is created with the patch applied, as the apiserver would store it after the webhook).
+    The training container is privileged, root, with SYS_ADMIN added: each init container
+    we add still runs as 65532 with no capabilities, no new privileges, RuntimeDefault
+    seccomp and a read-only root, as runc was told (the runtime spec containerd kept) and
+    as the files they wrote show (their owner); the training container reads the copy
+    read-only (EROFS on a write). The copier finds no python in busybox and says so (the
+    pod starts cold): its privileges are what this test is about, not the copy."""
+    from cachewarm.admission import admit  # noqa: PLC0415
+    from cachewarm.builders.reporting import Reporting  # noqa: PLC0415
+    from cachewarm_testbed.images import WARMER_IMAGE  # noqa: PLC0415
+    bed, node = with_warmer
+    ns = f"rn-{uuid.uuid4().hex[:8]}"
+    assert bed.kubectl_run("create", "namespace", ns).returncode == 0
+    eventually(lambda: bed.get_json("serviceaccount", "default", ns), what="default ServiceAccount")  # the token's
+    spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US", "prefix": "p"}},
+            "injection": {"mode": "ReadOnly", "report": True, "localCopy": {"sizeLimit": "64Mi"}},
+            "warmup": {"image": BUSYBOX_IMAGE, "targets": ["m:f"], "pools": [{"name": "cpu"}]}}
+    entry = admit.index_entry(spec, generation=1, uid="u-1", warmed=True)
+    script = ('echo "uid=$(id -u)"; grep CapEff /proc/self/status; '
+              'for f in /cachewarm-reporter/*; do echo "owner $(stat -c %u "$f") $f"; done; '
+              'out=$(touch /cachewarm-cache/planted 2>&1); echo "write-rc=$? $out"; '
+              'cat /cachewarm-reporter/local-copy.json')
+    train = busybox("train", script, env=[{"name": "PYTHONPATH", "value": "/app"}],
+                    securityContext={"privileged": True, "runAsUser": 0, "capabilities": {"add": ["SYS_ADMIN"]}})
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "privileged", "namespace": ns, "labels": {"cachewarm.dev/cache": "llama"}},
+           "spec": {"restartPolicy": "Never", "containers": [train]}}
+    answer = admit.admit_pod(pod, lambda n, name: entry if (n, name) == (ns, "llama") else None,
+                             Reporting(WARMER_IMAGE, "https://10.96.0.100/report/v1", "PEM"), WARMER_IMAGE)
+    pod["spec"].update(answer.spec)
+    pod["metadata"]["annotations"] = answer.annotations
+    assert [ct["name"] for ct in pod["spec"]["initContainers"]] == [
+        "cachewarm-reporter", "cachewarm-pythonpath", "cachewarm-copy"]
+    # As JSON: YAML would hand kubectl the ReadOnly threshold 1e9 as a number, not a string.
+    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=json.dumps(pod))
+    assert created.returncode == 0, created.stderr
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/privileged", "-n", ns)
+    got = bed.get_json("pod", "privileged", ns)
+    assert got is not None
+    for status in got["status"]["initContainerStatuses"]:
+        assert status["state"]["terminated"]["exitCode"] == 0, status
+        runtime = runtime_spec(node, status["containerID"])
+        process = runtime["process"]
+        assert process["user"]["uid"] == 65532, (status["name"], process["user"])
+        assert all(not process["capabilities"].get(kind) for kind in
+                   ("bounding", "effective", "permitted", "inheritable", "ambient")), (status["name"], process)
+        assert process.get("noNewPrivileges") is True, status["name"]
+        assert runtime["root"].get("readonly") is True, status["name"]
+        assert "seccomp" in runtime["linux"], status["name"]  # RuntimeDefault: a profile, not unconfined
+    logs = bed.kubectl_run("logs", "privileged", "-c", "train", "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    lines = logs.stdout.splitlines()
+    assert "uid=0" in lines and not any(line.endswith("0000000000000000") for line in lines if "CapEff" in line)
+    owners = {line.split()[2]: line.split()[1] for line in lines if line.startswith("owner ")}
+    assert {"/cachewarm-reporter/busybox", "/cachewarm-reporter/image-pythonpath",
+            "/cachewarm-reporter/local-copy.json"} <= set(owners), lines
+    assert set(owners.values()) == {"65532"}, owners  # written by our init containers, as 65532
+    write = next(line for line in lines if line.startswith("write-rc="))
+    assert not write.startswith("write-rc=0") and "Read-only file system" in write, write
+    assert "could not run python" in lines[-1], lines[-1]
