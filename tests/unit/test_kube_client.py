@@ -74,3 +74,20 @@ def test_the_lease_lock_gives_up_on_a_hung_apiserver(silent_server: tuple[str, l
     with pytest.raises(urllib3.exceptions.MaxRetryError, match="Read timed out"):
         lock.get("cachewarm-operator", "cachewarm-system")
     assert len(connections) == 1  # through the operator's client, once
+
+
+def test_our_configmaps_go_through_the_typed_client_as_built() -> None:
+    """create_configmap sends what typed() validated: the env and boot ConfigMaps (immutable,
+    binaryData, the content annotation, the controller reference) survive it unchanged."""
+    from cachewarm.api.model import parse_spec
+    from cachewarm.builders.injection import env_configmap
+    from cachewarm.builders.localcopy import BOOT_FILES, boot_configmap
+    from cachewarm.clients.kube import typed
+
+    cache = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}})
+    owner = {"name": "llama", "uid": "u-1"}
+    for body in (env_configmap(cache, "llama", "ml", owner),
+                 boot_configmap("llama", "ml", owner, {f: "x = 1\n" for f in BOOT_FILES}, {"copier.pyc": b"\0\1"})):
+        assert typed(body).immutable is True
+    with pytest.raises(KubeError):
+        typed({**env_configmap(cache, "llama", "ml", owner), "immutible": True})  # a field the API does not have
