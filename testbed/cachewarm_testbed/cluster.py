@@ -248,6 +248,18 @@ class Testbed:
         return self.workdir / "pki" / "ca.crt"
 
     @property
+    def webhook_client_ca(self) -> Path:
+        """The CA of the client certificate the apiserver presents to admission webhooks
+        (its --admission-control-config-file): the operator's CACHEWARM_ADMISSION_CLIENT_CA."""
+        return self.workdir / "pki" / "webhook-client-ca.crt"
+
+    @property
+    def webhook_client_cert(self) -> tuple[Path, Path]:
+        """The apiserver's webhook client certificate and key (files), for a test that
+        speaks to the webhook as the apiserver does."""
+        return self.workdir / "pki" / "webhook-client.crt", self.workdir / "pki" / "webhook-client.key"
+
+    @property
     def server(self) -> str:
         return f"https://{self.state.host}:{self.state.apiserver_port}"
 
@@ -440,6 +452,7 @@ class Testbed:
         (Proc.stop); `proc.webhook_url` is where its webhook listens."""
         port = free_port()
         webhook_port = free_port()
+        reports_port = free_port()
         metrics_port = free_port()
         full_env = {
             **os.environ,
@@ -452,9 +465,13 @@ class Testbed:
             "CACHEWARM_WEBHOOK_ADDRESS": "127.0.0.1",
             "CACHEWARM_WEBHOOK_PORT": str(webhook_port),
             "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{webhook_port}",
+            # Only the apiserver (its admission configuration's client certificate) is answered.
+            "CACHEWARM_ADMISSION_CLIENT_CA": str(self.webhook_client_ca),
             "CACHEWARM_METRICS_PORT": str(metrics_port),
-            # Pods of the node agent share the host's network: they reach the operator here.
-            "CACHEWARM_REPORT_URL": f"https://127.0.0.1:{webhook_port}/report/v1",
+            # Pods of the node agent share the host's network: they reach the operator's
+            # reports listener here.
+            "CACHEWARM_REPORTS_PORT": str(reports_port),
+            "CACHEWARM_REPORT_URL": f"https://127.0.0.1:{reports_port}/report/v1",
             # As the downward API's status.podIP: where another replica forwards reports to
             # this one while it leads (its webhook port is its own unless the caller shares one).
             "CACHEWARM_POD_IP": "127.0.0.1",
@@ -466,6 +483,7 @@ class Testbed:
                      self.workdir / "logs" / f"operator-{n}.log", env=full_env)
         self.procs[proc.name] = proc
         proc.webhook_url = full_env["CACHEWARM_WEBHOOK_URL"]
+        proc.report_url = full_env["CACHEWARM_REPORT_URL"]
         proc.metrics_url = f"http://127.0.0.1:{full_env['CACHEWARM_METRICS_PORT']}/metrics"
         wait_until(proc, lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="live (/healthz)")
         return proc
@@ -585,6 +603,34 @@ class Testbed:
         (pki / "tokens.csv").write_text(
             f'{self.state.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
         )
+        self._write_admission_config(pki, now)
+
+    def _write_admission_config(self, pki: Path, now: dt.datetime) -> None:
+        """The apiserver's admission configuration, as an admin sets it up on a cluster
+        whose apiserver flags they own: every admission webhook call presents a client
+        certificate of its own CA (kubeconfig user '*': any webhook host), so a webhook
+        can tell the apiserver from anyone else who reaches its port."""
+        client_ca = certs.make_ca("cachewarm-testbed-webhook-client-ca", now=now)
+        client = certs.make_client_cert(client_ca, "kube-apiserver-webhook-client", now=now)
+        (pki / "webhook-client-ca.crt").write_bytes(client_ca.cert_pem)
+        # Also as files: a test that calls the webhook as the apiserver would presents them.
+        (pki / "webhook-client.crt").write_bytes(client.cert_pem)
+        (pki / "webhook-client.key").write_bytes(client.key_pem)
+        (pki / "webhook-client.key").chmod(0o600)
+        kubeconfig = {
+            "apiVersion": "v1", "kind": "Config",
+            "users": [{"name": "*", "user": {
+                "client-certificate-data": base64.b64encode(client.cert_pem).decode(),
+                "client-key-data": base64.b64encode(client.key_pem).decode()}}],
+        }
+        (pki / "webhook-client.kubeconfig").write_text(yaml.safe_dump(kubeconfig, sort_keys=False))
+        (pki / "webhook-client.kubeconfig").chmod(0o600)
+        plugin = {"apiVersion": "apiserver.config.k8s.io/v1", "kind": "WebhookAdmissionConfiguration",
+                  "kubeConfigFile": str(pki / "webhook-client.kubeconfig")}
+        config = {"apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
+                  "plugins": [{"name": "MutatingAdmissionWebhook", "configuration": plugin},
+                              {"name": "ValidatingAdmissionWebhook", "configuration": plugin}]}
+        (pki / "admission.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
     def _start_etcd(self, binary: Path) -> None:
         self.state.etcd_port = free_port()
@@ -629,6 +675,8 @@ class Testbed:
                 # As on OpenShift: blockOwnerDeletion needs update on the owner's
                 # finalizers, so manifests/ must grant it.
                 "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+                # Webhook calls carry a client certificate (see _write_admission_config).
+                f"--admission-control-config-file={pki / 'admission.yaml'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={pki / 'sa.pub'}",
@@ -721,15 +769,21 @@ class OperatorHandle:
     def metrics_url(self) -> str:
         return self.proc.metrics_url
 
+    @property
+    def report_url(self) -> str:
+        """The reports listener's /report/v1 (its own port, apart from the webhook's)."""
+        return self.proc.report_url
+
     def restart(self) -> None:
         """SIGKILL, then the same process again on the same webhook port, as a Pod's
         restarted container keeps its IP and port: its Lease identity (name@address) is
         the one it held, and it takes its own Lease back at once."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.stop(timeout=5)
-        url = self.proc.webhook_url
+        url, report_url = self.proc.webhook_url, self.proc.report_url
         self.env = {**self.env, "CACHEWARM_WEBHOOK_PORT": url.rsplit(":", 1)[1], "CACHEWARM_WEBHOOK_URL": url,
-                    "CACHEWARM_REPORT_URL": f"{url}/report/v1"}
+                    "CACHEWARM_REPORTS_PORT": report_url.rsplit(":", 1)[1].split("/", 1)[0],
+                    "CACHEWARM_REPORT_URL": report_url}
         self.proc = self.bed.start_operator(self.kubeconfig, self.env)
         self.logs.append(self.proc.log)
 

@@ -39,7 +39,7 @@ SERVICE = "cachewarm-webhook"
 # keeps for addresses asked for by name.
 REPORT_IP = "10.96.0.100"
 REPORT_ENV = {
-    "CACHEWARM_REPORT_URL": f"https://{REPORT_IP}/report/v1",
+    "CACHEWARM_REPORT_URL": f"https://{REPORT_IP}:9444/report/v1",  # the Service's reports port
     "CACHEWARM_WEBHOOK_HOSTS": json.dumps([f"{SERVICE}.{NAMESPACE}.svc", f"{SERVICE}.{NAMESPACE}.svc.cluster.local",
                                            REPORT_IP]),
 }

@@ -45,6 +45,7 @@ class Proc:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
     webhook_url: str = ""
+    report_url: str = ""
     metrics_url: str = ""
 
     def alive(self) -> bool:

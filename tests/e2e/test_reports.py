@@ -26,10 +26,11 @@ FINGERPRINT = {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "platform": "c
                "devices": 1, "processes": 1, "flagsHash": "e3b0c44298fc", "flagCount": 0}
 
 
-def pod(name: str) -> dict[str, Any]:
-    """A labelled training pod that stays Pending (no node matches): only its identity matters."""
+def pod(name: str, cache: str = "llama") -> dict[str, Any]:
+    """A training pod labelled for `cache` that stays Pending (no node matches): only its
+    identity and label matter."""
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": {"cachewarm.dev/cache": "llama"}},
+            "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
             "spec": {"serviceAccountName": "trainer", "nodeSelector": {"cachewarm.test/nowhere": "true"},
                      "containers": [{"name": "train", "image": "demo/train:1"}]}}
 
@@ -59,7 +60,7 @@ def post(bed: Testbed, operator: OperatorHandle, body: bytes, bearer: str | None
                                         "-o", "json").stdout)
     context = ssl.create_default_context(cadata=base64.b64decode(config["webhooks"][0]["clientConfig"]["caBundle"])
                                          .decode())
-    request = urllib.request.Request(f"{operator.webhook_url}/report/v1", data=body, method="POST",
+    request = urllib.request.Request(operator.report_url, data=body, method="POST",
                                      headers={"Content-Type": "application/json",
                                               **({"Authorization": f"Bearer {bearer}"} if bearer else {})})
     try:
@@ -83,8 +84,11 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
     for cache in ("llama", "control"):
         eventually(lambda: (bed.get_json("ccache", cache, namespace) or {}).get("status", {}).get("bucket"),
                    what=f"the cache {cache} reconciled")
-    for name in ("trainer-a", "trainer-b"):
-        bed.apply(pod(name), namespace)
+    bed.apply(pod("trainer-a"), namespace)
+    bed.apply(pod("trainer-b", cache="control"), namespace)
+    unlabelled = pod("unlabelled")
+    del unlabelled["metadata"]["labels"]  # a pod of the namespace, with a valid token: not one we watch
+    bed.apply(unlabelled, namespace)
     mine, theirs = token(bed, namespace, "trainer-a"), token(bed, namespace, "trainer-b")
     scope = {"namespace": namespace, "cache": "llama"}
     hits_before = scrape(operator.metrics_url, "cachewarm_cache_hits_total", **scope)
@@ -98,13 +102,21 @@ def test_a_pods_report_is_taken_only_with_its_own_token_and_lands_in_usage_and_m
         "the apiserver's audience": post(bed, operator, good, token(bed, namespace, "trainer-a", audience="https://kubernetes.default.svc")),
         "a cache in another namespace": post(bed, operator, json.dumps(report(bed, namespace, "trainer-a", cache="kube-system/llama")).encode(), mine),
         "a cache that does not exist": post(bed, operator, json.dumps(report(bed, namespace, "trainer-a", cache="nope")).encode(), mine),
+        # Item 4: a pod's report counts only for the cache it is labelled for, even one
+        # of its namespace that exists.
+        "another cache than its label's": post(bed, operator, json.dumps(report(bed, namespace, "trainer-a", cache="control")).encode(), mine),
+        "a pod the operator does not know": post(bed, operator, json.dumps(report(bed, namespace, "unlabelled")).encode(), token(bed, namespace, "unlabelled")),
         "malformed": post(bed, operator, b'{"version": 1, "pod": "trainer-a"}', mine),
         "oversized": post(bed, operator, b" " * 20_000 + good, mine),
     }
     assert {why: status for why, (status, _) in refused.items()} == {
         "no token": 401, "forged token": 401, "another pod's token": 403, "the apiserver's audience": 401,
-        "a cache in another namespace": 403, "a cache that does not exist": 404, "malformed": 400, "oversized": 413}
-    assert "belongs to pod" in refused["another pod's token"][1]
+        "a cache in another namespace": 403, "a cache that does not exist": 403,
+        "another cache than its label's": 403, "a pod the operator does not know": 403, "malformed": 400,
+        "oversized": 413}
+    assert "bound to another pod" in refused["another pod's token"][1]
+    assert "labelled for CompilationCache 'llama', not 'control'" in refused["another cache than its label's"][1]
+    assert "not a labelled pod the operator knows" in refused["a pod the operator does not know"][1]
     # ...and they changed nothing: not the metrics (a report is counted before it is
     # answered), not status.usage once usage flushes ran after them. The flushes are seen in
     # the other cache's usage: two reports of trainer-b for it, each written by a later flush.

@@ -70,7 +70,7 @@ def post(bed: Testbed, replica: OperatorHandle, body: bytes, bearer: str,
     secret = bed.get_json("secret", SECRET, NS)
     assert secret is not None
     context = ssl.create_default_context(cadata=base64.b64decode(secret["data"]["ca.crt"]).decode())
-    request = urllib.request.Request(f"{replica.webhook_url}/report/v1", data=body, method="POST",
+    request = urllib.request.Request(replica.report_url, data=body, method="POST",
                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {bearer}",
                                               **(headers or {})})
     try:
@@ -87,12 +87,12 @@ def test_a_report_reaching_the_follower_is_forwarded_to_the_leader_and_answered_
     names = ("cachewarm-operator-0", "cachewarm-operator-1")
     replicas = {name: OperatorHandle(bed, kubeconfig, {**ENV, "CACHEWARM_POD_NAME": name}) for name in names}
     try:
-        # The leader names where it takes reports: its own webhook port.
+        # The leader names where it takes reports: its own reports port.
         name, where = parse_identity(eventually(lambda: install.lease_identity(bed), timeout=30, what="a Lease holder"))
         leader = replicas[name]
         [follower] = [r for n, r in replicas.items() if n != name]
-        assert where == urllib.parse.urlparse(leader.webhook_url).netloc
-        assert where != urllib.parse.urlparse(follower.webhook_url).netloc
+        assert where == urllib.parse.urlparse(leader.report_url).netloc
+        assert where != urllib.parse.urlparse(follower.report_url).netloc
 
         ns = f"t-{uuid.uuid4().hex[:10]}"
         assert bed.kubectl_run("create", "namespace", ns).returncode == 0
@@ -108,7 +108,8 @@ def test_a_report_reaching_the_follower_is_forwarded_to_the_leader_and_answered_
             return status().get("usage")
         eventually(lambda: status().get("bucket"), timeout=60, what="the cache reconciled")
         # A training pod that stays Pending (no node): only its identity matters.
-        bed.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer-a"},
+        bed.apply({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "trainer-a", "labels": {"cachewarm.dev/cache": "llama"}},
                    "spec": {"serviceAccountName": "trainer", "nodeSelector": {"cachewarm.test/nowhere": "true"},
                             "containers": [{"name": "train", "image": "demo/train:1"}]}}, ns)
         good, mine = report(bed, ns, "trainer-a"), token(bed, ns, "trainer-a")
@@ -119,7 +120,7 @@ def test_a_report_reaching_the_follower_is_forwarded_to_the_leader_and_answered_
             got = post(bed, follower, good, "not-a-token")
             return got if got[0] != 503 else None
         forged = eventually(forwarded_forged, timeout=30, what="the follower forwarding")
-        assert forged[0] == 401 and "does not accept this token" in forged[1]["message"], forged
+        assert forged[0] == 401 and "not a ServiceAccount token" in forged[1]["message"], forged
         assert scrape(leader.metrics_url, "cachewarm_reports_total", code="401") == 1
         assert scrape(follower.metrics_url, "cachewarm_reports_total", code="401") == 0
         # A report forwarded already is answered by the follower itself, never sent on.

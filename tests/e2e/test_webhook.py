@@ -7,13 +7,16 @@ crash."""
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import os
 import signal
 import ssl
+import tempfile
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ import yaml
 from google.cloud import storage
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachewarm.admission import certificates as certs
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import Proc
 
@@ -126,7 +130,7 @@ def test_unlabelled_pod_is_untouched_and_never_sent(
     assert webhook_calls(operator, namespace, "plain") == 0
 
 
-def test_user_env_wins_with_warning_and_event(
+def test_user_env_wins_with_a_warning_and_the_pods_annotation_and_no_event(
     operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
     make_cache(controller_manager, namespace, "llama")
@@ -136,11 +140,92 @@ def test_user_env_wins_with_warning_and_event(
     assert env["JAX_COMPILATION_CACHE_DIR"] == "/mnt/local-cache"
     assert set(env) == JAX_VARS
     assert "container 'train' keeps its own JAX_COMPILATION_CACHE_DIR" in warnings
-    eventually(
-        lambda: any(e["reason"] == "UserEnvKept" and "Pod mine" in e["message"]
-                    for e in controller_manager.events_for("llama", namespace)),
-        timeout=20, what="UserEnvKept event on the cache",
-    )
+    # Admission has no side effects (sideEffects: None): the fact is on the pod, not in an Event.
+    assert stored["metadata"]["annotations"]["cachewarm.dev/injected"].endswith(
+        "; kept its own train/JAX_COMPILATION_CACHE_DIR")
+    assert [e for e in events(controller_manager, namespace) if e["reason"] == "UserEnvKept"] == []
+
+
+def events(bed: Testbed, ns: str) -> list[dict[str, Any]]:
+    result = bed.kubectl_run("get", "events", "-n", ns, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    return list(json.loads(result.stdout)["items"])
+
+
+def objects(bed: Testbed, ns: str) -> dict[str, list[str]]:
+    """The names of every kind of object a webhook could write into `ns` (Events apart:
+    the operator's reconciles post their own; see admission_events)."""
+    kinds = "pods,configmaps,secrets,serviceaccounts,services,jobs,persistentvolumeclaims,leases"
+    result = bed.kubectl_run("get", kinds, "-n", ns, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    found: dict[str, list[str]] = {}
+    for item in json.loads(result.stdout)["items"]:
+        found.setdefault(item["kind"], []).append(item["metadata"]["name"])
+    return {kind: sorted(names) for kind, names in found.items()}
+
+
+def admission_events(bed: Testbed, ns: str) -> list[dict[str, Any]]:
+    """Events an admission could have posted: about a pod, or a kept user env."""
+    return [e for e in events(bed, ns)
+            if e["involvedObject"].get("kind") == "Pod" or e["reason"] == "UserEnvKept"]
+
+
+def test_a_server_side_dry_run_of_a_labelled_pod_creates_nothing(
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
+) -> None:
+    make_cache(controller_manager, namespace, "llama")
+    before = objects(controller_manager, namespace)
+    # The user env kept: what used to post an Event from admission.
+    own = [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/mnt/local-cache"}]
+    result = controller_manager.kubectl_run("create", "--dry-run=server", "-o", "json", "-n", namespace, "-f", "-",
+                                            input=yaml.safe_dump(pod("dry", "llama", env=own)))
+    assert result.returncode == 0, result.stderr
+    answered = json.loads(result.stdout)
+    assert "cachewarm.dev/injected" in answered["metadata"]["annotations"]  # the webhook was called
+    assert "keeps its own JAX_COMPILATION_CACHE_DIR" in result.stderr
+    # A real create after it: its admission is done once the pod exists, so anything the
+    # dry run's admission wrote in the background would have been written by now too.
+    create_pod(controller_manager, namespace, pod("after", "llama"))
+    after = objects(controller_manager, namespace)
+    after["Pod"].remove("after")
+    if not after["Pod"]:
+        del after["Pod"]
+    assert after == before
+    assert admission_events(controller_manager, namespace) == []
+
+
+def test_a_forged_review_without_the_apiservers_client_certificate_is_refused_and_reveals_nothing(
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
+) -> None:
+    """The admission listener asks for the apiserver's client certificate (the testbed's
+    apiserver presents it through its admission configuration): a caller without one is
+    refused in the TLS handshake, learns no bucket or prefix, and writes nothing. A pod
+    the apiserver admits still gets its env (the other tests here)."""
+    make_cache(controller_manager, namespace, "llama")
+    bucket = controller_manager.get_json("ccache", "llama", namespace)["spec"]["storage"]["gcs"]["bucket"]
+    before = objects(controller_manager, namespace)
+    forged = json.dumps(review({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "forged", "namespace": namespace, "labels": {"cachewarm.dev/cache": "llama"}},
+        "spec": {"containers": [{"name": "c", "image": "x", "env": [
+            {"name": "JAX_COMPILATION_CACHE_DIR", "value": "/x"}]}]}}, namespace=namespace)).encode()
+    outcomes = []
+    for who in ("nobody", "another CA"):
+        try:
+            status, answer = post_webhook(controller_manager, operator, forged, as_apiserver=False,
+                                          stranger=(who == "another CA"))
+            patch = base64.b64decode(((answer or {}).get("response") or {}).get("patch") or "").decode()
+            outcomes.append(f"{status} {json.dumps(answer)} {patch}")
+        except (ssl.SSLError, ConnectionError, urllib.error.URLError) as exc:
+            outcomes.append(f"refused: {exc}")
+    assert all(o.startswith("refused") or o.split()[0] in ("401", "403") for o in outcomes), outcomes
+    assert not any(bucket in o for o in outcomes), outcomes
+    # The same review as the apiserver would send it is answered (so the refusal above
+    # was the missing certificate), and it names the bucket.
+    status, answer = post_webhook(controller_manager, operator, forged)
+    assert status == 200 and bucket in base64.b64decode(answer["response"]["patch"]).decode()
+    # Nothing written by either: no Event for the kept env, no object.
+    assert objects(controller_manager, namespace) == before
+    assert admission_events(controller_manager, namespace) == []
 
 
 def test_missing_or_foreign_cache_admits_pod_unchanged_with_warning(
@@ -270,11 +355,24 @@ def test_pods_in_operator_and_system_namespaces_are_never_sent(
 # -- straight to the webhook over HTTPS -------------------------------------------------
 
 
-def post_webhook(bed: Testbed, operator: OperatorHandle, body: bytes) -> tuple[int, Any]:
+def post_webhook(bed: Testbed, operator: OperatorHandle, body: bytes, *, as_apiserver: bool = True,
+                 stranger: bool = False) -> tuple[int, Any]:
+    """POST to the webhook straight, as the apiserver does (its client certificate) or,
+    with as_apiserver False, as anyone else (no certificate, or with `stranger` one of
+    a CA the operator does not trust). Raises ssl.SSLError / URLError when refused."""
     cfg = bed.get_json("mutatingwebhookconfiguration", "cachewarm-pod-injector", "")
     assert cfg is not None
     ca = base64.b64decode(cfg["webhooks"][0]["clientConfig"]["caBundle"])
     ctx = ssl.create_default_context(cadata=ca.decode())
+    if as_apiserver:
+        ctx.load_cert_chain(*map(str, bed.webhook_client_cert))
+    elif stranger:
+        now = dt.datetime.now(dt.timezone.utc)
+        other = certs.make_client_cert(certs.make_ca("stranger", now=now), "kube-apiserver", now=now)
+        where = Path(tempfile.mkdtemp(prefix="stranger-"))
+        (where / "c.crt").write_bytes(other.cert_pem)
+        (where / "c.key").write_bytes(other.key_pem)
+        ctx.load_cert_chain(str(where / "c.crt"), str(where / "c.key"))
     req = urllib.request.Request(f"{operator.webhook_url}/inject-cache", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
@@ -369,7 +467,7 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
     assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "cachewarm"
     env = {e["name"]: e for e in spec["containers"][0]["env"]}
     assert env["PYTHONPATH"]["value"] == "/cachewarm-reporter:/app/lib"
-    assert env["CACHEWARM_REPORT_URL"]["value"] == f"{operator.webhook_url}/report/v1"
+    assert env["CACHEWARM_REPORT_URL"]["value"] == operator.report_url  # the reports listener, not admission's
     assert env["CACHEWARM_POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
     config = json.loads(bed.kubectl_run("get", "mutatingwebhookconfiguration", "cachewarm-pod-injector", "-o",
                                         "json").stdout)
