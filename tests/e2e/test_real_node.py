@@ -395,3 +395,39 @@ def test_our_init_containers_run_unprivileged_beside_a_privileged_root_container
     write = next(line for line in lines if line.startswith("write-rc="))
     assert not write.startswith("write-rc=0") and "Read-only file system" in write, write
     assert "could not run python" in lines[-1], lines[-1]
+
+
+def test_a_pod_that_opted_out_of_tokens_runs_with_no_token_from_us(with_warmer: tuple[Testbed, RealNode]) -> None:
+    """D8 on a real kubelet: automountServiceAccountToken false, a cache that asks for the
+    reporter; the webhook's patch (admit_pod) adds no projected token and no reporter, the
+    pod runs, and no token file exists anywhere under /var/run/secrets in it."""
+    from cachewarm.admission import admit  # noqa: PLC0415
+    from cachewarm.builders.reporting import Reporting  # noqa: PLC0415
+    from cachewarm_testbed.images import WARMER_IMAGE  # noqa: PLC0415
+    bed, _ = with_warmer
+    ns = f"rn-{uuid.uuid4().hex[:8]}"
+    assert bed.kubectl_run("create", "namespace", ns).returncode == 0
+    eventually(lambda: bed.get_json("serviceaccount", "default", ns), what="default ServiceAccount")
+    spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US", "prefix": "p"}},
+            "injection": {"mode": "ReadOnly", "report": True, "localCopy": {"sizeLimit": "64Mi"}},
+            "warmup": {"image": BUSYBOX_IMAGE, "targets": ["m:f"], "pools": [{"name": "cpu"}]}}
+    entry = admit.index_entry(spec, generation=1, uid="u-1", warmed=True)
+    pod: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "no-token", "namespace": ns, "labels": {"cachewarm.dev/cache": "llama"}},
+        "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [
+            busybox("train", 'find /var/run/secrets -type f 2>&1; echo "env-url=${CACHEWARM_REPORT_URL:-none}"')]}}
+    answer = admit.admit_pod(pod, lambda n, name: entry if (n, name) == (ns, "llama") else None,
+                             Reporting(WARMER_IMAGE, "https://10.96.0.100/report/v1", "PEM"), WARMER_IMAGE)
+    assert any("automountServiceAccountToken false" in w for w in answer.warnings), answer.warnings
+    pod["spec"].update(answer.spec)
+    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=json.dumps(pod))
+    assert created.returncode == 0, created.stderr
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/no-token", "-n", ns)
+    got = bed.get_json("pod", "no-token", ns)
+    assert got is not None
+    assert not any("projected" in v for v in got["spec"].get("volumes") or []), got["spec"]["volumes"]
+    logs = bed.kubectl_run("logs", "no-token", "-c", "train", "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    assert "token" not in logs.stdout and "env-url=none" in logs.stdout, logs.stdout
+    assert got["status"]["initContainerStatuses"], "the copy still came, by init container"
