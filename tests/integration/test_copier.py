@@ -773,6 +773,20 @@ def test_a_tampered_same_size_same_crc32c_entry_or_a_symlink_planted_in_the_dest
     assert (dest / base(p0)).read_bytes() == objects[p0]
 
 
+def test_a_fifo_or_a_directory_planted_under_an_entrys_name_neither_hangs_nor_counts_as_present(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """A FIFO (opening it to read would wait for a writer) is replaced; a directory cannot
+    be replaced by a file: that entry fails, said, and the rest is copied."""
+    bucket, objects = fill(storage_only)
+    p0, p1, *_ = sorted(objects)
+    os.mkfifo(tmp_path / base(p0))
+    (tmp_path / base(p1)).mkdir()
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path), timeout=60)
+    assert (summary["present"], summary["copied"], summary["replaced"], summary["failed"]) == (0, 4, 1, 1), summary
+    assert base(p1) in summary["errors"][0]
+    assert (tmp_path / base(p0)).read_bytes() == objects[p0]
+
+
 def test_the_destination_is_made_not_writable_by_others_and_a_foreign_world_writable_root_is_said(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     import stat  # noqa: PLC0415
