@@ -301,3 +301,39 @@ def test_the_metadata_servers_failures_are_connection_errors_not_gcs_answers(
         assert raised.value.status is None and "metadata server token" in str(raised.value)
     finally:
         server.shutdown()
+
+
+class Manifests:
+    """A client whose read_pinned answers from a dict of (name, generation) -> bytes; a
+    missing key is GCS's 404."""
+
+    def __init__(self, held: dict[tuple[str, str], bytes]) -> None:
+        self.held = held
+        self.asked: list[tuple[str, str]] = []
+
+    def read_pinned(self, bucket: str, name: str, generation: str) -> bytes:
+        self.asked.append((name, generation))
+        if (name, generation) not in self.held:
+            raise copier.CopyError(f"HTTP 404 for {name}", 404)
+        return self.held[(name, generation)]
+
+
+def manifest_doc(*entries: dict) -> bytes:
+    return json.dumps({"version": 2, "entries": list(entries)}).encode()
+
+
+def test_the_manifests_union_leaves_out_an_entry_two_of_them_record_differently() -> None:
+    """Two pools' warmers that recorded one name with other digests: neither is trusted for it."""
+    other = {**GOOD, "md5": M1}
+    init = {"name": INIT, "size": 200, "md5": M2, "generation": "20"}
+    client = Manifests({("m/a.json", "1"): manifest_doc(GOOD, init), ("m/b.json", "2"): manifest_doc(other),
+                        ("m/c.json", "3"): b'{"version": 1, "entries": []}'})
+    settings = Settings.from_env({"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_DEST": "/d",
+                                  "CACHEWARM_COPY_MANIFESTS": "m/a.json#1,m/b.json#2,m/c.json#3,m/d.json#4,m/e.json"})
+    summary = copier.new_summary("manifest")
+    names = copier.read_manifests(settings, client, summary)  # type: ignore[arg-type]
+    assert names == {INIT: Entry(200, M2, "20")}
+    assert client.asked == [("m/a.json", "1"), ("m/b.json", "2"), ("m/c.json", "3"), ("m/d.json", "4")]  # not e
+    assert (summary["trusted"], summary["manifestsRefused"], summary["manifestsUntrusted"],
+            summary["manifestsMissing"]) == (2, 1, 1, ["m/d.json#4"])
+    assert "version-1" in summary["manifestError"] and "nothingTrusted" not in summary
