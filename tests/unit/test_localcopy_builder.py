@@ -835,3 +835,25 @@ def test_a_users_mount_of_a_volume_named_like_ours_never_gets_that_volume_nor_th
         volumes = {v["name"] for v in answer.spec.get("volumes") or []}
         assert name not in volumes, answer.spec  # the apiserver refuses the pod: its mount names none
         assert "cachewarm-cache" not in volumes and any("cannot get" in w for w in answer.warnings)
+
+
+@pytest.mark.parametrize(("local", "pod_context", "in_process", "warned"), [
+    pytest.param({"volume": "Ephemeral"}, {}, False, True, id="ephemeral-no-fsgroup"),
+    pytest.param({"volume": "Ephemeral"}, {"fsGroup": 0}, False, False, id="ephemeral-fsgroup"),
+    pytest.param({"volume": "Ephemeral"}, {}, True, False, id="ephemeral-in-process"),  # as the training user
+    pytest.param({}, {}, False, False, id="emptydir"),  # created 0777
+])
+def test_an_ephemeral_copy_by_init_container_without_fsgroup_is_said_to_be_perhaps_unwritable(
+        local: dict[str, Any], pod_context: dict[str, Any], in_process: bool, warned: bool) -> None:
+    """D7 runs the copier as non-root: a claim's root (root's, 0755, on most provisioners) is
+    writable by it only through the pod's fsGroup."""
+    pod = training_pod(securityContext=pod_context)
+    answer = (admit_known if in_process else admit)(pod, cache_spec(local))
+    assert any("fsGroup" in w for w in answer.warnings) is warned, answer.warnings
+    # Reinvocation after a later webhook (VPA's) changed the resources, which the copier
+    # follows: said once, at the first admission.
+    later = patched(pod, answer)
+    later["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "2", "memory": "4Gi"}}
+    again = admit(later, cache_spec(local))
+    assert again.spec.get("initContainers") or in_process  # the copier resynced (by init container)
+    assert not any("fsGroup" in w for w in again.warnings)

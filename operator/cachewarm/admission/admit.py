@@ -73,6 +73,19 @@ def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, repo
     return cache, reports
 
 
+def _claim_root(cache: CacheSpec, pod_spec: Mapping[str, Any]) -> list[str]:
+    """A warning where the copier init container (never root: D7) may find the root of the
+    pod's Ephemeral claim not writable: the pod sets no fsGroup, which the kubelet would
+    give the volume to (and our container is in). Not on reinvocation (the copier is there)."""
+    local = cache.injection.local_copy
+    if local is None or local.volume != "Ephemeral" or (pod_spec.get("securityContext") or {}).get("fsGroup") \
+            is not None or any(ct.get("name") == c.LOCAL_COPY_CONTAINER for ct in pod_spec.get("initContainers") or []):
+        return []
+    return ["cachewarm: the local copy's init container runs as a non-root user, and this pod sets no "
+            "securityContext.fsGroup: the root of its Ephemeral volume may not be writable by that user (then the "
+            "pod starts with an empty copy, and its report says why); set a pod fsGroup"]
+
+
 def _without_env(containers: list[str], cache_name: str) -> list[str]:
     """Warnings for the containers with envFrom sources that got no cache env (D4: no env
     ConfigMap the operator verified)."""
@@ -151,6 +164,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
         if copied is not None:
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = copied
             out.injected = True
+            out.warnings += _claim_root(cache, pod_spec)
     gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
     if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \
             and not entry.get("refused"):
