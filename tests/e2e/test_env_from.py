@@ -2,8 +2,8 @@
 envFrom ConfigMap or Secret is the one its running container sees, not the cache's. Pods are
 admitted by the operator's webhook through the real apiserver and run by the node agent,
 which resolves env as a kubelet does (envFrom sources in order, env over them; shown in
-test_node_agent.py). The cache's ConfigMap (cachewarm-<cache>-env) is kept by the operator:
-deleted, it is applied again."""
+test_node_agent.py). The cache's ConfigMap (cachewarm-<cache>-env-<hash>) is kept by the
+operator: deleted, it is created again."""
 
 from __future__ import annotations
 
@@ -60,8 +60,12 @@ def test_values_set_through_env_from_win_and_other_containers_get_the_cache_env(
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
                "spec": spec}, namespace)
     ours = {e["name"]: e["value"] for e in cache_env(parse_spec(spec), "pod")}
-    configmap = eventually(lambda: bed.get_json("configmap", "cachewarm-llama-env", namespace), timeout=60,
-                           what="the cache's env ConfigMap")
+    # Named by its content's hash; the webhook references it once status says it was checked.
+    name = eventually(lambda: ((bed.get_json("ccache", "llama", namespace) or {}).get("status") or {})
+                      .get("injection", {}).get("configMaps", {}).get("env"), timeout=60,
+                      what="the cache's env ConfigMap verified in status")
+    configmap = bed.get_json("configmap", name, namespace)
+    assert configmap is not None and configmap["immutable"] is True
     assert configmap["data"] == ours
     create(bed, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "team-env"},
                             "data": {"JAX_COMPILATION_CACHE_DIR": "/mnt/team-cache"}})
@@ -75,7 +79,7 @@ def test_values_set_through_env_from_win_and_other_containers_get_the_cache_env(
     create(bed, namespace, training_pod("unrelated", [{"configMapRef": {"name": "unrelated"}}]))
     plain = create(bed, namespace, training_pod("plain", None))
     assert from_configmap["spec"]["containers"][0]["envFrom"][0] == {
-        "configMapRef": {"name": "cachewarm-llama-env", "optional": True}}
+        "configMapRef": {"name": name, "optional": True}}
     assert "env" not in from_secret["spec"]["containers"][0]  # no env entry to override their sources
     plain_env = {e["name"]: e.get("value") for e in plain["spec"]["containers"][0]["env"]}
     assert {k: plain_env[k] for k in ours} == ours  # visible in the spec
@@ -95,8 +99,8 @@ def test_values_set_through_env_from_win_and_other_containers_get_the_cache_env(
     env = running_env(bed, namespace, "plain")
     assert {k: env[k] for k in ours} == ours
 
-    # Deleted by someone: the next reconcile (a resync) applies it again.
-    assert bed.kubectl_run("delete", "configmap", "cachewarm-llama-env", "-n", namespace).returncode == 0
-    again = eventually(lambda: bed.get_json("configmap", "cachewarm-llama-env", namespace), timeout=60,
-                       what="the env ConfigMap applied again")
+    # Deleted by someone: the operator (its ConfigMap watch) creates it again.
+    assert bed.kubectl_run("delete", "configmap", name, "-n", namespace).returncode == 0
+    again = eventually(lambda: bed.get_json("configmap", name, namespace), timeout=60,
+                       what="the env ConfigMap created again")
     assert again["data"] == ours and again["metadata"]["uid"] != configmap["metadata"]["uid"]
