@@ -305,11 +305,12 @@ def test_a_killed_run_is_undone_by_the_next_start(real: RealBed, tmp_path: Path)
 
 # --- issue 28: what cachewarm injects runs with least privilege (builders' part) ----------
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def with_warmer() -> Iterator[tuple[Testbed, RealNode]]:
     """A real node of its own (the tests above stopped theirs: one per machine) holding the
     warmer image, which cachewarm's init containers copy their tools from. Only that image
-    is built (cached by content)."""
+    is built (cached by content). Per test, so that the node is gone before a later
+    fixture of this file starts its own."""
     from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(images, "BUILDS", tuple(b for b in images.BUILDS if b.ref == images.WARMER_IMAGE))
