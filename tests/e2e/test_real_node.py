@@ -432,3 +432,106 @@ def test_a_pod_that_opted_out_of_tokens_runs_with_no_token_from_us(with_warmer: 
     assert logs.returncode == 0, logs.stderr
     assert "token" not in logs.stdout and "env-url=none" in logs.stdout, logs.stdout
     assert got["status"]["initContainerStatuses"], "the copy still came, by init container"
+
+
+# --- issue 28: the copier keeps only what it checked (agents' part) --------------------------
+
+@pytest.fixture(scope="module")
+def with_train() -> Iterator[tuple[Testbed, RealNode]]:
+    """A real node of its own holding the plain training image (python and jax, no GCS
+    library), in which the copier runs as a pod's python runs it. Only that image is built
+    (cached by content)."""
+    from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(images, "BUILDS", tuple(b for b in images.BUILDS
+                                              if b.ref == f"docker.io/{images.PLAIN_TRAIN_IMAGE}"))
+        archives = images.build_all()
+    bed = Testbed()
+    try:
+        bed.start(controller_manager=True, real_node=True)
+        node = bed.start_real_node()
+        node.import_images(archives)
+        yield bed, node
+    finally:
+        bed.stop()
+
+
+def test_a_tampered_entry_and_a_symlink_planted_in_the_copy_are_replaced_by_the_next_copy_after_a_restart(
+        with_train: tuple[Testbed, RealNode]) -> None:
+    """In a real pod (kubelet, containerd, runc; the copy an emptyDir, which outlives a
+    container restart): the training container copies (the copier as a pod's python runs
+    it, pinned manifest from the GCS emulator over the node address), then plants what a
+    process with the copy mounted writable could: an entry's name holding other bytes of
+    the same size and the same CRC32C, and a symlink under another entry's name; it exits 1
+    and the kubelet restarts it (OnFailure). The next copy keeps only the entry it verified
+    (present 1: the hit that is real), replaces the other two with GCS's bytes (replaced
+    2), and the files are GCS's. The copy by init container is read-only to the training
+    container (the test above); this is the in-process copy's case, the pod's own volume."""
+    import base64  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+    import importlib.util  # noqa: PLC0415
+
+    from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415
+    from google.cloud import storage  # noqa: PLC0415
+
+    from cachewarm.agents import copier  # noqa: PLC0415
+    from cachewarm_testbed.images import PLAIN_TRAIN_IMAGE  # noqa: PLC0415
+    spec = importlib.util.spec_from_file_location(
+        "test_copier", Path(__file__).resolve().parents[1] / "integration" / "test_copier.py")
+    assert spec is not None and spec.loader is not None
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)  # the integration tests' forgery and manifest helpers
+    bed, _ = with_train
+    gcs = storage.Client(project="testbed", credentials=AnonymousCredentials(),
+                         client_options={"api_endpoint": bed.storage_emulator_host})
+    bucket = f"rn-copy-{uuid.uuid4().hex[:8]}"
+    gcs.create_bucket(bucket, location="us-central1")
+    names = [f"jax/{helpers.entry(f'jit_p{i}', str(i))}" for i in range(3)]
+    data = {n: os.urandom(1000 + i) for i, n in enumerate(names)}
+    for name in names:
+        gcs.bucket(bucket).blob(name).upload_from_string(data[name])
+    pool = helpers.manifest(gcs, bucket, "cpu", names)
+    forged = helpers.crc32c_forgery(data[names[0]], b"#!evil" + data[names[0]][6:])
+    ns = f"rn-{uuid.uuid4().hex[:8]}"
+    assert bed.kubectl_run("create", "namespace", ns).returncode == 0
+    tools = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "tools"},
+             "data": {"copier.py": Path(copier.__file__).read_text()},
+             "binaryData": {"forged": base64.b64encode(forged).decode()}}
+    assert bed.kubectl_run("create", "-n", ns, "-f", "-", input=json.dumps(tools)).returncode == 0
+    e0, e1 = (helpers.base(n) for n in names[:2])
+    # The first run's summary is kept in another emptyDir: the testbed's containerd does not
+    # keep an exited container's log once the kubelet has restarted it (`logs --previous`).
+    script = ("if [ ! -e /out/planted ]; then python -I -S /tools/copier.py > /out/first && "
+              f"cp /tools/forged /copy/{e0} && rm /copy/{e1} && ln -s /tools/forged /copy/{e1} && "
+              "touch /out/planted; exit 1; fi; "
+              "sed 's/^/first /' /out/first; python -I -S /tools/copier.py; "
+              "md5sum /copy/*-cache | sed 's/^/md5 /'")
+    env = {"STORAGE_EMULATOR_HOST": bed.storage_emulator_host, "CACHEWARM_COPY_BUCKET": bucket,
+           "CACHEWARM_COPY_PREFIX": "jax", "CACHEWARM_COPY_DEST": "/copy", "CACHEWARM_COPY_MANIFESTS": pool}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "planted", "namespace": ns},
+           "spec": {"restartPolicy": "OnFailure",
+                    "containers": [{"name": "train", "image": f"docker.io/{PLAIN_TRAIN_IMAGE}",
+                                    "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", script],
+                                    "env": [{"name": k, "value": v} for k, v in env.items()],
+                                    "volumeMounts": [{"name": "copy", "mountPath": "/copy"},
+                                                     {"name": "out", "mountPath": "/out"},
+                                                     {"name": "tools", "mountPath": "/tools"}]}],
+                    "volumes": [{"name": "copy", "emptyDir": {}}, {"name": "out", "emptyDir": {}},
+                                {"name": "tools", "configMap": {"name": "tools"}}]}}
+    assert bed.kubectl_run("create", "-n", ns, "-f", "-", input=json.dumps(pod)).returncode == 0
+    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/planted", "-n", ns)
+    got = bed.get_json("pod", "planted", ns)
+    assert got is not None and got["status"]["containerStatuses"][0]["restartCount"] == 1, got["status"]
+    logs = bed.kubectl_run("logs", "planted", "-n", ns)
+    assert logs.returncode == 0, logs.stderr
+    lines = logs.stdout.splitlines()
+    before = [json.loads(x.removeprefix("first "))["cachewarm-copier"] for x in lines if x.startswith("first {")]
+    after = [json.loads(x)["cachewarm-copier"] for x in lines if x.startswith('{"cachewarm-copier"')]
+    assert len(before) == len(after) == 1, logs.stdout
+    before, after = before[0], after[0]
+    assert (before["copied"], before["present"], before["trusted"]) == (3, 0, 1), before
+    assert (after["present"], after["copied"], after["replaced"], after["failed"], after["cold"]) == (
+        1, 2, 2, 0, False), after
+    sums = {line.split()[2].rsplit("/", 1)[1]: line.split()[1] for line in logs.stdout.splitlines()
+            if line.startswith("md5 ")}
+    assert sums == {helpers.base(n): hashlib.md5(data[n]).hexdigest() for n in names}, logs.stdout  # noqa: S324
