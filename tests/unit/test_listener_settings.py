@@ -1,0 +1,46 @@
+"""The listeners' settings refuse what they cannot use, at startup: a client CA that is not
+a readable PEM file of certificates (a typo must not leave the admission listener open, nor
+stop it later), and limits out of range."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cachewarm.admission import certificates as certs
+from cachewarm.runtime.settings import Settings
+
+
+def test_a_client_ca_file_is_checked_at_startup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = tmp_path / "ca.crt"
+    good.write_bytes(certs.make_ca("apiserver-client", now=dt.datetime.now(dt.timezone.utc)).cert_pem)
+    monkeypatch.setenv("CACHEWARM_ADMISSION_CLIENT_CA", str(good))
+    assert Settings.from_env().admission_client_ca == str(good)
+    garbage = tmp_path / "garbage.crt"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
+    for wrong in (str(tmp_path / "missing.crt"), str(garbage), str(tmp_path)):
+        monkeypatch.setenv("CACHEWARM_ADMISSION_CLIENT_CA", wrong)
+        with pytest.raises(ValidationError, match="not a readable PEM file of CA certificates"):
+            Settings.from_env()
+
+
+def test_defaults_put_reports_on_their_own_port_with_bounded_listeners() -> None:
+    settings = Settings()
+    assert settings.reports_port != settings.webhook_port
+    assert ":9444/report/v1" in settings.report_url
+    assert settings.admission_client_ca == ""
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("CACHEWARM_REPORTS_PORT", "0"), ("CACHEWARM_REPORTS_PORT", "70000"), ("CACHEWARM_HTTP_HEADER_SECONDS", "0"),
+    ("CACHEWARM_HTTP_BODY_SECONDS", "-1"), ("CACHEWARM_HTTP_KEEPALIVE_SECONDS", "301"),
+    ("CACHEWARM_HTTP_MAX_CONNECTIONS", "0"), ("CACHEWARM_REPORT_REVIEW_QUEUE", "0"),
+    ("CACHEWARM_HTTP_MAX_CONNECTIONS", "many"),
+])
+def test_listener_limits_out_of_range_are_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError):
+        Settings.from_env()
