@@ -206,13 +206,17 @@ def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
     assert pool["keys"] == hashes and "f" * 16 not in pool["keys"]
     assert f"the {len(hashes)} entries its warmers reported are in the bucket" in conditions(obj)["Warmed"]["message"]
     # The pool's manifest (for pods' local copies), written by the operator's warmer Job
-    # where the local copy reads it: the same entries, with their sizes, not the old one.
+    # where the local copy reads it: the same entries, with their sizes, GCS's md5 and
+    # generation (D2), not the old one; and status records the generation of that manifest
+    # object (D3: the one pods' copiers are given, and read it at).
     gcs_spec = GcsStorage.model_validate({"bucket": bucket, "location": "us-central1", "prefix": "jax"})
     blob = gcs.bucket(bucket).get_blob(manifest_object(gcs_spec, namespace, "keys", "cpu"))
     assert blob is not None and blob.content_type == "application/json"
+    assert pool["manifestGeneration"] == str(blob.generation)
     manifest = json.loads(blob.download_as_bytes())
     assert manifest["pool"] == "cpu" and manifest["fingerprint"] == pool["fingerprint"]
-    assert manifest["entries"] == sorted(({"name": b.name.removeprefix("jax/"), "size": b.size} for b in written),
+    assert manifest["entries"] == sorted(({"name": b.name.removeprefix("jax/"), "size": b.size, "md5": b.md5_hash,
+                                           "generation": str(b.generation)} for b in written),
                                          key=lambda e: e["name"])
     assert sorted(e["name"].removesuffix("-cache").rsplit("-", 1)[1][:16] for e in manifest["entries"]) == pool["keys"]
 
