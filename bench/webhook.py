@@ -111,8 +111,17 @@ def review(namespace: str, cache: str, i: int) -> bytes:
         "operation": "CREATE", "userInfo": {"username": "bench"}, "object": pod}}).encode()
 
 
-async def direct(url: str, ca: bytes, namespace: str, cache: str, concurrency: int, total: int) -> Chunk:
+def as_apiserver(ca: bytes, client_cert: tuple[Path, Path]) -> ssl.SSLContext:
+    """A client context that trusts the webhook's CA and presents the apiserver's webhook
+    client certificate, as the apiserver does (a side that asks for none never sees it)."""
     ctx = ssl.create_default_context(cadata=ca.decode())
+    ctx.load_cert_chain(*map(str, client_cert))
+    return ctx
+
+
+async def direct(url: str, ca: bytes, namespace: str, cache: str, concurrency: int, total: int,
+                 client_cert: tuple[Path, Path]) -> Chunk:
+    ctx = as_apiserver(ca, client_cert)
     latencies: list[float] = []
     errors = 0
     bodies = [review(namespace, cache, i) for i in range(total)]
@@ -180,10 +189,13 @@ class Operators:
 
     def __init__(self, bed: Testbed, kubeconfig: Path, sides: dict[str, str | None]) -> None:
         self.bed, self.kubeconfig, self.sides = bed, kubeconfig, sides
-        port = free_port()
+        port, reports_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{port}"
+        # One report URL for both sides (a patch of the same size); a side without a
+        # reports listener of its own never takes a report here anyway.
         self.env = {"CACHEWARM_LOG_LEVEL": "WARNING", "CACHEWARM_WEBHOOK_PORT": str(port),
-                    "CACHEWARM_WEBHOOK_URL": self.url, "CACHEWARM_REPORT_URL": f"{self.url}/report/v1"}
+                    "CACHEWARM_WEBHOOK_URL": self.url, "CACHEWARM_REPORTS_PORT": str(reports_port),
+                    "CACHEWARM_REPORT_URL": f"https://127.0.0.1:{reports_port}/report/v1"}
         self.running: tuple[str, Proc] | None = None
         self.ca = b""
         self.patch_bytes: dict[str, int] = {}  # per side: the size of its patch (base64 JSON Patch) for review()
@@ -212,7 +224,7 @@ class Operators:
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=5,  # noqa: S310 - our own loopback webhook
-                                        context=ssl.create_default_context(cadata=ca.decode())) as answer:
+                                        context=as_apiserver(ca, self.bed.webhook_client_cert)) as answer:
                 patch = json.loads(answer.read())["response"].get("patch")
         except (OSError, ssl.SSLError, KeyError, ValueError):
             return None
@@ -284,7 +296,8 @@ def main() -> None:
                 print(f"round {i + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
                 for level in levels:
                     chunks[side]["direct"].setdefault(level, []).append(asyncio.run(direct(
-                        f"{operators.url}/inject-cache", operators.ca, NS, "c", level, args.requests // args.rounds)))
+                        f"{operators.url}/inject-cache", operators.ca, NS, "c", level, args.requests // args.rounds,
+                        bed.webhook_client_cert)))
                 for level in api_levels:
                     for kind in order(i, KINDS):
                         chunks[side][kind].setdefault(level, []).append(through_apiserver(
