@@ -180,6 +180,21 @@ def test_hash_changes_with_jax_settings_accelerator_and_token() -> None:
     assert jb.spec_hash(base, pool, token="manual-1") != digest
 
 
+def test_a_local_copy_cache_is_warmed_again_for_a_trusted_manifest() -> None:
+    # Issue 28: a local copy trusts only a manifest whose generation the warmer's own pod
+    # reported; pools warmed before that get a new hash (one more warm). Caches without a
+    # local copy keep theirs (no re-warm on upgrade).
+    pools = [{"name": "g", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}]
+    plain = cache(pools)
+    copied = plain.model_copy(update={"injection": plain.injection.model_copy(
+        update={"local_copy": parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
+                                          "injection": {"mode": "ReadOnly", "localCopy": {}}}).injection.local_copy})})
+    pool: Pool = plain.warmup.pools[0]  # type: ignore[union-attr]
+    # (That a cache without a local copy keeps the hash it had is pinned by the golden
+    # snapshots, tests/golden/operator-*.json, whose specHash values predate issue 28.)
+    assert jb.spec_hash(copied, pool) != jb.spec_hash(plain, pool)
+
+
 @pytest.mark.parametrize(("pool", "hosts"), [
     ({}, 1),
     ({"hosts": 256}, 256),  # the CRD's maximum

@@ -24,6 +24,9 @@ WARMER_FILE = f"{WARMER_DIR}/{payload.WARMER}"
 WARMER_SOURCE = payload.in_image(payload.WARMER)
 COORDINATOR_PORT = 8476
 GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
+# The manifest a local copy trusts (issue 28: version 2 with digests, its generation recorded
+# from the warmer's own pod); part of a local-copy cache's specHash.
+MANIFEST_TRUST = 2
 
 
 def spec_hash(cache: CacheSpec, pool: Pool, token: str = "") -> str:
@@ -44,6 +47,10 @@ def spec_hash(cache: CacheSpec, pool: Pool, token: str = "") -> str:
         "shape": [shape.hosts, shape.chips_per_host],
         "env": cache_env(cache, "warmer"),
         "token": token,
+        # A cache with a local copy trusts only a manifest whose generation its own warmer
+        # reported (issue 28): pools warmed before there was one are warmed once more, so
+        # their pods copy again; caches without a local copy keep their hash.
+        **({"manifestTrust": MANIFEST_TRUST} if cache.injection.local_copy is not None else {}),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:10]
 
