@@ -93,7 +93,9 @@ def webhook_calls(operator: OperatorHandle, ns: str, name: str) -> int:
 def test_labelled_pod_is_stored_with_cache_env_and_annotation(
     operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
-    make_cache(controller_manager, namespace, "llama", jax={"minCompileTimeSecs": 2.5, "minEntrySizeBytes": 100})
+    # ReadWrite chosen (the CRD's default is ReadOnly): its threshold is the one spec.jax sets.
+    make_cache(controller_manager, namespace, "llama", jax={"minCompileTimeSecs": 2.5, "minEntrySizeBytes": 100},
+               injection={"mode": "ReadWrite"})
     bucket = controller_manager.get_json("ccache", "llama", namespace)["spec"]["storage"]["gcs"]["bucket"]
     stored, _ = create_pod(controller_manager, namespace, pod("trainer", "llama", init=True))
     expected = {

@@ -157,7 +157,7 @@ class Limits:
     body_seconds: float = 10.0  # from the headers to the complete body
     keepalive_seconds: float = 5.0  # from an answer to the next request's complete headers
     max_connections: int = 256  # open at once; more are closed at once
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 1024 * 1024  # as aiohttp's default before; etcd stores at most 1.5 MiB an object
 
 
 class _Guard(asyncio.Protocol):
