@@ -105,11 +105,16 @@ def cache(name: str) -> dict[str, object]:
 
 def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: Testbed, tmp_path: Path) -> None:
     kubeconfig = bed.service_account_kubeconfig(NS, "cachewarm-operator", tmp_path / "kubeconfig")
-    port = free_port()
+    port, reports_port = free_port(), free_port()
     env = {"CACHEWARM_RESYNC_SECONDS": "3", "CACHEWARM_RETRY_DELAY_SECONDS": "0.5",
            "CACHEWARM_GCS_TIMEOUT_SECONDS": "2", "CACHEWARM_GCP_PROJECT": "testbed",
            "CACHEWARM_POD_NAMESPACE": NS, "CACHEWARM_CERT_CHECK_SECONDS": "1",
-           "CACHEWARM_WEBHOOK_PORT": str(port), "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{port}"}
+           "CACHEWARM_WEBHOOK_PORT": str(port), "CACHEWARM_WEBHOOK_URL": f"https://127.0.0.1:{port}",
+           "CACHEWARM_REPORTS_PORT": str(reports_port),
+           "CACHEWARM_REPORT_URL": f"https://127.0.0.1:{reports_port}/report/v1",
+           # This test opens connections to the webhook port itself to see the served
+           # certificate; the apiserver's client certificate is test_webhook's subject.
+           "CACHEWARM_ADMISSION_CLIENT_CA": ""}
     replicas = [OperatorHandle(bed, kubeconfig, {**env, "CACHEWARM_POD_NAME": f"cachewarm-operator-{i}"})
                 for i in range(2)]
     try:
@@ -120,7 +125,7 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         leader = eventually(lambda: install.lease_holder(bed), timeout=30, what="a Lease holder")
         assert leader in {"cachewarm-operator-0", "cachewarm-operator-1"}
         # ...naming where it takes reports (the follower forwards them there).
-        assert install.lease_identity(bed) == f"{leader}@127.0.0.1:{port}"
+        assert install.lease_identity(bed) == f"{leader}@127.0.0.1:{reports_port}"
         first, second = (replicas[0], replicas[1]) if leader.endswith("-0") else (replicas[1], replicas[0])
         cache_obj = cache("before")
         bed.apply(cache_obj, namespace)
@@ -171,7 +176,7 @@ def test_two_replicas_one_leader_shared_certificate_takeover_and_rotation(bed: T
         new_der = x509.load_pem_x509_certificate(renewed.cert_pem).public_bytes(Encoding.DER)
 
         def renewed() -> bool | None:
-            # The kept connection used at each look (aiohttp closes one idle for 75 s); it
+            # The kept connection used at each look (one idle for 5 s is closed); it
             # raises, failing the test at once, if the process closed it.
             kept.ask()
             return served_certificate(port) == new_der or None
