@@ -215,7 +215,7 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     assert env["JAX_COMPILATION_CACHE_DIR"] == f"gs://{obj['spec']['storage']['gcs']['bucket']}/llama"
     assert "cachewarm.dev/injected" in stored["metadata"]["annotations"]
     assert env["PYTHONPATH"] == "/cachewarm-reporter" and env["CACHEWARM_REPORT_URL"].startswith(
-        f"https://{install.REPORT_IP}/")
+        f"https://{install.REPORT_IP}:9444/")  # the Service's reports port
     done = eventually(lambda: finished(bed, "pod", "train", ns), timeout=300, what="the training pod to finish")
     logs = bed.kubectl_run("logs", "train", "-n", ns, "-c", "train")
     assert done["status"]["phase"] == "Succeeded", logs.stdout[-3000:] + logs.stderr[-3000:]
