@@ -58,6 +58,8 @@ CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
     # Selector Services (the webhook's) get EndpointSlices, which kube-proxy routes to.
     "endpointslice-controller",
+    # The built-in edit/view roles take in manifests/rbac/user_roles.yaml by aggregation.
+    "clusterrole-aggregation-controller",
 )
 # With a real node only: the operator installed from manifests/ is a Deployment (on
 # simulated nodes its pod could never run; the operator runs as a local process there).

@@ -1,0 +1,78 @@
+"""The cluster's users and CompilationCaches (manifests/rbac/user_roles.yaml), against a
+real apiserver and kube-controller-manager's ClusterRole aggregation: a user with the
+built-in `edit` role in one namespace can create, change and delete CompilationCaches
+there, and can never write their status (which names the ConfigMaps, manifest generations
+and PYTHONPATH the webhook gives pods: docs/security.md); `view` reads them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cachewarm_testbed.cluster import Testbed, eventually
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def tenant_ns(installed: Testbed, controller_manager: Testbed) -> Iterator[str]:
+    ns = f"t-{uuid.uuid4().hex[:10]}"
+    created = installed.kubectl_run("create", "namespace", ns)
+    assert created.returncode == 0, created.stderr
+    yield ns
+    installed.kubectl_run("delete", "namespace", ns, "--wait=false")
+
+
+def _user(bed: Testbed, ns: str, role: str, tmp_path: Path) -> Path:
+    """A kubeconfig of ServiceAccount ns/<role>-user bound to the built-in ClusterRole `role` in ns only."""
+    for args in (("create", "serviceaccount", f"{role}-user", "-n", ns),
+                 ("create", "rolebinding", f"{role}-user", f"--clusterrole={role}",
+                  f"--serviceaccount={ns}:{role}-user", "-n", ns)):
+        done = bed.kubectl_run(*args)
+        assert done.returncode == 0, done.stderr
+    return bed.service_account_kubeconfig(ns, f"{role}-user", tmp_path / f"{role}.kubeconfig")
+
+
+def _as(bed: Testbed, kubeconfig: Path, *args: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+    done = bed.kubectl_run(*args, input=yaml.safe_dump(body) if body else None, kubeconfig=kubeconfig)
+    return done.returncode, (done.stdout + done.stderr)
+
+
+def test_edit_writes_caches_and_never_their_status(installed: Testbed, tenant_ns: str, tmp_path: Path) -> None:
+    ns = tenant_ns
+    edit = _user(installed, ns, "edit", tmp_path)
+    view = _user(installed, ns, "view", tmp_path)
+    cache = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "mine"},
+             "spec": {"storage": {"gcs": {"bucket": "b-roles", "location": "us-central1", "create": False}}}}
+    # The aggregation controller adds cachewarm-edit's rules to `edit` soon after install.
+    eventually(lambda: _as(installed, edit, "auth", "can-i", "create", "compilationcaches.cachewarm.dev",
+                           "-n", ns)[0] == 0 or None, timeout=60, what="edit aggregates cachewarm-edit")
+    rc, out = _as(installed, edit, "create", "-n", ns, "-f", "-", body=cache)
+    assert rc == 0, out
+    rc, out = _as(installed, edit, "annotate", "-n", ns, "compilationcache/mine", "team=ml")
+    assert rc == 0, out
+    # Status: refused for edit, whatever the verb.
+    patch = json.dumps({"status": {"injection": {"configMaps": {"boot": "cachewarm-mine-boot-0123456789"}}}})
+    rc, out = _as(installed, edit, "patch", "-n", ns, "compilationcache/mine", "--subresource=status",
+                  "--type=merge", "-p", patch)
+    assert rc != 0 and "forbidden" in out.lower(), out
+    for verb in ("update", "patch"):
+        rc, out = _as(installed, edit, "auth", "can-i", verb, "compilationcaches.cachewarm.dev", "--subresource=status",
+                      "-n", ns)
+        assert rc != 0 and out.strip().startswith("no"), (verb, out)
+    # Nor in another namespace.
+    rc, out = _as(installed, edit, "auth", "can-i", "create", "compilationcaches.cachewarm.dev", "-n", "default")
+    assert rc != 0, out
+    # view reads caches and their status, writes nothing.
+    eventually(lambda: _as(installed, view, "get", "-n", ns, "compilationcache/mine")[0] == 0 or None, timeout=60,
+               what="view aggregates cachewarm-view")
+    rc, out = _as(installed, view, "delete", "-n", ns, "compilationcache/mine")
+    assert rc != 0 and "forbidden" in out.lower(), out
+    rc, out = _as(installed, edit, "delete", "-n", ns, "compilationcache/mine", "--wait=false")
+    assert rc == 0, out
