@@ -75,3 +75,13 @@ def test_a_failing_step_with_every_condition_true_is_still_reconciling():
     assert run(failing=True)[:2] == ("reconciling", "ReconcileError")
     assert run(injection=Cond("InjectionReady", False, "KubernetesError", "no"))[:2] == ("reconciling",
                                                                                          "KubernetesError")
+
+
+def test_a_configmap_of_ours_held_by_someone_else_stalls_with_its_message():
+    # Issue 28 (D4): only a person can remove a ConfigMap squatting our name; the operator
+    # never deletes it. Stalled, not Reconciling forever, even while the reconcile retries.
+    squatted = Cond("InjectionReady", False, "ConfigMapNotOurs", "ConfigMap cachewarm-c-boot-0123456789 is not ours")
+    assert run(injection=squatted, failing=True) == ("stalled", "ConfigMapNotOurs",
+                                                     "ConfigMap cachewarm-c-boot-0123456789 is not ours")
+    reconciling, _ = progress(BUCKET_OK, squatted, None, [], True)
+    assert "a person removes that ConfigMap" in reconciling.message

@@ -59,9 +59,14 @@ def progress(bucket: Cond, injection: Cond | None, warm: Cond | None, pools: Seq
             or (warm.reason == c.Reason.WARMUP_FAILED
                 and not any(p.get("state") in ACTIVE_STATES or p.get("nextRetryTime") for p in pools))):
         stalled = warm
+    elif injection is not None and injection.status is False and injection.reason == c.Reason.CONFIGMAP_NOT_OURS:
+        # Someone else's ConfigMap holds our name: only a person can remove it (the operator
+        # never deletes what it did not create); it is checked again at every resync.
+        stalled = injection
     if stalled is not None:
-        return (Cond(c.Condition.RECONCILING, False, stalled.reason, "Nothing is retried until the spec, the bucket "
-                     "or the operator's permissions change"),
+        waits_for = ("a person removes that ConfigMap (checked again at every resync)" if stalled is injection
+                     else "the spec, the bucket or the operator's permissions change")
+        return (Cond(c.Condition.RECONCILING, False, stalled.reason, f"Nothing is retried until {waits_for}"),
                 Cond(c.Condition.STALLED, True, stalled.reason, stalled.message))
     under_way = next((cd for cd in (bucket, injection, warm)
                       if cd is not None and (not cd.status or cd.reason == c.Reason.REWARMING)), None)
