@@ -60,3 +60,27 @@ def test_host_path_message_says_why_and_what_to_do() -> None:
 def test_spec_conditions_are_both_always() -> None:
     # Always both, so a spec change never leaves a stale one in status.
     assert [cd.type for cd in spec_conditions(cache({}), "llama")] == ["PodsReadOnly", "LocalCopyAsSpecified"]
+
+
+def _warmed(pools: list[str]) -> Any:
+    return parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
+                       "injection": {"mode": "ReadOnly", "localCopy": {}},
+                       "warmup": {"image": "img", "targets": ["m:f"], "pools": [{"name": p} for p in pools]}})
+
+
+@pytest.mark.parametrize(("recorded", "status", "reason", "said"), [
+    pytest.param({}, False, "NoTrustedManifest", "(cpu, gpu): pods' copies are empty", id="none-recorded"),
+    pytest.param({"cpu": "17"}, True, "PerPodCopy", "give nothing (gpu)", id="one-of-two"),
+    pytest.param({"cpu": "17", "gpu": "18"}, True, "PerPodCopy", "own EmptyDir copy", id="all-recorded"),
+])
+def test_pools_without_a_trusted_manifest_are_said(recorded: dict[str, str], status: bool, reason: str,
+                                                   said: str) -> None:
+    # Issue 28: a pool with no recorded manifest generation gives pods an empty copy; that
+    # cold start is said in status, not only in each pod's copier summary.
+    pools = [{"name": "cpu", "state": "Succeeded"}, {"name": "gpu", "state": "Running"}]
+    pools = [{**p, **({"manifestGeneration": recorded[p["name"]]} if p["name"] in recorded else {})} for p in pools]
+    cond = local_copy_as_specified(_warmed(["cpu", "gpu"]), pools)
+    assert (cond.status, cond.reason) == (status, reason)
+    assert said in cond.message
+    if recorded == {"cpu": "17", "gpu": "18"}:
+        assert "give nothing" not in cond.message

@@ -185,6 +185,8 @@ class Reason:
     PER_POD_COPY: Final = "PerPodCopy"
     NO_LOCAL_COPY: Final = "NoLocalCopy"
     HOST_PATH_WITHDRAWN: Final = "HostPathWithdrawn"
+    # Pools whose warmers recorded no manifest generation: their pods' copies are empty.
+    NO_TRUSTED_MANIFEST: Final = "NoTrustedManifest"
     # A ConfigMap of the cache's name whose content is not what the operator wrote (D4).
     CONFIGMAP_NOT_OURS: Final = "ConfigMapNotOurs"
     # A pod labelled job-name=<warmer Job> that the Job does not own: its results are ignored.

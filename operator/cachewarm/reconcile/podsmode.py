@@ -1,9 +1,13 @@
 """What a cache's spec makes of its training pods, said as conditions: PodsReadOnly (only
 warmers write, or pods may write entries every later reader runs) and LocalCopyAsSpecified
-(a cache stored with the withdrawn HostPath copy gets an EmptyDir one). Pure: from the
-spec alone, so a repeated reconcile says the same."""
+(a cache stored with the withdrawn HostPath copy gets an EmptyDir one; pools whose warmers
+recorded no manifest generation give pods an empty copy). Pure: from the spec and the
+pools' status, so a repeated reconcile says the same."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from cachewarm.api import constants as c
 from cachewarm.api.conditions import Cond
@@ -25,9 +29,21 @@ def pods_read_only(cache: CacheSpec, name: str) -> Cond:
                 "and let only the warmers write")
 
 
-def local_copy_as_specified(cache: CacheSpec) -> Cond:
+def untrusted_pools(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The spec's pools with no manifest generation recorded in status (`pools`,
+    status.warmup.pools): the copier trusts no manifest of theirs, so it copies nothing of
+    them. [] for a cache without warmup (its copies take the prefix)."""
+    if cache.warmup is None:
+        return []
+    recorded = {str(p.get("name")) for p in pools if p.get("manifestGeneration")}
+    return [p.name for p in cache.warmup.pools if p.name not in recorded]
+
+
+def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]] = ()) -> Cond:
     """LocalCopyAsSpecified: False (HostPathWithdrawn) for a cache stored with volume
-    HostPath, whose pods get an EmptyDir copy of the same sizeLimit; True otherwise."""
+    HostPath, whose pods get an EmptyDir copy of the same sizeLimit; False
+    (NoTrustedManifest) while every pool lacks a manifest generation (pods' copies are
+    empty: a silent cold start otherwise); True otherwise, naming pools still without one."""
     local = cache.injection.local_copy
     if local is None:
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.NO_LOCAL_COPY,
@@ -37,10 +53,18 @@ def local_copy_as_specified(cache: CacheSpec) -> Cond:
                     f"localCopy.volume HostPath is withdrawn: a copy shared between pods is a writable mount another "
                     f"pod reads, so pods get an EmptyDir copy of {local.size_limit} instead and hostPath is not "
                     "mounted. Set localCopy.volume to EmptyDir or Ephemeral and remove localCopy.hostPath")
+    untrusted = untrusted_pools(cache, pools)
+    if untrusted and cache.warmup is not None and len(untrusted) == len(cache.warmup.pools):
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.NO_TRUSTED_MANIFEST,
+                    f"No pool's warmer has recorded a manifest generation yet ({', '.join(untrusted)}): pods' "
+                    "copies are empty and they start cold until a warm of their pool writes one (a warmer whose "
+                    "entrypoint runs in a child process never can: give warmup.targets)"[:1000])
+    some = (f"; pools without a recorded manifest give nothing ({', '.join(untrusted)}): pods of only those "
+            "pools start cold" if untrusted else "")
     return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.PER_POD_COPY,
-                f"Each pod gets its own {local.volume} copy")
+                f"Each pod gets its own {local.volume} copy{some}"[:1000])
 
 
-def spec_conditions(cache: CacheSpec, name: str) -> list[Cond]:
-    """The conditions above, for status.assemble's updates."""
-    return [pods_read_only(cache, name), local_copy_as_specified(cache)]
+def spec_conditions(cache: CacheSpec, name: str, pools: Sequence[Mapping[str, Any]] = ()) -> list[Cond]:
+    """The conditions above, for status.assemble's updates (`pools`: status.warmup.pools)."""
+    return [pods_read_only(cache, name), local_copy_as_specified(cache, pools)]
