@@ -38,9 +38,21 @@ def test_defaults_put_reports_on_their_own_port_with_bounded_listeners() -> None
     ("CACHEWARM_REPORTS_PORT", "0"), ("CACHEWARM_REPORTS_PORT", "70000"), ("CACHEWARM_HTTP_HEADER_SECONDS", "0"),
     ("CACHEWARM_HTTP_BODY_SECONDS", "-1"), ("CACHEWARM_HTTP_KEEPALIVE_SECONDS", "301"),
     ("CACHEWARM_HTTP_MAX_CONNECTIONS", "0"), ("CACHEWARM_REPORT_REVIEW_QUEUE", "0"),
-    ("CACHEWARM_HTTP_MAX_CONNECTIONS", "many"),
+    ("CACHEWARM_HTTP_MAX_CONNECTIONS", "many"), ("CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER", "0"),
+    ("CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER", "300"),  # above the listener's own cap (256): never applies
 ])
 def test_listener_limits_out_of_range_are_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
+        Settings.from_env()
+
+
+def test_the_per_peer_cap_defaults_below_the_listeners_and_an_old_smaller_cap_still_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings()
+    assert 1 <= settings.http_max_connections_per_peer < settings.http_max_connections
+    monkeypatch.setenv("CACHEWARM_HTTP_MAX_CONNECTIONS", "8")  # set before the per-peer cap existed
+    assert Settings.from_env().http_max_connections == 8
+    monkeypatch.setenv("CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER", "9")
+    with pytest.raises(ValidationError, match="http_max_connections_per_peer"):
         Settings.from_env()

@@ -79,9 +79,12 @@ def serving(limits: Limits, body: Callable[[int, ServingTls], Awaitable[T]], cli
 MATERIAL = pki()
 
 
-async def connect(port: int, context: ssl.SSLContext | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(port: int, context: ssl.SSLContext | None = None,
+                  source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TLS connection to the listener from the loopback address `source` (Linux answers
+    all of 127.0.0.0/8 on lo: another address is another peer, as another pod is)."""
     return await asyncio.open_connection("127.0.0.1", port, ssl=context or client_context(MATERIAL[0].ca_pem),
-                                         server_hostname="127.0.0.1")
+                                         server_hostname="127.0.0.1", local_addr=(source, 0))
 
 
 async def closed(reader: asyncio.StreamReader) -> bool:
@@ -163,6 +166,43 @@ def test_connections_past_the_cap_are_closed_and_those_within_it_served() -> Non
         return third_closed, await post(*held[0])
     third_closed, first = serving(limits, body)
     assert third_closed and first.startswith(b"HTTP/1.1 200")
+
+
+def test_one_peer_at_its_cap_is_refused_more_while_another_peer_is_still_served() -> None:
+    # The listener's own cap far above: only the per-peer one can refuse here.
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+                    max_connections=50, max_connections_per_peer=2, max_body_bytes=1024)
+
+    async def body(port: int, _: ServingTls) -> tuple[bool, bytes, bytes, bytes]:
+        held = [await connect(port, source="127.0.0.2"), await connect(port, source="127.0.0.2")]
+        reader, _writer = await connect(port, source="127.0.0.2")
+        third_closed = await closed(reader)
+        other = await post(*await connect(port, source="127.0.0.3"))
+        first = await post(*held[0])
+        # One of its own closed (by the server, after its answer: the server has let it
+        # go before the client sees the end): that peer is taken again.
+        reader, writer = held[1]
+        writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        assert await closed(reader)
+        return third_closed, other, first, await post(*await connect(port, source="127.0.0.2"))
+    third_closed, other, first, again = serving(limits, body)
+    assert third_closed
+    assert other.startswith(b"HTTP/1.1 200") and first.startswith(b"HTTP/1.1 200")
+    assert again.startswith(b"HTTP/1.1 200")
+
+
+def test_the_apiservers_verified_connections_are_not_bound_by_the_per_peer_cap() -> None:
+    material, client_ca, client = MATERIAL
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+                    max_connections=50, max_connections_per_peer=1, max_body_bytes=1024)
+
+    async def body(port: int, _: ServingTls) -> list[bytes]:
+        context = client_context(material.ca_pem, client)
+        held = [await connect(port, context) for _ in range(3)]
+        return [await post(*one) for one in held]
+    answers = serving(limits, body, client_ca=client_ca.cert_pem, admission=True)
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
 
 
 def test_the_admission_context_refuses_a_caller_without_the_apiservers_client_certificate() -> None:

@@ -13,8 +13,9 @@ client certificate of the configured CA when there is one (the apiserver's, thro
 admission configuration: anyone else is refused in the TLS handshake and learns nothing),
 and the reports one, which training pods reach with their tokens. Both bound what a
 client can hold: the TLS handshake, the time to send a request's headers and its body,
-the idle time between requests (keep-alive), and the connections open at once; a
-connection over any of them is closed.
+the idle time between requests (keep-alive), the connections open at once, and those
+open at once from one peer address (so that one pod cannot hold every connection the
+listener takes); a connection over any of them is closed.
 """
 
 from __future__ import annotations
@@ -157,29 +158,41 @@ class Limits:
     body_seconds: float = 10.0  # from the headers to the complete body
     keepalive_seconds: float = 5.0  # from an answer to the next request's complete headers
     max_connections: int = 256  # open at once; more are closed at once
+    # open at once from one peer IP; more from it are closed at once (others are still taken);
+    # a client with a verified client certificate (the apiserver) is not bound by it
+    max_connections_per_peer: int = 16
     max_body_bytes: int = 1024 * 1024  # as aiohttp's default before; etcd stores at most 1.5 MiB an object
 
 
 class _Guard(asyncio.Protocol):
-    """Wraps aiohttp's protocol for one connection: refuses it past the connection cap,
-    and closes it when a deadline passes while it is not being answered (the request's
-    headers not in within header_seconds of its start or keepalive_seconds of the last
-    answer; the body's deadline is the middleware's)."""
+    """Wraps aiohttp's protocol for one connection: refuses it past the connection cap or
+    its peer address's, and closes it when a deadline passes while it is not being
+    answered (the request's headers not in within header_seconds of its start or
+    keepalive_seconds of the last answer; the body's deadline is the middleware's)."""
 
     def __init__(self, listener: Listener, inner: asyncio.Protocol) -> None:
         self.listener, self.inner = listener, inner
         self.transport: asyncio.BaseTransport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._admitted = False
+        self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        if len(self.listener.open) >= self.listener.limits.max_connections:
-            self.listener.refused += 1
+        self.peer = _peer_host(transport)
+        listener = self.listener
+        if not _authenticated(transport) and \
+                listener.per_peer.get(self.peer, 0) >= listener.limits.max_connections_per_peer:
+            listener.refused_per_peer += 1
             transport.abort()  # type: ignore[attr-defined]  # a transport that streams
             return
+        if len(listener.open) >= listener.limits.max_connections:
+            listener.refused += 1
+            transport.abort()  # type: ignore[attr-defined]
+            return
         self._admitted = True
-        self.listener.open[transport] = self
+        listener.open[transport] = self
+        listener.per_peer[self.peer] = listener.per_peer.get(self.peer, 0) + 1
         self.arm(self.listener.limits.header_seconds)
         self.inner.connection_made(transport)
 
@@ -216,7 +229,24 @@ class _Guard(asyncio.Protocol):
         if self._admitted:
             self._admitted = False
             self.listener.open.pop(self.transport, None)  # type: ignore[arg-type]
+            left = self.listener.per_peer.pop(self.peer, 1) - 1
+            if left > 0:
+                self.listener.per_peer[self.peer] = left
             self.inner.connection_lost(exc)
+
+
+def _authenticated(transport: asyncio.BaseTransport) -> bool:
+    """Whether the peer presented a client certificate, which a context that asks for one
+    (the admission listener's with a client CA, CERT_REQUIRED) has verified in the
+    handshake: the apiserver, whose connections only the listener's own cap bounds."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    return isinstance(ssl_object, ssl.SSLObject) and bool(ssl_object.getpeercert())
+
+
+def _peer_host(transport: asyncio.BaseTransport) -> str:
+    """The connection's peer IP address ("" when the transport does not say)."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
 
 
 _Route = Callable[[aiohttp.web.Request], Awaitable[aiohttp.web.StreamResponse]]
@@ -231,7 +261,8 @@ class Listener:
         self.name, self.addr, self.port, self.context, self.limits = name, addr, port, context, limits
         self.routes = dict(routes)
         self.open: dict[asyncio.BaseTransport, _Guard] = {}
-        self.refused = self.expired = 0
+        self.per_peer: dict[str, int] = {}  # peer IP -> its connections in `open`
+        self.refused = self.refused_per_peer = self.expired = 0
         self._runner: aiohttp.web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
 

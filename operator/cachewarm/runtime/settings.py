@@ -11,7 +11,7 @@ import re
 import ssl
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # A Kubernetes namespace name: a DNS-1123 label.
@@ -85,6 +85,14 @@ class Settings(BaseSettings):
     http_max_connections: int = Field(
         default=256, ge=1, le=100_000,
         description="Both listeners, each: connections open at once; more are closed as they are made.",
+    )
+    http_max_connections_per_peer: int = Field(
+        default=16, ge=1, le=100_000,
+        description="Both listeners, each: connections open at once from one peer IP address; more from it are "
+                    "closed as they are made, so one pod cannot take a listener. Not applied to a caller with the "
+                    "apiserver's client certificate (admission_client_ca set); without one, the apiserver's own "
+                    "addresses count too: keep this above the admission requests one apiserver sends at once. "
+                    "Set explicitly, at most http_max_connections (the default above a smaller one is that cap).",
     )
     report_review_queue: int = Field(
         default=64, ge=1, le=100_000,
@@ -187,6 +195,16 @@ class Settings(BaseSettings):
             except (OSError, ssl.SSLError) as exc:
                 raise ValueError(f"not a readable PEM file of CA certificates: {value!r} ({exc})") from exc
         return value
+
+    @model_validator(mode="after")
+    def _per_peer_within_cap(self) -> Settings:
+        """A per-peer cap set above the listener's own cap is a mistake (it would never
+        apply); the default one above a smaller http_max_connections is that cap."""
+        if "http_max_connections_per_peer" in self.model_fields_set and \
+                self.http_max_connections_per_peer > self.http_max_connections:
+            raise ValueError(f"http_max_connections_per_peer ({self.http_max_connections_per_peer}) is more than "
+                             f"http_max_connections ({self.http_max_connections})")
+        return self
 
     @field_validator("namespaces", "webhook_hosts", mode="before")
     @classmethod
