@@ -67,6 +67,7 @@ def test_a_pod_labelled_for_a_cache_that_does_not_exist_gets_404() -> None:
     kube.reviews = {token("good"): REVIEW}
     gone = json.dumps({**REPORT, "cache": "gone"}).encode()
     assert exchange(kube, [(bearer("good"), gone)], pods=labelled(("ml", "trainer", "u-1", "gone")))[0] == [404]
+    assert kube.calls.count("review_token") == 0  # found out before the apiserver is asked
 
 
 def test_a_report_counts_only_for_a_known_pod_labelled_for_its_cache() -> None:
@@ -82,6 +83,20 @@ def test_a_report_counts_only_for_a_known_pod_labelled_for_its_cache() -> None:
     deleted = labelled()
     deleted.observe("DELETED", {"metadata": {"namespace": "ml", "name": "trainer", "uid": "u-1"}})
     assert exchange(kube, [(bearer("good"), GOOD)], pods=deleted)[0] == [403]
+    # None of them cost a TokenReview: what the operator knows of its pods is checked first.
+    assert kube.calls.count("review_token") == 0
+
+
+def test_forged_tokens_naming_a_pod_the_operator_does_not_watch_never_reach_the_reviewer() -> None:
+    kube = MemoryKube()  # reviews nothing: any review asked would be a 401
+    unknown = {**REPORT, "pod": {"namespace": "ml", "name": "nobody", "uid": "u-x"}}
+    forged = bearer("forged", **{"kubernetes.io": {"namespace": "ml", "pod": {"name": "nobody", "uid": "u-x"}}})
+    codes, _, _ = exchange(kube, [(forged, json.dumps(unknown).encode())] * 20)
+    assert codes == [403] * 20
+    assert kube.calls.count("review_token") == 0
+    # The same forgery naming the watched pod is reviewed (and refused by the apiserver).
+    assert exchange(kube, [(bearer("forged"), GOOD)])[0] == [401]
+    assert kube.calls.count("review_token") == 1
 
 
 def test_a_token_that_cannot_pass_a_review_is_refused_without_one() -> None:

@@ -11,12 +11,15 @@ In order on the leader, each step refusing with its own status and changing noth
 body of at most reports.MAX_BODY_BYTES (413, on a follower too: it never forwards more);
 a bearer token (401); a well-formed report (400); the token's shape checked locally (a
 JWT for audience cachewarm, not expired, bound to a pod, that pod the report's: 401/403,
-no review asked); a place in the bounded TokenReview queue (503 at once when it is full,
-never an unbounded wait); the apiserver's TokenReview for audience `cachewarm` (401 when
-it does not authenticate the token, 503 when the review cannot be made); the token's pod
-is the report's pod and the cache is in its namespace (403); the pod is a labelled pod
-the operator watches, labelled for the report's cache (403); the cache exists (404); at
-most one report per pod every few seconds (429). Then the report is kept (202).
+no review asked); the pod is a labelled pod the operator watches, of the uid the token
+claims, labelled for the report's cache (403), and the cache exists (404): all still
+without a review, so a forged token costs the apiserver nothing unless it names a pod
+that is there, by its uid, and that pod's own cache; a place in the bounded TokenReview
+queue (503 at once when it is full, never an unbounded wait); the apiserver's
+TokenReview for audience `cachewarm` (401 when it does not authenticate the token, 503
+when the review cannot be made); the token's pod is the report's pod and the cache is in
+its namespace (403); the pod's and its process's report rate and process count
+(reports.Store.record: 429). Then the report is kept (202).
 """
 
 from __future__ import annotations
@@ -177,11 +180,13 @@ class Receiver:
         claimed = reports.check_token(token.strip(), time.time())
         if claimed != (report.pod.namespace, report.pod.name, report.pod.uid):
             raise reports.ReportError("the token is bound to another pod than the one the report names", 403)
-        reviewed = await self._review(token.strip())
-        reports.check_identity(report, reviewed)
+        # What needs no apiserver before a review is queued: a forged token naming a pod
+        # we do not watch, or a cache that is not its label's or does not exist, costs none.
         self.pods.check(report)
         if not self.cache_exists(report.pod.namespace, report.cache):
             raise reports.ReportError(f"no CompilationCache {report.pod.namespace}/{report.cache}", 404)
+        reviewed = await self._review(token.strip())
+        reports.check_identity(report, reviewed)
         delta = self.store.record(report, dt.datetime.now(dt.timezone.utc))
         self.metrics.count_report(report.pod.namespace, report.cache, delta["hits"], delta["misses"], delta["saved"])
         return report
