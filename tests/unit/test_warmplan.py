@@ -271,7 +271,8 @@ CASES: dict[str, Callable[[], Case]] = {
         "", C, jobs=[job(J, state="Succeeded")], pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "1e9"})]},
         previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
         steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached")],
-        pools=[WARM], warmed=(True, "Warmed")),
+        pools=[{**WARM, "message": "Ignored invalid fields of the warmer's summary: manifestGeneration"}],
+        warmed=(True, "Warmed")),
     "manifest-generation-kept-while-rewarming": lambda: Case(
         REWARMS, NEW_IMAGE, jobs=[job(J, state="Succeeded")], previous=[{**WARM, "manifestGeneration": "17"}],
         context={"cache_entries": 2, "warmed_before": True},

@@ -19,9 +19,10 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from croniter import croniter
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachewarm.api import constants as c
 from cachewarm.api import timefmt
@@ -127,6 +128,50 @@ def owned_pods(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
     return owned, others
 
 
+MAX_COUNT = 10**9  # entries, programs, PATCHes: far above any warm, far below int64
+MAX_BYTES = 2**53  # bytesWritten: exact in JSON and in status' int64
+MAX_SECONDS = 10.0**7  # compileSeconds: about 115 days
+Text = Annotated[str, Field(max_length=4096)]  # a termination message holds at most 4096 bytes
+
+
+class WarmerSummary(BaseModel):
+    """A warmer's summary (its termination message) as the operator reads it. The warmer
+    runs the user's image and code, so nothing in it is trusted to be tidy: each field is
+    strictly typed (no "12" for 12, no true for 1) and bounded, NaN and infinities are
+    refused (Python's json reads them), and unknown fields are ignored. A field that fails
+    is dropped alone (parse_summary), so a bad summary never fails a reconcile."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+    processIndex: int = Field(0, ge=0, le=65535)
+    entriesFound: int = Field(0, ge=0, le=MAX_COUNT)
+    entriesWritten: int = Field(0, ge=0, le=MAX_COUNT)
+    bytesWritten: int = Field(0, ge=0, le=MAX_BYTES)
+    compileSeconds: float = Field(0.0, ge=0.0, le=MAX_SECONDS)
+    refreshFailed: int = Field(0, ge=0, le=MAX_COUNT)
+    refreshError: Text = ""
+    notCached: int = Field(0, ge=0, le=MAX_COUNT)
+    keys: list[Annotated[str, Field(max_length=64)]] | None = Field(None, max_length=4096)
+    keyCount: int | None = Field(None, ge=0, le=MAX_COUNT)
+    manifestGeneration: str | None = Field(None, pattern=r"^[0-9]{1,20}$")
+    fingerprint: dict[Annotated[str, Field(max_length=100)], Any] | None = Field(None, max_length=64)
+    imagePythonPath: Annotated[str, Field(max_length=IMAGE_PYTHONPATH_LIMIT)] | None = None
+    errors: list[Text] = Field(default_factory=list, max_length=100)
+
+
+def parse_summary(raw: Mapping[str, Any]) -> tuple[WarmerSummary, tuple[str, ...]]:
+    """`raw` as a WarmerSummary, and the names of the fields dropped as invalid (sorted)."""
+    data = {k: v for k, v in raw.items() if k in WarmerSummary.model_fields}
+    try:
+        return WarmerSummary.model_validate(data), ()
+    except ValidationError as exc:
+        bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]} or set(data)
+    try:
+        return WarmerSummary.model_validate({k: v for k, v in data.items() if k not in bad}), tuple(sorted(bad))
+    except ValidationError:  # not expected: fields are checked one by one
+        return WarmerSummary.model_validate({}), tuple(sorted(data))
+
+
 def read_summaries(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The warmers' JSON summaries from their terminated containers' messages."""
     out = []
@@ -183,23 +228,17 @@ def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any
     (the summary is the warmer's, run in the user's image, so not trusted to be tidy)."""
     out: dict[str, Any] = {k: str(reported[k])[:300] for k in FINGERPRINT_TEXT if reported.get(k) not in (None, "")}
     for key in FINGERPRINT_COUNTS:
-        try:
-            out[key] = int(reported[key])
-        except (KeyError, TypeError, ValueError):
-            continue
+        value = reported.get(key)
+        if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:
+            value = int(value)  # older warmers wrote some counts as text
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+            out[key] = value
     versions = reported.get("versions")
     if isinstance(versions, Mapping):
         out["versions"] = {str(k)[:100]: str(v)[:100] for k, v in list(versions.items())[:16]}
     if image:
         out["image"] = image[:300]
     return out
-
-
-def _process_index(summary: Mapping[str, Any]) -> int:
-    try:
-        return int(summary.get("processIndex", 0))
-    except (TypeError, ValueError):
-        return 0
 
 
 def _pythonpath(value: Any) -> str | None:
@@ -245,50 +284,62 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         out["state"] = "Pending"
         out["reason"] = c.Reason.UNSCHEDULABLE
         out["message"] = f"Unschedulable: {pods.unschedulable}"[:1000]
-    if summaries:
-        writers = [s for s in summaries if _process_index(s) == 0] or list(summaries)
-        out["entriesFound"] = max(int(s.get("entriesFound", 0)) for s in writers)
-        out["entriesWritten"] = max(int(s.get("entriesWritten", 0)) for s in writers)
-        out["bytesWritten"] = max(int(s.get("bytesWritten", 0)) for s in writers)
-        out["compileSeconds"] = round(max(float(s.get("compileSeconds", 0)) for s in summaries), 3)
-        # Process 0 alone refreshes customTime; a failure there does not fail the warm.
-        failed = max(int(s.get("refreshFailed", 0) or 0) for s in writers)
-        if failed:
-            out["refreshFailed"] = failed
-        refresh_error = next((str(s["refreshError"]) for s in writers if s.get("refreshError")), "")
-        if refresh_error:
-            out["refreshError"] = refresh_error[:1000]
-        not_cached = max(int(s.get("notCached", 0) or 0) for s in writers)
-        if not_cached:
-            out["notCached"] = not_cached
-        # The entries this warm relies on, by key hash (checked against the bucket).
-        reported = next((s for s in writers if isinstance(s.get("keys"), list)), None)
-        if reported is not None:
-            out["keys"] = sorted({str(k) for k in reported["keys"]})[:MAX_KEYS]
-            out["keyCount"] = int(reported.get("keyCount", len(out["keys"])) or 0)
-        # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
-        generation = next((g for g in (manifest_generation(s.get("manifestGeneration")) for s in writers)
-                           if g is not None), None)
-        if generation is not None:
-            out["manifestGeneration"] = generation
-        # What the keys were computed with (process 0's view), and the image by digest.
-        found = next((s["fingerprint"] for s in writers if isinstance(s.get("fingerprint"), Mapping)
-                      and s["fingerprint"]), None)
-        if found is not None:
-            out["fingerprint"] = fingerprint_status(found, pods.image if pods is not None else "")
-        # The PYTHONPATH the image sets, for the webhook (image_pythonpath).
-        if not env_sets_pythonpath and not (pods is not None and pods.pythonpath_set):
-            path = next((p for p in (_pythonpath(s.get("imagePythonPath")) for s in writers) if p is not None), None)
-            image = next((str(ct.get("image") or "") for ct in ((((job or {}).get("spec") or {}).get("template") or {})
-                                                              .get("spec") or {}).get("containers") or []), "")
-            if path is not None and image:
-                # With the image the Job ran, as spec.warmup.image named it: what a pod's
-                # image is compared with, so a value of an earlier warmup image is never
-                # taken for the current one's.
-                out["imagePythonPath"] = {"image": image[:1000], "value": path}
-    errors = [e for s in summaries for e in s.get("errors", [])]
+    parsed = [parse_summary(s) for s in summaries]
+    if parsed:
+        out.update(_summary_status(parsed, job, pods, env_sets_pythonpath))
+    errors = [e for one, _ in parsed for e in one.errors]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
+    return out
+
+
+def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job: Mapping[str, Any] | None,
+                    pods: PodsView | None, env_sets_pythonpath: bool) -> dict[str, Any]:
+    """The fields of a pool's status entry that the warmers' summaries give (pool_status)."""
+    summaries = [one for one, _ in parsed]
+    writers = [one for one in summaries if one.processIndex == 0] or summaries
+    out: dict[str, Any] = {
+        "entriesFound": max(w.entriesFound for w in writers),
+        "entriesWritten": max(w.entriesWritten for w in writers),
+        "bytesWritten": max(w.bytesWritten for w in writers),
+        "compileSeconds": round(max(one.compileSeconds for one in summaries), 3),
+    }
+    # Process 0 alone refreshes customTime; a failure there does not fail the warm.
+    failed = max(w.refreshFailed for w in writers)
+    if failed:
+        out["refreshFailed"] = failed
+    refresh_error = next((w.refreshError for w in writers if w.refreshError), "")
+    if refresh_error:
+        out["refreshError"] = refresh_error[:1000]
+    not_cached = max(w.notCached for w in writers)
+    if not_cached:
+        out["notCached"] = not_cached
+    # The entries this warm relies on, by key hash (checked against the bucket).
+    reported = next((w for w in writers if w.keys is not None), None)
+    if reported is not None and reported.keys is not None:
+        out["keys"] = sorted(set(reported.keys))[:MAX_KEYS]
+        out["keyCount"] = reported.keyCount if reported.keyCount is not None else len(out["keys"])
+    # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
+    generation = next((w.manifestGeneration for w in writers if w.manifestGeneration is not None), None)
+    if generation is not None:
+        out["manifestGeneration"] = generation
+    # What the keys were computed with (process 0's view), and the image by digest.
+    found = next((w.fingerprint for w in writers if w.fingerprint), None)
+    if found is not None:
+        out["fingerprint"] = fingerprint_status(found, pods.image if pods is not None else "")
+    # The PYTHONPATH the image sets, for the webhook (image_pythonpath).
+    if not env_sets_pythonpath and not (pods is not None and pods.pythonpath_set):
+        path = next((p for p in (_pythonpath(w.imagePythonPath) for w in writers) if p is not None), None)
+        image = next((str(ct.get("image") or "") for ct in ((((job or {}).get("spec") or {}).get("template") or {})
+                                                          .get("spec") or {}).get("containers") or []), "")
+        if path is not None and image:
+            # With the image the Job ran, as spec.warmup.image named it: what a pod's
+            # image is compared with, so a value of an earlier warmup image is never
+            # taken for the current one's.
+            out["imagePythonPath"] = {"image": image[:1000], "value": path}
+    dropped = sorted({name for _, bad in parsed for name in bad})
+    if dropped:
+        out["message"] = f"Ignored invalid fields of the warmer's summary: {', '.join(dropped)}"[:1000]
     return out
 
 
