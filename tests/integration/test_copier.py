@@ -2,7 +2,8 @@
 emulator behind its fidelity proxy, over HTTP as in a pod: it copies the union of the
 pools' manifests' entries and nothing else (every entry under the prefix when a manifest is
 missing or corrupt, and says so), checks each against GCS's MD5 and renames it into place,
-keeps what is already there, retries 503s, keeps to its byte budget, shares a directory
+keeps what is already there, removes from the destination every other name (JAX loads any
+`*-cache` there), retries 503s, keeps to its byte budget, shares a directory
 with another copier running at once, writes its summary file, and never fails the pod, not
 even with the bucket out of reach. Run as the init container runs it: `python -I -S
 copier.py`, settings in the environment, with the standard library only. Against a fault
@@ -760,8 +761,8 @@ def test_a_tampered_same_size_same_crc32c_entry_or_a_symlink_planted_in_the_dest
     (dest / base(p2)).write_bytes(objects[p2])  # whole: kept
     pool = manifest(storage_only, bucket, "h100", [p0, p1, p2])
     summary = run_copier(env_for(storage_bed, bucket, dest, manifests=pool))
-    assert (summary["wanted"], summary["present"], summary["copied"], summary["replaced"], summary["failed"]) == (
-        3, 1, 2, 2, 0), summary
+    assert (summary["wanted"], summary["present"], summary["copied"], summary["replaced"], summary["failed"],
+            summary["removedForeign"]) == (3, 1, 2, 2, 0, 0), summary  # replaced by the entry: not foreign
     for name in (p0, p1, p2):
         assert not (dest / base(name)).is_symlink() and (dest / base(name)).read_bytes() == objects[name]
     assert outside.read_bytes() == objects[p1] and not outside.is_symlink()
@@ -926,3 +927,73 @@ def test_manifests_set_but_naming_none_with_a_generation_copy_nothing(
         0, 2, 0, True)
     assert [r for r in proxy.log() if r["method"] == "GET"] == []  # neither listed nor read
     assert list((tmp_path / "empty").iterdir()) == list((tmp_path / "untrusted").iterdir()) == []
+
+
+def test_what_no_manifest_lists_is_removed_from_the_destination_and_the_entries_stay(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """JAX loads any `<key>-cache` in its directory by name: what a process with the copy
+    writable (or an Ephemeral claim cloned from another's volume) left there under a name no
+    manifest lists would be loaded for a program of that key. Such a file, a symlink, a
+    FIFO and a file of any other name are removed (unlinked, the link's target untouched),
+    and so is a file under a listed entry's name whose download failed; a directory is left
+    and said; the copier's own files (another download's partial file, the summary and its
+    lock, here in the destination) stay; the entries are copied and kept as before."""
+    bucket, objects = fill(storage_only)
+    p0, p1, p2, *_ = sorted(objects)
+    dest = tmp_path / "cache"
+    dest.mkdir()
+    (dest / base(p0)).write_bytes(objects[p0])  # a verified entry already there: kept
+    foreign, linked, fifo = entry("jit_x", "planted"), entry("jit_y", "linked"), entry("jit_f", "fifo")
+    (dest / foreign).write_bytes(b"#!evil: an executable JAX would load for jit_x's key")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"someone's file")
+    (dest / linked).symlink_to(outside)
+    os.mkfifo(dest / fifo)
+    (dest / "notes.txt").write_bytes(b"any other name")
+    (dest / base(p2)).write_bytes(b"planted under a listed name")  # its download is refused below
+    (dest / "sub").mkdir()
+    (dest / "sub" / "kept").write_bytes(b"x")
+    live = f"{copier.PARTIAL}1-live-0"
+    (dest / live).write_bytes(b"x")  # another copier's download in flight
+    summary_file = dest / "copy.json"
+    (dest / "copy.json.lock").write_bytes(b"")  # in process, the pod's lock is taken first
+    pool = manifest(storage_only, bucket, "h100", [p0, p1, p2])
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": f"/download/.*{base(p2)}", "status": 403, "times": 100}])
+    try:
+        summary = run_copier(env_for(storage_bed, bucket, dest, manifests=pool, summary=str(summary_file)))
+    finally:
+        proxy.clear_faults()
+    assert (summary["wanted"], summary["present"], summary["copied"], summary["failed"], summary["replaced"],
+            summary["removedForeign"], summary["foreignDirs"], summary["cold"]) == (
+        3, 1, 1, 1, 0, 5, 1, False), summary
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        [base(p0), base(p1), "sub", live, "copy.json", "copy.json.lock"])
+    # What JAX would read (`*-cache` directly in its directory): the listed entries, GCS's bytes.
+    for path in dest.glob("*-cache"):
+        assert not path.is_symlink() and path.read_bytes() == objects[f"jax/{path.name}"]
+    assert outside.read_bytes() == b"someone's file" and (dest / "sub" / "kept").exists()
+    assert json.loads(summary_file.read_text()) == summary
+    # Nothing foreign left: a copy again removes nothing more and keeps both entries.
+    again = run_copier(env_for(storage_bed, bucket, dest, manifests=pool, summary=str(summary_file)))
+    assert (again["present"], again["copied"], again["removedForeign"], again["foreignDirs"]) == (2, 1, 0, 1), again
+
+
+def test_a_copy_that_fails_before_its_plan_keeps_nothing_unverified(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """The listing refused: no entry could be verified, so nothing in the destination is
+    kept, not even a whole entry of an earlier copy (a cold start rather than a file JAX
+    would load unchecked)."""
+    bucket, objects = fill(storage_only)
+    p0 = sorted(objects)[0]
+    (tmp_path / base(p0)).write_bytes(objects[p0])
+    (tmp_path / entry("jit_x", "planted")).write_bytes(b"#!evil")
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": "^/storage/v1/b/[^/]+/o$", "status": 403, "times": 100}])
+    try:
+        summary = run_copier(env_for(storage_bed, bucket, tmp_path))
+    finally:
+        proxy.clear_faults()
+    assert (summary["cold"], summary["copied"], summary["removedForeign"]) == (True, 0, 2), summary
+    assert "HTTP 403" in summary["errors"][0]
+    assert list(tmp_path.iterdir()) == []

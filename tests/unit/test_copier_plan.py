@@ -3,7 +3,8 @@ only, with the manifest's size, MD5 and generation (or every entry, with the lis
 without them skipped), the entries already in the destination with that size and MD5 kept
 and counted first, then the smallest first within the byte budget; what a manifest must look
 like (version 2, every entry with its digests) and which manifests are trusted (those named
-with a generation). How long it
+with a generation); that every other name in the destination is removed, before any
+download, the copier's own files kept. How long it
 waits before a retry (full jitter, a 429's or 503's Retry-After, never past the deadline),
 and which CAs it trusts."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import email.message
 import json
+import os
 import random
 import ssl
 import time
@@ -337,3 +339,67 @@ def test_the_manifests_union_leaves_out_an_entry_two_of_them_record_differently(
     assert (summary["trusted"], summary["manifestsRefused"], summary["manifestsUntrusted"],
             summary["manifestsMissing"]) == (2, 1, 1, ["m/d.json#4"])
     assert "version-1" in summary["manifestError"] and "nothingTrusted" not in summary
+
+
+def test_the_sweep_removes_every_name_but_the_verified_and_the_copiers_own(tmp_path: Path) -> None:
+    """Unlinked, never followed: files, symlinks (a partial file's name included), FIFOs; a
+    file named as a partial but as an entry too (JAX would read it) is not the copier's. The
+    summary, its lock and temp files are kept only where the summary lives in the
+    destination. A directory is left: counted, and an error under a name JAX reads;
+    lost+found (a new filesystem's) is not counted."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"theirs")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    for name in (STEP, f"jit_x-{D}-cache", "notes", f"{copier.PARTIAL}1-abc-0", f"{copier.PARTIAL}x-{A}-cache",
+                 "copy.json", "copy.json.lock", ".copy.json.7-0a0b0c0d.tmp"):
+        (dest / name).write_bytes(b"x")
+    (dest / f"jit_y-{D}-cache").symlink_to(outside)
+    (dest / f"{copier.PARTIAL}2-abc-0").symlink_to(outside)
+    os.mkfifo(dest / f"jit_f-{D}-cache")
+    (dest / f"jit_d-{D}-cache").mkdir()
+    (dest / "lost+found").mkdir()
+    summary = copier.new_summary("prefix")
+    removed = copier.sweep(str(dest), {STEP}, str(dest / "copy.json"), summary)
+    assert removed == {f"jit_x-{D}-cache", "notes", f"{copier.PARTIAL}x-{A}-cache", f"jit_y-{D}-cache",
+                       f"{copier.PARTIAL}2-abc-0", f"jit_f-{D}-cache"}
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        [STEP, f"{copier.PARTIAL}1-abc-0", "copy.json", "copy.json.lock", ".copy.json.7-0a0b0c0d.tmp",
+         f"jit_d-{D}-cache", "lost+found"])
+    assert (summary["removedForeign"], summary["foreignDirs"]) == (6, 1) and outside.read_bytes() == b"theirs"
+    assert len(summary["errors"]) == 1 and f"jit_d-{D}-cache" in summary["errors"][0]
+    # The summary elsewhere: its names here are nobody's; directories not counted again.
+    again = copier.sweep(str(dest), {STEP}, str(tmp_path / "copy.json"), summary, note_dirs=False)
+    assert again == {"copy.json", "copy.json.lock", ".copy.json.7-0a0b0c0d.tmp"}
+    assert (summary["removedForeign"], summary["foreignDirs"], len(summary["errors"])) == (9, 1, 1)
+
+
+class Planted:
+    """A client that lists two entries and, at each download, records whether the foreign
+    file planted in the destination is still there, then writes the entry."""
+
+    def __init__(self, dest: Path, foreign: Path) -> None:
+        self.dest, self.foreign, self.deadline = dest, foreign, 0.0
+        self.foreign_at_download: list[bool] = []
+
+    def list(self, bucket: str, prefix: str) -> list[dict[str, str]]:
+        return LISTING[1:3]
+
+    def download(self, bucket: str, wanted: copier.Wanted, dest: str) -> tuple[int, bool]:
+        self.foreign_at_download.append(self.foreign.exists())
+        (self.dest / wanted.base).write_bytes(b"x" * wanted.entry.size)
+        return wanted.entry.size, False
+
+
+def test_foreign_names_are_removed_before_any_download(tmp_path: Path) -> None:
+    """Before, not only after: a copy stopped at its deadline (the init container's watchdog,
+    or in process left behind while the program goes on) leaves nothing foreign either."""
+    foreign = tmp_path / f"jit_x-{D}-cache"
+    foreign.write_bytes(b"#!evil")
+    client = Planted(tmp_path, foreign)
+    settings = Settings(bucket="b", prefix="jax/", dest=str(tmp_path), manifests=(), max_bytes=10**9, workers=1,
+                        deadline_seconds=60, endpoint="http://unused")
+    summary = copier.run(settings, client)  # type: ignore[arg-type]
+    assert (summary["copied"], summary["removedForeign"], summary["errors"]) == (2, 1, []), summary
+    assert client.foreign_at_download == [False, False]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [EVAL, INIT]

@@ -56,7 +56,12 @@ pod's token from the metadata server (GKE Workload Identity).
   again, counted `present`: only a regular file, opened without following links, whose
   size and MD5 are the entry's; anything else under an entry's name, a symlink included,
   is replaced, counted `replaced`), then the smallest first (the most entries for the
-  budget); the rest are left out and counted.
+  budget); the rest are left out and counted. Then, before any download, every other name
+  in the destination is removed (`removedForeign`; sweep() says why and what is kept: the
+  copier's own partial and summary files), so that JAX, which loads any `<key>-cache` there
+  by name, finds only verified entries; a directory is left and said (`foreignDirs`). Once
+  more after the downloads (a failed one's name) or after a copy that failed before its
+  plan (nothing verified: nothing kept).
 - How: `workers` downloads at once; each into a hidden partial file whose name is unique
   to the copier process and the download (pid, a random token, a counter, created with
   O_EXCL and O_NOFOLLOW, mode 0644), so several copiers could fill one directory at once;
@@ -112,7 +117,9 @@ Summary (one line `{"cachewarm-copier": {...}}` on stdout, in process (child or 
 stderr, and in CACHEWARM_COPY_SUMMARY):
   source "manifest" | "prefix"; wanted (entries planned: copied + present + failed);
   copied, bytes (downloaded); present, presentBytes (already there, verified, kept);
-  replaced (of the copied, those that replaced a file or link of that name); failed;
+  replaced (of the copied, those that replaced a file or link of that name); removedForeign
+  (names removed from the destination that are not a verified entry, those replaced aside);
+  foreignDirs (directories left there, when any); failed;
   leftOut {notAnEntry, notInManifest, notInBucket, overBudget, unverifiable}; in manifest
   mode trusted (manifests read at their generation and accepted), manifestsUntrusted
   (items without a generation, not read), manifestsRefused (read but refused: version 1,
@@ -141,7 +148,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 if TYPE_CHECKING:
     import ssl
     import urllib.error
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Collection, Iterable, Mapping
     from typing import TextIO
 
 ENTRY = re.compile(r"^[^/]+-(?P<hash>[0-9a-f]{64})-cache$")
@@ -188,6 +195,7 @@ class Settings(NamedTuple):
     ca_bundle: str = ""  # REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE; '': the default CAs
     pinned: bool = False  # CACHEWARM_COPY_MANIFESTS set: only `manifests` are trusted; else the prefix
     untrusted: int = 0  # its items without a generation (not read)
+    summary_path: str = ""  # CACHEWARM_COPY_SUMMARY: kept by the sweep where it is in `dest`
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -204,6 +212,7 @@ class Settings(NamedTuple):
             endpoint=(env.get("STORAGE_EMULATOR_HOST") or GCS).rstrip("/"),
             # requests' order; an empty one is unset, as there.
             ca_bundle=env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or "",
+            summary_path=env.get(ENV_COPY_SUMMARY, ""),
         )
 
 
@@ -754,9 +763,80 @@ def verified_present(dest: str, wanted: Iterable[Wanted], workers: int) -> dict[
     return {w.base: (w.entry.size, md5) for w, md5 in zip(candidates, digests) if md5 == w.entry.md5}
 
 
+def _copiers_own(name: str, summary_name: str) -> bool:
+    """Whether `name` in the destination is a file the copier itself uses there: a partial
+    download (this copier's or another's in flight; stale ones local_entries removes) or,
+    where the summary lives in the destination (`summary_name`, else ''), the summary, its
+    lock and write_summary's temp files. Never a name JAX reads (`*-cache`). Pure."""
+    if name.endswith("-cache"):
+        return False
+    if name.startswith(PARTIAL):
+        return True
+    return bool(summary_name) and (name in (summary_name, f"{summary_name}.lock")
+                                   or (name.startswith(f".{summary_name}.") and name.endswith(".tmp")))
+
+
+def sweep(dest: str, keep: Collection[str], summary_path: str, summary: dict[str, Any],
+          note_dirs: bool = True) -> set[str]:
+    """Remove from `dest` every name that is not in `keep` (the verified entries) nor the
+    copier's own (_copiers_own): regular files, symlinks, FIFOs, sockets, devices, each
+    unlinked, never followed. A directory is left (emptying one another user may have
+    filled is no copier's job; JAX reads none) and, with `note_dirs`, counted `foreignDirs`;
+    one under a name JAX would read (`*-cache`) is an error too. Counts the removed in `removedForeign` and
+    returns their names (some are replaced by a download later: run() counts those over).
+
+    Why (issue 28): JAX reads `<key>-cache` directly in its directory, by name, for any
+    program whose key it computes, so a file there that no manifest lists (planted through
+    an Ephemeral claim cloned from another's volume, or left by an earlier process of the
+    pod, which has the copy writable in process) would be loaded as an entry. Nothing of
+    the pod's own is lost: the destination is the pod's own volume (an emptyDir or a claim
+    per pod, never shared with another pod), JAX has it read-only (a local copy is ReadOnly
+    only) and only the copier writes it; the reporter's and the summary's files live in
+    another volume."""
+    import stat  # noqa: PLC0415
+
+    removed: set[str] = set()
+    same = bool(summary_path) and os.path.realpath(os.path.dirname(os.path.abspath(summary_path))) == \
+        os.path.realpath(dest)
+    summary_name = os.path.basename(summary_path) if same else ""
+    try:
+        with os.scandir(dest) as listing:
+            found = list(listing)
+    except FileNotFoundError:
+        return removed  # never made (the copy failed before): nothing JAX could read
+    for item in found:
+        if item.name in keep:
+            continue
+        try:
+            info = os.lstat(item.path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            add_error(summary, f"{item.name}: not removed: {exc}")
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            if note_dirs and item.name != "lost+found":  # mkfs makes it at a new claim's root
+                summary["foreignDirs"] = summary.get("foreignDirs", 0) + 1
+                if item.name.endswith("-cache"):
+                    add_error(summary, f"{item.name}: a directory under a name JAX reads, left there")
+            continue
+        if stat.S_ISREG(info.st_mode) and _copiers_own(item.name, summary_name):
+            continue
+        try:
+            os.unlink(item.path)  # a link itself, never its target
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            add_error(summary, f"{item.name}: not an entry of the copy, and not removed: {exc}")
+            continue
+        removed.add(item.name)
+    summary["removedForeign"] += len(removed)
+    return removed
+
+
 def new_summary(source: str) -> dict[str, Any]:
     return {"source": source, "wanted": 0, "copied": 0, "bytes": 0, "present": 0, "presentBytes": 0, "replaced": 0,
-            "failed": 0,
+            "removedForeign": 0, "failed": 0,
             "leftOut": {"notAnEntry": 0, "notInManifest": 0, "notInBucket": 0, "overBudget": 0, "unverifiable": 0},
             "errors": [], "cold": False, "seconds": 0.0}
 
@@ -822,6 +902,8 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
     summary = new_summary("prefix") if summary is None else summary
     summary["source"] = "manifest" if settings.pinned else "prefix"
     listed = False
+    kept: set[str] = set()  # the verified entries in the destination: present, then copied too
+    displaced: set[str] | None = None  # what the first sweep removed
     try:
         os.makedirs(settings.dest, mode=0o755, exist_ok=True)
         dest_note(settings.dest, summary)
@@ -840,6 +922,11 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
         summary["leftOut"] = picked.left
         summary["wanted"] = len(picked.download) + len(picked.present)
         summary["present"], summary["presentBytes"] = len(picked.present), picked.present_bytes
+        kept.update(w.base for w in picked.present)
+        # Before any download, so that a copy stopped at its deadline leaves nothing foreign
+        # either; an entry to download whose name held something else is counted `replaced`
+        # once copied, not `removedForeign`.
+        displaced = removed = sweep(settings.dest, kept, settings.summary_path, summary)
         deadline = started + settings.deadline_seconds
         lock = threading.Lock()
 
@@ -848,8 +935,12 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
                 raise CopyError("deadline passed before it started")
             size, replaced = client.download(settings.bucket, wanted, settings.dest)
             with lock:
+                kept.add(wanted.base)
                 summary["copied"] += 1
                 summary["bytes"] += size
+                if wanted.base in removed:
+                    replaced = True
+                    summary["removedForeign"] -= 1
                 summary["replaced"] += int(replaced)
 
         with concurrent.futures.ThreadPoolExecutor(settings.workers) as pool:
@@ -860,6 +951,10 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
                     add_error(summary, str(error))
     except Exception as exc:  # noqa: BLE001 - the pod starts anyway, cold
         add_error(summary, f"{type(exc).__name__}: {exc}")
+    try:  # again: what a failed download left under an entry's name, or a copy that failed before its plan
+        sweep(settings.dest, kept, settings.summary_path, summary, note_dirs=displaced is None)
+    except Exception as exc:  # noqa: BLE001 - said; the pod starts anyway
+        add_error(summary, f"removing what is not an entry: {type(exc).__name__}: {exc}")
     summary["cold"] = not listed or (summary["copied"] + summary["present"] == 0
                                      and bool(summary["errors"] or summary["failed"]))
     summary["seconds"] = round(time.monotonic() - started, 3)
