@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from reportdata import REVIEW
 
 from cachewarm.reconcile.keysmatch import keys_match
-from cachewarm.reports.store import MAX_BODY_BYTES, ReportError, Store, check_identity, parse
+from cachewarm.reports import store as store_module
+from cachewarm.reports.store import (MAX_BODY_BYTES, MAX_PROCESSES_PER_POD, POD_REPORT_BURST, ReportError, Store,
+                                     check_identity, parse)
 
 NOW = dt.datetime(2026, 11, 23, 12, tzinfo=dt.timezone.utc)
 
@@ -234,3 +236,84 @@ def test_any_fingerprint_is_refused_with_a_400_or_compared_without_raising(finge
                "fingerprint": {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "devices": 8}}]
     matched, reason, message = keys_match(warmed, store.fingerprints("ml", "llama", NOW))
     assert matched in (True, False, None) and reason and message
+
+
+def _many(store: Store, pod: str, processes: range, at: dt.datetime, **changes: Any) -> list[int]:
+    """Reports of processes (pids) `processes` of pod `pod` (uid u-<pod>) at `at`: each one's
+    answer, 202 taken or the ReportError's status."""
+    codes = []
+    for pid in processes:
+        try:
+            store.record(parse(raw(report(pod__name=pod, pod__uid=f"u-{pod}", process__pid=pid, **changes))), at)
+            codes.append(202)
+        except ReportError as refused:
+            codes.append(refused.status)
+    return codes
+
+
+def test_a_pod_keeps_at_most_64_processes_and_a_new_one_past_them_is_429() -> None:
+    """The processes a pod says it has are its to choose (pid, started): the limit is on
+    the pod (uid). Its reports come a minute apart here, so only the process cap refuses."""
+    store = Store(dt.timedelta(hours=1))
+    for minute in range(MAX_PROCESSES_PER_POD):
+        assert _many(store, "p", range(minute, minute + 1), NOW + dt.timedelta(minutes=minute)) == [202]
+    later = NOW + dt.timedelta(minutes=MAX_PROCESSES_PER_POD)
+    assert _many(store, "p", range(1000, 1001), later) == [429]
+    assert _many(store, "p", range(0, 1), later, sequence=2) == [202]  # one it has still reports
+    assert _many(store, "q", range(1000, 1001), later) == [202]  # another pod is not held
+    # Once its old processes' reports are out of the window, new ones are taken again.
+    store.prune(NOW + dt.timedelta(minutes=MAX_PROCESSES_PER_POD + 59, seconds=30))
+    assert _many(store, "p", range(1000, 1001), NOW + dt.timedelta(minutes=MAX_PROCESSES_PER_POD + 60)) == [202]
+
+
+def test_a_pods_reports_at_once_are_bounded_whatever_processes_it_names() -> None:
+    store = Store()
+    assert _many(store, "p", range(POD_REPORT_BURST), NOW) == [202] * POD_REPORT_BURST
+    # Six seconds later its processes may each report again (5 s apart), the pod 6.4 more.
+    assert _many(store, "p", range(8), NOW + dt.timedelta(seconds=6), sequence=2) == [202] * 6 + [429] * 2
+    assert _many(store, "q", range(1), NOW + dt.timedelta(seconds=6)) == [202]  # another pod's own allowance
+
+
+def test_one_pod_naming_2000_processes_in_a_second_neither_evicts_another_nor_inflates_the_counts() -> None:
+    """The reviewer's attack: 2000 "processes" of one pod in a second, each with a billion
+    hits, against one report of a victim pod."""
+    store = Store(dt.timedelta(hours=1))
+    store.record(parse(raw(report(pod__name="victim", pod__uid="u-victim"))), NOW)
+    big = {"counts__requests": 10**9, "counts__hits": 10**9}
+    codes = _many(store, "attacker", range(2000), NOW + dt.timedelta(seconds=1), **big)
+    assert codes.count(202) == MAX_PROCESSES_PER_POD and set(codes) == {202, 429}
+    usage = store.usage("ml", "llama", NOW + dt.timedelta(seconds=1))
+    assert usage is not None
+    assert usage["hits"] == 3 + MAX_PROCESSES_PER_POD * 10**9  # at most what 64 processes of one pod report
+    assert (usage["pods"], usage["processes"]) == (2, 1 + MAX_PROCESSES_PER_POD)
+    assert "victim" in {pod for pod, _ in store.fingerprints("ml", "llama", NOW + dt.timedelta(seconds=1))}
+
+
+def test_when_a_cache_is_full_the_process_forgotten_is_of_the_pod_that_keeps_the_most(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "MAX_PROCESSES_PER_CACHE", 4)
+    store = Store(dt.timedelta(hours=1))
+    store.record(parse(raw(report(pod__name="victim", pod__uid="u-victim"))), NOW)  # the oldest of all
+    for second in range(1, 11):
+        assert _many(store, "attacker", range(second, second + 1), NOW + dt.timedelta(seconds=second)) == [202]
+    usage = store.usage("ml", "llama", NOW + dt.timedelta(seconds=10))
+    assert usage is not None and (usage["processes"], usage["pods"]) == (4, 2)
+    assert "victim" in {pod for pod, _ in store.fingerprints("ml", "llama", NOW + dt.timedelta(seconds=10))}
+
+
+def test_counts_that_go_down_and_up_again_add_nothing_twice() -> None:
+    store = Store()
+    added = []
+    for n, hits in enumerate((10**9 - 5, 0, 10**9 - 5, 10**9), start=1):
+        changed = report(sequence=n, counts__requests=10**9, counts__hits=hits, counts__compileSecondsSaved=0.0)
+        added.append(store.record(parse(raw(changed)), NOW + dt.timedelta(minutes=n))["hits"])
+    assert added == [10**9 - 5, 0, 0, 5]
+
+
+def test_a_process_final_report_is_taken_once_past_the_pods_allowance() -> None:
+    store = Store()
+    assert _many(store, "p", range(POD_REPORT_BURST), NOW) == [202] * POD_REPORT_BURST
+    at = NOW + dt.timedelta(seconds=1)
+    assert _many(store, "p", range(1), at, sequence=2) == [429]  # the allowance is spent
+    assert _many(store, "p", range(1), at, sequence=2, final=True) == [202]  # its exit report, once
+    assert _many(store, "p", range(1), at, sequence=3, final=True) == [429]

@@ -6,7 +6,12 @@ is the pod the report names; what is checked here is the report itself. Kept in 
 the replica that leads (the others forward reports to it, receiver.Forwarder, so one replica holds every cache's
 view); a new leader starts empty and fills up as pods report again (every minute).
 Counts in a report are the process's totals so far: the latest report of each process
-replaces its previous one, so a lost or repeated report never counts twice. A pod with a
+replaces its previous one, so a lost or repeated report never counts twice, and a process
+adds to a cache's counters at most the most it ever reported (counts that go down and up
+again add nothing twice). What one pod can weigh is bounded by its uid, not by what it
+says of its processes: MAX_PROCESSES_PER_POD processes in the window, POD_REPORT_BURST
+reports at once and POD_REPORTS_PER_MINUTE after, and when a cache holds
+MAX_PROCESSES_PER_CACHE the process forgotten is one of the pod that holds the most. A pod with a
 local copy of the cache says what the copy did in every report of every process
 (`localCopy`); usage counts it once per pod, and the leader says, once per pod, when a
 copy failed and the pod started cold (a LocalCopyCold Event).
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import dataclasses
 import datetime as dt
 import json
@@ -30,7 +36,14 @@ from cachewarm.api import timefmt
 MAX_BODY_BYTES = 16 * 1024
 AUDIENCE = "cachewarm"
 MIN_SECONDS_BETWEEN = 5.0  # per process: the reporter sends every minute, and once at exit
-MAX_PROCESSES_PER_CACHE = 2000  # the oldest are forgotten first
+# Per pod (its uid, which the apiserver vouched for; pid and start time are the reporter's
+# to choose): processes kept in the window (a report of a new one past this is 429), and
+# reports taken at once and per minute (a token bucket; the reporter sends one a minute per
+# process).
+MAX_PROCESSES_PER_POD = 64
+POD_REPORT_BURST = 64
+POD_REPORTS_PER_MINUTE = 64.0
+MAX_PROCESSES_PER_CACHE = 2000  # past it, the oldest process of the pod that keeps the most is forgotten
 LAST_MISSES = 10  # per cache, in status
 RECENT_HITS = 50  # entries hit within the window, newest first, in status (cachewarm inspect names their pods)
 HIT_PODS = 5  # pod names kept per entry hit (podCount counts them all)
@@ -249,6 +262,42 @@ class LabelledPods:
 class _Latest:
     report: Report
     at: dt.datetime
+    peak: tuple[int, int, float]  # the most hits, misses, seconds saved it reported (what it added)
+
+
+_ProcessKey = tuple[str, int, int]  # pod uid, pid, started
+
+
+@dataclasses.dataclass
+class _Pod:
+    """One pod (uid): its processes' last accepted reports in the window, and what it may
+    still send at once (a token bucket: POD_REPORT_BURST, refilled POD_REPORTS_PER_MINUTE)."""
+
+    processes: dict[_ProcessKey, dt.datetime]
+    allowance: float
+    at: dt.datetime
+
+    def admit(self, proc: _ProcessKey, report: Report, before: _Latest | None, now: dt.datetime) -> None:
+        """Take a report of `proc` at `now` or raise ReportError (429): a new process past
+        MAX_PROCESSES_PER_POD; the process's previous report less than MIN_SECONDS_BETWEEN
+        ago; the pod's allowance spent. A process's one final report, at exit, is taken
+        within the last two (bounded: one per process)."""
+        last = self.processes.get(proc)
+        if last is None and len(self.processes) >= MAX_PROCESSES_PER_POD:
+            raise ReportError(f"this pod has {len(self.processes)} processes reporting; at most "
+                              f"{MAX_PROCESSES_PER_POD} are taken at once (a new one once an old one's reports are "
+                              "out of the window)", 429)
+        one_final = report.final and not (before is not None and before.report.final)
+        if last is not None and (now - last).total_seconds() < MIN_SECONDS_BETWEEN and not one_final:
+            raise ReportError(f"this process reported {int((now - last).total_seconds())}s ago; at most one "
+                              f"report every {int(MIN_SECONDS_BETWEEN)}s", 429)
+        allowance = min(float(POD_REPORT_BURST),
+                        self.allowance + max((now - self.at).total_seconds(), 0.0) * POD_REPORTS_PER_MINUTE / 60)
+        if allowance < 1 and not one_final:
+            raise ReportError(f"this pod sent more than {POD_REPORT_BURST} reports at once or "
+                              f"{int(POD_REPORTS_PER_MINUTE)} a minute", 429)
+        self.allowance, self.at = max(allowance - 1, 0.0), now
+        self.processes[proc] = now
 
 
 class Store:
@@ -257,44 +306,51 @@ class Store:
     def __init__(self, window: dt.timedelta = dt.timedelta(hours=1)) -> None:
         self.window = window
         self._lock = threading.Lock()
-        self._by_cache: dict[tuple[str, str], dict[tuple[str, int, int], _Latest]] = {}
-        self._last_seen: dict[tuple[str, int, int], dt.datetime] = {}  # process -> its last accepted report
+        self._by_cache: dict[tuple[str, str], dict[_ProcessKey, _Latest]] = {}
+        self._pods: dict[str, _Pod] = {}  # pod uid -> its processes and report allowance
         # Per cache, the pods (uid) whose cold local copy was said (LocalCopyCold), oldest first.
         self._cold_said: dict[tuple[str, str], dict[str, None]] = {}
 
     def record(self, report: Report, now: dt.datetime) -> dict[str, float]:
         """Keep `report`; returns how much it adds to the cache's totals (hits, misses,
-        seconds saved; increases only), from the process's previous report. A process not
-        seen before counts in full only with its first report: a later one (after a leader
-        change, or once it was forgotten) was counted, up to some point, before, so it only
-        sets the baseline. Raises ReportError (429) when the process reported less than
-        MIN_SECONDS_BETWEEN ago (its one final report, at exit, is always taken)."""
+        seconds saved; increases only), above the most the process reported before. A
+        process not seen before counts in full only with its first report: a later one
+        (after a leader change, or once it was forgotten) was counted, up to some point,
+        before, so it only sets the baseline. Raises ReportError (429) past the pod's and
+        the process's limits (_Pod.admit)."""
         key = (report.pod.namespace, report.cache)
         proc = (report.pod.uid, report.process.pid, report.process.started)
         none = {"hits": 0.0, "misses": 0.0, "saved": 0.0}
         with self._lock:
-            last = self._last_seen.get(proc)
             processes = self._by_cache.setdefault(key, {})
             before = processes.get(proc)
-            final_again = report.final and before is not None and before.report.final
-            if last is not None and (now - last).total_seconds() < MIN_SECONDS_BETWEEN and \
-                    (not report.final or final_again):
-                raise ReportError(f"this process reported {int((now - last).total_seconds())}s ago; at most one "
-                                  f"report every {int(MIN_SECONDS_BETWEEN)}s", 429)
-            self._last_seen[proc] = now
+            pod = self._pods.get(report.pod.uid) or _Pod({}, float(POD_REPORT_BURST), now)
+            pod.admit(proc, report, before, now)
+            self._pods[report.pod.uid] = pod
             if before is not None and before.report.sequence >= report.sequence:
                 return none  # older than what is kept
-            processes[proc] = _Latest(report, now)
-            if len(processes) > MAX_PROCESSES_PER_CACHE:
-                oldest = min(processes, key=lambda p: processes[p].at)
-                processes.pop(oldest)
+            new = (report.counts.hits, report.counts.misses, report.counts.compile_seconds_saved)
             if before is None and report.sequence > 1:
+                processes[proc] = _Latest(report, now, new)
+                self._bound(processes)
                 return none
-            old = before.report.counts if before is not None else None
-            new = report.counts
-            return {"hits": float(max(new.hits - (old.hits if old else 0), 0)),
-                    "misses": float(max(new.misses - (old.misses if old else 0), 0)),
-                    "saved": max(new.compile_seconds_saved - (old.compile_seconds_saved if old else 0.0), 0.0)}
+            peak = before.peak if before is not None else (0, 0, 0.0)
+            processes[proc] = _Latest(report, now, (max(peak[0], new[0]), max(peak[1], new[1]),
+                                                    max(peak[2], new[2])))
+            self._bound(processes)
+            return {"hits": float(max(new[0] - peak[0], 0)), "misses": float(max(new[1] - peak[1], 0)),
+                    "saved": max(new[2] - peak[2], 0.0)}
+
+    @staticmethod
+    def _bound(processes: dict[_ProcessKey, _Latest]) -> None:
+        """At most MAX_PROCESSES_PER_CACHE processes: past it, the oldest of the pod that
+        keeps the most is forgotten (one pod's many processes never push out another's)."""
+        if len(processes) <= MAX_PROCESSES_PER_CACHE:
+            return
+        per_pod = collections.Counter(uid for uid, _, _ in processes)
+        most = max(per_pod.values())
+        oldest = min((p for p in processes if per_pod[p[0]] == most), key=lambda p: processes[p].at)
+        processes.pop(oldest)
 
     def prune(self, now: dt.datetime, caches: set[tuple[str, str]] | None = None) -> None:
         """Forget processes that last reported before the window, and caches not in
@@ -306,7 +362,11 @@ class Store:
                     self._by_cache[key] = kept
                 else:
                     del self._by_cache[key]
-            self._last_seen = {p: at for p, at in self._last_seen.items() if now - at <= self.window}
+            for uid in list(self._pods):
+                pod = self._pods[uid]
+                pod.processes = {p: at for p, at in pod.processes.items() if now - at <= self.window}
+                if not pod.processes:
+                    del self._pods[uid]  # nothing of it in the window: as a pod never seen
             if caches is not None:
                 self._cold_said = {key: said for key, said in self._cold_said.items() if key in caches}
 
