@@ -1,13 +1,11 @@
 """What runtime/handlers.py hands the webhook and the controller from the watches: the
 index entry carries only what status says the operator verified (each pool's manifest
-generation, the ConfigMaps it checked), and a change of one of our ConfigMaps queues its
-cache for a reconcile. The e2e tests (test_configmap_trust.py, test_warmup.py) drive both
-through a real apiserver and kopf."""
+generation, the ConfigMaps it checked). ConfigMaps are not watched (a flood of labelled ones
+would be listed at start): the operator checks its own at every reconcile. The e2e tests
+(test_configmap_trust.py, test_warmup.py) drive this through a real apiserver and kopf."""
 
 from __future__ import annotations
 
-import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,38 +39,3 @@ def test_no_verified_configmap_is_none_in_the_index(status: dict[str, Any]) -> N
     got = entry(status)
     assert (got["env_configmap"], got["boot_configmap"], got["manifests"]) == (None, None, {})
 
-
-class Controller:
-    def __init__(self, caches: set[tuple[str, str]]) -> None:
-        self.caches = caches
-        self.queued: list[tuple[str, str]] = []
-
-    def has_cache(self, namespace: str, name: str) -> bool:
-        return (namespace, name) in self.caches
-
-    def enqueue(self, key: tuple[str, str]) -> None:
-        self.queued.append(key)
-
-
-def configmap(owner: str | None, label: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": "cachewarm-llama-boot-0123456789", "namespace": "ml",
-                            "labels": {"app.kubernetes.io/managed-by": "cachewarm"}}
-    if owner is not None:
-        meta["ownerReferences"] = [{"kind": "CompilationCache", "name": owner, "uid": "u", "controller": True}]
-    if label is not None:
-        meta["labels"]["cachewarm.dev/env-for"] = label
-    return {"metadata": meta}
-
-
-@pytest.mark.parametrize(("body", "queued"), [
-    (configmap("llama"), [("ml", "llama")]),
-    (configmap(None, label="llama"), [("ml", "llama")]),  # its owner reference removed: the label names it
-    (configmap("gone"), []),  # no such cache: nothing to reconcile
-    (configmap(None), []),
-])
-def test_a_change_of_our_configmap_queues_its_cache(body: dict[str, Any], queued: list[tuple[str, str]]) -> None:
-    controller = Controller({("ml", "llama")})
-    for event in ("ADDED", "MODIFIED", "DELETED"):
-        asyncio.run(handlers.on_configmap_event(body, SimpleNamespace(controller=controller),  # type: ignore[arg-type]
-                                                type=event))
-    assert controller.queued == queued * 3

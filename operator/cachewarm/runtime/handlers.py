@@ -80,20 +80,6 @@ def _name(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-async def on_configmap_event(body: kopf.Body, memo: Any, **kwargs: Any) -> None:
-    """Every ConfigMap labelled managed-by=cachewarm (the apiserver sends no other): its
-    cache is reconciled again, so that one deleted, or recreated by someone with other
-    content, leaves status.injection.configMaps (and the webhook's index) at once, not at
-    the next resync."""
-    meta = body.get("metadata") or {}
-    owner = next((r for r in meta.get("ownerReferences") or []
-                  if r.get("controller") and r.get("kind") == c.KIND), None)
-    cache = str((owner or {}).get("name") or (meta.get("labels") or {}).get(c.ENV_FOR_LABEL) or "")
-    namespace = str(meta.get("namespace") or "")
-    if cache and memo.controller.has_cache(namespace, cache):
-        memo.controller.enqueue((namespace, cache))
-
-
 async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun: bool,
                  caches: kopf.Index[Any, Any], memo: Any, **_: Any) -> None:
     """The mutating webhook: the cache's env (and wait-for-warm gate) into a labelled pod."""
@@ -142,8 +128,6 @@ def register(registry: kopf.OperatorRegistry, *, webhook: bool) -> None:
     kopf.on.event(*RESOURCE, id="observe", registry=registry)(on_cache_event)
     kopf.on.event("", "v1", "pods", id="labelled-pods", labels={c.CACHE_LABEL: kopf.PRESENT},
                   registry=registry)(on_pod_event)  # type: ignore[arg-type]  # `caches`: an index kwarg
-    kopf.on.event("", "v1", "configmaps", id="our-configmaps", labels={c.MANAGED_BY_LABEL: c.MANAGED_BY},
-                  registry=registry)(on_configmap_event)
     kopf.index(*RESOURCE, id="caches", registry=registry)(index_caches)
     if webhook:
         kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operation="CREATE",
@@ -159,5 +143,6 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     # Pods are watched only for the release of held ones and the injection count: the
     # apiserver sends labelled pods only, never every pod of the cluster.
     settings.watching.label_selectors["", "pods"] = c.CACHE_LABEL
-    # ConfigMaps are watched only for the re-check of the cache's own: only those labelled ours.
-    settings.watching.label_selectors["", "configmaps"] = f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY}"
+    # ConfigMaps are not watched: a watch (even by label) lists every labelled one at start,
+    # which anyone with ConfigMap write can make in any number. The cache's own are checked
+    # by name at every reconcile (resync) instead.
