@@ -331,6 +331,11 @@ class Testbed:
                 f"--controllers={','.join(CONTROLLERS + (REAL_NODE_CONTROLLERS if self.real_node else ()))}",
                 "--leader-elect=false",
                 "--secure-port=0",
+                # Each controller as its own ServiceAccount in kube-system (kubeadm and GKE
+                # do the same): manifests/policy/ lets only the Job controller
+                # (system:serviceaccount:kube-system:job-controller) make pods that name a
+                # Job as their controller. The admin kubeconfig above only makes their tokens.
+                "--use-service-account-credentials=true",
                 f"--root-ca-file={self.ca_file}",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 "--concurrent-job-syncs=5",

@@ -11,11 +11,19 @@ What the webhook put into a pod is read from the pod as the apiserver admitted i
 runs it: the boot ConfigMap's code would run in its python, which the unit and real-node
 tests of the local copy show). After status changes, the webhook's index follows the
 cache's watch event: server-side dry runs are polled until it has, then a real pod is
-created."""
+created.
+
+Two layers: manifests/policy/reserved_configmaps.yaml (installed with manifests/) has the
+apiserver refuse anyone but the operator a ConfigMap of those names (first test); the
+operator's own check of each one's content is the second, for a cluster without the policy
+(second test, with the policy's binding taken away for its duration). The operator watches
+no ConfigMap: a deleted or replaced one is found at its next reconcile (the e2e resync is
+3 s, 300 s by default)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,9 @@ from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 pytestmark = pytest.mark.e2e
 
 CACHE = "trust"
+REPO = Path(__file__).resolve().parents[2]
+POLICY = REPO / "manifests" / "policy" / "reserved_configmaps.yaml"
+REFUSED = "is reserved for cachewarm's verified code"
 
 
 def cache_body(bucket: str) -> dict[str, Any]:
@@ -84,7 +95,7 @@ def forged(name: str, ns: str, role: str, owner_uid: str = "") -> dict[str, Any]
 def plant(bed: Testbed, ns: str, kubeconfig: Path, name: str, role: str, owner_uid: str = "") -> str:
     """The tenant makes its ConfigMap of `name`, deleting ours first and creating theirs
     right after through one client (kubectl's process start is slower than the operator's
-    watch, which makes ours again in between), again until theirs lands, as an attacker
+    resync, which makes ours again in between), again until theirs lands, as an attacker
     would. Returns its uid."""
     api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
 
@@ -137,9 +148,78 @@ def injection_ready(bed: Testbed, ns: str) -> dict[str, Any]:
     return next((c for c in status(bed, ns).get("conditions") or [] if c["type"] == "InjectionReady"), {})
 
 
+def policy_refuses(bed: Testbed, ns: str) -> bool:
+    """Whether the apiserver now refuses a ConfigMap of a reserved name (a server-side dry
+    run as the testbed's admin, which the policy refuses too). A binding's change reaches
+    the apiserver's admission a moment after it is stored."""
+    made = bed.kubectl_run("create", "configmap", "cachewarm-probe-boot-0123456789", "-n", ns, "--dry-run=server")
+    return made.returncode != 0 and REFUSED in made.stderr
+
+
+@pytest.fixture
+def without_configmap_policy(installed: Testbed, namespace: str) -> Iterator[None]:
+    """The reserved-names policy's binding taken away, as on a cluster where the policy was
+    not installed; put back (and seen in force) afterwards for the tests that follow."""
+    bed = installed
+    eventually(lambda: policy_refuses(bed, namespace), timeout=30, what="the policy in force before")
+    gone = bed.kubectl_run("delete", "validatingadmissionpolicybinding", "cachewarm-reserved-configmaps")
+    assert gone.returncode == 0, gone.stderr
+    try:
+        eventually(lambda: not policy_refuses(bed, namespace), timeout=30, what="the policy no longer in force")
+        yield
+    finally:
+        back = bed.kubectl_run("apply", "-f", str(POLICY))
+        assert back.returncode == 0, back.stderr
+        eventually(lambda: policy_refuses(bed, namespace), timeout=30, what="the policy in force again")
+
+
+def refused(call: Any) -> str:
+    """The apiserver's message for `call`, which must be refused as Forbidden (403)."""
+    with pytest.raises(ApiException) as caught:
+        call()
+    assert caught.value.status == 403, caught.value
+    return str(caught.value.body)
+
+
+def test_the_apiserver_refuses_a_tenants_configmap_of_our_names(
+    operator: OperatorHandle, installed: Testbed, namespace: str, tmp_path: Path,
+) -> None:
+    """The first layer: with manifests/ installed, the tenant can neither make a ConfigMap of
+    our names before the cache nor after deleting ours (as like ours as it can be), nor
+    change ours; it may delete ours, which the operator makes again at its next reconcile,
+    so pods start cold for a while, never with the tenant's code."""
+    bed, ns = installed, namespace
+    body = cache_body(f"trust-{namespace}")
+    env_name, boot_name = our_names(bed, ns, body)
+    api = client.CoreV1Api(config.new_client_from_config(str(tenant(bed, ns, tmp_path))))
+    eventually(lambda: policy_refuses(bed, ns), timeout=30, what="the policy in force")
+    for name, role in ((env_name, "env"), (boot_name, "boot")):
+        said = refused(lambda: api.create_namespaced_config_map(ns, client.V1ConfigMap.model_validate(
+            forged(name, ns, role))))
+        assert REFUSED in said and name in said, said
+    assert bed.get_json("configmap", env_name, ns) is None and bed.get_json("configmap", boot_name, ns) is None
+    bed.apply(body, ns)
+    eventually(lambda: (status(bed, ns).get("injection") or {}).get("configMaps") == {"env": env_name, "boot": boot_name},
+               timeout=60, what="both ConfigMaps made and verified")
+    ours = (bed.get_json("configmap", boot_name, ns) or {})["metadata"]["uid"]
+    said = refused(lambda: api.patch_namespaced_config_map(boot_name, ns, {"metadata": {"labels": {"x": "y"}}}))
+    assert REFUSED in said, said
+    api.delete_namespaced_config_map(boot_name, ns)
+    cache_uid = str((bed.get_json("ccache", CACHE, ns) or {})["metadata"]["uid"])
+    said = refused(lambda: api.create_namespaced_config_map(ns, client.V1ConfigMap.model_validate(
+        forged(boot_name, ns, "boot", cache_uid))))
+    assert REFUSED in said, said
+    again = eventually(lambda: bed.get_json("configmap", boot_name, ns), timeout=60, what="ours made again")
+    assert again["metadata"]["uid"] != ours and again["data"] != forged(boot_name, ns, "boot")["data"]
+    eventually(lambda: (status(bed, ns).get("injection") or {}).get("configMaps") == {"env": env_name, "boot": boot_name},
+               timeout=60, what="both verified again")
+
+
+@pytest.mark.usefixtures("without_configmap_policy")
 def test_only_configmaps_the_operator_wrote_and_checked_reach_pods(
     operator: OperatorHandle, installed: Testbed, namespace: str, tmp_path: Path,
 ) -> None:
+    """The second layer, on a cluster without the policy."""
     bed, ns = installed, namespace
     body = cache_body(f"trust-{namespace}")
     env_name, boot_name = our_names(bed, ns, body)

@@ -398,6 +398,38 @@ def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
     assert len(ignored) == 1 and ignored[0]["type"] == "Warning" and "forger" in ignored[0]["message"]
 
 
+def test_the_apiserver_refuses_a_pod_that_claims_a_warmer_job_as_its_controller(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """The operator's owner check (above) reads the pod's controller ownerReference; the
+    Job's uid is readable by anyone who may read Jobs, so a pod creator could claim it.
+    manifests/policy/warmer_pods.yaml lets only the Job controller make or change a pod
+    labelled job-name whose controller is a Job. Tried as the testbed's admin (cluster-admin,
+    more than any tenant): a create naming the Job as controller, and a later patch adding
+    it to a plain job-name pod, are both refused with the policy's message; the Job's own
+    pod (the Job controller's, as its own ServiceAccount) still warms the cache."""
+    bed = controller_manager
+    bed.apply(warm_cache("claimed", f"claimed-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]}), namespace)
+    [job] = eventually(lambda: jobs(bed, namespace, "claimed"), timeout=60, what="the warmer Job")
+    name = job["metadata"]["name"]
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"], "controller": True}
+    forger: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": "claimer", "labels": {"job-name": name}, "ownerReferences": [owner]},
+                              "spec": {"restartPolicy": "Never", "containers": [
+                                  {"name": "warm", "image": "demo/train:1", "command": ["true"]}]}}
+    created = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(forger))
+    assert created.returncode != 0 and "only the Job controller" in created.stderr, created.stderr
+    assert bed.get_json("pod", "claimer", namespace) is None
+    del forger["metadata"]["ownerReferences"]
+    plain = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(forger))
+    assert plain.returncode == 0, plain.stderr  # no Job as controller: the operator's check is the layer
+    patched = bed.kubectl_run("patch", "pod", "claimer", "-n", namespace, "--type=merge",
+                              "-p", json.dumps({"metadata": {"ownerReferences": [owner]}}))
+    assert patched.returncode != 0 and "only the Job controller" in patched.stderr, patched.stderr
+    assert not ((bed.get_json("pod", "claimer", namespace) or {})["metadata"].get("ownerReferences"))
+    wait_warmed(bed, namespace, "claimed")
+
+
 def wait_ready(bed: Testbed, ns: str, name: str) -> None:
     eventually(lambda: conditions(bed.get_json("ccache", name, ns)).get("Ready", {}).get("status") == "True",
                what=f"{ns}/{name} Ready")
