@@ -13,7 +13,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from cachewarm.clients.kube import KubeError
 from cachewarm.api.metrics import Metrics
-from cachewarm.reports.receiver import PATH, Receiver
+from cachewarm.admission import certificates as certs
+from cachewarm.admission.keeper import TlsMaterial
+from cachewarm.admission.server import Limits, Listener, ServingTls
+from cachewarm.reports.receiver import FORWARD_CONNECTIONS, PATH, Forwarder, Receiver
+from cachewarm_testbed.processes import free_port
 from cachewarm.reports.store import Store
 from memkube import MemoryKube
 from cachewarm.reports.store import LabelledPods, ReportError, check_token
@@ -161,3 +165,37 @@ def test_an_accepted_token_for_another_pod_is_forbidden() -> None:
     codes, metrics, store = exchange(kube, [(bearer("theirs"), GOOD)])
     assert codes == [403] and store.caches() == []
     assert metrics.cache_hits.labels("ml", "llama")._value.get() == 0.0
+
+
+def test_a_followers_forwards_stay_within_the_leaders_per_peer_cap() -> None:
+    """Every report a follower forwards comes from its one address: a burst of them must
+    not open more connections than the leader takes from one peer (they would be refused,
+    and the pods answered 503). The leader here is a real listener whose per-peer cap is
+    the follower's connection count, and answers slowly, so the burst overlaps."""
+    now = dt.datetime.now(dt.timezone.utc)
+    ca = certs.make_ca("cachewarm-webhook-ca", now=now)
+    serving = certs.make_serving_cert(ca, ["leader.test"], now=now)
+    tls = ServingTls()
+    tls.load(TlsMaterial(serving.cert_pem, serving.key_pem, ca.cert_pem))
+
+    async def slow(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        await request.read()
+        await asyncio.sleep(0.2)  # held while the others arrive; nothing asserts on time
+        return aiohttp.web.json_response({"accepted": True}, status=202)
+
+    async def run() -> tuple[list[int], int]:
+        port = free_port()
+        listener = Listener(name="leader", addr="127.0.0.1", port=port, context=tls.reports_context,
+                            routes={PATH: slow}, limits=Limits(max_connections_per_peer=FORWARD_CONNECTIONS))
+        await listener.start()
+        forwarder = Forwarder(leader_address=lambda: f"127.0.0.1:{port}", own_address="127.0.0.1:1",
+                              ca=lambda: ca.cert_pem, server_hostname="leader.test", metrics=Metrics())
+        try:
+            answers = await asyncio.gather(*(forwarder.forward(f"127.0.0.1:{port}", GOOD, "Bearer x")
+                                             for _ in range(3 * FORWARD_CONNECTIONS)))
+            return [answer.status for answer in answers], listener.refused_per_peer
+        finally:
+            await forwarder.close()
+            await listener.stop()
+    statuses, refused = asyncio.run(run())
+    assert statuses == [202] * (3 * FORWARD_CONNECTIONS) and refused == 0

@@ -54,6 +54,11 @@ FORWARDED_HEADER = "X-Cachewarm-Forwarded"
 # The leader answers within its TokenReview's time or not at all; the reporter in the pod
 # waits a few seconds only, and sends again a minute later.
 FORWARD_TIMEOUT_SECONDS = 5.0
+# Connections a follower holds to the leader at once (more forwards wait for one, within
+# the timeout): every forward comes from the follower's one address, so this stays below
+# the leader's per-peer cap (admission.server.Limits.max_connections_per_peer, 16 by
+# default), which would refuse the connections past it.
+FORWARD_CONNECTIONS = 8
 # A leader out of reach fails every forward: one warning per this many seconds, the rest
 # at debug.
 FORWARD_WARNING_SECONDS = 60.0
@@ -89,7 +94,9 @@ class Forwarder:
             headers["Authorization"] = authorization
         try:
             if self._session is None:
-                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_SECONDS))
+                self._session = aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_SECONDS),
+                    connector=aiohttp.TCPConnector(limit_per_host=FORWARD_CONNECTIONS))
             async with self._session.post(f"https://{leader}{PATH}", data=body, headers=headers,
                                           ssl=self._tls(), server_hostname=self.server_hostname or None) as answer:
                 raw = await answer.read()
