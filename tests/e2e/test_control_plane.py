@@ -135,7 +135,8 @@ def test_default_install_is_accepted_by_the_apiserver(installed: Testbed, repo: 
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d["kind"] != "CustomResourceDefinition"]
     assert {d["kind"] for d in docs} == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
                                          "RoleBinding", "Deployment", "PodDisruptionBudget", "NetworkPolicy",
-                                         "Service", "MutatingWebhookConfiguration"}
+                                         "Service", "MutatingWebhookConfiguration",
+                                         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     for doc in docs:
         doc["metadata"]["name"] += "-dryrun"
         out = installed.kubectl_run("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc))
