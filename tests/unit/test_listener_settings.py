@@ -56,3 +56,28 @@ def test_the_per_peer_cap_defaults_below_the_listeners_and_an_old_smaller_cap_st
     monkeypatch.setenv("CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER", "9")
     with pytest.raises(ValidationError, match="http_max_connections_per_peer"):
         Settings.from_env()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("CACHEWARM_REPORTS_PORT", "9443"),  # the webhook's: the apiserver's calls would be split between both
+    ("CACHEWARM_METRICS_PORT", "9444"),
+])
+def test_two_listeners_on_one_port_are_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match="must differ"):
+        Settings.from_env()
+
+
+def test_the_admission_listener_keeps_idle_connections_longer_than_the_apiserver() -> None:
+    # The apiserver keeps idle webhook connections 90 s (its HTTP transport's default): a
+    # shorter keep-alive on the admission side closes them under it (a new TLS handshake per
+    # burst of pods, and a request racing the close fails). Reports keep a short one.
+    from cachewarm.runtime.main import listener_limits
+
+    reports, admission = listener_limits(Settings())
+    assert admission.keepalive_seconds > 90 >= reports.keepalive_seconds
+    assert (admission.max_connections_per_peer, reports.max_connections_per_peer) == (16, 16)
+    ours = Settings(http_max_connections_per_peer=4, admission_keepalive_seconds=200)
+    reports, admission = listener_limits(ours)
+    assert (admission.keepalive_seconds, admission.max_connections_per_peer, reports.max_connections_per_peer) == \
+        (200, 4, 4)

@@ -4,6 +4,7 @@ controller, the webhook and reports listeners and their certificate, and the eve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import os
 import signal
@@ -118,9 +119,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             leading=lambda: "controller" in memo and memo.controller.leader.is_leader,
             cache_exists=lambda ns, name: "controller" in memo and memo.controller.has_cache(ns, name),
             pods=memo.pods, forwarder=memo.forwarder, review_queue=ours.report_review_queue)
-        limits = Limits(handshake_seconds=ours.http_header_seconds, header_seconds=ours.http_header_seconds,
-                        body_seconds=ours.http_body_seconds, keepalive_seconds=ours.http_keepalive_seconds,
-                        max_connections=ours.http_max_connections)
+        limits, admission_limits = listener_limits(ours)
         memo.report_listener = Listener(name="reports", addr=ours.webhook_address, port=ours.reports_port,
                                         context=tls.reports_context, routes={REPORT_PATH: receiver.handle},
                                         limits=limits)
@@ -130,7 +129,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             log.error("Could not listen for reports; pods' reports are not taken", port=ours.reports_port,
                       error=str(exc))
         settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
-                                                    url=ours.webhook_url, limits=limits)
+                                                    url=ours.webhook_url, limits=admission_limits)
         keeper = WebhookKeeper(ours, memo.kube, tls, authoritative)
         await keeper.point_configuration()
         memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
@@ -148,6 +147,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     task.add_done_callback(_controller_ended)
     memo.tasks.append(task)
     leadership.start(controller.leadership_changed)
+
+
+def listener_limits(ours: Settings) -> tuple[Limits, Limits]:
+    """The reports listener's limits and the admission listener's: the same but for the
+    keep-alive, which on the admission listener outlasts the apiserver's idle connections
+    (it keeps a pool of them; closing one under it costs a new TLS handshake per burst of
+    pods, and a request racing the close fails, admitting a pod without injection)."""
+    reports = Limits(handshake_seconds=ours.http_header_seconds, header_seconds=ours.http_header_seconds,
+                     body_seconds=ours.http_body_seconds, keepalive_seconds=ours.http_keepalive_seconds,
+                     max_connections=ours.http_max_connections,
+                     max_connections_per_peer=ours.http_max_connections_per_peer)
+    return reports, dataclasses.replace(reports, keepalive_seconds=ours.admission_keepalive_seconds)
 
 
 def _controller_ended(task: asyncio.Task[None]) -> None:

@@ -80,7 +80,15 @@ class Settings(BaseSettings):
     )
     http_keepalive_seconds: float = Field(
         default=5.0, gt=0, le=300,
-        description="Both listeners: an idle connection's next request headers within this long, or it is closed.",
+        description="The reports listener: an idle connection's next request headers within this long, or it is "
+                    "closed.",
+    )
+    admission_keepalive_seconds: float = Field(
+        default=120.0, gt=0, le=3600,
+        description="The admission listener: an idle connection's next request within this long, or it is closed. "
+                    "Longer than the apiserver keeps an idle connection (90 s), so the apiserver closes it first and "
+                    "never sends a request on one being closed; a peer holding idle connections is bounded by the "
+                    "per-peer cap, not by this.",
     )
     http_max_connections: int = Field(
         default=256, ge=1, le=100_000,
@@ -204,6 +212,16 @@ class Settings(BaseSettings):
                 self.http_max_connections_per_peer > self.http_max_connections:
             raise ValueError(f"http_max_connections_per_peer ({self.http_max_connections_per_peer}) is more than "
                              f"http_max_connections ({self.http_max_connections})")
+        return self
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> Settings:
+        """Each listener on a port of its own: two on one port (both bind with SO_REUSEPORT)
+        would split the apiserver's calls between them, admitting some pods without injection."""
+        ports = [p for p in (self.webhook_port, self.reports_port, self.metrics_port) if p]
+        if self.webhook_enabled and len(set(ports)) != len(ports):
+            raise ValueError(f"webhook_port ({self.webhook_port}), reports_port ({self.reports_port}) and "
+                             f"metrics_port ({self.metrics_port}) must differ")
         return self
 
     @field_validator("namespaces", "webhook_hosts", mode="before")
