@@ -103,7 +103,8 @@ def finished_with(kube: MemoryKube, message: str) -> None:
     name = job["metadata"]["name"]
     kube.pods.append({
         "metadata": {"name": f"{name}-0", "namespace": "ml", "labels": {"job-name": name},
-                     "ownerReferences": [{"kind": "Job", "uid": job["metadata"]["uid"], "controller": True}]},
+                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "uid": job["metadata"]["uid"],
+                                          "controller": True}]},
         "spec": {"nodeName": "n"},
         "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {"message": message}}}]}})
 

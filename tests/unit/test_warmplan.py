@@ -523,3 +523,15 @@ def test_a_current_job_whose_pods_were_not_read_is_an_error_not_an_empty_result(
     ctx = WarmContext(C, NS, NAME, UID, NOW, "w", 2)
     with pytest.raises(KeyError):
         plan_warmup(ctx, WarmView([job(J, state="Succeeded")]))
+
+
+def test_only_a_batch_job_controller_reference_makes_a_pod_the_jobs() -> None:
+    """The Job's uid under another group's "Job" (which manifests/policy/warmer_pods.yaml does
+    not refuse, it matches batch/ only) is not the Job's: the pod is one of the others."""
+    from cachewarm.reconcile.warmplan import owned_pods
+
+    the_job = {"metadata": {"name": J, "uid": job_uid(J)}}
+    [real] = owned_by(J, [pod()])
+    ref = {"apiVersion": "evil.example/v1", "kind": "Job", "name": J, "uid": job_uid(J), "controller": True}
+    fake = {**pod(), "metadata": {"name": "fake", "ownerReferences": [ref]}}
+    assert owned_pods(the_job, [real, fake]) == ([real], [fake])

@@ -123,7 +123,11 @@ def owned_pods(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
     others: list[Mapping[str, Any]] = []
     for pod in pods:
         controllers = [r for r in (pod.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")]
-        mine = bool(uid) and any(r.get("kind") == "Job" and r.get("uid") == uid for r in controllers)
+        # batch/ too: manifests/policy/warmer_pods.yaml refuses a Job controller reference
+        # of that group to all but the Job controller; one of another group ("Job", the
+        # Job's uid) it lets through, so it must not count here.
+        mine = bool(uid) and any(r.get("kind") == "Job" and str(r.get("apiVersion") or "").startswith("batch/")
+                                 and r.get("uid") == uid for r in controllers)
         (owned if mine else others).append(pod)
     return owned, others
 
