@@ -21,8 +21,19 @@ both operators in turn (A B, then B A), one at a time on the same webhook port, 
 once its webhook answers with the CA that the webhook configuration names; per round and
 level, after/before ratios of the direct path's and the labelled pods' p50 are reported.
 
+Every side's turn starts its operator afresh, also when it ended the previous round: no
+side enters a turn with the apiserver's connections to its webhook still open from the
+last one (the one warm-up pod per turn opens one, for each side alike).
+
+With --no-client-ca, a third side "after, no client CA" runs the after side's code
+without CACHEWARM_ADMISSION_CLIENT_CA (as on GKE, where the apiserver cannot present a
+webhook client certificate: the handshake asks for none) and with
+CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER=--per-peer (every caller here is 127.0.0.1; the
+default 16 would refuse the direct path's connections above 16). The sides' order is
+A B C, then C B A.
+
 Run: .venv/bin/python bench/webhook.py [--requests 400] [--pods 300] [--rounds 6]
-     [--baseline REV [--revision REV2]] [--json out.json]
+     [--baseline REV [--revision REV2]] [--no-client-ca [--per-peer 256]] [--json out.json]
 (after `make bin`). Prints Markdown tables; everything runs on loopback and stops itself.
 """
 
@@ -54,6 +65,7 @@ from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm
 from cachewarm_testbed.processes import Proc, free_port
 
 NS = "bench"
+NO_CA = "after, no client CA"
 KINDS = ("unlabelled", "labelled")
 PATHS = {"direct": "direct HTTPS", "unlabelled": "apiserver, unlabelled pod (baseline)",
          "labelled": "apiserver, labelled pod (webhook)"}
@@ -85,6 +97,10 @@ class Chunk:
         return percentile(self.latencies, 0.5)
 
     @property
+    def p99(self) -> float:
+        return percentile(self.latencies, 0.99)
+
+    @property
     def mean(self) -> float:
         return statistics.fmean(self.latencies)
 
@@ -93,6 +109,19 @@ def pooled(path: str, concurrency: int, chunks: list[Chunk]) -> dict[str, Any]:
     """The chunks of one path and level over all rounds, as one row."""
     return summarize(path, concurrency, [x for c in chunks for x in c.latencies], sum(c.wall for c in chunks),
                      sum(c.errors for c in chunks))
+
+
+def against(side: dict[str, dict[int, list[Chunk]]], before: dict[str, dict[int, list[Chunk]]],
+            levels: list[int], api_levels: list[int]) -> dict[str, dict[str, Any]]:
+    """Per-round ratios side/before of each path's and level's p50 and p99 (a chunk's p99
+    is about its slowest request: 50 or fewer in a chunk)."""
+    out: dict[str, dict[str, Any]] = {}
+    for stat in ("p50", "p99"):
+        for path, names in (("direct", levels), ("labelled", api_levels), ("unlabelled", api_levels)):
+            for level in names:
+                out[f"{path} {stat}, concurrency {level}"] = paired(
+                    [getattr(c, stat) for c in side[path][level]], [getattr(c, stat) for c in before[path][level]])
+    return out
 
 
 def review(namespace: str, cache: str, i: int) -> bytes:
@@ -187,8 +216,9 @@ class Operators:
     """One operator at a time, each side's own code, always on the same webhook port (the
     webhook configuration's URL stays; its caBundle is what the running one keeps there)."""
 
-    def __init__(self, bed: Testbed, kubeconfig: Path, sides: dict[str, str | None]) -> None:
-        self.bed, self.kubeconfig, self.sides = bed, kubeconfig, sides
+    def __init__(self, bed: Testbed, kubeconfig: Path, sides: dict[str, str | None],
+                 side_env: dict[str, dict[str, str]]) -> None:
+        self.bed, self.kubeconfig, self.sides, self.side_env = bed, kubeconfig, sides, side_env
         port, reports_port = free_port(), free_port()
         self.url = f"https://127.0.0.1:{port}"
         # One report URL for both sides (a patch of the same size); a side without a
@@ -201,13 +231,14 @@ class Operators:
         self.patch_bytes: dict[str, int] = {}  # per side: the size of its patch (base64 JSON Patch) for review()
 
     def use(self, side: str) -> None:
-        """Side `side`'s operator running and its webhook the one the apiserver calls."""
-        if self.running is not None and self.running[0] == side:
-            return
+        """Side `side`'s operator started afresh (also when it is the one running: no side
+        keeps the apiserver's open connections from its last turn) and its webhook the one
+        the apiserver calls."""
         self.stop()
         pythonpath = self.sides[side]
         proc = self.bed.start_operator(self.kubeconfig, {**self.env, **({"PYTHONPATH": pythonpath}
-                                                                       if pythonpath else {})})
+                                                                       if pythonpath else {}),
+                                                         **self.side_env.get(side, {})})
         self.running = (side, proc)
         self.ca = eventually(self._answering, timeout=60, what=f"the {side} operator's webhook, by the configured CA")
         eventually(lambda: quiet(proc.pid), timeout=60, what=f"the {side} operator idle after its start")
@@ -240,7 +271,10 @@ class Operators:
             self.running = None
 
 
-def main() -> None:
+Chunks = dict[str, dict[str, dict[int, list[Chunk]]]]  # [side][path][level]: one Chunk per round
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=400, help="direct requests per concurrency level (all rounds)")
     parser.add_argument("--pods", type=int, default=300, help="pod creations per level and kind (all rounds)")
@@ -248,12 +282,18 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64", help="direct levels (apiserver uses those <= 16)")
     parser.add_argument("--baseline", help="git revision whose operator is the 'before' side (default: none)")
     parser.add_argument("--revision", help="git revision whose operator is the 'after' side (default: this tree)")
+    parser.add_argument("--no-client-ca", action="store_true",
+                        help=f"add the side '{NO_CA}': the after side's code, no admission client CA")
+    parser.add_argument("--per-peer", type=int, default=256,
+                        help=f"CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER of the side '{NO_CA}'")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
-    api_levels = [x for x in levels if x <= 16]
-    exit_on_sigterm()
+    return parser.parse_args()
 
+
+def resolve_sides(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, dict[str, str]],
+                                                     dict[str, Any], list[Path]]:
+    """Each side's PYTHONPATH (None: this tree's), its extra operator env, what it runs
+    (commit, where cachewarm imports from), and the unpacked trees to remove after."""
     sides: dict[str, str | None] = {}
     trees: list[Path] = []
     meta: dict[str, Any] = {}
@@ -267,9 +307,24 @@ def main() -> None:
             sides[side] = str(tree / "operator")
             meta[side] = {"commit": commit, "cachewarm_from": imported_from(sides[side])}
             assert meta[side]["cachewarm_from"].startswith(str(tree)), meta
-    # chunks[side][path][level]: one Chunk per round
-    chunks: dict[str, dict[str, dict[int, list[Chunk]]]] = {
-        side: {path: {} for path in PATHS} for side in sides}
+    side_env: dict[str, dict[str, str]] = {}
+    if args.no_client_ca:
+        # After "after", before "before": the order A B C, C B A keeps the two after sides apart.
+        sides = {"after": sides["after"], NO_CA: sides["after"],
+                 **{k: v for k, v in sides.items() if k != "after"}}
+        # Empty: the setting's default (no client CA), over the testbed's start_operator's.
+        meta[NO_CA] = {**meta["after"], "env": {"CACHEWARM_ADMISSION_CLIENT_CA": "",
+                                                "CACHEWARM_HTTP_MAX_CONNECTIONS_PER_PEER": str(args.per_peer)}}
+        side_env[NO_CA] = meta[NO_CA]["env"]
+    return sides, side_env, meta, trees
+
+
+def measure(args: argparse.Namespace, sides: dict[str, str | None], side_env: dict[str, dict[str, str]],
+            levels: list[int], api_levels: list[int]) -> tuple[Chunks, list[dict[str, Any]], dict[str, int]]:
+    """The rounds, on a testbed of their own: the chunks, the machine's load average at the
+    start of each side's turn, and each side's patch size."""
+    chunks: Chunks = {side: {path: {} for path in PATHS} for side in sides}
+    loads: list[dict[str, Any]] = []
     bed = Testbed().start(controller_manager=True)
     operators = None
     try:
@@ -277,7 +332,7 @@ def main() -> None:
         bed.kubectl_run("wait", "--for=condition=Established", "crd/compilationcaches.cachewarm.dev")
         kubeconfig = bed.service_account_kubeconfig(
             "cachewarm-system", "cachewarm-operator", Path(tempfile.mkdtemp()) / "kubeconfig")
-        operators = Operators(bed, kubeconfig, sides)
+        operators = Operators(bed, kubeconfig, sides, side_env)
         bed.kubectl_run("create", "namespace", NS)
         # The cache first: an operator counts as up once its webhook patches a pod of it.
         bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "c"},
@@ -286,14 +341,16 @@ def main() -> None:
         eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
         eventually(lambda: "True" in json.dumps((bed.get_json("ccache", "c", NS) or {}).get("status", {})),
                    what="cache Ready")
-        config.load_kube_config(str(bed.kubeconfig))
+        config.load_kube_config(str(bed.kubeconfig))  # type: ignore[no-untyped-call]
         api = client.CoreV1Api()
 
         for i in range(args.rounds):
             for side in order(i, list(sides)):
-                operators.use(side)
+                operators.use(side)  # afresh, for every side's every turn
                 through_apiserver(api, NS, "c", 1, 5)  # warm-up: the apiserver's connection to this webhook
-                print(f"round {i + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
+                loads.append({"round": i + 1, "side": side, "loadavg": os.getloadavg()})
+                print(f"round {i + 1}/{args.rounds}: {side}; load average {loads[-1]['loadavg']}",
+                      file=sys.stderr, flush=True)
                 for level in levels:
                     chunks[side]["direct"].setdefault(level, []).append(asyncio.run(direct(
                         f"{operators.url}/inject-cache", operators.ca, NS, "c", level, args.requests // args.rounds,
@@ -306,56 +363,66 @@ def main() -> None:
         if operators is not None:
             operators.stop()
         bed.stop()
+    return chunks, loads, operators.patch_bytes if operators is not None else {}
+
+
+def report_side(side: str, chunks: Chunks, levels: list[int], api_levels: list[int]) -> dict[str, Any]:
+    """One side's pooled rows and its labelled/unlabelled ratios, printed and returned."""
+    rows = [pooled(PATHS["direct"], level, chunks[side]["direct"][level]) for level in levels]
+    for level in api_levels:
+        rows += [pooled(PATHS[kind], level, chunks[side][kind][level]) for kind in KINDS]
+    webhook_cost = {
+        level: {"p50": paired([c.p50 for c in chunks[side]["labelled"][level]],
+                              [c.p50 for c in chunks[side]["unlabelled"][level]]),
+                "mean": paired([c.mean for c in chunks[side]["labelled"][level]],
+                               [c.mean for c in chunks[side]["unlabelled"][level]])}
+        for level in api_levels}
+    print("| path | concurrency | requests | p50 ms | p99 ms | mean ms | throughput req/s | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['concurrency']} | {r['requests']} | {r['p50_ms']} | {r['p99_ms']} | "
+              f"{r['mean_ms']} | {r['throughput_rps']} | {r['errors']} |")
+    print("\n| concurrency | labelled/unlabelled p50, per round | median | min | max "
+          "| labelled/unlabelled mean: median | min | max |")
+    print("|---|---|---|---|---|---|---|---|")
+    for level, cost in webhook_cost.items():
+        p50, mean = cost["p50"], cost["mean"]
+        print(f"| {level} | {', '.join(str(x) for x in p50['ratios'])} | {p50['median']} | {p50['min']} | "
+              f"{p50['max']} | {mean['median']} | {mean['min']} | {mean['max']} |")
+    print()
+    return {"rows": rows, "labelled_over_unlabelled": webhook_cost}
+
+
+def main() -> None:
+    args = arguments()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    api_levels = [x for x in levels if x <= 16]
+    exit_on_sigterm()
+    sides, side_env, meta, trees = resolve_sides(args)
+    try:
+        chunks, loads, patch_bytes = measure(args, sides, side_env, levels, api_levels)
+    finally:
         for tree in trees:
             shutil.rmtree(tree, ignore_errors=True)
 
     result: dict[str, Any] = {"rounds": args.rounds, "requests_per_round": args.requests // args.rounds,
-                              "pods_per_round": args.pods // args.rounds, **meta, "sides": {}}
+                              "pods_per_round": args.pods // args.rounds, **meta, "sides": {}, "loads": loads}
     print(f"\nmachine: {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
-          f"cores: {os.cpu_count()}; {args.rounds} rounds\n")
+          f"cores: {os.cpu_count()}; {args.rounds} rounds; 1-min load average at the turns' starts: "
+          f"{min(x['loadavg'][0] for x in loads):.2f}-{max(x['loadavg'][0] for x in loads):.2f}\n")
     for side in sides:
-        rows = [pooled(PATHS["direct"], level, chunks[side]["direct"][level]) for level in levels]
-        for level in api_levels:
-            rows += [pooled(PATHS[kind], level, chunks[side][kind][level]) for kind in KINDS]
-        webhook_cost = {
-            level: {"p50": paired([c.p50 for c in chunks[side]["labelled"][level]],
-                                  [c.p50 for c in chunks[side]["unlabelled"][level]]),
-                    "mean": paired([c.mean for c in chunks[side]["labelled"][level]],
-                                   [c.mean for c in chunks[side]["unlabelled"][level]])}
-            for level in api_levels}
-        result["sides"][side] = {"rows": rows, "labelled_over_unlabelled": webhook_cost,
-                                 "patch_bytes": operators.patch_bytes.get(side) if operators else None}
         print(f"### {side} ({meta[side]['commit']}; its patch for the direct path's pod: "
-              f"{result['sides'][side]['patch_bytes']} bytes)\n")
-        print("| path | concurrency | requests | p50 ms | p99 ms | mean ms | throughput req/s | errors |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['path']} | {r['concurrency']} | {r['requests']} | {r['p50_ms']} | {r['p99_ms']} | "
-                  f"{r['mean_ms']} | {r['throughput_rps']} | {r['errors']} |")
-        print("\n| concurrency | labelled/unlabelled p50, per round | median | min | max "
-              "| labelled/unlabelled mean: median | min | max |")
-        print("|---|---|---|---|---|---|---|---|")
-        for level, cost in webhook_cost.items():
-            p50, mean = cost["p50"], cost["mean"]
-            print(f"| {level} | {', '.join(str(x) for x in p50['ratios'])} | {p50['median']} | {p50['min']} | "
-                  f"{p50['max']} | {mean['median']} | {mean['min']} | {mean['max']} |")
-        print()
-    if "before" in sides:
-        versus = {
-            **{f"direct p50, concurrency {level}": paired([c.p50 for c in chunks["after"]["direct"][level]],
-                                                         [c.p50 for c in chunks["before"]["direct"][level]])
-               for level in levels},
-            **{f"labelled pod p50, concurrency {level}": paired(
-                [c.p50 for c in chunks["after"]["labelled"][level]],
-                [c.p50 for c in chunks["before"]["labelled"][level]]) for level in api_levels},
-            **{f"unlabelled pod p50, concurrency {level}": paired(
-                [c.p50 for c in chunks["after"]["unlabelled"][level]],
-                [c.p50 for c in chunks["before"]["unlabelled"][level]]) for level in api_levels}}
-        result["after_over_before"] = versus
-        print("| after / before | per round | median | min | max |\n|---|---|---|---|---|")
-        for name, ratio in versus.items():
-            print(f"| {name} | {', '.join(str(x) for x in ratio['ratios'])} | {ratio['median']} | {ratio['min']} | "
-                  f"{ratio['max']} |")
+              f"{patch_bytes.get(side)} bytes)\n")
+        result["sides"][side] = {**report_side(side, chunks, levels, api_levels), "patch_bytes": patch_bytes.get(side)}
+    for side in sides:
+        if side != "before" and "before" in sides:
+            versus = against(chunks[side], chunks["before"], levels, api_levels)
+            result.setdefault("over_before", {})[side] = versus
+            print(f"| {side} / before | per round | median | min | max |\n|---|---|---|---|---|")
+            for name, ratio in versus.items():
+                print(f"| {name} | {', '.join(str(x) for x in ratio['ratios'])} | {ratio['median']} | "
+                      f"{ratio['min']} | {ratio['max']} |")
+            print()
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if any(r["errors"] for s in result["sides"].values() for r in s["rows"]):
