@@ -405,9 +405,10 @@ def test_the_apiserver_refuses_a_pod_that_claims_a_warmer_job_as_its_controller(
     Job's uid is readable by anyone who may read Jobs, so a pod creator could claim it.
     manifests/policy/warmer_pods.yaml lets only the Job controller make or change a pod
     labelled job-name whose controller is a Job. Tried as the testbed's admin (cluster-admin,
-    more than any tenant): a create naming the Job as controller, and a later patch adding
-    it to a plain job-name pod, are both refused with the policy's message; the Job's own
-    pod (the Job controller's, as its own ServiceAccount) still warms the cache."""
+    more than any tenant): a create naming the Job as controller, a later patch adding it to
+    a plain job-name pod, and the label added to a pod made with the Job as controller but
+    without it, are each refused with the policy's message; the Job's own pod (the Job
+    controller's, as its own ServiceAccount) still warms the cache."""
     bed = controller_manager
     bed.apply(warm_cache("claimed", f"claimed-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]}), namespace)
     [job] = eventually(lambda: jobs(bed, namespace, "claimed"), timeout=60, what="the warmer Job")
@@ -427,6 +428,22 @@ def test_the_apiserver_refuses_a_pod_that_claims_a_warmer_job_as_its_controller(
                               "-p", json.dumps({"metadata": {"ownerReferences": [owner]}}))
     assert patched.returncode != 0 and "only the Job controller" in patched.stderr, patched.stderr
     assert not ((bed.get_json("pod", "claimer", namespace) or {})["metadata"].get("ownerReferences"))
+    # Without the label the policy does not look (the operator lists warmers by it): the
+    # Job's uid as controller is let through, and the label then refused. The reference
+    # names no Job (the operator compares uids only), so the Job controller never claims
+    # nor releases the pod; the garbage collector may delete it as dangling, which the
+    # finalizer holds until the test lets it go.
+    unlabelled = {**forger, "metadata": {"name": "claimer-2", "finalizers": ["cachewarm.dev/test-hold"],
+                                         "ownerReferences": [{**owner, "name": f"not-{name}"}]}}
+    made = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(unlabelled))
+    assert made.returncode == 0, made.stderr
+    labelled = bed.kubectl_run("label", "pod", "claimer-2", "-n", namespace, f"job-name={name}")
+    assert labelled.returncode != 0 and "only the Job controller" in labelled.stderr, labelled.stderr
+    kept = (bed.get_json("pod", "claimer-2", namespace) or {})["metadata"]
+    assert "job-name" not in (kept.get("labels") or {}) and kept["ownerReferences"][0]["uid"] == owner["uid"]
+    let_go = bed.kubectl_run("patch", "pod", "claimer-2", "-n", namespace, "--type=merge",
+                             "-p", json.dumps({"metadata": {"finalizers": None}}))
+    assert let_go.returncode == 0, let_go.stderr
     wait_warmed(bed, namespace, "claimed")
 
 
