@@ -167,9 +167,12 @@ def objects(bed: Testbed, ns: str) -> dict[str, list[str]]:
 
 
 def admission_events(bed: Testbed, ns: str) -> list[dict[str, Any]]:
-    """Events an admission could have posted: about a pod, or a kept user env."""
+    """Events an admission could have posted: cachewarm's about a pod, or a kept user env.
+    (A scheduler or kubelet running in the session posts its own about pods: Scheduled.)"""
     return [e for e in events(bed, ns)
-            if e["involvedObject"].get("kind") == "Pod" or e["reason"] == "UserEnvKept"]
+            if (e["involvedObject"].get("kind") == "Pod" and "cachewarm" in (
+                e.get("reportingComponent") or "", (e.get("source") or {}).get("component") or ""))
+            or e["reason"] == "UserEnvKept"]
 
 
 def test_a_server_side_dry_run_of_a_labelled_pod_creates_nothing(
