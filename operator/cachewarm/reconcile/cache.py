@@ -145,7 +145,6 @@ def _reconcile(one: _Pass) -> Outcome:
     # listing taken before could miss the last entries of a warmer that finished meanwhile.
     listing_due = inventory_due(one.obj.status, one.generation, one.now, one.wiring.inventory_every)
     seen = _bucket(one, cache, take_inventory=listing_due and cache.warmup is None)
-    seen.spec = podsmode.spec_conditions(cache, one.obj.name)
     seen.injection, seen.configmaps = publish_configmaps(
         one.wiring.kube, cache, one.obj.status, one.events, namespace=one.obj.namespace, name=one.obj.name,
         uid=str(one.obj.meta.get("uid") or ""))
@@ -160,6 +159,9 @@ def _reconcile(one: _Pass) -> Outcome:
     if cache.warmup is not None:
         _keys_match(one, seen)
     _opted_out(one, seen)
+    # After the warm: whether its pools have a manifest generation the copier trusts.
+    pools = seen.warmup.pools if seen.warmup is not None else (one.obj.status.get("warmup") or {}).get("pools") or []
+    seen.spec = podsmode.spec_conditions(cache, one.obj.name, pools)
     return Outcome(assemble(one.obj.status, one.generation, seen, one.injection, cache.warmup is not None, one.now,
                             one.failure is not None),
                    one.events, one.failure, requeue_at=next_scheduled_warm(cache, one.now))
