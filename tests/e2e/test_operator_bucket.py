@@ -299,8 +299,10 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
     installed.apply(cache("shared", made, prefix="c", deletionPolicy="Delete"), namespace)
     wait_condition(installed, namespace, "shared", "Ready", "True")
     manifests = f"c/.cachewarm/pools/{namespace}"
+    # This cache's manifests: one per warmer Job, and the pool's from before per-Job ones.
     _put(gcs, made, [f"c/{ENTRY}", "c/notes.txt", "other/data.bin", f"{manifests}/shared/cpu.json",
-                     f"{manifests}/other/cpu.json"])
+                     f"{manifests}/shared/cpu/shared-cpu-0123456789.json", f"{manifests}/other/cpu.json",
+                     f"{manifests}/other/cpu/other-cpu-0123456789.json"])
     # An adopted bucket: entries under the prefix go, the bucket and other data stay.
     adopted = unique_bucket("adopt-del")
     gcs.create_bucket(adopted, location="us-central1")
@@ -311,11 +313,12 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
 
     for n in ("shared", "adopted"):
         assert installed.kubectl_run("delete", "ccache", n, "-n", namespace, "--timeout=60s").returncode == 0
-    assert _names(gcs, made) == {"c/notes.txt", "other/data.bin", f"{manifests}/other/cpu.json"}
+    assert _names(gcs, made) == {"c/notes.txt", "other/data.bin", f"{manifests}/other/cpu.json",
+                                 f"{manifests}/other/cpu/other-cpu-0123456789.json"}
     assert _names(gcs, adopted) == {f"elsewhere/{ENTRY}", "c/sub/" + ENTRY, f"{manifests}/shared/cpu.json"}
     reasons = event_reasons(installed, namespace, "adopted")
     assert "BucketKept" in reasons
-    said = f"Deleted 1 cache objects and 1 warmer manifests under gs://{made}/c"
+    said = f"Deleted 1 cache objects and 2 warmer manifests under gs://{made}/c"
     assert any(e["reason"] == "DataDeleted" and e["message"] == said for e in installed.events_for("shared", namespace))
 
 

@@ -356,7 +356,7 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
                          client_options={"api_endpoint": cluster.bed.env()["STORAGE_EMULATOR_HOST"]})
     stranger = f"local/jit_other-{'ab' * 32}-cache"
     gcs.bucket(bucket).blob(stranger).upload_from_string(b"another program's entry")
-    manifest = json.loads(gcs.bucket(bucket).blob(f"local/.cachewarm/pools/{ns}/local/cpu.json").download_as_bytes())
+    manifest = json.loads(gcs.bucket(bucket).blob(pool["manifestObject"]).download_as_bytes())
     listed = sorted(e["name"] for e in manifest["entries"])
     assert len(listed) == 10
 

@@ -208,9 +208,12 @@ def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
     # The pool's manifest (for pods' local copies), written by the operator's warmer Job
     # where the local copy reads it: the same entries, with their sizes, GCS's md5 and
     # generation (D2), not the old one; and status records the generation of that manifest
-    # object (D3: the one pods' copiers are given, and read it at).
+    # object (D3: the one pods' copiers are given, and read it at) with the object's name:
+    # the Job's own (<pool>/<job>.json), which no later warm rewrites.
     gcs_spec = GcsStorage.model_validate({"bucket": bucket, "location": "us-central1", "prefix": "jax"})
-    blob = gcs.bucket(bucket).get_blob(manifest_object(gcs_spec, namespace, "keys", "cpu"))
+    assert pool["manifestObject"] == manifest_object(gcs_spec, namespace, "keys", "cpu", pool["job"])
+    assert pool["manifestObject"] == f"jax/.cachewarm/pools/{namespace}/keys/cpu/{pool['job']}.json"
+    blob = gcs.bucket(bucket).get_blob(pool["manifestObject"])
     assert blob is not None and blob.content_type == "application/json"
     assert pool["manifestGeneration"] == str(blob.generation)
     manifest = json.loads(blob.download_as_bytes())

@@ -258,25 +258,27 @@ def test_delete_removes_this_caches_manifests_and_keeps_every_other_caches(stora
     a created bucket holding only the cache's entries and manifests is deleted."""
     name = new_bucket(storage_only, **b.owner_labels("ns", "c"))
     gcs_spec = spec(name, prefix="jax")
-    ours = [placement.manifest_object(gcs_spec, "ns", "c", pool) for pool in ("cpu", "h100")]
-    theirs = [placement.manifest_object(gcs_spec, "ns", "c2", "cpu"),
-              placement.manifest_object(gcs_spec, "team-b", "c", "cpu"),
-              placement.manifest_object(spec(name, prefix="other"), "ns", "c", "cpu"),
-              placement.manifest_object(spec(name), "ns", "c", "cpu"),  # a cache of that name at the bucket root
-              "jax/.cachewarm/pools/ns/c/notes.txt", "jax/.cachewarm/pools/ns/c/sub/cpu.json"]
-    assert ours == ["jax/.cachewarm/pools/ns/c/cpu.json", "jax/.cachewarm/pools/ns/c/h100.json"]
+    ours = [*(placement.manifest_object(gcs_spec, "ns", "c", pool, f"c-{pool}-1") for pool in ("cpu", "h100")),
+            placement.legacy_manifest_object(gcs_spec, "ns", "c", "cpu")]
+    theirs = [placement.manifest_object(gcs_spec, "ns", "c2", "cpu", "c2-cpu-1"),
+              placement.manifest_object(gcs_spec, "team-b", "c", "cpu", "c-cpu-1"),
+              placement.manifest_object(spec(name, prefix="other"), "ns", "c", "cpu", "c-cpu-1"),
+              placement.manifest_object(spec(name), "ns", "c", "cpu", "c-cpu-1"),  # a cache of that name at the root
+              "jax/.cachewarm/pools/ns/c/notes.txt", "jax/.cachewarm/pools/ns/c/sub/x/cpu.json"]
+    assert ours == ["jax/.cachewarm/pools/ns/c/cpu/c-cpu-1.json", "jax/.cachewarm/pools/ns/c/h100/c-h100-1.json",
+                    "jax/.cachewarm/pools/ns/c/cpu.json"]
     for obj in [f"jax/{ENTRY}", *ours, *theirs]:
         storage_only.bucket(name).blob(obj).upload_from_string(b'{"version": 1, "entries": []}')
     client = GcsClient(client=storage_only, timeout=5)
     events = delete_cache_data(client, gcs_spec, namespace="ns", name="c")
     assert sorted(o.name for o in storage_only.list_blobs(name)) == sorted(theirs)
     assert [(e.reason, e.message) for e in events] == [
-        ("DataDeleted", f"Deleted 1 cache objects and 2 warmer manifests under gs://{name}/jax"),
+        ("DataDeleted", f"Deleted 1 cache objects and 3 warmer manifests under gs://{name}/jax"),
         ("BucketKept", f"Kept bucket {name}: 6 objects that are not this cache's entries remain")]
     # A created bucket with nothing but the cache's own objects: the manifests hold nothing back.
     name = new_bucket(storage_only, **b.owner_labels("ns", "c"))
     root = spec(name)
-    for obj in [ENTRY, placement.manifest_object(root, "ns", "c", "cpu")]:
+    for obj in [ENTRY, placement.manifest_object(root, "ns", "c", "cpu", "c-cpu-1")]:
         storage_only.bucket(name).blob(obj).upload_from_string(b"x")
     events = delete_cache_data(client, root, namespace="ns", name="c")
     assert [e.reason for e in events] == ["DataDeleted", "BucketDeleted"]

@@ -202,14 +202,18 @@ def test_a_targets_warm_writes_the_entries_it_relied_on_to_the_pools_manifest(
     """The manifest names exactly the entries the summary's keys name (not another
     program's entry under the prefix), with their size, md5Hash and generation as GCS has
     them (version 2); the summary's manifestGeneration is the written manifest object's
-    generation; a stale manifest is replaced; a re-warm that finds them names them again."""
+    generation, at the URL given (one per warmer Job: <pool>/<job>.json, and the pool read
+    from it); a stale manifest at it (a retry of the same Job) is replaced; a re-warm (the
+    next Job) that finds them names them again in its own object, and the first Job's
+    manifest stays at the generation the operator recorded (a pod pinned to it still reads it)."""
     bucket = f"manifest-{uuid.uuid4().hex[:10]}"
     storage_only.create_bucket(bucket, location="us-central1")
-    name = "jax/.cachewarm/pools/ns/llama/cpu.json"
+    first = name = "jax/.cachewarm/pools/ns/llama/cpu/llama-cpu-0123456789.json"
     storage_only.bucket(bucket).blob(f"jax/{OLD_PROGRAM}").upload_from_string(b"an older program's entry")
     storage_only.bucket(bucket).blob(name).upload_from_string(b'{"version": 1, "entries": [{"name": "stale"}]}')
     (tmp_path / "two_programs.py").write_text(TWO_PROGRAMS)
-    for attempt in ("writes", "finds"):
+    recorded: list[str] = []  # each warm's manifestGeneration, as the operator records it
+    for attempt, name in (("writes", first), ("finds", "jax/.cachewarm/pools/ns/llama/cpu/llama-cpu-9876543210.json")):
         # The manifest's writtenTime falls within this warm's run (whole seconds, as written).
         began = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
         code, summary, log = gcs_warm(tmp_path, storage_bed, f"gs://{bucket}/jax", f"gs://{bucket}/{name}",
@@ -232,10 +236,17 @@ def test_a_targets_warm_writes_the_entries_it_relied_on_to_the_pools_manifest(
         assert (manifest["version"], manifest["pool"]) == (2, "cpu")
         written_blob = storage_only.bucket(bucket).get_blob(name)
         assert written_blob is not None and summary["manifestGeneration"] == str(written_blob.generation)
+        recorded.append(summary["manifestGeneration"])
         assert "manifestLeftOut" not in summary
         assert manifest["fingerprint"] == summary["fingerprint"]
         written = dt.datetime.strptime(manifest["writtenTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
         assert began <= written <= ended, (began, written, ended)
+    # The first Job's manifest is still the live object at the generation recorded, after
+    # the second Job's warm: nothing rewrote it. (The emulator serves a non-current
+    # generation, where a bucket without object versioning has none, so the live object's
+    # generation is what is checked.)
+    kept = storage_only.bucket(bucket).get_blob(first)
+    assert kept is not None and str(kept.generation) == recorded[0]
 
 
 def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
@@ -246,7 +257,7 @@ def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
     the manifest, which would name an older run's entries, goes and pods copy the prefix."""
     bucket = f"manifest-{uuid.uuid4().hex[:10]}"
     storage_only.create_bucket(bucket, location="us-central1")
-    name = "jax/.cachewarm/pools/ns/llama/cpu.json"
+    name = "jax/.cachewarm/pools/ns/llama/cpu/llama-cpu-0123456789.json"
     url, manifest = f"gs://{bucket}/jax", f"gs://{bucket}/{name}"
     script = tmp_path / "entry.py"
     script.write_text("import jax, jax.numpy as jnp\nprint(jax.jit(lambda x: x * 3)(jnp.ones(3)))\n")
@@ -299,7 +310,7 @@ def test_an_entry_whose_digests_cannot_be_read_is_left_out_and_a_rewritten_manif
     storage_only.create_bucket(bucket, location="us-central1")
     there, gone = "jit_a-" + "a" * 64 + "-cache", "jit_b-" + "b" * 64 + "-cache"
     storage_only.bucket(bucket).blob(f"jax/{there}").upload_from_string(b"entry")
-    name = "jax/.cachewarm/pools/ns/llama/cpu.json"
+    name = "jax/.cachewarm/pools/ns/llama/cpu/llama-cpu-0123456789.json"
     out = warmer.write_manifest(f"gs://{bucket}/{name}", [there, gone], None, f"gs://{bucket}/jax")
     blob = storage_only.bucket(bucket).get_blob(name)
     assert blob is not None

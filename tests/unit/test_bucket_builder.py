@@ -337,7 +337,16 @@ POOL_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
     ("other/.cachewarm/pools/ns/c/h100.json", False),  # another prefix
     (".cachewarm/pools/ns/c/h100.json", False),  # a cache of the same name at the bucket root
     ("llama/x/.cachewarm/pools/ns/c/h100.json", False),
-    ("llama/.cachewarm/pools/ns/c/sub/h100.json", False),
+    ("llama/.cachewarm/pools/ns/c/h100/c-h100-0123abcd.json", True),  # one per warmer Job
+    ("llama/.cachewarm/pools/ns/c/sub/h100.json", True),  # pool "sub", Job "h100"
+    ("llama/.cachewarm/pools/ns/c/sub/x/h100.json", False),
+    ("llama/.cachewarm/pools/ns/other/h100/c-h100-1.json", False),  # another cache's Job
+    ("llama/.cachewarm/pools/ns/c/h100/C-h100.json", False),
+    ("llama/.cachewarm/pools/ns/c/h100/-j.json", False),
+    ("llama/.cachewarm/pools/ns/c/h100/.json", False),
+    ("llama/.cachewarm/pools/ns/c/h100/" + "j" * 64 + ".json", False),
+    ("llama/.cachewarm/pools/ns/c/H100/j.json", False),
+    ("llama/.cachewarm/pools/ns/c/h100/j.json.tmp", False),
     ("llama/.cachewarm/pools/ns/c/h100.json.tmp", False),
     ("llama/.cachewarm/pools/ns/c/h100.JSON", False),
     ("llama/.cachewarm/pools/ns/c/H100.json", False),
@@ -366,23 +375,23 @@ POOLS = st.one_of(st.text(alphabet="ab1-", min_size=1, max_size=5),
 
 
 @settings(max_examples=1000, deadline=None)
-@given(mine=CACHES, other=CACHES, pool=POOLS)
+@given(mine=CACHES, other=CACHES, pool=POOLS, job=POOLS)
 def test_property_a_deletion_never_matches_another_caches_manifest(
-    mine: tuple[str, str, str], other: tuple[str, str, str], pool: str
+    mine: tuple[str, str, str], other: tuple[str, str, str], pool: str, job: str
 ) -> None:
-    """Every cache's manifests sit at <prefix>/.cachewarm/pools/<namespace>/<cache>/<pool>.json:
+    """Every cache's manifests sit at <prefix>/.cachewarm/pools/<namespace>/<cache>/<pool>/<job>.json:
     a deletion matches one only when it is this cache's (same prefix, namespace and name)
-    and its pool part can name a pool, whatever the prefixes (one under the other, or
-    shaped like a manifest folder themselves)."""
+    and its pool and Job parts can name a pool and a Job, whatever the prefixes (one under
+    the other, or shaped like a manifest folder themselves)."""
     prefix, namespace, name = mine
-    theirs = placement.manifest_object(spec(prefix=other[0]), other[1], other[2], pool)
-    assert theirs == manifest_folder(*other) + f"{pool}.json"  # the documented layout
-    own = other == mine and POOL_LABEL.fullmatch(pool) is not None and len(pool) <= 63
+    theirs = placement.manifest_object(spec(prefix=other[0]), other[1], other[2], pool, job)
+    assert theirs == manifest_folder(*other) + f"{pool}/{job}.json"  # the documented layout
+    own = other == mine and all(POOL_LABEL.fullmatch(n) is not None and len(n) <= 63 for n in (pool, job))
     assert b.is_own_manifest(theirs, spec(prefix=prefix), namespace, name) is own
     assert deletes(theirs, spec(prefix=prefix), namespace, name) is own
 
 
-MANIFEST_TAILS = st.sampled_from(["", ".json", "cpu.json", "a-1.json", "cpu", "cpu.json.tmp", "cpu/x.json", "Cpu.json",
+MANIFEST_TAILS = st.sampled_from(["", ".json", "cpu.json", "a-1.json", "cpu", "cpu.json.tmp", "cpu/x.json", "Cpu.json", "cpu/j-1.json", "cpu/x/j.json", "cpu/J.json", "cpu/.json",
                                   "-cpu.json", "cpu-.json", "c.p.json", "cpu.json/", f"jit_x-{HASH}-cache",
                                   f"jit_x-{HASH}-atime", f"sub/jit_x-{HASH}-cache", "x"])
 
@@ -394,8 +403,8 @@ def test_property_a_deletion_matches_only_entries_and_this_caches_manifests(
 ) -> None:
     """For any object name (many drawn at the edge: in this cache's manifest folder or
     another's, under the prefix or beside it): a deletion removes it only when it is a JAX
-    entry directly under the prefix, or exactly <folder>/<pool>.json of this cache for a
-    pool name that can be one."""
+    entry directly under the prefix, or exactly <folder>/<pool>/<job>.json (or the legacy
+    <folder>/<pool>.json) of this cache for pool and Job names that can be ones."""
     prefix, namespace, name = mine
     gcs = spec(prefix=prefix)
     heads = st.sampled_from([manifest_folder(*mine), manifest_folder(*other), gcs.object_prefix,
@@ -407,8 +416,8 @@ def test_property_a_deletion_matches_only_entries_and_this_caches_manifests(
         return
     folder = manifest_folder(*mine)
     tail = object_name[len(folder):] if object_name.startswith(folder) else None
-    manifest = tail is not None and tail.endswith(".json") and \
-        POOL_LABEL.fullmatch(tail.removesuffix(".json")) is not None
+    parts = tail.removesuffix(".json").split("/") if tail is not None and tail.endswith(".json") else []
+    manifest = 1 <= len(parts) <= 2 and all(POOL_LABEL.fullmatch(n) is not None and len(n) <= 63 for n in parts)
     entry = object_name.startswith(gcs.object_prefix) and "/" not in object_name[len(gcs.object_prefix):] and \
         object_name.endswith(("-cache", "-atime")) and re.search(r"-[0-9a-f]{64}-(cache|atime)$", object_name)
     assert manifest or entry, object_name
@@ -416,13 +425,16 @@ def test_property_a_deletion_matches_only_entries_and_this_caches_manifests(
 
 
 @settings(max_examples=300, deadline=None)
-@given(cache=CACHES, pool=st.from_regex(r"[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?", fullmatch=True))
+@given(cache=CACHES, pool=st.from_regex(r"[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?", fullmatch=True),
+       job=st.from_regex(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", fullmatch=True))
 def test_property_every_manifest_a_warmer_writes_is_removed_with_its_cache(cache: tuple[str, str, str],
-                                                                           pool: str) -> None:
-    """Any pool name the CRD allows (a DNS label of at most 20 characters)."""
+                                                                           pool: str, job: str) -> None:
+    """Any pool name the CRD allows (a DNS label of at most 20 characters), any Job name,
+    and the pool's legacy manifest (one per pool, before per-Job manifests)."""
     prefix, namespace, name = cache
-    assert deletes(placement.manifest_object(spec(prefix=prefix), namespace, name, pool), spec(prefix=prefix),
-                   namespace, name)
+    gcs = spec(prefix=prefix)
+    assert deletes(placement.manifest_object(gcs, namespace, name, pool, job), gcs, namespace, name)
+    assert deletes(placement.legacy_manifest_object(gcs, namespace, name, pool), gcs, namespace, name)
 
 
 # --- two operator instances on one bucket ----------------------------------------------------

@@ -25,6 +25,7 @@ import yaml
 from cachewarm.reconcile import cache as service
 from cachewarm.admission import admit
 from cachewarm.reconcile import configmaps
+from cachewarm.builders import placement
 from cachewarm.builders.reporting import Reporting
 from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.api.model import parse_spec
@@ -185,11 +186,15 @@ def test_operator_output_matches_the_golden_snapshot(name: str) -> None:
 def _admission(spec: dict[str, Any], pod_spec: dict[str, Any], status: dict[str, Any], *, warmed: bool,
                pythonpath: str | None) -> dict[str, Any]:
     # The ConfigMaps the operator verified (status.injection.configMaps, as its reconcile
-    # wrote them); a warmed cache's pools have the manifest generation their warmers reported.
+    # wrote them); a warmed cache's pools have the manifest (its warmer Job's object and the
+    # generation) their warmers reported.
     configmaps = (status.get("injection") or {}).get("configMaps") or {}
     pools = [p["name"] for p in (spec.get("warmup") or {}).get("pools") or []]
+    gcs = parse_spec(spec).storage.gcs
+    manifests = {p: f"{placement.manifest_object(gcs, NS, 'c-1', p, f'c-1-{p}-0123456789')}#{1700000000000000 + i}"
+                 for i, p in enumerate(pools)}
     entry = admit.index_entry(spec, generation=2, uid="u-1", warmed=warmed, image_pythonpath=pythonpath,
-                              manifests={p: str(1700000000000000 + i) for i, p in enumerate(pools)} if warmed else {},
+                              manifests=manifests if warmed else {},
                               env_configmap=configmaps.get("env"), boot_configmap=configmaps.get("boot"))
     pod = {"metadata": {"namespace": NS, "generateName": "train-", "labels": {"cachewarm.dev/cache": "c-1"}},
            "spec": json.loads(json.dumps(pod_spec))}

@@ -23,12 +23,15 @@ def entry(status: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_index_entry_takes_manifest_generations_and_verified_configmaps_from_status() -> None:
-    status = {"warmup": {"pools": [{"name": "a", "manifestGeneration": "17"}, {"name": "b"},
-                                   {"name": "c", "manifestGeneration": "17; rm -rf"}]},
+    obj = "llama/.cachewarm/pools/ml/llama/a/llama-a-1.json"
+    status = {"warmup": {"pools": [{"name": "a", "manifestGeneration": "17", "manifestObject": obj}, {"name": "b"},
+                                   {"name": "c", "manifestGeneration": "17; rm -rf", "manifestObject": obj},
+                                   {"name": "d", "manifestGeneration": "17"},  # no object: not trusted
+                                   {"name": "e", "manifestGeneration": "17", "manifestObject": "x.json#1,y.json"}]},
               "injection": {"configMaps": {"env": "cachewarm-llama-env-0123456789",
                                            "boot": "cachewarm-llama-boot-9876543210"}}}
     got = entry(status)
-    assert got["manifests"] == {"a": "17"}  # b: none reported; c: not a generation
+    assert got["manifests"] == {"a": f"{obj}#17"}  # b: none reported; c: not a generation; e: separators
     assert (got["env_configmap"], got["boot_configmap"]) == ("cachewarm-llama-env-0123456789",
                                                              "cachewarm-llama-boot-9876543210")
 

@@ -68,7 +68,7 @@ def test_h100_pool() -> None:
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
         "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true",
-        "CACHEWARM_MANIFEST": "gs://team-cache/llama/.cachewarm/pools/ml/llama/h100.json",
+        "CACHEWARM_MANIFEST": f"gs://team-cache/llama/.cachewarm/pools/ml/llama/h100/{meta['name']}.json",
     }
     [init] = pod["initContainers"]
     assert init["image"] == "cachewarm/warmer:0.1.0"
@@ -313,9 +313,10 @@ def test_warmers_run_as_the_writer_identity_when_one_is_named() -> None:
 
 
 def test_each_pools_warmer_is_told_where_its_manifest_goes() -> None:
-    """CACHEWARM_MANIFEST: the object the local copy reads for this pool (per namespace,
-    cache and pool), under the cache's prefix, or at the bucket root for a root cache; the
-    warmer reads the same name. A user's value for it does not move it."""
+    """CACHEWARM_MANIFEST: the object the local copy reads for this Job (per namespace,
+    cache, pool and Job: a re-warm writes another, never over it), under the cache's
+    prefix, or at the bucket root for a root cache; the warmer reads the same name. A
+    user's value for it does not move it."""
     assert warmer.MANIFEST_ENV == c.ENV_MANIFEST == "CACHEWARM_MANIFEST"
     pools = [{"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
              {"name": "v5p16", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x2"}}]
@@ -325,9 +326,12 @@ def test_each_pools_warmer_is_told_where_its_manifest_goes() -> None:
         names = [e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]]
         assert names.count("CACHEWARM_MANIFEST") == 1
         url = env(job)["CACHEWARM_MANIFEST"]
-        assert url == f"gs://team-cache/llama/.cachewarm/pools/ml/llama/{pool}.json"
-        assert url == placement.manifest_url(spec.storage.gcs, "ml", "llama", pool)
+        name = job["metadata"]["name"]
+        assert url == f"gs://team-cache/llama/.cachewarm/pools/ml/llama/{pool}/{name}.json"
+        assert url == placement.manifest_url(spec.storage.gcs, "ml", "llama", pool, name)
+        assert warmer.manifest_pool(url) == pool  # what the warmer writes into it
     root = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
         "image": "img", "targets": ["t:t"], "pools": [{"name": "cpu"}]}})
-    assert env(build(root))["CACHEWARM_MANIFEST"] == "gs://b-1/.cachewarm/pools/ml/llama/cpu.json"
+    built = build(root)
+    assert env(built)["CACHEWARM_MANIFEST"] == f"gs://b-1/.cachewarm/pools/ml/llama/cpu/{built['metadata']['name']}.json"
     kube.typed(build(spec))

@@ -32,8 +32,17 @@ POOLS = [
 WARMER = "cachewarm/warmer:0.1.0"
 # The ConfigMaps the operator verified (status.injection.configMaps), as the index has them.
 ENV_CM, BOOT_CM = "cachewarm-llama-env-0123456789", "cachewarm-llama-boot-abcdef0123"
-# The generation of each pool's manifest the operator recorded from its own warmers.
-MANIFESTS = {"cpu": "1700000000000001", "h100": "1700000000000002", "a100": "3", "v5p": "4"}
+
+def m(pool: str, generation: str, job: str | None = None, cache: str = "llama") -> str:
+    """`<object>#<generation>` of the manifest warmer Job `job` (default llama-<pool>-1)
+    of `pool` wrote, as the index has it (status.warmup.pools[].manifestObject and
+    manifestGeneration); written out, not computed by the code under test."""
+    return f"llama/.cachewarm/pools/team/{cache}/{pool}/{job or f'llama-{pool}-1'}.json#{generation}"
+
+
+# The manifest of each pool the operator recorded from its own warmers.
+MANIFESTS = {"cpu": m("cpu", "1700000000000001"), "h100": m("h100", "1700000000000002"), "a100": m("a100", "3"),
+             "v5p": m("v5p", "4")}
 
 
 def cache_spec(local: dict[str, Any] | None = None, report: bool = True, pools: list[dict[str, Any]] | None = None
@@ -131,7 +140,7 @@ def test_a_pod_with_a_local_copy_reads_it_and_the_copier_gets_its_pools_manifest
     assert {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache"} in copier["volumeMounts"]
     got = env(copier)
     assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the training container's env, as it reaches GCS
-    assert got["CACHEWARM_COPY_MANIFESTS"] == "llama/.cachewarm/pools/team/llama/h100.json#1700000000000002"
+    assert got["CACHEWARM_COPY_MANIFESTS"] == "llama/.cachewarm/pools/team/llama/h100/llama-h100-1.json#1700000000000002"
     assert (got["CACHEWARM_COPY_BUCKET"], got["CACHEWARM_COPY_PREFIX"], got["CACHEWARM_COPY_DEST"]) == (
         "team-cache", "llama", "/cachewarm-cache")
     assert got["CACHEWARM_COPY_MAX_BYTES"] == str(int(20 * 2**30 * 0.9))
@@ -224,21 +233,31 @@ def test_without_warmup_the_whole_prefix_is_copied() -> None:
 
 
 @pytest.mark.parametrize(("manifests", "expected"), [
-    pytest.param({"cpu": "1", "h100": "2", "a100": "3", "v5p": "4"},
-                 "llama/.cachewarm/pools/team/llama/h100.json#2,llama/.cachewarm/pools/team/llama/a100.json#3",
+    pytest.param({"cpu": m("cpu", "1"), "h100": m("h100", "2"), "a100": m("a100", "3"), "v5p": m("v5p", "4")},
+                 "llama/.cachewarm/pools/team/llama/h100/llama-h100-1.json#2,"
+                 "llama/.cachewarm/pools/team/llama/a100/llama-a100-1.json#3",
                  id="all-known"),
-    pytest.param({"a100": "3"}, "llama/.cachewarm/pools/team/llama/a100.json#3", id="one-known"),
-    pytest.param({"cpu": "1"}, "", id="another-pools-only"),  # set, empty: trusts nothing
+    pytest.param({"a100": m("a100", "3", job="llama-a100-77")}, "llama/.cachewarm/pools/team/llama/a100/llama-a100-77.json#3",
+                 id="one-known"),
+    pytest.param({"a100": "llama/.cachewarm/pools/team/llama/a100.json#3"},
+                 "llama/.cachewarm/pools/team/llama/a100.json#3", id="legacy-object-per-pool"),
+    pytest.param({"cpu": m("cpu", "1")}, "", id="another-pools-only"),  # set, empty: trusts nothing
     pytest.param({}, "", id="none-known"),
-    pytest.param({"h100": "2,x.json#9", "a100": "-3", "v5p": ""}, "", id="not-generations"),
-    pytest.param({"h100": "12345678901234567890", "a100": " 3"}, "", id="too-long-or-padded"),
+    pytest.param({"h100": m("h100", "2,x.json#9"), "a100": m("a100", "-3"), "v5p": m("v5p", "")}, "",
+                 id="not-generations"),
+    pytest.param({"h100": m("h100", "12345678901234567890"), "a100": m("a100", " 3")}, "", id="too-long-or-padded"),
+    pytest.param({"h100": "2", "a100": "#3"}, "", id="no-object"),
+    pytest.param({"h100": m("a100", "2"), "a100": m("a100", "3", cache="other")}, "", id="another-pools-or-caches-object"),
+    pytest.param({"h100": "x/../llama/.cachewarm/pools/team/llama/h100/j.json#2",
+                  "a100": "llama/.cachewarm/pools/team/llama/a100/j/k.json#3"}, "", id="not-a-warmers-name"),
 ])
 def test_the_copier_trusts_only_the_manifests_the_operator_recorded_pinned_to_their_generation(
         manifests: dict[str, str], expected: str) -> None:
     """D3: a GPU pod (either GPU pool) gets `<object>#<generation>` for each of its pools
-    whose generation the operator recorded from its own warmers; with none, the variable
-    set but empty (the copier copies nothing); anything that is not a decimal generation
-    is left out, never passed on (a ',' or '#' would make another item)."""
+    whose manifest the operator recorded from its own warmers; with none, the variable
+    set but empty (the copier copies nothing); anything that is not a decimal generation,
+    or whose object is not a name this cache's warmers of that pool write, is left out,
+    never passed on (a ',' or '#' would make another item)."""
     pod = training_pod()
     pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "8"
     for answer in (admit(pod, cache_spec({}), manifests=manifests),
@@ -548,7 +567,7 @@ def test_with_the_images_pythonpath_reported_the_copy_and_the_reporter_run_in_pr
     assert got["PYTHONPATH"] == "/cachewarm-boot:/app" and "CACHEWARM_RESTORE_IMAGE_PYTHONPATH" not in got
     assert got["CACHEWARM_COPY_IN_PROCESS"] == "1" and got["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
     assert got["CACHEWARM_COPY_DEST"] == "/cachewarm-copy" and got["CACHEWARM_COPY_BUCKET"] == "team-cache"
-    assert got["CACHEWARM_COPY_MANIFESTS"].split(",")[0] == "llama/.cachewarm/pools/team/llama/cpu.json#1700000000000001"
+    assert got["CACHEWARM_COPY_MANIFESTS"].split(",")[0] == "llama/.cachewarm/pools/team/llama/cpu/llama-cpu-1.json#1700000000000001"
     assert got["CACHEWARM_COPY_SUMMARY"] == got["CACHEWARM_LOCAL_COPY_SUMMARY"] == "/cachewarm-reporter/local-copy.json"
     assert got["CACHEWARM_REPORT_URL"] == "https://10.96.0.100/report/v1"
     assert got["STORAGE_EMULATOR_HOST"] == "http://gcs:9023"  # the pod's own env, which the copy uses as it runs

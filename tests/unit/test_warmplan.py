@@ -62,9 +62,16 @@ def service(pool: str) -> dict[str, Any]:
                          "labels": {"cachewarm.dev/warmer-for": NAME, "cachewarm.dev/pool": pool}}}
 
 
+def manifest(job_name: str, pool: str = "cpu") -> str:
+    """The object warmer Job `job_name` of `pool` writes its manifest at (the Job's
+    CACHEWARM_MANIFEST in bucket b-1), written out, not computed by the code under test."""
+    return f".cachewarm/pools/{NS}/{NAME}/{pool}/{job_name}.json"
+
+
 def job(name: str, pool: str = "cpu", state: str = "Running", *, generation: int = 2, deleting: bool = False,
-        image: str = "train:1", failed: str = STAMP) -> dict[str, Any]:
-    """A warmer Job as the apiserver lists it, in `state` as the Job controller says it."""
+        image: str = "train:1", failed: str = STAMP, manifest_url: str | None = None) -> dict[str, Any]:
+    """A warmer Job as the apiserver lists it, in `state` as the Job controller says it;
+    its container's CACHEWARM_MANIFEST is `manifest_url` (default: its own, as built)."""
     status: dict[str, Any] = {
         "Pending": {},
         "Running": {"active": 1, "startTime": STAMP},
@@ -80,7 +87,9 @@ def job(name: str, pool: str = "cpu", state: str = "Running", *, generation: int
                                                  "controller": True}]}
     if deleting:
         meta["deletionTimestamp"] = STAMP
-    return {"metadata": meta, "spec": {"template": {"spec": {"containers": [{"name": "warm", "image": image}]}}},
+    env = [{"name": "CACHEWARM_MANIFEST", "value": manifest_url or f"gs://b-1/{manifest(name, pool)}"}]
+    return {"metadata": meta, "spec": {"template": {"spec": {"containers": [{"name": "warm", "image": image,
+                                                                              "env": env}]}}},
             "status": status}
 
 
@@ -254,7 +263,7 @@ CASES: dict[str, Callable[[], Case]] = {
         context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
         steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached"),
                IGNORED("forger")],
-        pools=[{**WARM, "manifestGeneration": "17"}], warmed=(True, "Warmed")),
+        pools=[{**WARM, "manifestObject": manifest(J), "manifestGeneration": "17"}], warmed=(True, "Warmed")),
     "only-a-forged-pod-says-nothing-of-it": lambda: Case(
         FORGED, C, jobs=[job(J, state="Succeeded")], pods={J: []}, forged={J: [pod("node-x", FORGERY, name="f")]},
         previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
@@ -266,7 +275,32 @@ CASES: dict[str, Callable[[], Case]] = {
     "a-forged-pod-of-a-running-job-is-not-read-nor-said": lambda: Case(
         FORGED, C, jobs=[job(J)], pods={J: []}, forged={J: [pod("node-x", FORGERY, name="f")]}, previous=[pending(C)],
         pools=[{"name": "cpu", "job": J, "specHash": H, "state": "Running", "startTime": STAMP, "attempt": 1}]),
-    # --- The manifest's generation (D3): recorded as reported, kept while the pool re-warms
+    # --- The manifest's generation (D3): recorded as reported, with the object the Job
+    # writes (one per Job, from the Job, not the summary), both kept while the pool re-warms
+    "manifest-generation-recorded-with-the-jobs-own-object": lambda: Case(
+        "", C, jobs=[job(J, state="Succeeded")],
+        pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "17", "manifestObject": "forged.json"})]},
+        previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached")],
+        pools=[{**WARM, "manifestObject": manifest(J), "manifestGeneration": "17"}], warmed=(True, "Warmed")),
+    "manifest-generation-of-a-job-writing-elsewhere-is-not-recorded": lambda: Case(
+        "", C, jobs=[job(J, state="Succeeded", manifest_url=f"gs://other-bucket/{manifest(J)}")],
+        pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "17"})]},
+        previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached")],
+        pools=[WARM], warmed=(True, "Warmed")),
+    "manifest-generation-of-another-pools-object-is-not-recorded": lambda: Case(
+        "", C, jobs=[job(J, state="Succeeded", manifest_url=f"gs://b-1/{manifest(J, 'h100')}")],
+        pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "17"})]},
+        previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J} finished: 2 entries written, 0 already cached")],
+        pools=[WARM], warmed=(True, "Warmed")),
+    "manifest-generation-before-per-job-objects-kept-with-the-pools-one": lambda: Case(
+        REWARMS, NEW_IMAGE, jobs=[job(J, state="Succeeded")], previous=[{**WARM, "manifestGeneration": "17"}],
+        context={"cache_entries": 2, "warmed_before": True},
+        steps=[("create Job", J2, "WarmerCreated", f"Created warmer Job {J2} for pool cpu")],
+        pools=[pending(NEW_IMAGE, manifestObject=f".cachewarm/pools/{NS}/{NAME}/cpu.json", manifestGeneration="17")],
+        warmed=(True, "Rewarming")),
     "manifest-generation-not-decimal-is-not-recorded": lambda: Case(
         "", C, jobs=[job(J, state="Succeeded")], pods={J: [pod(summary={**SUMMARY, "manifestGeneration": "1e9"})]},
         previous=[pending(C)], context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
@@ -274,17 +308,18 @@ CASES: dict[str, Callable[[], Case]] = {
         pools=[{**WARM, "message": "Ignored invalid fields of the warmer's summary: manifestGeneration"}],
         warmed=(True, "Warmed")),
     "manifest-generation-kept-while-rewarming": lambda: Case(
-        REWARMS, NEW_IMAGE, jobs=[job(J, state="Succeeded")], previous=[{**WARM, "manifestGeneration": "17"}],
+        REWARMS, NEW_IMAGE, jobs=[job(J, state="Succeeded")],
+        previous=[{**WARM, "manifestObject": manifest(J), "manifestGeneration": "17"}],
         context={"cache_entries": 2, "warmed_before": True},
         steps=[("create Job", J2, "WarmerCreated", f"Created warmer Job {J2} for pool cpu")],
-        pools=[pending(NEW_IMAGE, manifestGeneration="17")], warmed=(True, "Rewarming")),
+        pools=[pending(NEW_IMAGE, manifestObject=manifest(J), manifestGeneration="17")], warmed=(True, "Rewarming")),
     "manifest-generation-replaced-by-the-new-warmers": lambda: Case(
         REWARMS, NEW_IMAGE, jobs=[job(J2, state="Succeeded", image="train:2")],
         pods={J2: [pod(summary={**SUMMARY, "manifestGeneration": "18"})]},
-        previous=[pending(NEW_IMAGE, manifestGeneration="17")],
+        previous=[pending(NEW_IMAGE, manifestObject=manifest(J), manifestGeneration="17")],
         context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"}), "warmed_before": True},
         steps=[("Normal", "WarmerSucceeded", f"Warmer Job {J2} finished: 2 entries written, 0 already cached")],
-        pools=[{**WARM, "job": J2, "specHash": digest(NEW_IMAGE), "manifestGeneration": "18",
+        pools=[{**WARM, "job": J2, "specHash": digest(NEW_IMAGE), "manifestObject": manifest(J2), "manifestGeneration": "18",
                 "imagePythonPath": {"image": "train:2", "value": "/app"}}], warmed=(True, "Warmed")),
     # --- A new program: a new Job, the old one stopped first ---------------------------
     "image-change-after-a-finished-warm": lambda: Case(

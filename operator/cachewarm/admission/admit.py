@@ -27,8 +27,9 @@ def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, wa
     invalid), whether it is Warmed, whether it is refused (BucketReady reason in
     REFUSED: no pod is held for it), the PYTHONPATH the warmup's image sets, as its
     warmers reported it (reconcile/warmup.image_pythonpath; None: not known), the
-    generation of each pool's manifest its own warmers wrote (`manifests`, pool name ->
-    decimal generation, status.warmup.pools[].manifestGeneration), and the env and boot
+    manifest of each pool its own warmers wrote (`manifests`, pool name ->
+    `<object>#<generation>`, status.warmup.pools[].manifestObject and manifestGeneration),
+    and the env and boot
     ConfigMaps the operator verified (status.injection.configMaps; None: none verified,
     and the webhook references none)."""
     try:

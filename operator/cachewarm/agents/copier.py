@@ -41,7 +41,7 @@ pod's token from the metadata server (GKE Workload Identity).
   manifest rewritten since by whoever can write the bucket is not followed; an item without
   a generation is not read at all (counted, `manifestsUntrusted`), nor is a version-1
   manifest (it carries no digests; `manifestsRefused`). A manifest
-  (`<prefix>.cachewarm/pools/<namespace>/<cache>/<pool>.json`, version 2: `{"version": 2,
+  (`<prefix>.cachewarm/pools/<namespace>/<cache>/<pool>/<job>.json`, version 2: `{"version": 2,
   "entries": [{"name": "<program>-<sha256>-cache", "size": N, "md5": "<GCS md5Hash>",
   "generation": "<decimal>"}], ...}`) gives each entry's size, MD5 and generation, and the
   copier takes those, not the listing's: each entry is downloaded at that generation, at

@@ -19,7 +19,7 @@ target compiled and at least one program was compiled or found in the cache; 1 w
 target failed; 2 when nothing ended up in the cache (nothing compiled, or every program
 below the cache's size/time thresholds, or no cache directory).
 
-Manifest ($CACHEWARM_MANIFEST, a gs:// URL the operator sets per pool): process 0 writes
+Manifest ($CACHEWARM_MANIFEST, a gs:// URL the operator sets per warmer Job): process 0 writes
 there the entries the warm relied on, for training pods' local copies, or removes it when
 it cannot name them (an entrypoint in a child process). Never fatal. Version 2 (issue 28):
 each entry with its size, GCS's md5Hash and generation, read from GCS after the warm (an
@@ -274,9 +274,10 @@ def refresh_last_use(url: str, keys: Iterable[str]) -> dict[str, Any]:
 
 
 def manifest_pool(url: str) -> str:
-    """The pool a manifest is for: its object's name without .json (the operator names it
-    <...>/pools/<namespace>/<cache>/<pool>.json)."""
-    return url.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+    """The pool a manifest is for: the folder its object is in (the operator names it
+    <...>/pools/<namespace>/<cache>/<pool>/<job>.json, one per warmer Job)."""
+    parts = url.rstrip("/").split("/")
+    return parts[-2] if len(parts) > 1 else ""
 
 
 def _md5_base64(data: bytes) -> str:

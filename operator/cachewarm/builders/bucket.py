@@ -30,7 +30,7 @@ from typing import Any
 
 from cachewarm.api import constants as c
 from cachewarm.api.bucket import BucketInfo
-from cachewarm.builders.placement import manifest_object
+from cachewarm.builders.placement import is_pool_manifest, manifest_folder
 from cachewarm.api.model import GcsStorage
 
 DAY = 86_400
@@ -414,12 +414,12 @@ def is_cache_entry(object_name: str, gcs: GcsStorage) -> bool:
 
 
 def is_own_manifest(object_name: str, gcs: GcsStorage, namespace: str, name: str) -> bool:
-    """True for the manifest of one of this cache's pools: exactly the name its warmers
-    write (builders/placement.manifest_object), for a pool name that can be one. Never
-    another cache's (its namespace and name are in the name), nor anything else in the
-    folder."""
-    folder = manifest_object(gcs, namespace, name, "").removesuffix(".json")
+    """True for a manifest of one of this cache's pools: exactly a name its warmers write
+    (builders/placement.manifest_object, one per Job, or the legacy one per pool), for pool
+    and Job names that can be ones. Never another cache's (its namespace and name are in the
+    name), nor anything else in the folder."""
+    folder = manifest_folder(gcs, namespace, name)
     if not object_name.startswith(folder) or not object_name.endswith(".json"):
         return False
-    pool = object_name[len(folder):].removesuffix(".json")
-    return POOL_NAME.fullmatch(pool) is not None and manifest_object(gcs, namespace, name, pool) == object_name
+    pool = object_name[len(folder):].removesuffix(".json").split("/", 1)[0]
+    return POOL_NAME.fullmatch(pool) is not None and is_pool_manifest(object_name, gcs, namespace, name, pool)

@@ -127,9 +127,10 @@ def warmer_env(cache: CacheSpec, *, cache_name: str, namespace: str, pool: Pool,
     env: list[dict[str, Any]] = [
         *cache_env(cache, "warmer"),
         *({"name": e.name, "value": e.value} for e in warmup.env if e.name != c.ENV_MANIFEST),
-        # Where process 0 writes the entries the warm relied on, for pods' local copies.
-        # Not in spec_hash: where the manifest goes does not change the program.
-        {"name": c.ENV_MANIFEST, "value": manifest_url(cache.storage.gcs, namespace, cache_name, pool.name)},
+        # Where process 0 writes the entries the warm relied on, for pods' local copies:
+        # an object of this Job's own (`name`), never rewritten by a later warm. Not in
+        # spec_hash: where the manifest goes does not change the program.
+        {"name": c.ENV_MANIFEST, "value": manifest_url(cache.storage.gcs, namespace, cache_name, pool.name, name)},
     ]
     if hosts > 1:
         # Pod <job>-<index> in the pool's Service; process 0 hosts the coordinator.

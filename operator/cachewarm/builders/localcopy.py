@@ -20,7 +20,7 @@ from cachewarm.api import constants as c
 from cachewarm.builders import reporting as reporter
 from cachewarm.builders.injection import boot_configmap_name as boot_configmap_name
 from cachewarm.builders.injection import cache_configmap, configmap_hash
-from cachewarm.builders.placement import manifest_object, placement
+from cachewarm.builders.placement import is_pool_manifest, placement
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.api.model import CacheSpec, GcsStorage, LocalCopy, Pool
 
@@ -161,16 +161,22 @@ def volume(local: LocalCopy) -> dict[str, Any]:
 def pinned_manifests(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str],
                      manifests: Mapping[str, str] | None) -> str | None:
     """CACHEWARM_COPY_MANIFESTS (D3): `<object>#<generation>` for each of `pools` whose
-    manifest generation the operator recorded from its own warmers (`manifests`, pool ->
-    decimal generation; anything else there is not a generation and is left out), comma
-    separated; "" (set, empty: the copier trusts nothing and copies nothing) when the
-    cache has warmup pools and none of these is known; None (unset: the copier copies the
-    prefix, trusting whoever can write the bucket) for a cache without warmup."""
+    manifest the operator recorded from its own warmers (`manifests`, pool ->
+    `<object>#<generation>` as status.warmup.pools[].manifestObject and manifestGeneration
+    hold them; a value whose object is not a name this cache's warmers of that pool write,
+    or whose generation is not one, is left out), comma separated; "" (set, empty: the
+    copier trusts nothing and copies nothing) when the cache has warmup pools and none of
+    these is known; None (unset: the copier copies the prefix, trusting whoever can write
+    the bucket) for a cache without warmup."""
     if cache.warmup is None:
         return None
     known = manifests or {}
-    return ",".join(f"{manifest_object(cache.storage.gcs, namespace, cache_name, p)}#{known[p]}"
-                    for p in pools if GENERATION.fullmatch(str(known.get(p, ""))))
+    pinned = []
+    for pool in pools:
+        obj, _, generation = str(known.get(pool, "")).rpartition("#")
+        if GENERATION.fullmatch(generation) and is_pool_manifest(obj, cache.storage.gcs, namespace, cache_name, pool):
+            pinned.append(f"{obj}#{generation}")
+    return ",".join(pinned)
 
 
 def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequence[str],

@@ -5,6 +5,8 @@ by the warmer Job and the local copy's builders alike. Pure.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from cachewarm.api.model import GcsStorage, Pool
@@ -60,15 +62,48 @@ def placement(pool: Pool) -> tuple[dict[str, str], list[dict[str, Any]], dict[st
 MANIFEST_DIR = ".cachewarm/pools"
 
 
-def manifest_object(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
-    """The object name (in the cache's bucket) of the manifest the warmer of `pool` writes:
-    the entries its last warm relied on. Beside the entries, under the cache's prefix, but
-    in a sub-folder, so neither JAX, nor the lifecycle rule (entries directly under the
-    prefix, by suffix), nor the copier's listing of entries (matchGlob `<prefix>*`) sees it;
-    per namespace and cache, so two caches that share a prefix keep their own."""
-    return f"{storage.object_prefix}{MANIFEST_DIR}/{namespace}/{cache_name}/{pool}.json"
+def manifest_object(storage: GcsStorage, namespace: str, cache_name: str, pool: str, job: str) -> str:
+    """The object name (in the cache's bucket) of the manifest warmer Job `job` of `pool`
+    writes: the entries its warm relied on. One object per Job, never rewritten by a later
+    warm (a retry of the same Job writes the same name), so a pod whose copier was pinned
+    to it before a re-warm still finds it on a bucket without object versioning. Beside
+    the entries, under the cache's prefix, but in a sub-folder, so neither JAX, nor the
+    lifecycle rule (entries directly under the prefix, by suffix), nor the copier's listing
+    of entries (matchGlob `<prefix>*`) sees it; per namespace and cache, so two caches that
+    share a prefix keep their own."""
+    return f"{manifest_folder(storage, namespace, cache_name)}{pool}/{job}.json"
 
 
-def manifest_url(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
+def manifest_folder(storage: GcsStorage, namespace: str, cache_name: str) -> str:
+    """The folder (ends in /) of one cache's manifests: `<pool>/<job>.json` under it, and
+    `<pool>.json` as warmers before per-Job manifests wrote them (legacy_manifest_object)."""
+    return f"{storage.object_prefix}{MANIFEST_DIR}/{namespace}/{cache_name}/"
+
+
+def legacy_manifest_object(storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> str:
+    """The one manifest per pool that warmers wrote before per-Job manifests (rewritten in
+    place by each warm): still read for a Job that was created with it, and deleted with the
+    cache's data."""
+    return f"{manifest_folder(storage, namespace, cache_name)}{pool}.json"
+
+
+# A pool's or a Job's name: a DNS label (what a Kubernetes name in the manifest's path can be).
+DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def is_pool_manifest(object_name: str, storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> bool:
+    """True for exactly a name a warmer Job of this cache's `pool` writes its manifest at
+    (manifest_object, for a Job name that can be one), or the pool's legacy one
+    (legacy_manifest_object); nothing else in the folder, nor another cache's or pool's."""
+    if object_name == legacy_manifest_object(storage, namespace, cache_name, pool):
+        return True
+    folder = f"{manifest_folder(storage, namespace, cache_name)}{pool}/"
+    if not object_name.startswith(folder) or not object_name.endswith(".json"):
+        return False
+    job = object_name[len(folder):].removesuffix(".json")
+    return DNS_LABEL.fullmatch(job) is not None and manifest_object(storage, namespace, cache_name, pool, job) == object_name
+
+
+def manifest_url(storage: GcsStorage, namespace: str, cache_name: str, pool: str, job: str) -> str:
     """manifest_object as a gs:// URL (what the warmer writes with gcsfs)."""
-    return f"gs://{storage.bucket}/{manifest_object(storage, namespace, cache_name, pool)}"
+    return f"gs://{storage.bucket}/{manifest_object(storage, namespace, cache_name, pool, job)}"

@@ -30,7 +30,7 @@ from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec, Pool, Warmup
 from cachewarm.builders import job as jobs
-from cachewarm.builders.placement import pool_shape
+from cachewarm.builders.placement import is_pool_manifest, legacy_manifest_object, pool_shape
 from cachewarm.builders.tpu import TpuShapeError
 
 ACTIVE_STATES = ("Pending", "Running")
@@ -258,6 +258,9 @@ def _pythonpath(value: Any) -> str | None:
 
 
 MANIFEST_GENERATION = re.compile(r"[0-9]{1,20}")  # the CRD's pattern: a GCS generation (int64), in decimal
+# The CRD's pattern for manifestObject: a GCS object name ending .json, with no "#" or ","
+# (CACHEWARM_COPY_MANIFESTS' separators) and no control characters; at most 1024 bytes.
+MANIFEST_OBJECT = re.compile(r"[^#,\x00-\x1f\x7f]{1,1019}\.json")
 
 
 def manifest_generation(value: Any) -> str | None:
@@ -269,12 +272,14 @@ def manifest_generation(value: Any) -> str | None:
 
 def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | None,
                 summaries: Sequence[Mapping[str, Any]], pods: PodsView | None = None, *,
-                env_sets_pythonpath: bool = False) -> dict[str, Any]:
+                env_sets_pythonpath: bool = False, manifest: str | None = None) -> dict[str, Any]:
     """One entry of status.warmup.pools. Only process 0 of a multi-host warmer writes cache
     entries, so entries and bytes are process 0's (each entry counted once); the compile
     time is the slowest host's; errors are every host's. `imagePythonPath` is process 0's
     PYTHONPATH, the image's own, unless `env_sets_pythonpath` (spec.warmup.env sets one,
-    so the warmer saw that): then none is recorded."""
+    so the warmer saw that): then none is recorded. `manifest` is the object the Job's
+    warmer writes its manifest at (job_manifest): a reported manifestGeneration is recorded
+    only with it, as manifestObject."""
     state = _job_state(job) if job is not None else "Pending"
     jstatus = (job or {}).get("status") or {}
     out: dict[str, Any] = {"name": pool.name, "job": name, "specHash": digest, "state": state}
@@ -291,6 +296,9 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
     parsed = [parse_summary(s) for s in summaries]
     if parsed:
         out.update(_summary_status(parsed, job, pods, env_sets_pythonpath))
+        generation = out.pop("manifestGeneration", None)
+        if generation is not None and manifest is not None:
+            out.update(manifestObject=manifest, manifestGeneration=generation)
     errors = [e for one, _ in parsed for e in one.errors]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
@@ -695,7 +703,9 @@ def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
     steps += [DeleteService(s) for s in services_to_delete(view.services, keep, untouchable)]
     pools = [d.entry for d in decided if d.entry is not None]
     for entry in pools:
-        _keep_manifest(entry, ctx.previous_of(str(entry.get("name"))))
+        name = str(entry.get("name"))
+        _keep_manifest(entry, ctx.previous_of(name),
+                       legacy_manifest_object(ctx.cache.storage.gcs, ctx.namespace, ctx.name, name))
     slot = scheduled_slot(ctx.cache, ctx.now)
     if slot is not None:
         # The slot each pool's current warmer is for (the slot is part of its hash), so the
@@ -707,14 +717,32 @@ def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
     return WarmPlan(tuple(steps), pools, warmed_condition(pools, ctx.cache_entries, ctx.warmed_before, ctx.entry_keys))
 
 
-def _keep_manifest(entry: dict[str, Any], prev: Mapping[str, Any]) -> None:
-    """A pool's manifestGeneration stays the last one its own warmer reported until a
-    later warmer of the pool reports another: pods keep their copy while it re-warms (the
-    object at that generation is what our warmer wrote; once overwritten, the copier finds
-    no object at it and copies nothing)."""
+def _keep_manifest(entry: dict[str, Any], prev: Mapping[str, Any], legacy: str) -> None:
+    """A pool's manifestObject and manifestGeneration stay, together, the last ones its own
+    warmer reported until a later warmer of the pool reports others: pods keep their copy
+    while it re-warms (each Job writes its own object, so the one at that generation stays
+    in the bucket). A generation recorded before manifestObject existed was one of the
+    pool's single manifest, rewritten in place (`legacy`): it is kept with that name."""
     kept = manifest_generation(prev.get("manifestGeneration"))
-    if kept is not None and "manifestGeneration" not in entry:
+    kept_object = prev.get("manifestObject", legacy if kept is not None else None)
+    if kept is not None and isinstance(kept_object, str) and "manifestGeneration" not in entry:
+        entry["manifestObject"] = kept_object
         entry["manifestGeneration"] = kept
+
+
+def job_manifest(ctx: WarmContext, pool: str, job: Mapping[str, Any]) -> str | None:
+    """The object the warmer Job `job` (as read from the cluster) writes its manifest at:
+    its container's CACHEWARM_MANIFEST, if that is one of the names this cache's warmers of
+    `pool` write in its bucket (None otherwise: nothing is then recorded for it)."""
+    template = ((job.get("spec") or {}).get("template") or {}).get("spec") or {}
+    prefix = f"gs://{ctx.cache.storage.gcs.bucket}/"
+    for container in template.get("containers") or []:
+        for env in container.get("env") or []:
+            value = env.get("value") if env.get("name") == c.ENV_MANIFEST else None
+            if isinstance(value, str) and value.startswith(prefix) and is_pool_manifest(
+                    value[len(prefix):], ctx.cache.storage.gcs, ctx.namespace, ctx.name, pool):
+                return value[len(prefix):]
+    return None
 
 
 def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[str, Any]]]) -> PoolDecision:
@@ -823,7 +851,8 @@ def _results(ctx: WarmContext, a: Aim, current: Mapping[str, Any], state: str,
     owned, others = owned_pods(current, pods)
     summaries = read_summaries(owned) if state not in ACTIVE_STATES else []
     status = pool_status(a.job, a.pool, a.digest, current, summaries, read_pods(owned),
-                         env_sets_pythonpath=any(e.name == "PYTHONPATH" for e in ctx.warmup.env))
+                         env_sets_pythonpath=any(e.name == "PYTHONPATH" for e in ctx.warmup.env),
+                         manifest=job_manifest(ctx, a.pool.name, current))
     status["attempt"] = a.attempt
     if state == "Failed":
         status, _ = plan_retry(status, a.attempt, failed_at(current) or ctx.now, ctx.retry, ctx.now)

@@ -21,7 +21,7 @@ from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec
 from cachewarm.clients.kube import KubeClient
-from cachewarm.reconcile.warmplan import (ACTIVE_STATES, BUCKET_VERDICTS, Create, DeleteJob, DeleteService, WarmContext,
+from cachewarm.reconcile.warmplan import (ACTIVE_STATES, BUCKET_VERDICTS, MANIFEST_OBJECT, Create, DeleteJob, DeleteService, WarmContext,
                                           WarmPlan, WarmRetry, WarmView, image_pythonpath, last_slot,
                                           manifest_generation, missing_entries,
                                           next_scheduled_warm, next_slot, plan_warmup, results_to_read, rewarm_token,
@@ -29,7 +29,7 @@ from cachewarm.reconcile.warmplan import (ACTIVE_STATES, BUCKET_VERDICTS, Create
 
 # What the rest of the operator imports from here (the decisions live in warmplan).
 __all__ = ["ACTIVE_STATES", "BUCKET_VERDICTS", "WarmRetry", "WarmupOutcome", "apply_plan", "image_pythonpath",
-           "last_slot", "manifest_generations", "missing_entries", "next_scheduled_warm", "next_slot", "observe_warmers", "reconcile_warmup",
+           "last_slot", "recorded_manifests", "missing_entries", "next_scheduled_warm", "next_slot", "observe_warmers", "reconcile_warmup",
            "release_waiting_pods", "rewarm_token", "warmed_condition"]
 
 
@@ -44,14 +44,17 @@ class WarmupOutcome:
         return any(p.get("state") in ACTIVE_STATES for p in self.pools)
 
 
-def manifest_generations(pools: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """Pool name -> the generation of its manifest, from status.warmup.pools (those with a
-    valid one only; the webhook gives pods' copiers these and no other)."""
+def recorded_manifests(pools: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Pool name -> `<object>#<generation>` of its manifest, from status.warmup.pools
+    (manifestObject and manifestGeneration, those with both valid only; the webhook gives
+    pods' copiers these and no other, after checking the object is one of the pool's)."""
     out: dict[str, str] = {}
     for pool in pools:
         generation = manifest_generation(pool.get("manifestGeneration"))
-        if generation is not None and isinstance(pool.get("name"), str):
-            out[pool["name"]] = generation
+        obj = pool.get("manifestObject")
+        if (generation is not None and isinstance(pool.get("name"), str) and isinstance(obj, str)
+                and MANIFEST_OBJECT.fullmatch(obj)):
+            out[pool["name"]] = f"{obj}#{generation}"
     return out
 
 

@@ -71,7 +71,7 @@ def index_caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.M
                                                    refused=bucket.get("reason") in REFUSED,
                                                    image_pythonpath=warmups.image_pythonpath(
                                                        pools, str((spec.get("warmup") or {}).get("image") or "")),
-                                                   manifests=warmups.manifest_generations(pools),
+                                                   manifests=warmups.recorded_manifests(pools),
                                                    env_configmap=_name(configmaps.get("env")),
                                                    boot_configmap=_name(configmaps.get("boot")))}
 
