@@ -51,10 +51,14 @@ POOLS: list[tuple[str, dict[str, Any], int, dict[str, Any] | None]] = [
 
 
 @pytest.fixture(scope="module")
-def admin_client(installed: Testbed) -> Iterator[KubeClient]:
-    """The operator's KubeClient, talking to the testbed as admin."""
+def operator_client(installed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClient]:
+    """The operator's KubeClient, talking to the testbed as the operator's ServiceAccount:
+    manifests/policy/warmer_jobs.yaml refuses a Job with a CompilationCache as controller to
+    anyone else, the testbed's admin included."""
+    kubeconfig = installed.service_account_kubeconfig("cachewarm-system", "cachewarm-operator",
+                                                      tmp_path_factory.mktemp("objects") / "kubeconfig")
     configuration = client.Configuration()
-    config.load_kube_config(config_file=str(installed.kubeconfig),  # type: ignore[no-untyped-call]
+    config.load_kube_config(config_file=str(kubeconfig),  # type: ignore[no-untyped-call]
                             client_configuration=configuration)
     api = client.ApiClient(configuration)
     yield KubeClient(api)
@@ -80,14 +84,14 @@ def objects(namespace: str, pool: dict[str, Any], mode: dict[str, Any]) -> list[
                          ids=["targets", "command"])
 @pytest.mark.parametrize(("pool", "hosts", "resources"), [pytest.param(p, h, r, id=i) for i, p, h, r in POOLS])
 def test_builder_objects_pass_the_client_and_the_apiserver(
-    admin_client: KubeClient, namespace: str, pool: dict[str, Any], hosts: int, resources: dict[str, Any] | None,
+    operator_client: KubeClient, namespace: str, pool: dict[str, Any], hosts: int, resources: dict[str, Any] | None,
     mode: dict[str, Any],
 ) -> None:
     built = objects(namespace, pool, mode)
     assert [o["kind"] for o in built] == (["Service", "Job"] if hosts > 1 else ["Job"])
     stored = {}
     for obj in built:
-        answer = admin_client.create(obj, dry_run=True)
+        answer = operator_client.create(obj, dry_run=True)
         assert answer is not None, f"{obj['kind']} {obj['metadata']['name']} reported as existing"
         assert answer["kind"] == obj["kind"] and answer["metadata"]["name"] == obj["metadata"]["name"]
         stored[obj["kind"]] = answer
@@ -123,7 +127,7 @@ def test_builder_objects_pass_the_client_and_the_apiserver(
         assert toleration in pod["tolerations"]
 
 
-def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: KubeClient, namespace: str) -> None:
+def test_the_longest_names_leave_every_pod_hostname_a_dns_label(operator_client: KubeClient, namespace: str) -> None:
     # The CRD's longest cache (52) and pool (20) names, and the most hosts a pool can have:
     # the table's largest slice, or the CRD's maximum for an explicit hosts.
     cache_name, pool_name = "c" * 52, "p" * 20
@@ -140,7 +144,7 @@ def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: Ku
     for obj in [jb.headless_service(cache_name, namespace, pool, OWNER),
                 jb.warmer_job(spec, cache_name=cache_name, namespace=namespace, pool=pool,
                               digest=jb.spec_hash(spec, pool), owner=OWNER, warmer_image="w:1")]:
-        answer = admin_client.create(obj, dry_run=True)
+        answer = operator_client.create(obj, dry_run=True)
         assert answer is not None
         if answer["kind"] == "Job":
             job = answer["metadata"]["name"]
@@ -151,12 +155,12 @@ def test_the_longest_names_leave_every_pod_hostname_a_dns_label(admin_client: Ku
             assert len(answer["metadata"]["name"]) <= 63
 
 
-def test_an_object_the_client_would_refuse_is_a_kube_error(admin_client: KubeClient, namespace: str) -> None:
+def test_an_object_the_client_would_refuse_is_a_kube_error(operator_client: KubeClient, namespace: str) -> None:
     [job] = objects(namespace, {"name": "h100", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
                     {"targets": ["train.warm:targets"]})
     job["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 8}}
     with pytest.raises(KubeError) as refused:
-        admin_client.create(job, dry_run=True)
+        operator_client.create(job, dry_run=True)
     assert refused.value.reason == "InvalidObject"
     assert "nvidia.com/gpu" in str(refused.value)
 

@@ -401,6 +401,70 @@ def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
     assert len(ignored) == 1 and ignored[0]["type"] == "Warning" and "forger" in ignored[0]["message"]
 
 
+def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """The warmer Job's name is deterministic, and anyone who may create Jobs in the
+    namespace can make one of it before the operator does, with the warmer's labels, a
+    generation annotation far ahead, and a pod (the Job's own, so the pod check passes) that
+    ends with forged results. Claiming the cache as the Job's controller is refused by the
+    apiserver (manifests/policy/warmer_jobs.yaml), at create and at a later patch, even to the
+    testbed's admin. The ownerless Job is then made and runs to completion; once the cache
+    exists, the operator does not read it: it stops it (one Warning WarmerJobNotOurs), makes
+    its own Job of that name (the cache its controller), and status holds the real warm."""
+    bed = controller_manager
+    body = warm_cache("squat", f"squat-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]})
+    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+                          input=yaml.safe_dump(body))
+    assert dry.returncode == 0, dry.stderr
+    cache = parse_spec(json.loads(dry.stdout)["spec"])
+    assert cache.warmup is not None
+    name = job_name("squat", cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
+    big = 10**12
+    forgery = {"processIndex": 0, "entriesFound": 0, "entriesWritten": big, "bytesWritten": big, "compileSeconds": big,
+               "keys": ["f" * 16], "keyCount": 1, "imagePythonPath": "/forged",
+               "manifestGeneration": "666", "fingerprint": {"platform": "forged"}, "errors": []}
+    write = f"open('/dev/termination-log', 'w').write({json.dumps(forgery)!r})"
+    squatter: dict[str, Any] = {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "labels": {"cachewarm.dev/warmer-for": "squat", "cachewarm.dev/pool": "cpu"},
+                     "annotations": {"cachewarm.dev/generation": "999"},
+                     "ownerReferences": [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
+                                          "name": "squat", "uid": str(uuid.uuid4()), "controller": True}]},
+        "spec": {"backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never", "containers": [
+            {"name": "warm", "image": "demo/train:1", "command": ["python", "-c", write],
+             "env": [{"name": "CACHEWARM_MANIFEST", "value": f"gs://{body['spec']['storage']['gcs']['bucket']}/x"}]}]}}}}
+    claimed = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(squatter))
+    assert claimed.returncode != 0 and "names a CompilationCache as its controller" in claimed.stderr, claimed.stderr
+    assert bed.get_json("job", name, namespace) is None
+    cache_ref = squatter["metadata"].pop("ownerReferences")
+    made = bed.kubectl_run("create", "-n", namespace, "-o", "json", "-f", "-", input=yaml.safe_dump(squatter))
+    assert made.returncode == 0, made.stderr
+    squatter_uid = json.loads(made.stdout)["metadata"]["uid"]
+    patched = bed.kubectl_run("patch", "job", name, "-n", namespace, "--type=merge",
+                              "-p", json.dumps({"metadata": {"ownerReferences": cache_ref}}))
+    assert patched.returncode != 0 and "names a CompilationCache as its controller" in patched.stderr, patched.stderr
+    eventually(lambda: any(c.get("type") == "Complete" and c.get("status") == "True" for c in
+                           ((bed.get_json("job", name, namespace) or {}).get("status") or {}).get("conditions") or []),
+               timeout=120, what="the squatting Job completed with its forged results")
+
+    bed.apply(body, namespace)
+    obj = wait_warmed(bed, namespace, "squat")
+    [job] = jobs(bed, namespace, "squat")
+    meta = job["metadata"]
+    assert meta["name"] == name and meta["uid"] != squatter_uid
+    [controller] = [r for r in meta["ownerReferences"] if r.get("controller")]
+    assert (controller["kind"], controller["uid"]) == ("CompilationCache", obj["metadata"]["uid"])
+    [pool] = obj["status"]["warmup"]["pools"]
+    assert pool["job"] == name and pool["state"] == "Succeeded"
+    assert pool["entriesWritten"] < big and pool["bytesWritten"] < big and pool["compileSeconds"] < big
+    assert "f" * 16 not in pool["keys"] and pool["fingerprint"]["platform"] == "cpu"
+    assert pool.get("imagePythonPath", {}).get("value") != "/forged" and pool.get("manifestGeneration") != "666"
+    stopped = [e for e in bed.events_for("squat", namespace) if e["reason"] == "WarmerJobNotOurs"]
+    assert len(stopped) == 1 and stopped[0]["type"] == "Warning" and name in stopped[0]["message"], stopped
+    assert stopped[0].get("count", 1) == 1 and stopped[0]["involvedObject"]["uid"] == obj["metadata"]["uid"]
+
+
 def test_the_apiserver_refuses_a_pod_that_claims_a_warmer_job_as_its_controller(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:

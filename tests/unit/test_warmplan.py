@@ -69,9 +69,12 @@ def manifest(job_name: str, pool: str = "cpu") -> str:
 
 
 def job(name: str, pool: str = "cpu", state: str = "Running", *, generation: int = 2, deleting: bool = False,
-        image: str = "train:1", failed: str = STAMP, manifest_url: str | None = None) -> dict[str, Any]:
+        image: str = "train:1", failed: str = STAMP, manifest_url: str | None = None,
+        owners: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A warmer Job as the apiserver lists it, in `state` as the Job controller says it;
-    its container's CACHEWARM_MANIFEST is `manifest_url` (default: its own, as built)."""
+    its container's CACHEWARM_MANIFEST is `manifest_url` (default: its own, as built);
+    `owners`: its ownerReferences (default: the cache as its controller, as the operator
+    makes it)."""
     status: dict[str, Any] = {
         "Pending": {},
         "Running": {"active": 1, "startTime": STAMP},
@@ -83,8 +86,9 @@ def job(name: str, pool: str = "cpu", state: str = "Running", *, generation: int
     meta: dict[str, Any] = {"name": name, "namespace": NS, "uid": job_uid(name),
                             "labels": {"cachewarm.dev/warmer-for": NAME, "cachewarm.dev/pool": pool},
                             "annotations": {"cachewarm.dev/generation": str(generation)},
-                            "ownerReferences": [{"kind": "CompilationCache", "name": NAME, "uid": UID,
-                                                 "controller": True}]}
+                            "ownerReferences": owners if owners is not None else [
+                                {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "name": NAME,
+                                 "uid": UID, "controller": True}]}
     if deleting:
         meta["deletionTimestamp"] = STAMP
     env = [{"name": "CACHEWARM_MANIFEST", "value": manifest_url or f"gs://b-1/{manifest(name, pool)}"}]
@@ -227,6 +231,12 @@ FORGERY = {"processIndex": 0, "entriesFound": 0, "entriesWritten": 9999, "bytesW
            "imagePythonPath": "/evil", "manifestGeneration": "666", "errors": ["forged"]}
 
 
+STRAY = WARMUP + "test_a_job_the_cache_does_not_control_is_stopped_and_never_read"
+STOPPED_STRAY = ("Warning", "WarmerJobNotOurs",
+                 f"Stopped Job {J}: it is labelled as a warmer of this cache, but the cache is not its controller "
+                 "(it has no controller, or another kind's); its pods' results are never read")
+
+
 def IGNORED(*pods: str) -> tuple[str, ...]:  # noqa: N802 - reads as the table's constants
     return ("Warning", "WarmerPodIgnored",
             f"Ignored {len(pods)} pod(s) labelled job-name={J} that warmer Job {J} did not create ({', '.join(pods)}): "
@@ -275,6 +285,28 @@ CASES: dict[str, Callable[[], Case]] = {
     "a-forged-pod-of-a-running-job-is-not-read-nor-said": lambda: Case(
         FORGED, C, jobs=[job(J)], pods={J: []}, forged={J: [pod("node-x", FORGERY, name="f")]}, previous=[pending(C)],
         pools=[{"name": "cpu", "job": J, "specHash": H, "state": "Running", "startTime": STAMP, "attempt": 1}]),
+    # --- A Job of the pool's name that the cache does not control (a tenant's, made before
+    # the operator's, or orphaned): never read, stopped, the cache's own made once it is gone
+    "a-stray-job-holding-the-name-is-stopped-not-read": lambda: Case(
+        STRAY, C, jobs=[job(J, state="Succeeded", owners=[])], forged={J: [pod(summary=FORGERY, name="f")]},
+        previous=[pending(C)], steps=[("delete Job", J), STOPPED_STRAY],
+        pools=[{**pending(C), "message": f"Waiting for warmer Job {J} to stop"}]),
+    "a-stray-job-of-another-kinds-controller-is-stopped-not-read": lambda: Case(
+        STRAY, C, jobs=[job(J, owners=[{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": UID,
+                                        "controller": True}])],
+        previous=[pending(C)], steps=[("delete Job", J), STOPPED_STRAY],
+        pools=[{**pending(C), "message": f"Waiting for warmer Job {J} to stop"}]),
+    "a-stray-job-being-deleted-is-waited-for": lambda: Case(
+        STRAY, C, jobs=[job(J, state="Succeeded", owners=[], deleting=True)], previous=[pending(C)],
+        pools=[{**pending(C), "message": f"Waiting for warmer Job {J} to stop"}]),
+    "a-stray-job-of-a-generation-ahead-supersedes-nothing": lambda: Case(
+        STRAY, C, jobs=[job(J2, generation=99, owners=[])], previous=[pending(C)],
+        steps=[("delete Job", J2), STOPPED_STRAY[:2] + (STOPPED_STRAY[2].replace(J, J2),)],
+        pools=[{**pending(C), "message": f"Waiting for warmer Job {J2} to stop"}]),
+    "a-stray-job-after-a-recorded-warm-is-stopped-and-the-warm-kept": lambda: Case(
+        STRAY, C, jobs=[job(J, state="Succeeded", owners=[])], previous=[WARM],
+        context={"cache_entries": 2, "entry_keys": frozenset({"aa", "bb"})},
+        steps=[("delete Job", J), STOPPED_STRAY], pools=[WARM], warmed=(True, "Warmed")),
     # --- The manifest's generation (D3): recorded as reported, with the object the Job
     # writes (one per Job, from the Job, not the summary), both kept while the pool re-warms
     "manifest-generation-recorded-with-the-jobs-own-object": lambda: Case(

@@ -128,8 +128,8 @@ def test_unschedulable_pod_makes_the_pool_pending_with_the_schedulers_message() 
 
 
 def obs(name: str, state: str = "Running", deleting: bool = False, generation: int = 1,
-        foreign: bool = False) -> ObservedJob:
-    return ObservedJob(name, state, deleting, generation, foreign)
+        foreign: bool = False, stray: bool = False) -> ObservedJob:
+    return ObservedJob(name, state, deleting, generation, foreign, stray)
 
 
 @pytest.mark.parametrize(("jobs", "generation", "expected"), [
@@ -151,6 +151,21 @@ def obs(name: str, state: str = "Running", deleting: bool = False, generation: i
     pytest.param([obs("old", foreign=True)], 2, PoolPlan(create=True), id="foreign-running-is-not-deleted"),
     pytest.param([obs("new", generation=5, foreign=True)], 2, PoolPlan(waiting_for=("new",)),
                  id="foreign-holds-the-name"),
+    # Strays: under the cache's warmer label, controlled by no CompilationCache (made by
+    # anyone who may create Jobs, or orphaned). The one holding the desired name is stopped
+    # whatever its state and never counts as the current Job; its forged generation
+    # supersedes nothing.
+    pytest.param([obs("new", "Succeeded", stray=True)], 2, PoolPlan(waiting_for=("new",), strays=("new",)),
+                 id="stray-finished-holds-the-name"),
+    pytest.param([obs("new", stray=True)], 2, PoolPlan(waiting_for=("new",), strays=("new",)),
+                 id="stray-running-holds-the-name"),
+    pytest.param([obs("new", "Succeeded", deleting=True, stray=True)], 2, PoolPlan(waiting_for=("new",)),
+                 id="stray-holding-the-name-being-deleted"),
+    pytest.param([obs("new", generation=99, stray=True)], 2, PoolPlan(waiting_for=("new",), strays=("new",)),
+                 id="stray-newer-generation-supersedes-nothing"),
+    pytest.param([obs("old", stray=True)], 2, PoolPlan(waiting_for=("old",), strays=("old",)),
+                 id="stray-unfinished-is-stopped"),
+    pytest.param([obs("old", "Failed", stray=True)], 2, PoolPlan(create=True), id="stray-finished-is-left"),
 ])
 def test_never_two_warmers_for_one_pool(jobs: list[ObservedJob], generation: int, expected: PoolPlan) -> None:
     assert plan_pool(jobs, "new", generation) == expected
@@ -162,10 +177,12 @@ def test_a_pool_without_a_valid_job_only_stops_older_ones() -> None:
 
 
 def test_observe_reads_generation_and_deletion() -> None:
-    job = {"metadata": {"name": "j", "annotations": {"cachewarm.dev/generation": "4"},
+    mine = [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "uid": "u-1", "controller": True}]
+    job = {"metadata": {"name": "j", "annotations": {"cachewarm.dev/generation": "4"}, "ownerReferences": mine,
                         "deletionTimestamp": "2026-11-22T00:00:00Z"}, "status": {"active": 1}}
     assert observe(job, "u-1") == ObservedJob("j", "Running", True, 4)
-    assert observe({"metadata": {"name": "legacy"}, "status": {}}, "u-1") == ObservedJob("legacy", "Pending", False, 0)
+    assert observe({"metadata": {"name": "legacy", "ownerReferences": mine}, "status": {}}, "u-1") == \
+        ObservedJob("legacy", "Pending", False, 0)
 
 
 def test_invalid_tpu_shape_is_its_own_warmed_reason() -> None:
@@ -233,7 +250,9 @@ def test_a_pod_is_held_until_warm_or_timed_out() -> None:
 def test_a_job_is_unfinished_until_complete_or_failed(interim: str) -> None:
     # Kubernetes 1.31+ sets these while the Job's pods still terminate.
     conditions = [{"type": interim, "status": "True"}]
-    job: dict[str, Any] = {"metadata": {"name": "old", "annotations": {"cachewarm.dev/generation": "1"}},
+    mine = [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "uid": "u-1", "controller": True}]
+    job: dict[str, Any] = {"metadata": {"name": "old", "annotations": {"cachewarm.dev/generation": "1"},
+                                        "ownerReferences": mine},
                            "status": {"startTime": "s", "conditions": conditions}}
     assert _job_state(job) == "Running"
     assert observe(job, "u-1").unfinished
@@ -249,18 +268,23 @@ def job_owned_by(*refs: dict[str, Any]) -> dict[str, Any]:
                          "ownerReferences": list(refs)}, "status": {"active": 1}}
 
 
-def test_a_job_is_this_caches_by_controller_uid_or_when_orphaned() -> None:
-    mine = {"kind": "CompilationCache", "name": "llama", "uid": "u-1", "controller": True}
+def test_a_job_is_this_caches_only_by_its_cache_controller_uid() -> None:
+    mine = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "name": "llama", "uid": "u-1",
+            "controller": True}
     gone = {**mine, "uid": "u-0"}  # a deleted cache of the same name
-    assert not observe(job_owned_by(mine), "u-1").foreign
+    assert observe(job_owned_by(mine), "u-1").ours
     assert observe(job_owned_by(gone), "u-1").foreign
-    assert not observe(job_owned_by(), "u-1").foreign  # orphaned: adopted
-    assert not observe(job_owned_by({**gone, "controller": False}), "u-1").foreign  # not its controller
+    # No controller (orphaned, or made by a tenant), a controller of another kind or group
+    # with this cache's uid, or this cache as a mere owner: strays, never the cache's.
+    for refs in ([], [{**mine, "controller": False}], [{**mine, "kind": "ConfigMap"}],
+                 [{**mine, "apiVersion": "evil.example/v1"}]):
+        seen = observe(job_owned_by(*refs), "u-1")
+        assert seen.stray and not seen.ours and not seen.foreign, refs
     # The deleted cache's newer Job neither supersedes this cache nor is deleted by it;
-    # an orphan is stopped like any stale warmer.
+    # a stray is stopped like any stale warmer.
     assert plan_pool([observe(job_owned_by(gone), "u-1")], "new", 2) == PoolPlan(create=True)
     assert plan_pool([observe({**job_owned_by(), "metadata": {"name": "j"}}, "u-1")], "new", 2) == \
-        PoolPlan(delete=("j",), waiting_for=("j",))
+        PoolPlan(waiting_for=("j",), strays=("j",))
 
 
 WARMER_LABELS = {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": "p"}
@@ -280,7 +304,7 @@ def warm(kube: MemoryKube, cache: Any, generation: int = 2) -> WarmupOutcome:
 def test_a_deleted_caches_job_neither_supersedes_nor_is_deleted() -> None:
     left = {"metadata": {"name": "llama-p-0123456789", "namespace": "ml", "labels": dict(WARMER_LABELS),
                          "annotations": {"cachewarm.dev/generation": "7"},
-                         "ownerReferences": [{"kind": "CompilationCache", "name": "llama", "uid": "u-0",
+                         "ownerReferences": [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "name": "llama", "uid": "u-0",
                                               "controller": True}]},
             "status": {"active": 1, "startTime": "s"}}
     cluster = cluster_of([left])
@@ -294,7 +318,7 @@ def test_an_invalid_shape_keeps_the_service_while_old_warmers_stop() -> None:
     old: dict[str, Any] = {
         "metadata": {"name": "llama-p-0123456789", "namespace": "ml", "labels": dict(WARMER_LABELS),
                      "annotations": {"cachewarm.dev/generation": "1"},
-                     "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
+                     "ownerReferences": [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "uid": "u-1", "controller": True}]},
         "status": {"active": 2, "startTime": "s"}}
     service = service_name("llama", "p")
     invalid = parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "warmup": {
@@ -346,7 +370,7 @@ def test_programs_not_cached_are_named_in_warmed() -> None:
 def failed_job(name: str, when: str = "2026-11-22T01:00:00Z") -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": "ml", "labels": dict(WARMER_LABELS),
                          "annotations": {"cachewarm.dev/generation": "2"},
-                         "ownerReferences": [{"kind": "CompilationCache", "uid": "u-1", "controller": True}]},
+                         "ownerReferences": [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "uid": "u-1", "controller": True}]},
             "status": {"startTime": "s", "conditions": [
                 {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": when}]}}
 

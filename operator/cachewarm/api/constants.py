@@ -191,6 +191,8 @@ class Reason:
     CONFIGMAP_NOT_OURS: Final = "ConfigMapNotOurs"
     # A pod labelled job-name=<warmer Job> that the Job does not own: its results are ignored.
     WARMER_POD_IGNORED: Final = "WarmerPodIgnored"
+    # A Job under the cache's warmer label that the cache does not control: stopped, never read.
+    WARMER_JOB_NOT_OURS: Final = "WarmerJobNotOurs"
 
 
 # JAX reads these once, at `import jax`; they must be in the pod spec.

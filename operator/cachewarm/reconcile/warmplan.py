@@ -374,59 +374,84 @@ class ObservedJob:
     state: str
     deleting: bool
     generation: int
-    # Controlled by another object: a deleted cache of the same name whose Jobs the
-    # garbage collector has yet to remove. Never ours to delete or to be superseded by.
+    # Controlled by another CompilationCache: a deleted cache of the same name whose Jobs
+    # the garbage collector has yet to remove. Never ours to delete or to be superseded by.
     foreign: bool = False
+    # Not controlled by any CompilationCache (no controller: orphaned by a delete with
+    # cascade=orphan, or made by someone else under this cache's warmer label). Never read:
+    # its results, generation and manifest are not the operator's.
+    stray: bool = False
 
     @property
     def unfinished(self) -> bool:
         return self.state in ACTIVE_STATES
 
+    @property
+    def ours(self) -> bool:
+        return not self.foreign and not self.stray
+
+
+def _cache_controller(ref: Mapping[str, Any]) -> bool:
+    return ref.get("kind") == c.KIND and str(ref.get("apiVersion") or "").startswith(f"{c.GROUP}/")
+
 
 def observe(job: Mapping[str, Any], uid: str) -> ObservedJob:
-    """The Job as plan_pool sees it; `uid` is the cache's. A Job is the cache's when its
-    controller is the cache, or when it has no controller (orphaned by a delete with
-    cascade=orphan: adopted, so that it is stopped like any stale warmer)."""
+    """The Job as plan_pool sees it; `uid` is the cache's. A Job is the cache's only when
+    its controller ownerReference is this CompilationCache (by uid); only the operator may
+    make such a Job (manifests/policy/warmer_jobs.yaml). One controlled by another
+    CompilationCache is foreign; any other (no controller, or one of another kind) is a
+    stray: anyone who may create Jobs in the namespace can make one, of any name, label
+    and annotation."""
     meta = job.get("metadata") or {}
     try:
         generation = int((meta.get("annotations") or {}).get(c.GENERATION_ANNOTATION, 0))
     except ValueError:
         generation = 0
     controllers = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
-    foreign = any(r.get("uid") != uid for r in controllers)
+    caches = [r for r in controllers if _cache_controller(r)]
+    foreign = bool(caches) and any(r.get("uid") != uid for r in caches)
+    stray = not caches
     return ObservedJob(str(meta.get("name")), _job_state(job), bool(meta.get("deletionTimestamp")), generation,
-                       foreign)
+                       foreign, stray)
 
 
 @dataclass(frozen=True)
 class PoolPlan:
     """What to do about one pool's Jobs. `superseded`: a Job from a newer generation of
-    the spec exists, so this reconcile holds an older spec and touches nothing."""
+    the spec exists, so this reconcile holds an older spec and touches nothing. `strays`:
+    Jobs the cache does not own that are stopped (delete, like `delete`), for another
+    reason: one that holds the desired name, whatever its state, and unfinished ones."""
 
     delete: tuple[str, ...] = ()
     create: bool = False
     waiting_for: tuple[str, ...] = ()
     superseded: bool = False
+    strays: tuple[str, ...] = ()
 
 
 def plan_pool(observed: Sequence[ObservedJob], desired: str | None, generation: int) -> PoolPlan:
     """Never two warmers for one pool: every other unfinished Job of the pool is deleted,
     and the desired Job (None: the pool has none, e.g. its shape is invalid) is created
     only once none remains, counting those already being deleted. Nothing is done when a
-    Job from a newer generation exists. Foreign Jobs (another owner's) are left to their
-    owner's garbage collection; only one holding the desired name delays the create."""
-    ours = [j for j in observed if not j.foreign]
+    Job of this cache from a newer generation exists. Foreign Jobs (another cache's) are
+    left to their owner's garbage collection; only one holding the desired name delays the
+    create. A stray holding the desired name is never taken for the cache's own (its pods'
+    results would be read, and trusted): it is stopped, and the cache's Job created once
+    it is gone; unfinished strays are stopped too (never two warmers), finished ones left."""
+    ours = [j for j in observed if j.ours]
     if any(j.generation > generation for j in ours):
         return PoolPlan(superseded=True)
     others = [j for j in ours if j.name != desired and j.unfinished]
+    strays = [j for j in observed if j.stray and (j.name == desired or j.unfinished)]
     current = next((j for j in observed if j.name == desired), None)
-    waiting = [j.name for j in others]
-    if current is not None and (current.deleting or current.foreign):
-        waiting.append(current.name)  # deleted by someone (or not ours); re-created once it is gone
+    waiting = [j.name for j in others + strays]
+    if current is not None and (current.deleting or current.foreign) and current.name not in waiting:
+        waiting.append(current.name)  # deleted by someone, or another cache's; re-created once it is gone
     return PoolPlan(
         delete=tuple(j.name for j in others if not j.deleting),
         create=desired is not None and current is None and not waiting,
         waiting_for=tuple(waiting),
+        strays=tuple(j.name for j in strays if not j.deleting),
     )
 
 
@@ -675,7 +700,8 @@ def aim(ctx: WarmContext, pool: Pool, listed: Sequence[Mapping[str, Any]]) -> Ai
     except TpuShapeError as exc:
         return Aim(pool, prev, seen, plan_pool(seen, None, ctx.generation), shape_error=exc)
     name = jobs.job_name(ctx.name, pool, digest)
-    current = next((j for j in listed if j["metadata"]["name"] == name), None)
+    # Only a Job the cache controls is ever the pool's current one (read, recorded, retried).
+    current = next((j for j, o in zip(listed, seen) if o.name == name and o.ours), None)
     attempt = int(prev.get("attempt") or 1) if prev.get("specHash") == digest else 1
     return Aim(pool, prev, seen, plan_pool(seen, name, ctx.generation), digest, name, hosts, None, current, attempt)
 
@@ -751,13 +777,17 @@ def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[st
         return _invalid_shape(a, a.shape_error)
     if a.stop.superseded:
         return _superseded(a, a.digest)
-    if a.current is None and not a.stop.waiting_for and a.prev.get("specHash") == a.digest \
+    strays = {o.name for o in a.seen if o.stray}
+    if a.current is None and set(a.stop.waiting_for) <= strays and a.prev.get("specHash") == a.digest \
             and a.prev.get("state") in ("Succeeded", "Failed"):
-        # Finished earlier; its Job may be gone (TTL). A failure may be due a retry.
+        # Finished earlier; its Job may be gone (TTL), and a stray may hold its name since:
+        # the stray is stopped, the recorded results stay. A failure may be due a retry.
         earlier, due = _finished(ctx, a, timefmt.parse_or_none(a.prev.get("failedTime")))
         if not due:
-            return PoolDecision(a.pool.name, entry=earlier, digest=a.digest)
-        return _create(ctx, a, a.attempt + 1, _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev))
+            return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed")), entry=earlier,
+                                digest=a.digest)
+        if not a.stop.waiting_for:
+            return _create(ctx, a, a.attempt + 1, _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev))
     if a.stop.waiting_for:
         return _wait(a)
     if a.stop.create:
@@ -774,6 +804,17 @@ def _stop(names: Sequence[str], why: str) -> list[Step]:
             for step in (DeleteJob(old), Event("Normal", c.Reason.WARMER_STOPPED, f"Stopped warmer Job {old}: {why}"))]
 
 
+def _stop_all(stop: PoolPlan, why: str) -> list[Step]:
+    """The pool's stale Jobs stopped for `why`, and the strays (Jobs under the cache's
+    warmer label that it does not control) stopped for theirs, each said as a Warning."""
+    strays = [step for name in stop.strays for step in (
+        DeleteJob(name),
+        Event("Warning", c.Reason.WARMER_JOB_NOT_OURS,
+              f"Stopped Job {name}: it is labelled as a warmer of this cache, but the cache is not its controller "
+              "(it has no controller, or another kind's); its pods' results are never read"))]
+    return _stop(stop.delete, why) + strays
+
+
 def _superseded(a: Aim, digest: str | None) -> PoolDecision:
     """A newer spec's Job exists: this reconcile keeps the pool's previous entry."""
     pending = {"name": a.pool.name, **({"job": a.job} if a.job else {}), "state": "Pending"}
@@ -785,7 +826,7 @@ def _invalid_shape(a: Aim, exc: TpuShapeError) -> PoolDecision:
     Failed with the shape's reason, said once."""
     if a.stop.superseded:
         return _superseded(a, None)
-    steps = _stop(a.stop.delete, "the pool's TPU shape is invalid")
+    steps = _stop_all(a.stop, "the pool's TPU shape is invalid")
     invalid = {"name": a.pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
                "lastError": str(exc)}
     if a.prev.get("message") != invalid["message"]:
@@ -799,7 +840,7 @@ def _removed(ctx: WarmContext, pool: str, listed: Sequence[Mapping[str, Any]]) -
     stop = plan_pool([observe(j, ctx.uid) for j in listed], None, ctx.generation)
     if stop.superseded:
         return PoolDecision(pool, untouchable=True)
-    return PoolDecision(pool, tuple(_stop(stop.delete, f"pool {pool} was removed from the spec")))
+    return PoolDecision(pool, tuple(_stop_all(stop, f"pool {pool} was removed from the spec")))
 
 
 def _wait(a: Aim) -> PoolDecision:
@@ -808,7 +849,7 @@ def _wait(a: Aim) -> PoolDecision:
              **({"lastError": a.prev["lastError"]} if a.attempt > 1 and a.prev.get("lastError") else {}),
              "message": f"Waiting for warmer Job {', '.join(a.stop.waiting_for)} to stop"}
     keep = a.hosts > 1 or any(o.unfinished for o in a.seen)  # the stopping warmers may still use it
-    return PoolDecision(a.pool.name, tuple(_stop(a.stop.delete, "the program changed")), entry, keep, digest=a.digest)
+    return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed")), entry, keep, digest=a.digest)
 
 
 def _create(ctx: WarmContext, a: Aim, attempt: int, retried: Event | None = None) -> PoolDecision:
