@@ -11,7 +11,7 @@ from cachewarm.api import conditions
 from cachewarm.reconcile import cache as service
 from cachewarm.reconcile.admitted import RecentInjections
 from memkube import MemoryKube
-from test_warmer_summary import GOOD, META, NOW, Gcs
+from test_warmer_summary import GOOD, META, NOW, Gcs, job_pod
 
 BODY = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
         "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]},
@@ -39,13 +39,7 @@ def test_the_copy_is_said_empty_until_the_warmers_own_pod_records_a_manifest() -
     [job] = kube.jobs
     job["status"] = {"conditions": [{"type": "Complete", "status": "True"}], "succeeded": 1,
                      "startTime": "2026-11-22T06:00:00Z", "completionTime": "2026-11-22T06:30:00Z"}
-    name = job["metadata"]["name"]
-    kube.pods.append({
-        "metadata": {"name": f"{name}-0", "namespace": "ml", "labels": {"job-name": name},
-                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "uid": job["metadata"]["uid"],
-                                          "controller": True}]},
-        "spec": {"nodeName": "n"},
-        "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {"message": json.dumps(GOOD)}}}]}})
+    kube.pods.append(job_pod(job, json.dumps(GOOD)))
     second = reconcile(kube, first.status)
     assert second.failure is None, second.failure
     assert second.status["warmup"]["pools"][0].get("manifestGeneration") == "17"

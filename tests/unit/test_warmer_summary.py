@@ -100,13 +100,19 @@ def finished_with(kube: MemoryKube, message: str) -> None:
     [job] = kube.jobs
     job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}],
                      "startTime": "2026-11-22T06:00:00Z"}
+    kube.pods.append(job_pod(job, message))
+
+
+def job_pod(job: dict[str, Any], message: str) -> dict[str, Any]:
+    """The Job's own pod (its controller reference: the Job's uid) whose warm container
+    ended with `message`."""
     name = job["metadata"]["name"]
-    kube.pods.append({
+    return {
         "metadata": {"name": f"{name}-0", "namespace": "ml", "labels": {"job-name": name},
                      "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "uid": job["metadata"]["uid"],
                                           "controller": True}]},
         "spec": {"nodeName": "n"},
-        "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {"message": message}}}]}})
+        "status": {"containerStatuses": [{"name": "warm", "state": {"terminated": {"message": message}}}]}}
 
 
 SUMMARIES = [
