@@ -76,3 +76,51 @@ def test_edit_writes_caches_and_never_their_status(installed: Testbed, tenant_ns
     assert rc != 0 and "forbidden" in out.lower(), out
     rc, out = _as(installed, edit, "delete", "-n", ns, "compilationcache/mine", "--wait=false")
     assert rc == 0, out
+
+
+def test_warmup_needs_its_author_to_be_allowed_jobs(installed: Testbed, tenant_ns: str, tmp_path: Path) -> None:
+    """manifests/policy/cache_authors.yaml: a CompilationCache's spec.warmup makes the
+    operator create Jobs, so the apiserver lets a user set or change it only where that user
+    may create Jobs. Two users of one namespace: `edit` (may create Jobs) and one bound to
+    cachewarm-edit alone (CompilationCaches, no Jobs). The author-only user makes a cache
+    without warmup, and is refused one with it (the message names the missing right); the
+    editor's cache with warmup stays editable by the author-only user in what its warmers do
+    not run (a label, injection), not in spec.warmup."""
+    ns = tenant_ns
+    edit = _user(installed, ns, "edit", tmp_path)
+    author = _user(installed, ns, "cachewarm-edit", tmp_path)
+    storage = {"gcs": {"bucket": "b-authors", "location": "us-central1", "create": False}}
+    warmup = {"image": "demo/train:1", "targets": ["train:targets"], "pools": [{"name": "cpu"}]}
+
+    def cache(name: str, **spec: Any) -> dict[str, Any]:
+        return {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
+                "spec": {"storage": storage, **spec}}
+
+    rc, out = _as(installed, author, "auth", "can-i", "create", "jobs.batch", "-n", ns)
+    assert rc != 0 and out.strip().startswith("no"), out  # the premise: no Jobs for the author
+    rc, out = _as(installed, author, "create", "-n", ns, "-f", "-", body=cache("plain"))
+    assert rc == 0, out
+    rc, out = _as(installed, author, "create", "-n", ns, "-f", "-", body=cache("warms", warmup=warmup))
+    assert rc != 0 and "needs the right to create jobs.batch" in out and f"{ns}:cachewarm-edit-user" in out, out
+    assert installed.get_json("compilationcache", "warms", ns) is None
+    # Adding warmup to the author's own cache is the same change.
+    rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/plain", "--type=merge",
+                  "-p", json.dumps({"spec": {"warmup": warmup}}))
+    assert rc != 0 and "needs the right to create jobs.batch" in out, out
+    # The editor may.
+    rc, out = _as(installed, edit, "create", "-n", ns, "-f", "-", body=cache("warms", warmup=warmup))
+    assert rc == 0, out
+    # The author-only user on the editor's cache: judged as itself, for what it changes.
+    rc, out = _as(installed, author, "label", "-n", ns, "compilationcache/warms", "team=ml")
+    assert rc == 0, out
+    rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=merge",
+                  "-p", json.dumps({"spec": {"injection": {"report": False}}}))
+    assert rc == 0, out
+    rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=merge",
+                  "-p", json.dumps({"spec": {"warmup": {"image": "attacker/image:1"}}}))
+    assert rc != 0 and "needs the right to create jobs.batch" in out, out
+    stored = installed.get_json("compilationcache", "warms", ns)
+    assert stored is not None and stored["spec"]["warmup"]["image"] == "demo/train:1"
+    rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=json",
+                  "-p", json.dumps([{"op": "remove", "path": "/spec/warmup"}]))
+    assert rc == 0, out  # removing warmup makes the operator create nothing: not looked at
