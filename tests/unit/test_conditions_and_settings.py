@@ -207,3 +207,20 @@ def test_valid_cron_schedules_are_taken(schedule: str) -> None:
             "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}], "schedule": schedule}}
     warmup = parse_spec(spec).warmup
     assert warmup is not None and warmup.schedule == schedule
+
+
+@pytest.mark.parametrize(("python", "ok"), [
+    ("python", True), ("python3.11", True), ("/opt/venv/bin/python3", True), ("/usr/bin/python", True),
+    ("/bin/sh", False), ("python -c 'import os'", False), ("bin/python3", False), ("/usr/bin/env", False),
+    ("python3; id", False), ("/tmp/x/python\n", False),
+])
+def test_warmup_python_is_an_interpreters_name_or_absolute_path(python: str, ok: bool) -> None:
+    """It runs in warmers and in training pods (the copier): a stored cache the CRD's rule
+    would refuse now (kept by validation ratcheting) is an InvalidSpec, never run."""
+    spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
+            "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "p"}], "python": python}}
+    if ok:
+        assert parse_spec(spec).warmup.python == python  # type: ignore[union-attr]
+    else:
+        with pytest.raises(InvalidSpec, match=r"spec\.warmup\.python"):
+            parse_spec(spec)

@@ -129,7 +129,8 @@ class Warmup(_Model):
     command: list[str] | None = None
     targets: list[str] | None = None
     env: list[EnvVar] = Field(default_factory=list)
-    python: str = "python"
+    # The CRD's rule, to the letter: an interpreter's name or absolute path, nothing else.
+    python: str = Field(default="python", pattern=r"^(/[A-Za-z0-9._+-]+)*/?python[0-9.]*$")
     working_dir: str | None = Field(default=None, alias="workingDir")
     parallelism: int = Field(default=1, ge=1)
     backoff_limit: int = Field(default=1, alias="backoffLimit", ge=0)
