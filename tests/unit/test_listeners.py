@@ -1,10 +1,13 @@
 """The operator's HTTPS listeners (admission/server.Listener) in process, over real TLS
 sockets on loopback: a client that sends its headers or body too slowly, idles after an
 answer, or comes past the connection cap is closed; the admission context refuses a
-caller without the apiserver's client certificate in the handshake.
+caller without the apiserver's client certificate in the handshake. Each refusal moves its
+reason's series of cachewarm_listener_connections_dropped_total, and no other's.
 
 Deadlines here are short (a fraction of a second) so a test ends quickly; the asserts
-are on what happened (closed or answered), never on how long it took. A read that waits
+are on what happened (closed or answered, what was counted), never on how long it took:
+counters are polled until they match or WAIT passes (the server counts a refusal as it
+closes the connection, which the client may see first). A read that waits
 WAIT seconds without the server closing is a failure: the defaults without these limits
 (aiohttp's keep-alive of an hour, no header deadline) would hold the connection far
 longer."""
@@ -13,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import ssl
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -24,7 +28,8 @@ import pytest
 
 from cachewarm.admission import certificates as certs
 from cachewarm.admission.keeper import TlsMaterial
-from cachewarm.admission.server import Limits, Listener, ServingTls
+from cachewarm.admission.server import DROP_REASONS, Limits, Listener, RefusalLog, ServingTls
+from cachewarm.api.metrics import Metrics
 from cachewarm_testbed.processes import free_port
 
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -57,8 +62,29 @@ def client_context(ca_pem: bytes, client: certs.KeyPair | None = None) -> ssl.SS
     return context
 
 
+def dropped(metrics: Metrics, listener: str = "test") -> dict[str, float]:
+    """The listener's non-zero counts of cachewarm_listener_connections_dropped_total by reason."""
+    counts = {reason: metrics.registry.get_sample_value("cachewarm_listener_connections_dropped_total",
+                                                        {"listener": listener, "reason": reason})
+              for reason in DROP_REASONS}
+    assert all(value is not None for value in counts.values()), counts  # every series exported from 0
+    return {reason: value for reason, value in counts.items() if value}
+
+
+async def settled(metrics: Metrics, expected: Mapping[str, float], listener: str = "test") -> dict[str, float]:
+    """The counts once they are `expected`, or as they are when WAIT has passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while dropped(metrics, listener) != expected and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return dropped(metrics, listener)
+
+
 def serving(limits: Limits, body: Callable[[int, ServingTls], Awaitable[T]], client_ca: bytes = b"",
-            admission: bool = False) -> T:
+            admission: bool = False, metrics: Metrics | None = None,
+            expect_dropped: Mapping[str, float] | None = None) -> T:
+    """`body`'s result with a listener serving; with `expect_dropped`, after the listener's
+    counts in `metrics` settled on it (or WAIT passed): the caller asserts on them."""
     material, _, _ = MATERIAL
     tls = ServingTls(client_ca)
     tls.load(material)
@@ -67,10 +93,13 @@ def serving(limits: Limits, body: Callable[[int, ServingTls], Awaitable[T]], cli
         port = free_port()
         listener = Listener(name="test", addr="127.0.0.1", port=port,
                             context=tls.context if admission else tls.reports_context,
-                            routes={"/x": ok}, limits=limits)
+                            routes={"/x": ok}, limits=limits, metrics=metrics)
         await listener.start()
         try:
-            return await body(port, tls)
+            result = await body(port, tls)
+            if metrics is not None and expect_dropped is not None:
+                await settled(metrics, expect_dropped)
+            return result
         finally:
             await listener.stop()
     return asyncio.run(run())
@@ -125,7 +154,9 @@ def test_headers_sent_too_slowly_close_the_connection() -> None:
             return await closed(reader)
         finally:
             task.cancel()
-    assert serving(limits, body)
+    metrics = Metrics()
+    assert serving(limits, body, metrics=metrics, expect_dropped={"header_deadline": 1})
+    assert dropped(metrics) == {"header_deadline": 1}
 
 
 def test_a_body_sent_too_slowly_gets_408_and_is_closed() -> None:
@@ -135,8 +166,10 @@ def test_a_body_sent_too_slowly_gets_408_and_is_closed() -> None:
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), WAIT)
         return status, await closed(reader)
-    status, was_closed = serving(FAST, body)
+    metrics = Metrics()
+    status, was_closed = serving(FAST, body, metrics=metrics, expect_dropped={"body_deadline": 1})
     assert status.startswith(b"HTTP/1.1 408") and was_closed
+    assert dropped(metrics) == {"body_deadline": 1}
 
 
 def test_an_idle_connection_after_an_answer_is_closed_and_a_body_over_the_cap_is_413() -> None:
@@ -148,10 +181,30 @@ def test_an_idle_connection_after_an_answer_is_closed_and_a_body_over_the_cap_is
         await writer2.drain()
         too_large = await asyncio.wait_for(reader2.readline(), WAIT)
         return answered, too_large, await closed(reader)
-    answered, too_large, idle_closed = serving(FAST, body)
+    metrics = Metrics()
+    answered, too_large, idle_closed = serving(FAST, body, metrics=metrics, expect_dropped={"body_too_large": 1})
     assert answered.startswith(b"HTTP/1.1 200") and answered.endswith(b'{"got": 2}')
     assert too_large.startswith(b"HTTP/1.1 413")
     assert idle_closed
+    assert dropped(metrics) == {"body_too_large": 1}  # a keep-alive that ends idle is not a refusal
+
+
+def test_a_next_request_whose_headers_come_too_slowly_after_an_answer_is_counted_as_late_headers() -> None:
+    # The header deadline far off: only the keep-alive timer can close it, and it counts
+    # it as late headers since bytes of a request came (an idle one is not counted).
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT * 2, body_seconds=5, keepalive_seconds=0.5,
+                    max_connections=2, max_body_bytes=1024)
+
+    async def body(port: int, _: ServingTls) -> tuple[bytes, bool]:
+        reader, writer = await connect(port)
+        answered = await post(reader, writer)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and no more
+        await writer.drain()
+        return answered, await closed(reader)
+    metrics = Metrics()
+    answered, was_closed = serving(limits, body, metrics=metrics, expect_dropped={"header_deadline": 1})
+    assert answered.startswith(b"HTTP/1.1 200") and was_closed
+    assert dropped(metrics) == {"header_deadline": 1}
 
 
 def test_connections_past_the_cap_are_closed_and_those_within_it_served() -> None:
@@ -164,8 +217,10 @@ def test_connections_past_the_cap_are_closed_and_those_within_it_served() -> Non
         reader, _writer = await connect(port)
         third_closed = await closed(reader)
         return third_closed, await post(*held[0])
-    third_closed, first = serving(limits, body)
+    metrics = Metrics()
+    third_closed, first = serving(limits, body, metrics=metrics, expect_dropped={"connection_cap": 1})
     assert third_closed and first.startswith(b"HTTP/1.1 200")
+    assert dropped(metrics) == {"connection_cap": 1}
 
 
 def test_one_peer_at_its_cap_is_refused_more_while_another_peer_is_still_served() -> None:
@@ -186,8 +241,10 @@ def test_one_peer_at_its_cap_is_refused_more_while_another_peer_is_still_served(
         await writer.drain()
         assert await closed(reader)
         return third_closed, other, first, await post(*await connect(port, source="127.0.0.2"))
-    third_closed, other, first, again = serving(limits, body)
+    metrics = Metrics()
+    third_closed, other, first, again = serving(limits, body, metrics=metrics, expect_dropped={"peer_cap": 1})
     assert third_closed
+    assert dropped(metrics) == {"peer_cap": 1}
     assert other.startswith(b"HTTP/1.1 200") and first.startswith(b"HTTP/1.1 200")
     assert again.startswith(b"HTTP/1.1 200")
 
@@ -201,11 +258,14 @@ def test_the_apiservers_verified_connections_are_not_bound_by_the_per_peer_cap()
         context = client_context(material.ca_pem, client)
         held = [await connect(port, context) for _ in range(3)]
         return [await post(*one) for one in held]
-    answers = serving(limits, body, client_ca=client_ca.cert_pem, admission=True)
+    metrics = Metrics()
+    answers = serving(limits, body, client_ca=client_ca.cert_pem, admission=True, metrics=metrics)
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
+    assert dropped(metrics) == {}
 
 
-def test_the_admission_context_refuses_a_caller_without_the_apiservers_client_certificate() -> None:
+def test_the_admission_context_refuses_a_caller_without_the_apiservers_client_certificate(
+        caplog: pytest.LogCaptureFixture) -> None:
     material, client_ca, client = MATERIAL
     stranger_ca = certs.make_ca("not-the-apiserver", now=NOW)
     stranger = certs.make_client_cert(stranger_ca, "kube-apiserver", now=NOW)
@@ -219,9 +279,48 @@ def test_the_admission_context_refuses_a_caller_without_the_apiservers_client_ce
             except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as exc:
                 outcomes.append(f"refused: {type(exc).__name__}")
         return outcomes
-    outcomes = serving(FAST, body, client_ca=client_ca.cert_pem, admission=True)
+    metrics = Metrics()
+    with caplog.at_level(logging.WARNING, logger="cachewarm.webhook"):
+        outcomes = serving(FAST, body, client_ca=client_ca.cert_pem, admission=True, metrics=metrics,
+                           expect_dropped={"tls_handshake": 2})
     assert outcomes[0].startswith("refused") and outcomes[1].startswith("refused"), outcomes
     assert outcomes[2] == "HTTP/1.1 200 OK"
+    assert dropped(metrics) == {"tls_handshake": 2}
+    # Both from 127.0.0.1 for the same reason: one log line says it, within the minute.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Dropped a connection")]
+    assert len(lines) == 1 and "from 127.0.0.1 (tls_handshake)" in lines[0], lines
+
+
+def test_a_client_that_speaks_no_tls_or_never_finishes_the_handshake_is_refused_and_counted() -> None:
+    async def body(port: int, _: ServingTls) -> tuple[bool, bool]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
+        plain = await closed(reader)
+        reader, _writer = await asyncio.open_connection("127.0.0.1", port)  # says nothing
+        return plain, await closed(reader)
+    metrics = Metrics()
+    plain, silent = serving(FAST, body, metrics=metrics, expect_dropped={"tls_handshake": 1, "handshake_deadline": 1})
+    assert plain and silent
+    assert dropped(metrics) == {"tls_handshake": 1, "handshake_deadline": 1}
+
+
+def test_refusal_log_lines_are_one_per_reason_and_peer_and_bounded_per_window(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    refusals = RefusalLog("the test listener", window=60, lines=3, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="cachewarm.webhook"):
+        logged = [refusals.note("tls_handshake", "10.0.0.1", "x"),
+                  refusals.note("tls_handshake", "10.0.0.1", "x"),  # the same: left out
+                  refusals.note("peer_cap", "10.0.0.1", "x"),
+                  refusals.note("tls_handshake", "10.0.0.2", "x"),
+                  refusals.note("tls_handshake", "10.0.0.3", "x")]  # a fourth line in the window: left out
+        now[0] = 59.0
+        logged.append(refusals.note("tls_handshake", "10.0.0.1", "x"))
+        now[0] = 60.0
+        logged.append(refusals.note("tls_handshake", "10.0.0.1", "x"))
+    assert logged == [True, False, True, True, False, False, True]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 5 and messages[3].startswith("Left 3 dropped connections of the test listener"), messages
 
 
 def test_without_a_client_ca_the_admission_context_asks_for_no_certificate() -> None:

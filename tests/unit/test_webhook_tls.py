@@ -5,19 +5,26 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import aiohttp.web
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from structlog.testing import capture_logs
 
 from cachewarm.admission import certificates as certs
 from cachewarm.admission import keeper as servingcert
 from cachewarm.admission.keeper import plan_secret
-from cachewarm.admission.server import ServingTls, check_review
+from cachewarm.admission.server import Limits, Listener, ServingTls, check_review
+from cachewarm.api.metrics import Metrics
+from cachewarm_testbed.processes import free_port
 from memkube import MemoryKube
 
 NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
 HOSTS = ["cachewarm-webhook.cachewarm-system.svc", "127.0.0.1"]
+WAIT = 20.0  # far beyond a reload round (cert_check_seconds below)
 
 
 def _san(cert_pem: bytes) -> list[str]:
@@ -180,3 +187,113 @@ def test_a_stand_in_certificate_is_never_published_as_the_ca_bundle() -> None:
     assert pointed == []
     asyncio.run(scenario(True))
     assert len(pointed) == 1
+
+
+def test_a_changed_admission_client_ca_is_reloaded_and_a_broken_one_keeps_the_last_good(
+        tmp_path: Path) -> None:
+    """The keeper re-reads CACHEWARM_ADMISSION_CLIENT_CA at its certificate rounds: a new
+    CA's client is refused before the file changes and answered after, the old CA's is
+    refused after, and a connection open since before is still answered. A file that
+    becomes garbage, empty or missing keeps the last good CA (never none: a caller
+    without a certificate is still refused), said by the gauge and one warning per problem."""
+    from cachewarm.runtime.main import WebhookKeeper
+    from cachewarm.runtime.settings import Settings
+
+    old_ca, new_ca = certs.make_ca("apiserver-client-ca", now=NOW), certs.make_ca("apiserver-client-ca-2", now=NOW)
+    old_client = certs.make_client_cert(old_ca, "kube-apiserver", now=NOW)
+    new_client = certs.make_client_cert(new_ca, "kube-apiserver", now=NOW)
+    serving = servingcert.in_memory(["127.0.0.1"], NOW)
+    ca_file = tmp_path / "client-ca.crt"
+    ca_file.write_bytes(old_ca.cert_pem)
+    settings = Settings(admission_client_ca=str(ca_file), webhook_configuration="", cert_check_seconds=0.05)
+    metrics = Metrics()
+    tls = ServingTls(old_ca.cert_pem)
+    tls.load(serving)
+    keeper = WebhookKeeper(settings, MemoryKube(), tls, True, metrics)
+
+    def client(who: certs.KeyPair | None) -> ssl.SSLContext:
+        context = ssl.create_default_context(cadata=serving.ca_pem.decode())
+        if who is not None:
+            (tmp_path / "c.crt").write_bytes(who.cert_pem)
+            (tmp_path / "c.key").write_bytes(who.key_pem)
+            context.load_cert_chain(str(tmp_path / "c.crt"), str(tmp_path / "c.key"))
+        return context
+
+    async def answer(port: int, who: certs.KeyPair | None) -> str:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client(who),
+                                                           server_hostname="127.0.0.1")
+            return (await ask(reader, writer)).decode()
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError):
+            return "refused"
+
+    async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        return (await asyncio.wait_for(reader.readuntil(b"}"), WAIT)).split(b"\r\n")[0]
+
+    async def until(done: Callable[[], Awaitable[bool]]) -> bool:
+        deadline = asyncio.get_running_loop().time() + WAIT
+        while not await done():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def problem_is(start: str) -> bool:
+        return keeper.client_ca_problem.startswith(start)
+
+    async def cleared() -> bool:
+        return keeper.client_ca_problem == ""
+
+    async def ok(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"got": len(await request.read())})
+
+    async def scenario() -> dict[str, object]:
+        port = free_port()
+        listener = Listener(name="admission", addr="127.0.0.1", port=port, context=lambda: tls.context,
+                            routes={"/x": ok}, limits=Limits(keepalive_seconds=WAIT * 2), label="admission",
+                            metrics=metrics)
+        await listener.start()
+        task = asyncio.create_task(keeper.watch())
+        seen: dict[str, object] = {}
+        try:
+            held = await asyncio.open_connection("127.0.0.1", port, ssl=client(old_client),
+                                                 server_hostname="127.0.0.1")
+            seen["held before"] = (await ask(*held)).decode()
+            seen["new before"] = await answer(port, new_client)
+            ca_file.write_bytes(new_ca.cert_pem)
+
+            async def new_answered() -> bool:
+                return await answer(port, new_client) == "HTTP/1.1 200 OK"
+            seen["new after"] = await until(new_answered)
+            seen["old after"] = await answer(port, old_client)
+            seen["held after"] = (await ask(*held)).decode()
+            for broken, problem in ((b"not a certificate", "SSLError"), (b"", "ValueError"), (None, "FileNotFound")):
+                if broken is None:
+                    ca_file.unlink()
+                else:
+                    ca_file.write_bytes(broken)
+                seen[f"{problem} seen"] = await until(lambda: problem_is(problem))
+                seen[f"{problem} stale"] = metrics.registry.get_sample_value("cachewarm_admission_client_ca_stale")
+                seen[f"{problem} answers"] = [await answer(port, who) for who in (new_client, old_client, None)]
+            ca_file.write_bytes(new_ca.cert_pem)
+            seen["good again"] = await until(cleared)
+            seen["stale again"] = metrics.registry.get_sample_value("cachewarm_admission_client_ca_stale")
+            return seen
+        finally:
+            task.cancel()
+            await listener.stop()
+
+    with capture_logs() as logged:
+        seen = asyncio.run(scenario())
+    assert seen["held before"] == "HTTP/1.1 200 OK" and seen["new before"] == "refused"
+    assert seen["new after"] is True and seen["old after"] == "refused"
+    assert seen["held after"] == "HTTP/1.1 200 OK"  # open before the reload: not dropped
+    for problem in ("SSLError", "ValueError", "FileNotFound"):
+        assert seen[f"{problem} seen"] is True and seen[f"{problem} stale"] == 1.0, (problem, seen)
+        assert seen[f"{problem} answers"] == ["HTTP/1.1 200 OK", "refused", "refused"], (problem, seen)
+    assert seen["good again"] is True and seen["stale again"] == 0.0
+    warnings = [line["error"] for line in logged
+                if line["event"].startswith("Could not reload the admission client CA")]
+    assert len(warnings) == 3, warnings  # one per problem, not one per round

@@ -15,19 +15,24 @@ and the reports one, which training pods reach with their tokens. Both bound wha
 client can hold: the TLS handshake, the time to send a request's headers and its body,
 the idle time between requests (keep-alive), the connections open at once, and those
 open at once from one peer address (so that one pod cannot hold every connection the
-listener takes); a connection over any of them is closed.
+listener takes); a connection over any of them is closed, counted by listener and reason
+(cachewarm_listener_connections_dropped_total) and said in a log line that a client cannot
+flood (`RefusalLog`). The client CA can be replaced while the listener serves
+(`ServingTls.load_client_ca`: new connections need a certificate of the new one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import dataclasses
 import json
 import logging
 import os
 import ssl
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,8 +41,54 @@ import aiohttp.web
 import kopf
 
 from cachewarm.admission.keeper import TlsMaterial
+from cachewarm.api.metrics import Metrics
 
 log = logging.getLogger("cachewarm.webhook")
+
+# Why a listener refused a connection or closed it before its client did (the label
+# `reason` of cachewarm_listener_connections_dropped_total). An idle keep-alive connection
+# closed after keepalive_seconds is not counted: that is how one ends.
+DROP_REASONS = (
+    "connection_cap",  # the listener had max_connections open
+    "peer_cap",  # its peer address had max_connections_per_peer open
+    "tls_handshake",  # the handshake failed: not TLS, no or an unverified client certificate, ...
+    "handshake_deadline",  # no complete handshake within handshake_seconds
+    "header_deadline",  # a request's headers not complete in time
+    "body_deadline",  # a request's body not complete within body_seconds (answered 408)
+    "body_too_large",  # a request's body over max_body_bytes (answered 413)
+)
+REFUSAL_LOG_SECONDS = 60.0  # one line per reason and peer address in this long
+REFUSAL_LOG_LINES = 50  # and at most this many lines in it, whatever the addresses
+
+
+class RefusalLog:
+    """Log lines of refused or dropped connections that a client cannot flood the log
+    with: one per (reason, peer address) per `window` seconds, at most `lines` in a
+    window in all; those left out are counted in the next window's first line."""
+
+    def __init__(self, what: str, window: float = REFUSAL_LOG_SECONDS, lines: int = REFUSAL_LOG_LINES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what, self.window, self.lines, self.clock = what, window, lines, clock
+        self._since = clock()
+        self._seen: set[tuple[str, str]] = set()  # at most `lines` of them
+        self.left_out = 0
+
+    def note(self, reason: str, peer: str, detail: str) -> bool:
+        """Log this refusal unless one like it was logged in this window (False then)."""
+        now = self.clock()
+        if now - self._since >= self.window:
+            if self.left_out:
+                log.warning("Left %d dropped connections of %s out of the log in the last %ds (the metric "
+                            "cachewarm_listener_connections_dropped_total counts them all)",
+                            self.left_out, self.what, int(self.window))
+            self._since, self._seen, self.left_out = now, set(), 0
+        if (reason, peer) in self._seen or len(self._seen) >= self.lines:
+            self.left_out += 1
+            return False
+        self._seen.add((reason, peer))
+        log.warning("Dropped a connection to %s from %s (%s): %s; more like it within %ds are not logged",
+                    self.what, peer or "an unknown address", reason, detail, int(self.window))
+        return True
 
 
 def _review(uid: str, *, warning: str | None = None) -> dict[str, Any]:
@@ -116,15 +167,14 @@ class ServingTls:
     OpenSSL copies the certificate into each connection as it starts, so loading a new
     one into the same context affects new handshakes only. `context` is the admission
     listener's: with `client_ca` (PEM), a client must present a certificate that CA
-    signed (the apiserver's webhook client certificate) or the handshake fails;
-    `reports_context` never asks for one (pods authenticate with their tokens).
-    Raises ssl.SSLError for an unreadable `client_ca`."""
+    signed (the apiserver's webhook client certificate) or the handshake fails; a new CA
+    (`load_client_ca`) makes a new `context` (OpenSSL can add to a context's CAs, never
+    take one away), which new connections take; `reports_context` never asks for one
+    (pods authenticate with their tokens). Raises ssl.SSLError for an unreadable `client_ca`."""
 
     def __init__(self, client_ca: bytes = b"") -> None:
-        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        if client_ca:
-            self.context.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
-            self.context.verify_mode = ssl.CERT_REQUIRED
+        self.client_ca = client_ca
+        self.context = _admission_context(client_ca)
         self.reports_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.material: TlsMaterial | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="cachewarm-tls-"))
@@ -134,6 +184,26 @@ class ServingTls:
         Raises ssl.SSLError when the certificate and key do not match."""
         if material == self.material:
             return False
+        self._load_chain(material, self.context, self.reports_context)
+        self.material = material
+        return True
+
+    def load_client_ca(self, client_ca: bytes) -> bool:
+        """Ask new admission connections for a certificate of `client_ca` (PEM) from now
+        on; connections open keep the CA they were verified with. False when it is the
+        one asked for already. Raises ValueError (empty) or ssl.SSLError (no certificate
+        in it), and then the CA asked for stays: never none."""
+        if client_ca == self.client_ca:
+            return False
+        if not client_ca.strip():
+            raise ValueError("the client CA file is empty")
+        context = _admission_context(client_ca)
+        if self.material is not None:
+            self._load_chain(self.material, context)
+        self.context, self.client_ca = context, client_ca
+        return True
+
+    def _load_chain(self, material: TlsMaterial, *contexts: ssl.SSLContext) -> None:
         # ssl loads certificates from files only: private ones, in the writable /tmp.
         certfile, keyfile = self._dir / "tls.crt", self._dir / "tls.key"
         certfile.write_bytes(material.cert_pem)
@@ -141,12 +211,20 @@ class ServingTls:
         with os.fdopen(fd, "wb") as out:
             out.write(material.key_pem)
         try:
-            self.context.load_cert_chain(str(certfile), str(keyfile))
-            self.reports_context.load_cert_chain(str(certfile), str(keyfile))
+            for context in contexts:
+                context.load_cert_chain(str(certfile), str(keyfile))
         finally:
             keyfile.unlink()
-        self.material = material
-        return True
+
+
+def _admission_context(client_ca: bytes) -> ssl.SSLContext:
+    """A server context that, with `client_ca`, requires a client certificate it signed.
+    Raises ssl.SSLError for a `client_ca` without a PEM certificate."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    if client_ca:
+        context.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,56 +243,105 @@ class Limits:
 
 
 class _Guard(asyncio.Protocol):
-    """Wraps aiohttp's protocol for one connection: refuses it past the connection cap or
-    its peer address's, and closes it when a deadline passes while it is not being
-    answered (the request's headers not in within header_seconds of its start or
-    keepalive_seconds of the last answer; the body's deadline is the middleware's)."""
+    """One connection of a listener, from its TCP accept: the TLS handshake through
+    `loop.start_tls` (so that a handshake that fails or runs past its deadline is seen and
+    counted, and each connection takes the listener's context as it is then), then the
+    connection cap and its peer address's (refused: closed at once), then aiohttp's
+    protocol, closed when a deadline passes while it is not being answered (the request's
+    headers not in within header_seconds of its start or keepalive_seconds of the last
+    answer; the body's deadline is the middleware's)."""
 
     def __init__(self, listener: Listener, inner: asyncio.Protocol) -> None:
         self.listener, self.inner = listener, inner
-        self.transport: asyncio.BaseTransport | None = None
+        self.transport: asyncio.BaseTransport | None = None  # the TLS transport, once the handshake is done
         self._timer: asyncio.TimerHandle | None = None
-        self._admitted = False
+        self._reason = ""  # what the armed timer's expiry is counted as ("" not counted)
+        self._admitted = self._lost = False
+        self._early: list[bytes] = []  # decrypted before the caps were checked (TLS 1.3: with the Finished)
+        self._early_eof = False
+        self._handshake: asyncio.Task[None] | None = None
         self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+        # The TCP connection (start_tls never calls this for the TLS one).
         self.peer = _peer_host(transport)
+        self.listener.handshaking.add(self)
+        self._handshake = asyncio.get_running_loop().create_task(self._secure(transport))
+
+    async def _secure(self, raw: asyncio.BaseTransport) -> None:
         listener = self.listener
-        if not _authenticated(transport) and \
-                listener.per_peer.get(self.peer, 0) >= listener.limits.max_connections_per_peer:
-            listener.refused_per_peer += 1
-            transport.abort()  # type: ignore[attr-defined]  # a transport that streams
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                raw, self, listener.context(), server_side=True,  # type: ignore[arg-type]  # a stream transport
+                ssl_handshake_timeout=listener.limits.handshake_seconds)
+        except ConnectionAbortedError:  # asyncio's handshake timeout
+            listener.drop("handshake_deadline", self.peer,
+                          f"no TLS handshake within {listener.limits.handshake_seconds:g}s")
+            return
+        except ssl.SSLError as exc:  # not TLS, no or a wrong client certificate, ...
+            listener.drop("tls_handshake", self.peer, f"TLS handshake failed: {exc.reason or exc}")
+            return
+        except (ConnectionError, OSError):  # the client went away during the handshake: not refused
+            return
+        finally:
+            listener.handshaking.discard(self)
+        if tls is None or self._lost:  # lost between the handshake and now
+            return
+        self.transport = tls
+        if not _authenticated(tls) and listener.per_peer.get(self.peer, 0) >= listener.limits.max_connections_per_peer:
+            listener.drop("peer_cap", self.peer, f"{listener.limits.max_connections_per_peer} connections from it open")
+            tls.abort()
             return
         if len(listener.open) >= listener.limits.max_connections:
-            listener.refused += 1
-            transport.abort()  # type: ignore[attr-defined]
+            listener.drop("connection_cap", self.peer, f"{listener.limits.max_connections} connections open")
+            tls.abort()
             return
         self._admitted = True
-        listener.open[transport] = self
+        listener.open[tls] = self
         listener.per_peer[self.peer] = listener.per_peer.get(self.peer, 0) + 1
-        self.arm(self.listener.limits.header_seconds)
-        self.inner.connection_made(transport)
+        self.arm(listener.limits.header_seconds, "header_deadline")
+        self.inner.connection_made(tls)
+        for data in self._early:
+            self.inner.data_received(data)
+        self._early.clear()
+        if self._early_eof and not self.inner.eof_received():
+            tls.close()
 
-    def arm(self, seconds: float | None) -> None:
-        """Close the connection in `seconds` unless re-armed; None: not while answering."""
+    def abort(self) -> None:
+        """Close the connection while its handshake runs (the listener stops)."""
+        if self._handshake is not None:
+            self._handshake.cancel()
+
+    def arm(self, seconds: float | None, reason: str = "") -> None:
+        """Close the connection in `seconds` unless re-armed, counted as `reason` ("":
+        not counted: a keep-alive that ends); None: not while answering."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._reason = reason
         if seconds is not None and self.transport is not None:
             self._timer = asyncio.get_running_loop().call_later(seconds, self._expire)
 
     def _expire(self) -> None:
-        self.listener.expired += 1
+        if self._reason:
+            self.listener.drop(self._reason, self.peer, "request headers not received in time")
         if self.transport is not None:
             self.transport.abort()  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         if self._admitted:
+            # Bytes of a next request after an answer: its headers are due (late ones are
+            # counted; aiohttp's own keep-alive may close such a connection first, uncounted).
+            self._reason = self._reason or "header_deadline"
             self.inner.data_received(data)
+        elif self.transport is None and not self._lost:
+            self._early.append(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self._admitted else None
+        if self._admitted:
+            return self.inner.eof_received()
+        self._early_eof = True
+        return True  # closed by _secure: after aiohttp had what came before, or refused
 
     def pause_writing(self) -> None:
         if self._admitted:
@@ -225,6 +352,7 @@ class _Guard(asyncio.Protocol):
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self.arm(None)
         if self._admitted:
             self._admitted = False
@@ -254,17 +382,41 @@ _Route = Callable[[aiohttp.web.Request], Awaitable[aiohttp.web.StreamResponse]]
 
 class Listener:
     """One HTTPS listener of `routes` (POST path -> handler; "/{id:.*}" a catch-all) on
-    `addr`:`port` with `context`, bounded by `limits`. `start()` then `stop()`."""
+    `addr`:`port` with `context` (or a function that gives the context each new connection
+    takes, so that one can be replaced while the listener serves), bounded by `limits`.
+    Each connection it refuses or closes on a limit is counted by reason in `dropped` and
+    in `metrics` (label `label`: admission, reports), and said in a rate-limited log line.
+    `start()` then `stop()`."""
 
-    def __init__(self, *, name: str, addr: str, port: int, context: ssl.SSLContext,
-                 routes: Mapping[str, _Route], limits: Limits) -> None:
-        self.name, self.addr, self.port, self.context, self.limits = name, addr, port, context, limits
+    def __init__(self, *, name: str, addr: str, port: int,
+                 context: ssl.SSLContext | Callable[[], ssl.SSLContext],
+                 routes: Mapping[str, _Route], limits: Limits, label: str = "",
+                 metrics: Metrics | None = None) -> None:
+        self.name, self.addr, self.port, self.limits = name, addr, port, limits
+        self.context: Callable[[], ssl.SSLContext] = context if callable(context) else (lambda: context)
         self.routes = dict(routes)
         self.open: dict[asyncio.BaseTransport, _Guard] = {}
+        self.handshaking: set[_Guard] = set()
         self.per_peer: dict[str, int] = {}  # peer IP -> its connections in `open`
-        self.refused = self.refused_per_peer = self.expired = 0
+        self.label, self.metrics = label or name, metrics
+        self.dropped: collections.Counter[str] = collections.Counter()  # reason -> connections
+        self.refusals = RefusalLog(f"the {name} listener")
+        if metrics is not None:
+            for reason in DROP_REASONS:  # every series from 0, so that rate() sees the first one
+                metrics.listener_dropped.labels(self.label, reason)
         self._runner: aiohttp.web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def refused_per_peer(self) -> int:
+        return self.dropped["peer_cap"]
+
+    def drop(self, reason: str, peer: str, detail: str) -> None:
+        """Count a connection refused or closed for `reason` (one of DROP_REASONS)."""
+        self.dropped[reason] += 1
+        if self.metrics is not None:
+            self.metrics.listener_dropped.labels(self.label, reason).inc()
+        self.refusals.note(reason, peer, detail)
 
     @aiohttp.web.middleware
     async def _deadlines(self, request: aiohttp.web.Request, handler: _Route) -> aiohttp.web.StreamResponse:
@@ -277,9 +429,12 @@ class Listener:
             try:
                 await asyncio.wait_for(request.read(), self.limits.body_seconds)
             except TimeoutError:
+                self._drop_request(request, "body_deadline", f"request body not received within "
+                                                             f"{self.limits.body_seconds:g}s")
                 return _closing(_bad_request(f"request body not received within {self.limits.body_seconds:g}s",
                                              status=408))
             except aiohttp.web.HTTPRequestEntityTooLarge:
+                self._drop_request(request, "body_too_large", f"request body over {self.limits.max_body_bytes} bytes")
                 return _closing(_bad_request(f"request body larger than {self.limits.max_body_bytes} bytes",
                                              status=413))
             return await handler(request)
@@ -287,23 +442,32 @@ class Listener:
             if guard is not None:
                 guard.arm(self.limits.keepalive_seconds)
 
+    def _drop_request(self, request: aiohttp.web.Request, reason: str, detail: str) -> None:
+        guard = self.open.get(request.transport) if request.transport is not None else None
+        self.drop(reason, guard.peer if guard is not None else request.remote or "", detail)
+
     async def start(self) -> None:
         """Listen. Raises OSError (the port taken)."""
         app = aiohttp.web.Application(middlewares=[self._deadlines], client_max_size=self.limits.max_body_bytes)
         app.add_routes([aiohttp.web.post(path, fn) for path, fn in self.routes.items()])
-        self._runner = aiohttp.web.AppRunner(app, handle_signals=False, keepalive_timeout=self.limits.keepalive_seconds)
+        # Our keep-alive timer closes idle connections (and counts a next request's late
+        # headers); aiohttp's, later, is only a backstop.
+        self._runner = aiohttp.web.AppRunner(app, handle_signals=False,
+                                             keepalive_timeout=2 * self.limits.keepalive_seconds)
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
         # reuse_port: replicas on one host (tests, a hostNetwork install) share the port.
+        # Plain TCP here: each _Guard starts its connection's TLS itself.
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Guard(self, server()), self.addr or None, self.port, ssl=self.context,
-            ssl_handshake_timeout=self.limits.handshake_seconds, reuse_address=True, reuse_port=True)
+            lambda: _Guard(self, server()), self.addr or None, self.port, reuse_address=True, reuse_port=True)
         log.info("Serving %s on %s:%s", self.name, self.addr or "*", self.port)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        for guard in list(self.handshaking):
+            guard.abort()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -315,11 +479,12 @@ def _closing(response: aiohttp.web.Response) -> aiohttp.web.Response:
 
 class AdmissionServer:
     """A kopf webhook server (kopf.WebhookServerProtocol) on `addr`:`port` with `tls`
-    (its client-authenticating context), bounded by `limits`."""
+    (its client-authenticating context, as it is at each new connection), bounded by
+    `limits`, its refusals counted in `metrics`."""
 
     def __init__(self, *, addr: str, port: int, tls: ServingTls, url: str = "",
-                 limits: Limits | None = None) -> None:
-        self.addr, self.port, self.tls, self.url = addr, port, tls, url
+                 limits: Limits | None = None, metrics: Metrics | None = None) -> None:
+        self.addr, self.port, self.tls, self.url, self.metrics = addr, port, tls, url, metrics
         self.limits = limits or Limits()
         self.listener: Listener | None = None
 
@@ -327,8 +492,10 @@ class AdmissionServer:
         async def handle(request: aiohttp.web.Request) -> aiohttp.web.Response:
             return await serve(fn, request)
 
-        self.listener = Listener(name="the admission webhook", addr=self.addr, port=self.port,
-                                 context=self.tls.context, routes={"/{id:.*}": handle}, limits=self.limits)
+        tls = self.tls
+        self.listener = Listener(name="admission", addr=self.addr, port=self.port, context=lambda: tls.context,
+                                 routes={"/{id:.*}": handle}, limits=self.limits, label="admission",
+                                 metrics=self.metrics)
         await self.listener.start()
         try:
             config = kopf.WebhookClientConfig(url=self.url or f"https://{self.addr}:{self.port}")

@@ -1,10 +1,10 @@
 """Prometheus metrics of the operator (prometheus_client), served on their own port.
 
-What each replica can know is exported by that replica: admissions by the replica that
-served them; reports by the replica that answered them (one a follower forwarded by the
-leader, and by the follower as forwarded); warmer runs and reconcile errors by the leader
-(the only one reconciling); cache entries and bytes by every replica, read from the
-caches' status at scrape time (every replica watches the caches). Counters restart at 0 with the process, as Prometheus
+What each replica can know is exported by that replica: admissions, and connections its
+listeners refused, by the replica that served them; reports by the replica that answered
+them (one a follower forwarded by the leader, and by the follower as forwarded); warmer
+runs and reconcile errors by the leader (the only one reconciling); cache entries and
+bytes by every replica, read from the caches' status at scrape time (every replica watches the caches). Counters restart at 0 with the process, as Prometheus
 counters do; `rate()` and `increase()` handle that. The series of a cache (its warmer runs
 and durations, its pods' hits, misses and seconds saved) go when the cache is deleted, so a
 cluster that churns caches does not grow a replica's registry without end.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -68,6 +68,15 @@ class Metrics:
         self.seconds_saved = Counter(
             "cachewarm_compile_seconds_saved", "Compile seconds JAX estimates its cache hits saved in training pods.",
             ["namespace", "cache"], registry=self.registry)
+        self.listener_dropped = Counter(
+            "cachewarm_listener_connections_dropped", "Connections a listener (admission, reports) refused or closed "
+            "before its client did, by reason: connection_cap, peer_cap, tls_handshake (not TLS, no or an unverified "
+            "client certificate), handshake_deadline, header_deadline, body_deadline, body_too_large.",
+            ["listener", "reason"], registry=self.registry)
+        self.client_ca_stale = Gauge(
+            "cachewarm_admission_client_ca_stale", "1 while the admission client CA file cannot be read or holds no "
+            "certificate: the admission listener still asks for a certificate of the CA it last loaded; else 0.",
+            registry=self.registry)
         self.registry.register(_CacheCollector(caches))
         # (namespace, cache) -> the label values each per-cache metric has for it.
         self._series: dict[tuple[str, str], set[tuple[Any, tuple[str, ...]]]] = {}

@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import os
 import signal
+import ssl
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -122,15 +123,16 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         limits, admission_limits = listener_limits(ours)
         memo.report_listener = Listener(name="reports", addr=ours.webhook_address, port=ours.reports_port,
                                         context=tls.reports_context, routes={REPORT_PATH: receiver.handle},
-                                        limits=limits)
+                                        limits=limits, label="reports", metrics=memo.metrics)
         try:
             await memo.report_listener.start()
         except OSError as exc:
             log.error("Could not listen for reports; pods' reports are not taken", port=ours.reports_port,
                       error=str(exc))
         settings.admission.server = AdmissionServer(addr=ours.webhook_address, port=ours.webhook_port, tls=tls,
-                                                    url=ours.webhook_url, limits=admission_limits)
-        keeper = WebhookKeeper(ours, memo.kube, tls, authoritative)
+                                                    url=ours.webhook_url, limits=admission_limits,
+                                                    metrics=memo.metrics)
+        keeper = WebhookKeeper(ours, memo.kube, tls, authoritative, memo.metrics)
         await keeper.point_configuration()
         memo.tasks.append(asyncio.create_task(keeper.watch(), name="webhook-certificate"))
         memo.keeper = keeper
@@ -238,14 +240,17 @@ async def _first_material(settings: Settings, kube: KubeClient) -> tuple[serving
 
 class WebhookKeeper:
     """Keeps the served certificate current (re-read every cert_check_seconds, reloaded
-    in place when it changed) and the webhook configuration's caBundle on its CA (checked
-    at each round too, so a bundle changed by someone else is put back)."""
+    in place when it changed), the admission client CA too (re-read at the same rounds),
+    and the webhook configuration's caBundle on its CA (checked at each round too, so a
+    bundle changed by someone else is put back)."""
 
-    def __init__(self, settings: Settings, kube: KubeClient, tls: ServingTls, authoritative: bool) -> None:
-        self.settings, self.kube, self.tls = settings, kube, tls
+    def __init__(self, settings: Settings, kube: KubeClient, tls: ServingTls, authoritative: bool,
+                 metrics: Metrics | None = None) -> None:
+        self.settings, self.kube, self.tls, self.metrics = settings, kube, tls, metrics
         self.authoritative = authoritative  # False: a stand-in, never published
         self._configuring: asyncio.Task[None] | None = None
         self._ca = b""
+        self.client_ca_problem = ""  # why the client CA file could not be loaded at the last round
 
     async def point_configuration(self) -> None:
         """Point the configuration at the served CA: the first attempt awaited, retries in
@@ -267,6 +272,7 @@ class WebhookKeeper:
         log = logs.get("cachewarm.webhook")
         while True:
             await asyncio.sleep(self.settings.cert_check_seconds)
+            await self.reload_client_ca()
             try:
                 found = await asyncio.to_thread(_material, self.settings, self.kube)
                 if found is not None:
@@ -280,6 +286,34 @@ class WebhookKeeper:
             except Exception as exc:  # noqa: BLE001 - keep serving the current certificate, try again next round
                 log.warning("Could not re-read or load the webhook's certificate; serving the current one",
                             error=f"{type(exc).__name__}: {exc}")
+
+    async def reload_client_ca(self) -> None:
+        """Re-read the admission client CA file; a changed one is asked of new connections
+        (those open stay). One that cannot be read or holds no certificate leaves the CA
+        asked for as it is, never none: said in a warning when the problem is new, and by
+        the gauge cachewarm_admission_client_ca_stale while it lasts."""
+        path = self.settings.admission_client_ca
+        if not path:
+            return
+        log = logs.get("cachewarm.webhook")
+        try:
+            changed = self.tls.load_client_ca(await asyncio.to_thread(Path(path).read_bytes))
+        except (OSError, ValueError, ssl.SSLError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+            if problem != self.client_ca_problem:
+                log.warning("Could not reload the admission client CA; still asking callers for a certificate of "
+                            "the CA loaded before", file=path, error=problem)
+            self.client_ca_problem = problem
+            if self.metrics is not None:
+                self.metrics.client_ca_stale.set(1)
+            return
+        if changed:
+            log.info("Loaded a new admission client CA; new connections need a certificate of it", file=path)
+        elif self.client_ca_problem:
+            log.info("The admission client CA file is usable again; it holds the CA asked for already", file=path)
+        self.client_ca_problem = ""
+        if self.metrics is not None:
+            self.metrics.client_ca_stale.set(0)
 
     def stop(self) -> None:
         if self._configuring is not None:
