@@ -514,6 +514,157 @@ def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Ins
         assert any(m.startswith(f"Pod {pod} started without the cache's entries") for m in said), said
 
 
+# --- issue 28, D7 and D8 through the installed operator's webhook -------------------------
+
+# D7: what every init container cachewarm adds gets, whatever the training container has.
+RESTRICTED = {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+              "runAsNonRoot": True, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"},
+              "readOnlyRootFilesystem": True}
+
+
+def runtime_spec(node: RealNode, container_id: str) -> dict[str, Any]:
+    """The OCI runtime spec containerd handed runc for a container (`ctr containers info`)."""
+    info = node.ctr("containers", "info", container_id.removeprefix("containerd://"))
+    spec: dict[str, Any] = json.loads(info.stdout)["Spec"]
+    return spec
+
+
+def copy_cache(name: str) -> dict[str, Any]:
+    """A cache with a local copy and the reporter (its default), no warmup: the copier, by
+    init container, copies the (empty) prefix."""
+    return {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
+            "spec": {"storage": {"gcs": {"bucket": f"{name}-{uuid.uuid4().hex[:10]}", "prefix": name,
+                                         "location": "us-central1"}},
+                     "injection": {"mode": "ReadOnly", "localCopy": {}}}}
+
+
+def test_the_webhooks_init_containers_run_restricted_beside_a_privileged_root_training_container(
+        cluster: Installed, ns: str) -> None:
+    """D7 through the installed operator's webhook (the apiserver calls it through its
+    Service) on the real kubelet + containerd + runc: the training container is privileged,
+    root, with SYS_ADMIN added, and the pod names no runAsNonRoot. The pod as stored has
+    our init containers (the reporter's copy, the local copy's copier) with exactly the
+    restricted securityContext, never the training container's; they ran (exit 0) as runc
+    was told (the runtime spec containerd kept: uid 65532, no capabilities, no new
+    privileges, seccomp, read-only root; what they wrote is 65532's), and the training
+    container kept its own context (root, privileged, SYS_ADMIN in its runtime spec and in
+    its process), and still cannot write the copy it reads (EROFS)."""
+    bed = cluster.bed
+    bed.apply(copy_cache("priv"), ns)
+    eventually(lambda: ((bed.get_json("ccache", "priv", ns) or {}).get("status") or {}).get("bucket"),
+               what="cache priv reconciled")
+    own = {"privileged": True, "runAsUser": 0, "capabilities": {"add": ["SYS_ADMIN"]}}
+    script = ('echo "uid=$(id -u)"; grep CapEff /proc/self/status; '
+              'for f in /cachewarm-reporter/*; do echo "owner $(stat -c %u "$f") $f"; done; '
+              'out=$(touch /cachewarm-cache/planted 2>&1); echo "write-rc=$? $out"')
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "privileged", "labels": {"cachewarm.dev/cache": "priv"}},
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "command": ["sh", "-c", script],
+               "env": cluster.client_env(), "securityContext": own}]}}
+    bed.apply(pod, ns)
+    stored = bed.get_json("pod", "privileged", ns) or {}
+    assert "cachewarm.dev/injected" in (stored.get("metadata") or {}).get("annotations", {}), stored.get("metadata")
+    assert "runAsNonRoot" not in (stored["spec"].get("securityContext") or {}), stored["spec"].get("securityContext")
+    inits = {ct["name"]: ct.get("securityContext") for ct in stored["spec"].get("initContainers") or []}
+    assert inits == {"cachewarm-reporter": RESTRICTED, "cachewarm-copy": RESTRICTED}, inits
+    [train] = stored["spec"]["containers"]
+    assert train["securityContext"] == own, train["securityContext"]
+
+    done = eventually(lambda: finished(bed, "pod", "privileged", ns), timeout=180, what="the privileged pod to finish")
+    logs = bed.kubectl_run("logs", "privileged", "-n", ns, "-c", "train")
+    assert done["status"]["phase"] == "Succeeded", (done["status"], logs.stdout[-3000:], logs.stderr[-3000:])
+    statuses = {s["name"]: s for s in done["status"]["initContainerStatuses"]}
+    assert {n: s["state"]["terminated"]["exitCode"] for n, s in statuses.items()} == {
+        "cachewarm-reporter": 0, "cachewarm-copy": 0}, statuses
+    for name, status in statuses.items():
+        runtime = runtime_spec(cluster.node, status["containerID"])
+        process = runtime["process"]
+        assert process["user"]["uid"] == 65532, (name, process["user"])
+        assert all(not process["capabilities"].get(kind) for kind in
+                   ("bounding", "effective", "permitted", "inheritable", "ambient")), (name, process)
+        assert process.get("noNewPrivileges") is True, name
+        assert runtime["root"].get("readonly") is True, name
+        assert "seccomp" in runtime["linux"], name  # RuntimeDefault: a profile, not unconfined
+    [main] = done["status"]["containerStatuses"]
+    process = runtime_spec(cluster.node, main["containerID"])["process"]
+    assert process["user"]["uid"] == 0 and "CAP_SYS_ADMIN" in process["capabilities"]["effective"], process
+    lines = logs.stdout.splitlines()
+    assert "uid=0" in lines, lines
+    assert not any(line.endswith("0000000000000000") for line in lines if "CapEff" in line), lines
+    owners = {line.split()[2]: line.split()[1] for line in lines if line.startswith("owner ")}
+    # The copier's summary, and what the reporter's copy put there.
+    assert "/cachewarm-reporter/local-copy.json" in owners and len(owners) > 1, lines
+    assert set(owners.values()) == {"65532"}, owners  # written by our init containers, as 65532
+    write = next(line for line in lines if line.startswith("write-rc="))
+    assert not write.startswith("write-rc=0") and "Read-only file system" in write, write
+
+
+def test_a_pod_that_opted_out_of_tokens_gets_none_from_the_webhook_and_the_cache_counts_it(
+        cluster: Installed, ns: str) -> None:
+    """D8 through the installed operator's webhook on the real node: a labelled pod with
+    automountServiceAccountToken false, of a cache that has the reporter (its default) and
+    a local copy. kubectl shows the webhook's warning; the stored pod has no projected
+    token and no reporter (no code, env or volume of it), the copy still comes;
+    the pod runs to the end with no token file anywhere under /var/run/secrets. The cache
+    counts it in status.reports.podsOptedOut while it runs (a reconcile forced by a spec
+    change, not a wait for the count), and not once it has finished."""
+    bed = cluster.bed
+    cache = copy_cache("optout")
+    bed.apply(cache, ns)
+
+    def reconciled(generation: int) -> dict[str, Any] | None:
+        obj = bed.get_json("ccache", "optout", ns) or {}
+        status = obj.get("status") or {}
+        return obj if status.get("bucket") and status.get("observedGeneration") == generation else None
+    eventually(lambda: reconciled(1), what="cache optout reconciled")
+    script = ('echo "files=$(find /var/run/secrets -type f 2>/dev/null | wc -l)"; '
+              'echo "env-url=${CACHEWARM_REPORT_URL:-none}"; '
+              'while [ ! -e /tmp/go ]; do sleep 1; done')
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "no-token", "labels": {"cachewarm.dev/cache": "optout"}},
+           "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [{
+               "name": "train", "image": images.PLAIN_TRAIN_IMAGE, "command": ["sh", "-c", script],
+               "env": cluster.client_env()}]}}
+    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=json.dumps(pod))
+    assert created.returncode == 0, created.stderr
+    assert "automountServiceAccountToken false" in created.stderr, created.stderr  # the webhook's warning
+    stored = bed.get_json("pod", "no-token", ns) or {}
+    assert "cachewarm.dev/injected" in (stored.get("metadata") or {}).get("annotations", {}), stored.get("metadata")
+    volumes = stored["spec"].get("volumes") or []
+    assert not any("projected" in v for v in volumes), volumes
+    assert "cachewarm-report-token" not in {v["name"] for v in volumes}, volumes
+    inits = {ct["name"]: ct for ct in stored["spec"]["initContainers"]}
+    assert list(inits) == ["cachewarm-reporter", "cachewarm-copy"], inits
+    # The first (named for the folder it fills) ships the copier, and none of the reporter:
+    # no reporter module, no sitecustomize; the training container's PYTHONPATH is its own.
+    shipped = {Path(f).name for f in inits["cachewarm-reporter"]["command"][1:-1]}
+    assert "cachewarm_copier.py" in shipped and not shipped & {"cachewarm_reporter.py", "sitecustomize.py"}, shipped
+    envs = {e["name"] for ct in [*stored["spec"]["initContainers"], *stored["spec"]["containers"]]
+            for e in ct.get("env") or []}
+    assert not {n for n in envs if n.startswith("CACHEWARM_REPORT") or n == "PYTHONPATH"}, envs
+
+    eventually(lambda: ((bed.get_json("pod", "no-token", ns) or {}).get("status") or {}).get("phase") == "Running"
+               or None, timeout=180, what="the pod running")
+    cache["spec"]["storage"]["gcs"]["lifecycle"] = {"deleteAfterDays": 9}
+    bed.apply(cache, ns)
+    running = eventually(lambda: reconciled(2), timeout=90, what="cache optout reconciled with the pod running")
+    assert running["status"]["reports"]["podsOptedOut"] == 1, running["status"].get("reports")
+
+    go = bed.kubectl_run("exec", "-n", ns, "no-token", "-c", "train", "--", "touch", "/tmp/go")
+    assert go.returncode == 0, go.stderr
+    done = eventually(lambda: finished(bed, "pod", "no-token", ns), timeout=60, what="the pod to finish")
+    logs = bed.kubectl_run("logs", "no-token", "-n", ns, "-c", "train")
+    assert done["status"]["phase"] == "Succeeded", (done["status"], logs.stdout[-3000:], logs.stderr[-3000:])
+    assert logs.stdout.splitlines() == ["files=0", "env-url=none"], logs.stdout  # no token file at all
+    assert {s["name"]: s["state"]["terminated"]["exitCode"] for s in done["status"]["initContainerStatuses"]} == {
+        "cachewarm-reporter": 0, "cachewarm-copy": 0}, done["status"]["initContainerStatuses"]
+    cache["spec"]["storage"]["gcs"]["lifecycle"] = {"deleteAfterDays": 8}
+    bed.apply(cache, ns)
+    after = eventually(lambda: reconciled(3), timeout=90, what="cache optout reconciled with the pod finished")
+    assert after["status"]["reports"]["podsOptedOut"] == 0, after["status"].get("reports")
+
+
 def test_two_replicas_on_the_real_node_one_leads_and_a_killed_leader_is_replaced(cluster: Installed, ns: str) -> None:
     """The Deployment's two replicas run; the Lease names one; a PodDisruptionBudget keeps
     one of them; when the leader's Pod is force-deleted (its process killed, as on a node
