@@ -464,6 +464,61 @@ def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
     assert len(stopped) == 1 and stopped[0]["type"] == "Warning" and name in stopped[0]["message"], stopped
     assert stopped[0].get("count", 1) == 1 and stopped[0]["involvedObject"]["uid"] == obj["metadata"]["uid"]
 
+    # The cache's own Job is changed by no one but the operator (a generation far ahead would
+    # stall its warms), nor through its status subresource (which resets only the spec).
+    annotated = bed.kubectl_run("annotate", "job", name, "-n", namespace, "--overwrite", "cachewarm.dev/generation=999")
+    assert annotated.returncode != 0 and "only the cachewarm operator changes it" in annotated.stderr, annotated.stderr
+    relabelled = bed.kubectl_run("patch", "job", name, "-n", namespace, "--subresource=status", "--type=merge",
+                                 "-p", json.dumps({"metadata": {"labels": {"cachewarm.dev/pool": "other"}}}))
+    assert relabelled.returncode != 0 and "only the cachewarm operator changes it" in relabelled.stderr, \
+        relabelled.stderr
+    assert (bed.get_json("job", name, namespace) or {})["metadata"]["annotations"]["cachewarm.dev/generation"] != "999"
+    # A controller of another kind holding the cache's uid is let through, and cannot then
+    # be turned into the cache by an update.
+    decoy = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "decoy", "ownerReferences": [
+        {"apiVersion": "decoy.example/v1", "kind": "Decoy", "name": "squat", "uid": obj["metadata"]["uid"],
+         "controller": True}]}, "spec": {"suspend": True, "template": squatter["spec"]["template"]}}
+    made = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(decoy))
+    assert made.returncode == 0, made.stderr
+    turned = bed.kubectl_run("patch", "job", "decoy", "-n", namespace, "--type=json", "-p", json.dumps([
+        {"op": "replace", "path": "/metadata/ownerReferences/0/apiVersion", "value": "cachewarm.dev/v1alpha1"},
+        {"op": "replace", "path": "/metadata/ownerReferences/0/kind", "value": "CompilationCache"}]))
+    assert turned.returncode != 0 and "names a CompilationCache as its controller" in turned.stderr, turned.stderr
+
+
+def test_a_job_of_the_warmers_name_without_its_label_is_named_not_deleted(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+) -> None:
+    """A Job of the warmer's name made without the warmer label is not listed as the cache's:
+    the operator's create finds it, and since it is not cachewarm's to delete, the pool's
+    message and one Warning say so; deleted by its owner, the warmer runs."""
+    bed = controller_manager
+    body = warm_cache("held", f"held-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]})
+    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+                          input=yaml.safe_dump(body))
+    assert dry.returncode == 0, dry.stderr
+    cache = parse_spec(json.loads(dry.stdout)["spec"])
+    assert cache.warmup is not None
+    name = job_name("held", cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
+    holder = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+              "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
+                  {"name": "x", "image": "demo/train:1", "command": ["true"]}]}}}}
+    made = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(holder))
+    assert made.returncode == 0, made.stderr
+    bed.apply(body, namespace)
+
+    def held() -> dict[str, Any] | None:
+        pools = (((bed.get_json("ccache", "held", namespace) or {}).get("status") or {}).get("warmup") or {}).get("pools")
+        return pools[0] if pools and "this cache is not its controller" in pools[0].get("message", "") else None
+    pool = eventually(held, timeout=60, what="the pool naming the Job that holds its name")
+    assert pool["job"] == name and pool["state"] == "Pending" and f"Job {name} exists" in pool["message"]
+    assert bed.get_json("job", name, namespace) is not None  # not the operator's to delete
+    said = [e for e in bed.events_for("held", namespace) if e["reason"] == "WarmerJobNotOurs"]
+    assert len(said) == 1 and said[0]["type"] == "Warning", said
+    gone = bed.kubectl_run("delete", "job", name, "-n", namespace, "--wait=true")
+    assert gone.returncode == 0, gone.stderr
+    wait_warmed(bed, namespace, "held")
+
 
 def test_the_apiserver_refuses_a_pod_that_claims_a_warmer_job_as_its_controller(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
@@ -508,6 +563,15 @@ def test_the_apiserver_refuses_a_pod_that_claims_a_warmer_job_as_its_controller(
     assert labelled.returncode != 0 and "only the Job controller" in labelled.stderr, labelled.stderr
     kept = (bed.get_json("pod", "claimer-2", namespace) or {})["metadata"]
     assert "job-name" not in (kept.get("labels") or {}) and kept["ownerReferences"][0]["uid"] == owner["uid"]
+    # The labels a Job's selector matches: the Job controller would adopt such an orphan pod
+    # and make it the Job's own.
+    for label in ("batch.kubernetes.io/controller-uid", "controller-uid"):
+        adoptable = {**forger, "metadata": {"name": "adoptable", "labels": {"job-name": name,
+                                                                            label: job["metadata"]["uid"]}}}
+        refused = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(adoptable))
+        assert refused.returncode != 0 and "controller-uid label" in refused.stderr, (label, refused.stderr)
+        added = bed.kubectl_run("label", "pod", "claimer", "-n", namespace, f"{label}={job['metadata']['uid']}")
+        assert added.returncode != 0 and "controller-uid label" in added.stderr, (label, added.stderr)
     let_go = bed.kubectl_run("patch", "pod", "claimer-2", "-n", namespace, "--type=merge",
                              "-p", json.dumps({"metadata": {"finalizers": None}}))
     assert let_go.returncode == 0, let_go.stderr

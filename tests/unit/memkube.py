@@ -95,6 +95,11 @@ class MemoryKube(KubeClient):
             store.append(copy.deepcopy(stored))
         return stored
 
+    def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._check("read_job")
+        return next((copy.deepcopy(j) for j in self.jobs
+                     if j["metadata"]["name"] == name and _namespace(j) == namespace), None)
+
     def delete_job(self, namespace: str, name: str) -> None:
         self._check("delete_job")
         self.deleted.append(("Job", name))

@@ -17,9 +17,14 @@ from memkube import MemoryKube
 NS = "ml"
 
 
-def body(kind: str, name: str) -> dict[str, Any]:
+OURS = {"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "name": "llama", "uid": "u-1",
+        "controller": True}
+
+
+def body(kind: str, name: str, owners: tuple[dict[str, Any], ...] = (OURS,)) -> dict[str, Any]:
     return {"apiVersion": "v1" if kind == "Service" else "batch/v1", "kind": kind,
-            "metadata": {"name": name, "namespace": NS, "labels": {c.LABEL_WARMER_FOR: "llama"}}}
+            "metadata": {"name": name, "namespace": NS, "labels": {c.LABEL_WARMER_FOR: "llama"},
+                         "ownerReferences": list(owners)}}
 
 
 def said(name: str) -> Event:
@@ -64,3 +69,25 @@ def test_steps_run_in_the_plans_order_and_events_keep_their_place() -> None:
     kube = MemoryKube(jobs=[body("Job", "a")], services=[body("Service", "s")])
     apply_plan(kube, NS, plan(Create(body("Job", "b")), DeleteService("s"), DeleteJob("a")))
     assert kube.calls == ["create", "delete_service", "delete_job"]
+
+
+def test_a_job_of_the_warmers_name_the_cache_does_not_control_is_said_in_the_pool_once() -> None:
+    """Made without the warmer label (so never listed as the cache's, and never deleted by
+    the operator), it holds the name: the create finds it, and the pool's message and one
+    Warning say who must delete it; a second reconcile, whose previous status holds that
+    message, says no more. The cache's own Job found the same way says nothing."""
+    squatter = {"metadata": {"name": "llama-cpu-new", "namespace": NS, "labels": {}}}
+    kube = MemoryKube(jobs=[squatter])
+    pools = [{"name": "cpu", "job": "llama-cpu-new", "state": "Pending"}]
+    warm = WarmPlan((Create(body("Job", "llama-cpu-new"), said("llama-cpu-new")),), pools,
+                    Cond(c.Condition.WARMED, False, c.Reason.WARMING, ""))
+    events = apply_plan(kube, NS, warm)
+    assert [(e.type, e.reason) for e in events] == [("Warning", "WarmerJobNotOurs")]
+    assert "Job llama-cpu-new exists and this cache is not its controller" in events[0].message
+    assert pools[0]["message"] == events[0].message and kube.created == [] and kube.deleted == []
+    again = [{"name": "cpu", "job": "llama-cpu-new", "state": "Pending"}]
+    assert apply_plan(kube, NS, WarmPlan(warm.steps, again, warm.condition), previous=pools) == []
+    assert again[0]["message"] == pools[0]["message"]
+    mine = MemoryKube(jobs=[body("Job", "llama-cpu-new")])
+    kept = [{"name": "cpu", "job": "llama-cpu-new", "state": "Pending"}]
+    assert apply_plan(mine, NS, WarmPlan(warm.steps, kept, warm.condition)) == [] and "message" not in kept[0]

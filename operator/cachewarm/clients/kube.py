@@ -218,6 +218,15 @@ class KubeClient:
                                                                  _request_timeout=self.timeout)
         return None if created is None else _dict(created)
 
+    def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Job of that name (None: none), listed by its name (the operator's RBAC lists
+        Jobs and gets none). Raises KubeError."""
+        with _errors(f"reading Job {namespace}/{name}"):
+            listed = self._batch().list_namespaced_job(namespace, field_selector=f"metadata.name={name}",
+                                                       _request_timeout=self.timeout)
+        items = [_dict(j) for j in listed.items or []]
+        return items[0] if items else None
+
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete a Job with foreground propagation: the Job stays (with
         deletionTimestamp) until its pods are gone, so "no unfinished Job left" means no
@@ -317,6 +326,18 @@ class KubeClient:
                 c.GROUP, c.VERSION, namespace, c.PLURAL, name, patch,
                 _content_type="application/merge-patch+json", _request_timeout=self.timeout)
         return done is not None
+
+    # --- the admission webhook: a pod's ServiceAccount (its token opt-out) ---
+
+    def read_service_account(self, namespace: str, name: str, *, timeout: float | None = None) -> dict[str, Any] | None:
+        """A ServiceAccount as stored, or None when it does not exist. `timeout` (seconds)
+        replaces the client's own for this one call (the admission path has a deadline of
+        its own). Raises KubeError."""
+        found: Any = None
+        with _errors(f"reading ServiceAccount {namespace}/{name}", ok=(404,)):
+            found = self._core().read_namespaced_service_account(
+                name, namespace, _request_timeout=self.timeout if timeout is None else timeout)
+        return None if found is None else _dict(found)
 
     # --- the webhook's serving certificate, shared by every replica through one Secret ---
 

@@ -22,6 +22,7 @@ from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec
 from cachewarm.clients.kube import KubeClient
 from cachewarm.reconcile.warmplan import (ACTIVE_STATES, BUCKET_VERDICTS, MANIFEST_OBJECT, Create, DeleteJob, DeleteService, WarmContext,
+                                          observe,
                                           WarmPlan, WarmRetry, WarmView, image_pythonpath, last_slot,
                                           manifest_generation, missing_entries,
                                           next_scheduled_warm, next_slot, plan_warmup, results_to_read, rewarm_token,
@@ -69,10 +70,13 @@ def observe_warmers(kube: KubeClient, ctx: WarmContext) -> WarmView:
     return WarmView(listed, services, pods)
 
 
-def apply_plan(kube: KubeClient, namespace: str, plan: WarmPlan) -> list[Event]:
+def apply_plan(kube: KubeClient, namespace: str, plan: WarmPlan,
+               previous: Sequence[Mapping[str, Any]] = ()) -> list[Event]:
     """Perform the plan's writes in order. Returns its Events, less a create's where the
     apiserver answered that the object exists. Raises KubeError: the writes before it are
-    done, and the next reconcile plans from what they left."""
+    done, and the next reconcile plans from what they left. A Job whose create finds one of
+    its name that the cache does not control (made without the warmer label, so never
+    listed as the cache's) is named in the pool's message (squatted_job)."""
     events: list[Event] = []
     for step in plan.steps:
         if isinstance(step, Event):
@@ -82,9 +86,36 @@ def apply_plan(kube: KubeClient, namespace: str, plan: WarmPlan) -> list[Event]:
         elif isinstance(step, DeleteService):
             kube.delete_service(namespace, step.name)
         elif isinstance(step, Create):
-            if kube.create(step.body) is not None and step.said is not None:
-                events.append(step.said)
+            if kube.create(step.body) is not None:
+                if step.said is not None:
+                    events.append(step.said)
+            elif step.body.get("kind") == "Job":
+                events += squatted_job(kube, namespace, step.body, plan.pools, previous)
     return events
+
+
+def squatted_job(kube: KubeClient, namespace: str, body: Mapping[str, Any],
+                 pools: Sequence[dict[str, Any]], previous: Sequence[Mapping[str, Any]] = ()) -> list[Event]:
+    """The warmer's create found a Job of its name. One the cache controls is its own
+    (created before a restart): nothing to say. Any other holds the name without the
+    cache's warmer label (a labelled one is a stray, stopped by the plan): it is not the
+    operator's to delete, so the pool says whose move it is, and a Warning says it once."""
+    name = body["metadata"]["name"]
+    existing = kube.read_job(namespace, name)
+    if existing is None:
+        return []
+    uid = next((r.get("uid") for r in body["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    if observe(existing, str(uid)).ours:
+        return []
+    message = (f"Job {name} exists and this cache is not its controller: the warmer cannot be created "
+               f"until it is deleted (it lacks the {c.LABEL_WARMER_FOR} label, so the operator leaves it)")
+    said: list[Event] = []
+    for entry in pools:
+        if entry.get("job") == name:
+            if not any(p.get("name") == entry.get("name") and p.get("message") == message for p in previous):
+                said.append(Event("Warning", c.Reason.WARMER_JOB_NOT_OURS, message))
+            entry["message"] = message
+    return said
 
 
 def reconcile_warmup(
@@ -100,7 +131,7 @@ def reconcile_warmup(
     ctx = WarmContext(cache, namespace, name, uid, now, warmer_image, generation, annotations, previous, retry,
                       cache_entries, warmed_before, entry_keys)
     plan = plan_warmup(ctx, observe_warmers(kube, ctx))
-    return WarmupOutcome(plan.condition, plan.pools, apply_plan(kube, namespace, plan))
+    return WarmupOutcome(plan.condition, plan.pools, apply_plan(kube, namespace, plan, previous))
 
 
 def release_waiting_pods(kube: KubeClient, cache: CacheSpec | None, *, namespace: str, name: str, warmed: bool,
