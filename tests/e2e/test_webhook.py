@@ -496,3 +496,43 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
     stored, _ = create_pod(bed, namespace, quiet)
     assert "initContainers" not in stored["spec"] and env_of(stored)["PYTHONPATH"] == "/app/lib"
     assert "cachewarm-reporter" not in {v["name"] for v in stored["spec"].get("volumes") or []}
+
+
+def test_a_service_accounts_opt_out_of_tokens_holds_unless_the_pod_says_otherwise(
+    operator: OperatorHandle, controller_manager: Testbed, namespace: str
+) -> None:
+    """Issue 28 item 11, Kubernetes' rule through the running webhook (which reads the
+    ServiceAccount with the manifests' RBAC: a 403 fails the operator fixture): a pod that
+    leaves automountServiceAccountToken unset, of a ServiceAccount that sets it false, gets
+    no projected token and no reporter from us (the cache env still), says why, and is
+    counted in status.reports.podsOptedOut; the same ServiceAccount with the pod's field
+    true: token and reporter (the pod's choice wins), not counted."""
+    bed = controller_manager
+    make_cache(bed, namespace, "llama", report=True)
+    bed.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "no-tokens"},
+               "automountServiceAccountToken": False}, namespace)
+    unset = pod("unset", "llama")
+    unset["spec"]["serviceAccountName"] = "no-tokens"
+    stored, warnings = create_pod(bed, namespace, unset)
+    spec = stored["spec"]
+    assert "automountServiceAccountToken" not in spec  # left to the ServiceAccount
+    assert "cachewarm-report-token" not in {v["name"] for v in spec.get("volumes") or []}
+    assert not [ct["name"] for ct in spec.get("initContainers") or [] if ct["name"].startswith("cachewarm-")]
+    assert "CACHEWARM_REPORT_URL" not in env_of(stored) and env_of(stored)["JAX_COMPILATION_CACHE_DIR"]
+    assert "its ServiceAccount 'no-tokens' sets automountServiceAccountToken false" in warnings
+    assert stored["metadata"]["annotations"]["cachewarm.dev/injected"].endswith(
+        "; no token or reporter: opted out of ServiceAccount tokens")
+
+    chosen = pod("chosen", "llama")
+    chosen["spec"].update(serviceAccountName="no-tokens", automountServiceAccountToken=True)
+    stored, warnings = create_pod(bed, namespace, chosen)
+    token = next(v for v in stored["spec"]["volumes"] if v["name"] == "cachewarm-report-token")
+    assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "cachewarm"
+    assert [ct["name"] for ct in stored["spec"]["initContainers"]] == ["cachewarm-reporter", "cachewarm-pythonpath"]
+    assert "no token or reporter" not in stored["metadata"]["annotations"]["cachewarm.dev/injected"]
+    assert "automountServiceAccountToken" not in warnings
+
+    def counted() -> dict[str, Any] | None:
+        got = bed.get_json("ccache", "llama", namespace) or {}
+        return got if (got.get("status", {}).get("reports") or {}).get("podsOptedOut") == 1 else None
+    eventually(counted, timeout=30, what="status.reports.podsOptedOut == 1 (the unset pod only)")

@@ -67,9 +67,9 @@ def spec(pools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
             "warmup": {"image": "i", "targets": ["m:f"], "pools": pools or [{"name": "a"}]}}
 
 
-def reconcile(kube: MemoryKube, gcs: Any, body: dict[str, Any], status: dict[str, Any] | None = None
-              ) -> service.Outcome:
-    wiring = service.Wiring(gcs=gcs, kube=kube, warmer_image="w", injections=RecentInjections(60),
+def reconcile(kube: MemoryKube, gcs: Any, body: dict[str, Any], status: dict[str, Any] | None = None,
+              injections: RecentInjections | None = None) -> service.Outcome:
+    wiring = service.Wiring(gcs=gcs, kube=kube, warmer_image="w", injections=injections or RecentInjections(60),
                             claims=lambda bucket: [])
     return service.reconcile_cache(wiring, service.CacheObject("ml", "llama", body, META, status or {}), now=NOW)
 
@@ -250,8 +250,11 @@ def test_a_listing_that_fails_after_the_warmers_were_read_is_a_gcs_condition_not
 
 
 def labelled(name: str, *, automount: bool | None, phase: str = "Running", deleting: bool = False,
-             cache: str = "llama") -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": "ml", "labels": {"cachewarm.dev/cache": cache}}
+             cache: str = "llama", noted: bool = True) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "uid": f"u-{name}", "namespace": "ml", "labels": {"cachewarm.dev/cache": cache}}
+    if noted and automount is False:  # as the webhook notes it (the ServiceAccount case: tests/unit/test_admit.py)
+        meta["annotations"] = {"cachewarm.dev/injected": f"{cache} (generation 1, ReadOnly, gs://b-1/p); "
+                                                         "no token or reporter: opted out of ServiceAccount tokens"}
     if deleting:
         meta["deletionTimestamp"] = "2026-11-22T06:59:00Z"
     pod_spec = {} if automount is None else {"automountServiceAccountToken": automount}
@@ -259,18 +262,19 @@ def labelled(name: str, *, automount: bool | None, phase: str = "Running", delet
 
 
 def test_pods_that_opted_out_of_tokens_are_counted_in_status(kube: MemoryKube) -> None:
-    """D8: status.reports.podsOptedOut counts the cache's live labelled pods that set
-    automountServiceAccountToken false, not those that left it unset or true, finished,
-    being deleted, or labelled for another cache."""
-    kube.pods = [labelled("out-1", automount=False), labelled("out-2", automount=False, phase="Pending"),
-                 labelled("unset", automount=None), labelled("in", automount=True),
-                 labelled("done", automount=False, phase="Succeeded"), labelled("gone", automount=False, deleting=True),
-                 labelled("other", automount=False, cache="gpt")]
-    outcome = reconcile(kube, FakeGcs(), spec(), {"reports": {"podsOptedOut": 9}})
+    """D8: status.reports.podsOptedOut counts the cache's live labelled pods the webhook
+    noted as opted out of tokens (their annotation, what it decided), from the labelled
+    pods the operator watches (no listing): not those it gave a token, finished, being
+    deleted, labelled for another cache, or whose spec says false without its note."""
+    watched = RecentInjections(60)
+    for p in [labelled("out-1", automount=False), labelled("out-2", automount=False, phase="Pending"),
+              labelled("unset", automount=None), labelled("in", automount=True),
+              labelled("done", automount=False, phase="Succeeded"), labelled("gone", automount=False, deleting=True),
+              labelled("other", automount=False, cache="gpt"), labelled("unnoted", automount=False, noted=False)]:
+        watched.observe_pod(None, p)
+    kube.fail["list_pods"] = KubeError("listing Pods in ml: 503", 503)  # not asked
+    outcome = reconcile(kube, FakeGcs(), spec(), {"reports": {"podsOptedOut": 9}}, injections=watched)
     assert outcome.status["reports"] == {"podsOptedOut": 2}
-    kube.fail["list_pods"] = KubeError("listing Pods in ml: 503", 503)
-    kept = reconcile(kube, FakeGcs(), {"storage": spec()["storage"]}, {"reports": {"podsOptedOut": 2}})
-    assert "reports" not in kept.status  # a failed count writes nothing: the merge patch keeps the last one
 
 
 def test_the_specs_own_conditions_are_in_status(kube: MemoryKube) -> None:

@@ -292,17 +292,10 @@ def _warm_failed(one: _Pass, cache: CacheSpec, seen: Seen, exc: Exception) -> No
 
 def _opted_out(one: _Pass, seen: Seen) -> None:
     """status.reports.podsOptedOut: the cache's labelled pods, not finished nor being
-    deleted, that set automountServiceAccountToken false (D8: they get no token and no
-    reporter from us, so they report nothing). A failed listing leaves the last count."""
-    try:
-        pods = one.wiring.kube.list_pods(one.obj.namespace, f"{c.CACHE_LABEL}={one.obj.name}")
-    except KubeError as exc:
-        log.warning("Could not count the pods of %s/%s that opted out of tokens: %s", one.obj.namespace,
-                    one.obj.name, exc)
-        return
-    seen.pods_opted_out = sum(1 for p in pods if (p.get("spec") or {}).get("automountServiceAccountToken") is False
-                              and not (p.get("metadata") or {}).get("deletionTimestamp")
-                              and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+    deleted, that the webhook gave no token and no reporter because they opted out of
+    ServiceAccount tokens (D8; their own field, or their ServiceAccount's), as its
+    annotation on each says. From the labelled pods the operator watches (no listing)."""
+    seen.pods_opted_out = one.wiring.injections.opted_out(one.obj.namespace, one.obj.name)
 
 
 def _keys_match(one: _Pass, seen: Seen) -> None:
