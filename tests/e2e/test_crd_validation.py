@@ -269,6 +269,7 @@ WRONG_POOL_STATUS: list[tuple[str, dict[str, Any], str]] = [
     ("message-object", {"name": "a", "message": {"text": "x"}}, "status.warmup.pools[0].message"),
     ("reason-list", {"name": "a", "reason": ["Unschedulable"]}, "status.warmup.pools[0].reason"),
     ("state-unknown", {"name": "a", "state": "Scheduling"}, 'supported values: "Pending", "Running"'),
+    ("job-uid-long", {"name": "a", "jobUid": "u" * 65}, "status.warmup.pools[0].jobUid"),
 ]
 
 

@@ -402,7 +402,7 @@ def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
 
 
 def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
-    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, tmp_path: Path,
 ) -> None:
     """The warmer Job's name is deterministic, and anyone who may create Jobs in the
     namespace can make one of it before the operator does, with the warmer's labels, a
@@ -456,7 +456,7 @@ def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
     [controller] = [r for r in meta["ownerReferences"] if r.get("controller")]
     assert (controller["kind"], controller["uid"]) == ("CompilationCache", obj["metadata"]["uid"])
     [pool] = obj["status"]["warmup"]["pools"]
-    assert pool["job"] == name and pool["state"] == "Succeeded"
+    assert pool["job"] == name and pool["state"] == "Succeeded" and pool["jobUid"] == meta["uid"]
     assert pool["entriesWritten"] < big and pool["bytesWritten"] < big and pool["compileSeconds"] < big
     assert "f" * 16 not in pool["keys"] and pool["fingerprint"]["platform"] == "cpu"
     assert pool.get("imagePythonPath", {}).get("value") != "/forged" and pool.get("manifestGeneration") != "666"
@@ -484,6 +484,27 @@ def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
         {"op": "replace", "path": "/metadata/ownerReferences/0/apiVersion", "value": "cachewarm.dev/v1alpha1"},
         {"op": "replace", "path": "/metadata/ownerReferences/0/kind", "value": "CompilationCache"}]))
     assert turned.returncode != 0 and "names a CompilationCache as its controller" in turned.stderr, turned.stderr
+
+    # Where the policy is not installed (here: the operator's own identity, which it spares),
+    # the cache's Job deleted and made again under its name with the cache as controller is
+    # still not read: its uid is not the one status pinned. It is stopped; the warm stays.
+    as_operator = bed.service_account_kubeconfig("cachewarm-system", "cachewarm-operator", tmp_path / "operator")
+    gone = bed.kubectl_run("delete", "job", name, "-n", namespace, "--wait=true")
+    assert gone.returncode == 0, gone.stderr
+    impostor = {**squatter, "metadata": {**squatter["metadata"], "labels": {**squatter["metadata"]["labels"],
+                                                                              "app.kubernetes.io/managed-by": "cachewarm"},
+                                         "ownerReferences": [{**cache_ref[0], "uid": obj["metadata"]["uid"]}]}}
+    made = bed.kubectl_run("create", "-n", namespace, "-o", "json", "-f", "-", input=yaml.safe_dump(impostor),
+                           kubeconfig=as_operator)
+    assert made.returncode == 0, made.stderr
+    impostor_uid = json.loads(made.stdout)["metadata"]["uid"]
+    eventually(lambda: (bed.get_json("job", name, namespace) or {"metadata": {}})["metadata"].get("uid") != impostor_uid,
+               timeout=60, what="the impostor Job stopped")
+    after = bed.get_json("ccache", "squat", namespace)
+    assert after is not None
+    [kept] = after["status"]["warmup"]["pools"]
+    assert kept["jobUid"] == meta["uid"] and kept["state"] == "Succeeded" and "f" * 16 not in kept["keys"]
+    assert kept.get("manifestGeneration") != "666" and conditions(after)["Warmed"]["status"] == "True"
 
 
 def test_a_job_of_the_warmers_name_without_its_label_is_named_not_deleted(

@@ -100,11 +100,12 @@ class MemoryKube(KubeClient):
         return next((copy.deepcopy(j) for j in self.jobs
                      if j["metadata"]["name"] == name and _namespace(j) == namespace), None)
 
-    def delete_job(self, namespace: str, name: str) -> None:
+    def delete_job(self, namespace: str, name: str, *, uid: str | None = None) -> None:
         self._check("delete_job")
         self.deleted.append(("Job", name))
         for job in self.jobs:
-            if job["metadata"]["name"] == name and _namespace(job) == namespace:  # foreground: listed until gone
+            if job["metadata"]["name"] == name and _namespace(job) == namespace \
+                    and (uid is None or job["metadata"].get("uid") == uid):  # foreground: listed until gone
                 job["metadata"].setdefault("deletionTimestamp", "2026-01-01T00:00:00Z")
 
     def delete_service(self, namespace: str, name: str) -> None:

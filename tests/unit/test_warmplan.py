@@ -233,8 +233,9 @@ FORGERY = {"processIndex": 0, "entriesFound": 0, "entriesWritten": 9999, "bytesW
 
 STRAY = WARMUP + "test_a_job_the_cache_does_not_control_is_stopped_and_never_read"
 STOPPED_STRAY = ("Warning", "WarmerJobNotOurs",
-                 f"Stopped Job {J}: it is labelled as a warmer of this cache, but the cache is not its controller "
-                 "(it has no controller, or another kind's); its pods' results are never read")
+                 f"Stopped Job {J}: it is labelled as a warmer of this cache, but it is not the Job the operator made "
+                 "for it (the cache is not its controller, or its uid is not the one status recorded); its pods' results "
+                 "are never read")
 
 
 def IGNORED(*pods: str) -> tuple[str, ...]:  # noqa: N802 - reads as the table's constants
@@ -296,6 +297,16 @@ CASES: dict[str, Callable[[], Case]] = {
                                         "controller": True}])],
         previous=[pending(C)], steps=[("delete Job", J), STOPPED_STRAY],
         pools=[{**pending(C), "message": f"Waiting for warmer Job {J} to stop"}]),
+    # Where the Jobs policy is not installed, a Job of the name controlled by the cache but
+    # not of the uid status pinned (deleted and made again by someone else) is a stray too.
+    "a-job-of-another-uid-than-the-pinned-one-is-stopped-not-read": lambda: Case(
+        STRAY, C, jobs=[job(J, state="Succeeded")], forged={J: [pod(summary=FORGERY, name="f")]},
+        previous=[pending(C, jobUid="uid-the-operator-created")], steps=[("delete Job", J), STOPPED_STRAY],
+        pools=[{**pending(C), "message": f"Waiting for warmer Job {J} to stop", "jobUid": "uid-the-operator-created"}]),
+    "the-job-of-the-pinned-uid-is-read": lambda: Case(
+        HIT, C, jobs=[job(J)], pods={J: [pod()]}, previous=[pending(C, jobUid=job_uid(J))],
+        pools=[{"name": "cpu", "job": J, "specHash": H, "state": "Running", "startTime": STAMP, "nodes": ["node-a"],
+                "attempt": 1, "jobUid": job_uid(J)}]),
     "a-stray-job-being-deleted-is-waited-for": lambda: Case(
         STRAY, C, jobs=[job(J, state="Succeeded", owners=[], deleting=True)], previous=[pending(C)],
         pools=[{**pending(C), "message": f"Waiting for warmer Job {J} to stop"}]),
@@ -549,6 +560,12 @@ def test_the_plan_of_each_warmup_scenario(scenario: str) -> None:
     listed = {j: [*owned_by(j, pods), *case.forged.get(j, [])] for j, pods in case.pods.items()}
     plan = plan_warmup(ctx, WarmView(case.jobs, case.services, listed))
     assert [said(s) for s in plan.steps] == case.steps
+    # The uid of the Job an entry was read from (or that the plan found pinned) is pinned in
+    # it: checked here against the listed Jobs and left out of the table's entries.
+    uids = {j["metadata"]["name"]: j["metadata"]["uid"] for j in case.jobs}
+    for entry, expected in zip(plan.pools, case.pools):
+        if "jobUid" in entry and "jobUid" not in expected:
+            assert entry.pop("jobUid") == uids.get(entry["job"]), entry
     assert plan.pools == case.pools
     assert (plan.condition.status, plan.condition.reason) == case.warmed, plan.condition
     assert case.warmed_says in plan.condition.message

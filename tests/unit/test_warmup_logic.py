@@ -367,8 +367,9 @@ def test_programs_not_cached_are_named_in_warmed() -> None:
     assert cond.status is True and "2 programs of p" in cond.message
 
 
-def failed_job(name: str, when: str = "2026-11-22T01:00:00Z") -> dict[str, Any]:
-    return {"metadata": {"name": name, "namespace": "ml", "labels": dict(WARMER_LABELS),
+def failed_job(name: str, when: str = "2026-11-22T01:00:00Z", uid: str = "") -> dict[str, Any]:
+    """The Job the operator created (`uid`: the one the apiserver gave it), as failed."""
+    return {"metadata": {"name": name, "namespace": "ml", "labels": dict(WARMER_LABELS), "uid": uid,
                          "annotations": {"cachewarm.dev/generation": "2"},
                          "ownerReferences": [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "uid": "u-1", "controller": True}]},
             "status": {"startTime": "s", "conditions": [
@@ -383,7 +384,8 @@ def test_a_failed_warmer_is_retried_after_backoff_then_left_failed() -> None:
                              cache_entries=0, warmer_image="w", now=at(1), generation=2, retry=retry)
     job = first.pools[0]["job"]
     assert first.pools[0]["attempt"] == 1
-    cluster.jobs = [failed_job(job)]
+    assert first.pools[0]["jobUid"] == cluster.jobs[0]["metadata"]["uid"]  # pinned at its create
+    cluster.jobs = [failed_job(job, uid=cluster.jobs[0]["metadata"]["uid"])]
 
     def step(previous: list[dict[str, Any]], now: dt.datetime) -> WarmupOutcome:
         return reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
@@ -402,16 +404,17 @@ def test_a_failed_warmer_is_retried_after_backoff_then_left_failed() -> None:
     assert [e.reason for e in due.events] == ["WarmerRetried"]
     cluster.jobs = []  # gone: created again
     created = step(due.pools, at(1, 2))
+    assert created.pools[0]["jobUid"] == cluster.jobs[0]["metadata"]["uid"]
     assert [o["metadata"]["name"] for o in cluster.created[1:]] == [job]
     assert created.pools[0]["attempt"] == 2
     # Attempt 2 fails at 01:05: retry 2 after twice the delay (01:07); attempt 3 is the last.
-    cluster.jobs = [failed_job(job, "2026-11-22T01:05:00Z")]
+    cluster.jobs = [failed_job(job, "2026-11-22T01:05:00Z", cluster.jobs[0]["metadata"]["uid"])]
     second = step(created.pools, at(1, 5))
     assert second.pools[0]["nextRetryTime"] == "2026-11-22T01:07:00Z"
     stopped = step(second.pools, at(1, 7))
     cluster.jobs = []
     third = step(stopped.pools, at(1, 8))  # gone: created for attempt 3
-    cluster.jobs = [failed_job(job, "2026-11-22T01:10:00Z")]
+    cluster.jobs = [failed_job(job, "2026-11-22T01:10:00Z", cluster.jobs[0]["metadata"]["uid"])]
     last = step(third.pools, at(1, 10))
     assert last.pools[0]["attempt"] == 3 and "nextRetryTime" not in last.pools[0]
     assert "no retry is left" in last.pools[0]["message"]

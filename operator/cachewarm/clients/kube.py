@@ -227,13 +227,16 @@ class KubeClient:
         items = [_dict(j) for j in listed.items or []]
         return items[0] if items else None
 
-    def delete_job(self, namespace: str, name: str) -> None:
+    def delete_job(self, namespace: str, name: str, *, uid: str | None = None) -> None:
         """Delete a Job with foreground propagation: the Job stays (with
         deletionTimestamp) until its pods are gone, so "no unfinished Job left" means no
-        warmer pod is left either. A Job already gone is fine. Raises KubeError."""
-        with _errors(f"deleting Job {namespace}/{name}", ok=(404,)):
-            self._batch().delete_namespaced_job(name, namespace, propagation_policy="Foreground",
-                                                _request_timeout=self.timeout)
+        warmer pod is left either. With `uid`, only while the Job of that name has it (a
+        precondition: one made again since is left, and planned for anew). A Job already
+        gone, or another by then, is fine. Raises KubeError."""
+        options = client.V1DeleteOptions(propagation_policy="Foreground",
+                                         preconditions=client.V1Preconditions(uid=uid) if uid else None)
+        with _errors(f"deleting Job {namespace}/{name}", ok=(404, 409)):
+            self._batch().delete_namespaced_job(name, namespace, body=options, _request_timeout=self.timeout)
 
     def delete_service(self, namespace: str, name: str) -> None:
         """Delete a Service; one already gone is fine. Raises KubeError."""

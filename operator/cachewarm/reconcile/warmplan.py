@@ -377,10 +377,12 @@ class ObservedJob:
     # Controlled by another CompilationCache: a deleted cache of the same name whose Jobs
     # the garbage collector has yet to remove. Never ours to delete or to be superseded by.
     foreign: bool = False
-    # Not controlled by any CompilationCache (no controller: orphaned by a delete with
-    # cascade=orphan, or made by someone else under this cache's warmer label). Never read:
-    # its results, generation and manifest are not the operator's.
+    # Not the Job the operator made: controlled by no CompilationCache (no controller:
+    # orphaned by a delete with cascade=orphan, or made by someone else under this cache's
+    # warmer label), or of a uid other than the one status recorded for its name. Never
+    # read: its results, generation and manifest are not the operator's.
     stray: bool = False
+    uid: str = ""
 
     @property
     def unfinished(self) -> bool:
@@ -395,13 +397,16 @@ def _cache_controller(ref: Mapping[str, Any]) -> bool:
     return ref.get("kind") == c.KIND and str(ref.get("apiVersion") or "").startswith(f"{c.GROUP}/")
 
 
-def observe(job: Mapping[str, Any], uid: str) -> ObservedJob:
+def observe(job: Mapping[str, Any], uid: str, pinned: str | None = None) -> ObservedJob:
     """The Job as plan_pool sees it; `uid` is the cache's. A Job is the cache's only when
     its controller ownerReference is this CompilationCache (by uid); only the operator may
     make such a Job (manifests/policy/warmer_jobs.yaml). One controlled by another
     CompilationCache is foreign; any other (no controller, or one of another kind) is a
     stray: anyone who may create Jobs in the namespace can make one, of any name, label
-    and annotation."""
+    and annotation. `pinned`: the uid status recorded for the Job of this name (the
+    apiserver's answer to the operator's create); another uid is a stray too, which holds
+    where the policy is not installed (a Job deleted and made again under the cache's name
+    by someone else)."""
     meta = job.get("metadata") or {}
     try:
         generation = int((meta.get("annotations") or {}).get(c.GENERATION_ANNOTATION, 0))
@@ -410,9 +415,9 @@ def observe(job: Mapping[str, Any], uid: str) -> ObservedJob:
     controllers = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
     caches = [r for r in controllers if _cache_controller(r)]
     foreign = bool(caches) and any(r.get("uid") != uid for r in caches)
-    stray = not caches
+    stray = not caches or (not foreign and bool(pinned) and meta.get("uid") != pinned)
     return ObservedJob(str(meta.get("name")), _job_state(job), bool(meta.get("deletionTimestamp")), generation,
-                       foreign, stray)
+                       foreign, stray, str(meta.get("uid") or ""))
 
 
 @dataclass(frozen=True)
@@ -605,9 +610,11 @@ class WarmView:
 
 @dataclass(frozen=True)
 class DeleteJob:
-    """Delete a warmer Job, foreground: it stays listed (deleting) until its pods are gone."""
+    """Delete a warmer Job, foreground: it stays listed (deleting) until its pods are gone.
+    `uid`: only while the Job of that name is still the one of this uid ("": any)."""
 
     name: str
+    uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -692,8 +699,9 @@ def jobs_by_pool(listed: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[
 
 def aim(ctx: WarmContext, pool: Pool, listed: Sequence[Mapping[str, Any]]) -> Aim:
     """Where `pool` stands, from its listed Jobs and previous status."""
-    seen = tuple(observe(j, ctx.uid) for j in listed)
     prev = ctx.previous_of(pool.name)
+    pinned = {str(prev["job"]): str(prev["jobUid"])} if prev.get("job") and prev.get("jobUid") else {}
+    seen = tuple(observe(j, ctx.uid, pinned.get(j["metadata"]["name"])) for j in listed)
     try:
         digest = jobs.spec_hash(ctx.cache, pool, rewarm_token(ctx.cache, ctx.annotations, ctx.now))
         hosts = pool_shape(pool).hosts
@@ -784,7 +792,7 @@ def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[st
         # the stray is stopped, the recorded results stay. A failure may be due a retry.
         earlier, due = _finished(ctx, a, timefmt.parse_or_none(a.prev.get("failedTime")))
         if not due:
-            return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed")), entry=earlier,
+            return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed", a.seen)), entry=earlier,
                                 digest=a.digest)
         if not a.stop.waiting_for:
             return _create(ctx, a, a.attempt + 1, _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev))
@@ -804,14 +812,17 @@ def _stop(names: Sequence[str], why: str) -> list[Step]:
             for step in (DeleteJob(old), Event("Normal", c.Reason.WARMER_STOPPED, f"Stopped warmer Job {old}: {why}"))]
 
 
-def _stop_all(stop: PoolPlan, why: str) -> list[Step]:
+def _stop_all(stop: PoolPlan, why: str, seen: Sequence[ObservedJob] = ()) -> list[Step]:
     """The pool's stale Jobs stopped for `why`, and the strays (Jobs under the cache's
-    warmer label that it does not control) stopped for theirs, each said as a Warning."""
+    warmer label that are not the one the operator made) stopped for theirs, each said as a
+    Warning, and deleted only if still the Job of the uid listed (a precondition)."""
+    uids = {o.name: o.uid for o in seen}
     strays = [step for name in stop.strays for step in (
-        DeleteJob(name),
+        DeleteJob(name, uids.get(name, "")),
         Event("Warning", c.Reason.WARMER_JOB_NOT_OURS,
-              f"Stopped Job {name}: it is labelled as a warmer of this cache, but the cache is not its controller "
-              "(it has no controller, or another kind's); its pods' results are never read"))]
+              f"Stopped Job {name}: it is labelled as a warmer of this cache, but it is not the Job the operator "
+              "made for it (the cache is not its controller, or its uid is not the one status recorded); its pods' "
+              "results are never read"))]
     return _stop(stop.delete, why) + strays
 
 
@@ -826,7 +837,7 @@ def _invalid_shape(a: Aim, exc: TpuShapeError) -> PoolDecision:
     Failed with the shape's reason, said once."""
     if a.stop.superseded:
         return _superseded(a, None)
-    steps = _stop_all(a.stop, "the pool's TPU shape is invalid")
+    steps = _stop_all(a.stop, "the pool's TPU shape is invalid", a.seen)
     invalid = {"name": a.pool.name, "state": "Failed", "reason": exc.reason, "message": str(exc),
                "lastError": str(exc)}
     if a.prev.get("message") != invalid["message"]:
@@ -837,10 +848,11 @@ def _invalid_shape(a: Aim, exc: TpuShapeError) -> PoolDecision:
 
 def _removed(ctx: WarmContext, pool: str, listed: Sequence[Mapping[str, Any]]) -> PoolDecision:
     """A pool that left the spec: its warmers stop, and nothing replaces them."""
-    stop = plan_pool([observe(j, ctx.uid) for j in listed], None, ctx.generation)
+    seen = [observe(j, ctx.uid) for j in listed]
+    stop = plan_pool(seen, None, ctx.generation)
     if stop.superseded:
         return PoolDecision(pool, untouchable=True)
-    return PoolDecision(pool, tuple(_stop_all(stop, f"pool {pool} was removed from the spec")))
+    return PoolDecision(pool, tuple(_stop_all(stop, f"pool {pool} was removed from the spec", seen)))
 
 
 def _wait(a: Aim) -> PoolDecision:
@@ -849,7 +861,10 @@ def _wait(a: Aim) -> PoolDecision:
              **({"lastError": a.prev["lastError"]} if a.attempt > 1 and a.prev.get("lastError") else {}),
              "message": f"Waiting for warmer Job {', '.join(a.stop.waiting_for)} to stop"}
     keep = a.hosts > 1 or any(o.unfinished for o in a.seen)  # the stopping warmers may still use it
-    return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed")), entry, keep, digest=a.digest)
+    if a.prev.get("job") == a.job and a.prev.get("jobUid"):
+        entry["jobUid"] = a.prev["jobUid"]  # the Job being waited for may be a stray of its name
+    return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed", a.seen)), entry, keep,
+                        digest=a.digest)
 
 
 def _create(ctx: WarmContext, a: Aim, attempt: int, retried: Event | None = None) -> PoolDecision:
@@ -895,6 +910,8 @@ def _results(ctx: WarmContext, a: Aim, current: Mapping[str, Any], state: str,
                          env_sets_pythonpath=any(e.name == "PYTHONPATH" for e in ctx.warmup.env),
                          manifest=job_manifest(ctx, a.pool.name, current))
     status["attempt"] = a.attempt
+    if (current.get("metadata") or {}).get("uid"):
+        status["jobUid"] = str(current["metadata"]["uid"])
     if state == "Failed":
         status, _ = plan_retry(status, a.attempt, failed_at(current) or ctx.now, ctx.retry, ctx.now)
     said = _said(a, state, status)

@@ -82,16 +82,28 @@ def apply_plan(kube: KubeClient, namespace: str, plan: WarmPlan,
         if isinstance(step, Event):
             events.append(step)
         elif isinstance(step, DeleteJob):
-            kube.delete_job(namespace, step.name)
+            kube.delete_job(namespace, step.name, uid=step.uid or None)
         elif isinstance(step, DeleteService):
             kube.delete_service(namespace, step.name)
         elif isinstance(step, Create):
-            if kube.create(step.body) is not None:
+            created = kube.create(step.body)
+            if created is not None:
                 if step.said is not None:
                     events.append(step.said)
+                if step.body.get("kind") == "Job":
+                    _pin(plan.pools, created)
             elif step.body.get("kind") == "Job":
                 events += squatted_job(kube, namespace, step.body, plan.pools, previous)
     return events
+
+
+def _pin(pools: Sequence[dict[str, Any]], created: Mapping[str, Any]) -> None:
+    """The uid the apiserver gave the Job the operator just created, in its pool's entry:
+    a Job of that name with another uid is then never taken for it (warmplan.observe)."""
+    meta = created.get("metadata") or {}
+    for entry in pools:
+        if entry.get("job") == meta.get("name") and meta.get("uid"):
+            entry["jobUid"] = str(meta["uid"])
 
 
 def squatted_job(kube: KubeClient, namespace: str, body: Mapping[str, Any],
