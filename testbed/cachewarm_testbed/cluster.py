@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachewarm.admission import certificates as certs
 from cachewarm.agents import payload
 from cachewarm_testbed import nodes, simimages
-from cachewarm_testbed.processes import Proc, StartError, free_port, start, wait_until
+from cachewarm_testbed.processes import Proc, StartError, free_port, free_ports, start, wait_until
 from cachewarm_testbed.realnode import NODE_IP, RealNode
 
 T = TypeVar("T")
@@ -457,10 +457,10 @@ class Testbed:
         """Run `cachewarm run` as its own process with `kubeconfig`'s identity, its webhook
         on a loopback port; wait until its liveness endpoint answers. The caller stops it
         (Proc.stop); `proc.webhook_url` is where its webhook listens."""
-        port = free_port()
-        webhook_port = free_port()
-        reports_port = free_port()
-        metrics_port = free_port()
+        # Distinct, and apart from the ports a restart keeps (its webhook and reports ports).
+        kept = frozenset(int(v) for k, v in (env or {}).items()
+                         if k in ("CACHEWARM_WEBHOOK_PORT", "CACHEWARM_REPORTS_PORT") and v.isdigit())
+        port, webhook_port, reports_port, metrics_port = free_ports(4, kept)
         full_env = {
             **os.environ,
             **self.env(),

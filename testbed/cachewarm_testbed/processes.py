@@ -23,9 +23,27 @@ class StartError(RuntimeError):
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, avoid: frozenset[int] = frozenset()) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that nothing listens on right now, none of
+    `avoid`: every socket is held until all are picked (a port freed by one pick could
+    otherwise be handed out again by the next)."""
+    held: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
