@@ -32,6 +32,7 @@ import base64
 import datetime as dt
 import json
 import os
+import re
 import socket
 import shutil
 import ssl
@@ -175,6 +176,16 @@ def finished(bed: Testbed, kind: str, name: str, ns: str) -> dict[str, Any] | No
     return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
 
 
+def pinned_warmer(cluster: Installed) -> str:
+    """The warmer image by digest, as the operator's pod ran it in its init container
+    warmer-image (manifests/manager/deployment.yaml names it by tag) and the real kubelet
+    reported it: what the operator references it by in everything it makes."""
+    [status] = [s for s in cluster.operator["status"].get("initContainerStatuses") or [] if s["name"] == "warmer-image"]
+    assert status["state"]["terminated"]["exitCode"] == 0, status
+    assert re.fullmatch(r"docker\.io/cachewarm/warmer@sha256:[0-9a-f]{64}", status["imageID"]), status
+    return str(status["imageID"])
+
+
 def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: Installed, ns: str) -> None:
     bed = cluster.bed
     bed.apply(warm_cache("llama", cluster), ns)
@@ -188,7 +199,9 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     [warmer] = pods["items"]
     assert warmer["spec"]["nodeName"] == NODE_NAME
     [init] = warmer["status"]["initContainerStatuses"]
-    assert init["image"].endswith("cachewarm/warmer:0.1.0") and init["state"]["terminated"]["exitCode"] == 0
+    # The warmer image by the digest the operator's node resolved it to, not by its tag.
+    assert warmer["spec"]["initContainers"][0]["image"] == pinned_warmer(cluster)
+    assert init["state"]["terminated"]["exitCode"] == 0
     [main] = warmer["status"]["containerStatuses"]
     summary = json.loads(main["state"]["terminated"]["message"])
     assert summary["entriesWritten"] == pool["entriesWritten"]
@@ -258,6 +271,7 @@ def test_the_reporters_recorder_runs_in_an_image_without_a_shell_or_a_c_library(
     stored = bed.get_json("pod", "bare", ns) or {}
     inits = {c["name"]: c for c in stored["spec"].get("initContainers") or []}
     assert inits["cachewarm-pythonpath"]["image"] == BARE_IMAGE, inits
+    assert inits["cachewarm-reporter"]["image"] == pinned_warmer(cluster), inits  # by digest
     done = eventually(lambda: finished(bed, "pod", "bare", ns), timeout=120, what="the bare pod to finish")
     statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
     assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
@@ -470,6 +484,59 @@ def test_a_pod_whose_image_has_no_gcs_library_hits_every_warmed_program_from_its
         bed.kubectl_run("delete", "pv", pv, "--wait=false")
         bed.kubectl_run("delete", "storageclass", "cachewarm-local", "--ignore-not-found")
         shutil.rmtree(disk, ignore_errors=True)
+
+
+# The first entry of the pod's copy (the writable mount of the in-process copy), replaced
+# by other bytes of the same size; then, after the pod's second program, that entry's md5.
+FIRST_ENTRY = ("d = '/cachewarm-copy'; p = os.path.join(d, sorted(f for f in os.listdir(d) "
+               "if f.endswith('-cache'))[0]); ")
+REPLACE_ENTRY = ("import hashlib, json, os; " + FIRST_ENTRY + "b = open(p, 'rb').read(); "
+                 "open(p, 'wb').write(os.urandom(len(b))); n = open(p, 'rb').read(); "
+                 "print(json.dumps({'replaced': os.path.basename(p), 'was': hashlib.md5(b).hexdigest(), "
+                 "'now': hashlib.md5(n).hexdigest(), 'sameSize': len(n) == len(b)}))")
+ENTRY_AFTER = ("import hashlib, json, os; " + FIRST_ENTRY +
+               "print(json.dumps({'after': hashlib.md5(open(p, 'rb').read()).hexdigest()}))")
+
+
+def test_an_entry_replaced_in_a_pods_own_copy_is_refused_or_replaced_and_counted_as_the_program_saw_it(
+        cluster: Installed, ns: str) -> None:
+    """Issue 28, in process on the real node: the pod's first process copies (and hits all
+    ten programs); then an entry of its copy is replaced by other bytes of the same size
+    (a write the training container can make: the in-process copy is its own, writable at
+    /cachewarm-copy), and a second process runs the programs. The copy is per pod (an
+    emptyDir, D1: no other pod reads it) and runs once per pod, so the second process finds
+    the copy done and reads what is there: the entry is refused (JAX cannot read it: these
+    bytes are not zlib, so it warns and compiles: a miss), or replaced with GCS's bytes (a
+    hit); either way the cache's status.usage counts the hits and misses the program saw.
+    (A well-formed forgery would be loaded by this pod alone: the pod's own processes can
+    run code in it anyway.)"""
+    bed = cluster.bed
+    obj = warm_cache("own", cluster)
+    obj["spec"]["warmup"]["targets"] = ["programs:targets"]
+    obj["spec"]["injection"]["localCopy"] = {"sizeLimit": "1Gi"}
+    bed.apply(obj, ns)
+    wait_warmed(bed, "own", ns)
+    pod = local_pod("replaced", "own", cluster.client_env())
+    train = pod["spec"]["containers"][0]
+    train["image"] = images.TRAIN_IMAGE  # the warmup's image: the copy in process
+    train["command"] = ["sh", "-c", 'python -m programs && python -c "$0" && python -m programs && python -c "$1"',
+                        REPLACE_ENTRY, ENTRY_AFTER]
+    _, lines, summary = run_to_end(bed, ns, pod, in_process=True)
+    first, replaced, second, after = lines
+    assert (summary["source"], summary["copied"], first["cache_hits"], first["compiled"]) == (
+        "manifest", 10, 10, 0), (summary, first)
+    assert replaced["sameSize"] and replaced["now"] != replaced["was"], replaced
+    assert (second["programs"], second["cache_hits"] + second["compiled"]) == (10, 10), second
+    if second["compiled"]:  # refused: the one entry replaced, and it stays this pod's alone
+        assert (second["cache_hits"], second["compiled"]) == (9, 1), second
+    else:  # replaced with GCS's bytes
+        assert after["after"] == replaced["was"], (second, after)
+
+    def counted() -> dict[str, Any] | None:
+        usage = ((bed.get_json("ccache", "own", ns) or {}).get("status") or {}).get("usage") or {}
+        return usage if usage.get("processes") == 2 else None  # the two that imported jax
+    usage = eventually(counted, timeout=60, what="status.usage from both of the pod's programs")
+    assert (usage["hits"], usage["misses"]) == (first["cache_hits"] + second["cache_hits"], second["compiled"]), usage
 
 
 def test_a_pod_whose_copy_cannot_reach_the_bucket_still_trains_cold(cluster: Installed, ns: str) -> None:
