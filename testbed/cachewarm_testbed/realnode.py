@@ -613,6 +613,21 @@ state = "{state}"
             listed = self.ctr("images", "ls", "-q", check=False).stdout.split()
             if ref not in listed:
                 raise StartError(f"ctr images import {archive} did not give image {ref} (containerd has {listed})")
+            self._name_by_digest(ref)
+
+    def _name_by_digest(self, ref: str) -> None:
+        """Name the imported image `<repository>@<its digest>` too, as a pull from a registry
+        records it: the kubelet then reports that repository digest as a container's imageID
+        (as on a cluster), not the node-local image id an imported image alone gives."""
+        rows = [line.split() for line in self.ctr("images", "ls", f"name=={ref}", check=False).stdout.splitlines()[1:]]
+        digest = next((row[2] for row in rows if len(row) > 2 and row[0] == ref), "")
+        if not digest.startswith("sha256:"):
+            raise StartError(f"containerd lists no digest for image {ref}: {rows}")
+        last = ref.rsplit("/", 1)[-1]
+        repository = ref[: len(ref) - len(last)] + last.split(":", 1)[0]
+        tagged = self.ctr("images", "tag", ref, f"{repository}@{digest}", check=False)
+        if tagged.returncode != 0 and "already exists" not in tagged.stderr:
+            raise StartError(f"ctr images tag {ref} {repository}@{digest} failed: {tagged.stderr.strip()}")
 
     def _start_kubelet(self) -> None:
         root = KUBELET_ROOT

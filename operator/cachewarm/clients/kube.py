@@ -254,6 +254,15 @@ class KubeClient:
         with _errors(f"releasing Pod {namespace}/{name}", ok=(404, 422)):
             self._core().patch_namespaced_pod(name, namespace, patch, _request_timeout=self.timeout)
 
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod of that name (None: none), listed by its name (the operator lists pods and
+        gets none). Raises KubeError."""
+        with _errors(f"reading Pod {namespace}/{name}"):
+            listed = self._core().list_namespaced_pod(namespace, field_selector=f"metadata.name={name}",
+                                                      _request_timeout=self.timeout)
+        items = [_dict(p) for p in listed.items or []]
+        return items[0] if items else None
+
     def list_labelled_pods(self, namespaces: list[str], selector: str) -> list[dict[str, Any]]:
         """Pods matching `selector` in `namespaces` (every namespace when empty).
         Raises KubeError."""

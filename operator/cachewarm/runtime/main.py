@@ -17,7 +17,7 @@ import kopf
 
 from cachewarm.api import constants as c
 from cachewarm.runtime import handlers
-from cachewarm.runtime import logs
+from cachewarm.runtime import images, logs
 from cachewarm.admission import keeper as servingcert
 from cachewarm.admission.accounts import ServiceAccounts
 from cachewarm.clients.kube import KubeClient, KubeError
@@ -47,6 +47,7 @@ def run(settings: Settings) -> None:
     liveness = _liveness(settings.liveness_endpoint)
     # Everything outside kopf's watches goes through this one client, as GCS through GcsClient.
     kube = KubeClient.from_environment(timeout=settings.kube_timeout_seconds)
+    settings = pin_warmer_image(settings, kube)
     registry = kopf.OperatorRegistry()
     handlers.register(registry, webhook=settings.webhook_enabled)
     kopf.on.login(registry=registry)(login)
@@ -200,6 +201,30 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         await report_listener.stop()
     if leadership is not None:
         await asyncio.to_thread(leadership.release)
+
+
+def pin_warmer_image(settings: Settings, kube: KubeClient) -> Settings:
+    """The settings with the warmer image by the digest the operator's own pod ran it at
+    (runtime/images.py), unless CACHEWARM_WARMER_IMAGE names one or this process is no pod;
+    where none can be had, as they were, and the log says why."""
+    log = logs.get("cachewarm.operator")
+    if "warmer_image" in settings.model_fields_set or not (settings.pod_name and settings.pod_namespace):
+        if "@sha256:" not in settings.warmer_image:
+            log.warning("The warmer image is referenced by tag: pods run whatever it names when they start",
+                        image=settings.warmer_image)
+        return settings
+    try:
+        pod = kube.read_pod(settings.pod_namespace, settings.pod_name)
+    except KubeError as exc:
+        log.warning("Could not read the operator's pod; the warmer image is referenced by tag",
+                    image=settings.warmer_image, error=str(exc))
+        return settings
+    pinned, why = images.warmer_image_of(pod or {})
+    if pinned is None:
+        log.warning("The warmer image is referenced by tag", image=settings.warmer_image, why=why)
+        return settings
+    log.info("Warmer image pinned by digest", image=pinned, why=why)
+    return settings.model_copy(update={"warmer_image": pinned})
 
 
 def webhook_hosts(settings: Settings) -> list[str]:

@@ -1,0 +1,48 @@
+"""The warmer image by digest (issue 28): the image every warmer Job and labelled pod's
+init containers run, pinned to the digest the operator's own node resolved.
+
+The Deployment (manifests/manager/deployment.yaml) runs the warmer image as its init
+container `warmer-image` (it only exits), so the kubelet pulls it and reports what it ran
+in the pod's status (`imageID`, `<repository>@sha256:<digest>` for an image from a
+registry) and so a kustomize `images:` override (or a Helm value) of the warmer image
+reaches the operator the way the operator's own image does. At start the operator reads
+its own pod and, unless `CACHEWARM_WARMER_IMAGE` is set, references the warmer image by that
+digest in everything it makes: a tag moved later, or a node that would resolve it to other
+bytes, runs no other code in training pods. We publish no image, so no digest can be
+written into the manifests themselves; docs/security.md says how to pin one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+WARMER_CONTAINER = "warmer-image"
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def digest_reference(image_id: str) -> str | None:
+    """A pullable reference by digest from a container status's imageID
+    (`<repository>@sha256:<64 hex>`; dockershim-era kubelets prefix `docker-pullable://`),
+    or None where it names none (a node-local image id `sha256:...`, as for an image
+    loaded into the node rather than pulled)."""
+    ref = image_id.split("://", 1)[-1]
+    repository, sep, digest = ref.partition("@")
+    return ref if sep and repository and _DIGEST.fullmatch(digest) else None
+
+
+def warmer_image_of(pod: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The warmer image by digest from the operator's own pod (None: none to be had), and
+    a sentence saying where it came from or why there is none."""
+    spec = next((ct for ct in (pod.get("spec") or {}).get("initContainers") or []
+                 if ct.get("name") == WARMER_CONTAINER), None)
+    if spec is None:
+        return None, f"the operator's pod has no init container {WARMER_CONTAINER}"
+    status: Mapping[str, Any] = next((st for st in (pod.get("status") or {}).get("initContainerStatuses") or []
+                   if st.get("name") == WARMER_CONTAINER), {})
+    pinned = digest_reference(str(status.get("imageID") or ""))
+    if pinned is None:
+        return None, (f"the node reports no repository digest for {spec.get('image')} "
+                      f"(imageID {status.get('imageID') or 'unset'}): it is referenced by tag")
+    return pinned, f"the digest the node resolved {spec.get('image')} to"

@@ -1,0 +1,79 @@
+"""The warmer image by digest (runtime/images.py, runtime/main.pin_warmer_image): from the
+operator's own pod as the kubelet reported its init container warmer-image. The real
+kubelet's imageID is shown in tests/e2e/test_real_install.py; here, every form it takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachewarm.clients.kube import KubeError
+from cachewarm.runtime import images
+from cachewarm.runtime.main import pin_warmer_image
+from cachewarm.runtime.settings import Settings
+
+DIGEST = "sha256:" + "ab" * 32
+PINNED = f"registry.example/team/warmer@{DIGEST}"
+
+
+@pytest.mark.parametrize(("image_id", "expected"), [
+    (PINNED, PINNED),
+    (f"docker-pullable://{PINNED}", PINNED),  # dockershim-era kubelets
+    (DIGEST, None),  # a node-local image id: no repository to pull it from
+    ("", None),
+    (f"registry.example/warmer@sha256:{'ab' * 31}", None),  # not a whole digest
+    (f"registry.example/warmer@sha512:{'ab' * 64}", None),
+    (f"@{DIGEST}", None),
+])
+def test_only_a_repository_digest_is_a_reference(image_id: str, expected: str | None) -> None:
+    assert images.digest_reference(image_id) == expected
+
+
+def operator_pod(image_id: str = PINNED, init: bool = True) -> dict[str, Any]:
+    spec = {"initContainers": [{"name": "warmer-image", "image": "registry.example/team/warmer:1"}] if init else [],
+            "containers": [{"name": "operator", "image": "op:1"}]}
+    status = {"initContainerStatuses": [{"name": "warmer-image", "imageID": image_id}] if init else []}
+    return {"spec": spec, "status": status}
+
+
+class OnePod:
+    """What pin_warmer_image reads: the operator's own pod (or an apiserver error)."""
+
+    def __init__(self, pod: dict[str, Any] | None = None, error: KubeError | None = None) -> None:
+        self.pod, self.error = pod, error
+        self.read: list[tuple[str, str]] = []
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.read.append((namespace, name))
+        if self.error is not None:
+            raise self.error
+        return self.pod
+
+
+IN_POD = {"pod_name": "cachewarm-operator-1", "pod_namespace": "cachewarm-system"}
+
+
+def test_the_operator_in_a_pod_takes_the_digest_its_node_ran() -> None:
+    kube = OnePod(operator_pod())
+    pinned = pin_warmer_image(Settings(**IN_POD), kube)  # type: ignore[arg-type]
+    assert pinned.warmer_image == PINNED
+    assert kube.read == [("cachewarm-system", "cachewarm-operator-1")]
+
+
+@pytest.mark.parametrize("kube", [
+    OnePod(operator_pod(DIGEST)),  # loaded into the node, not pulled
+    OnePod(operator_pod(init=False)),  # installed without the init container
+    OnePod(None),
+    OnePod(error=KubeError("forbidden", 403)),
+], ids=["node-local-id", "no-init-container", "pod-not-found", "unreadable"])
+def test_without_a_digest_the_tag_stays(kube: OnePod) -> None:
+    assert pin_warmer_image(Settings(**IN_POD), kube).warmer_image == "cachewarm/warmer:0.1.0"  # type: ignore[arg-type]
+
+
+def test_a_set_image_and_a_process_outside_a_pod_read_nothing() -> None:
+    kube = OnePod(operator_pod())
+    given = Settings(**IN_POD, warmer_image="mine/warmer:2")
+    assert pin_warmer_image(given, kube).warmer_image == "mine/warmer:2"  # type: ignore[arg-type]
+    assert pin_warmer_image(Settings(), kube).warmer_image == "cachewarm/warmer:0.1.0"  # type: ignore[arg-type]
+    assert kube.read == []
