@@ -77,3 +77,29 @@ def test_a_set_image_and_a_process_outside_a_pod_read_nothing() -> None:
     assert pin_warmer_image(given, kube).warmer_image == "mine/warmer:2"  # type: ignore[arg-type]
     assert pin_warmer_image(Settings(), kube).warmer_image == "cachewarm/warmer:0.1.0"  # type: ignore[arg-type]
     assert kube.read == []
+
+
+class Later(OnePod):
+    """The pod as the apiserver holds it while the kubelet has yet to report the init
+    container's imageID, then after."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.pods = pods
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.read.append((namespace, name))
+        return self.pods[min(len(self.read), len(self.pods)) - 1]
+
+
+def test_the_pod_is_read_again_until_the_kubelet_reported_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachewarm.runtime import main
+    monkeypatch.setattr(main, "PIN_RETRY_SECONDS", 0.0)
+    unreported = operator_pod()
+    unreported["status"] = {"initContainerStatuses": [{"name": "warmer-image", "imageID": ""}]}
+    kube = Later([unreported, unreported, operator_pod()])
+    assert pin_warmer_image(Settings(**IN_POD), kube).warmer_image == PINNED  # type: ignore[arg-type]
+    assert len(kube.read) == 3
+    never = Later([unreported])
+    assert pin_warmer_image(Settings(**IN_POD), never).warmer_image == "cachewarm/warmer:0.1.0"  # type: ignore[arg-type]
+    assert len(never.read) == main.PIN_ATTEMPTS

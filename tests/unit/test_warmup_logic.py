@@ -429,10 +429,26 @@ def test_a_failed_pool_whose_job_expired_is_still_retried() -> None:
     previous = [{**first.pools[0], "state": "Failed", "attempt": 1, "failedTime": "2026-11-22T01:00:00Z",
                  "lastError": "boom"}]
     cluster.jobs = []  # expired by its TTL
-    out = reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={}, previous=previous,
-                           cache_entries=0, warmer_image="w", now=at(2), generation=2, retry=WarmRetry(1, 60))
-    assert [o["kind"] for o in cluster.created] == ["Job", "Job"]
+    assert previous[0]["jobUid"]  # the expired Job's uid, pinned at its create
+
+    def again(prev: list[dict[str, Any]]) -> WarmupOutcome:
+        return reconcile_warmup(cluster, spec(), namespace="ml", name="llama", uid="u-1", annotations={},
+                                previous=prev, cache_entries=0, warmer_image="w", now=at(2), generation=2,
+                                retry=WarmRetry(1, 60))
+    # Status forgets the old uid first (a status write lost after the create would otherwise
+    # leave it pinned, and the new Job of the same name would be stopped as a stray) ...
+    out = again(previous)
+    assert [o["kind"] for o in cluster.created] == ["Job"] and "jobUid" not in out.pools[0]
     assert (out.pools[0]["state"], out.pools[0]["attempt"]) == ("Pending", 2)
+    assert [e.reason for e in out.events] == ["WarmerRetried"]
+    # ... and the Job is made at the next reconcile, pinned by its new uid.
+    made = again(out.pools)
+    assert [o["kind"] for o in cluster.created] == ["Job", "Job"]
+    assert (made.pools[0]["state"], made.pools[0]["attempt"]) == ("Pending", 2)
+    assert made.pools[0]["jobUid"] == cluster.jobs[-1]["metadata"]["uid"] != previous[0]["jobUid"]
+    # A status write lost after that create: the Job is still the operator's (unpinned), not a stray.
+    lost = again(out.pools)
+    assert cluster.deleted == [] and lost.events == [] and lost.pools[0]["jobUid"] == made.pools[0]["jobUid"]
 
 
 def test_a_summary_with_more_keys_than_fit_keeps_the_count_and_says_it_was_cut(

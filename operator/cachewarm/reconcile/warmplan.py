@@ -795,10 +795,15 @@ def decide_pool(ctx: WarmContext, a: Aim, pods: Mapping[str, Sequence[Mapping[st
             return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed", a.seen)), entry=earlier,
                                 digest=a.digest)
         if not a.stop.waiting_for:
-            return _create(ctx, a, a.attempt + 1, _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev))
+            retried = _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev)
+            if a.prev.get("jobUid"):
+                return _unpin(a, a.attempt + 1, retried)
+            return _create(ctx, a, a.attempt + 1, retried)
     if a.stop.waiting_for:
         return _wait(a)
     if a.stop.create:
+        if a.prev.get("job") == a.job and a.prev.get("jobUid"):
+            return _unpin(a, a.attempt)
         return _create(ctx, a, a.attempt)
     assert a.current is not None
     state = _job_state(a.current)
@@ -864,6 +869,18 @@ def _wait(a: Aim) -> PoolDecision:
     if a.prev.get("job") == a.job and a.prev.get("jobUid"):
         entry["jobUid"] = a.prev["jobUid"]  # the Job being waited for may be a stray of its name
     return PoolDecision(a.pool.name, tuple(_stop_all(a.stop, "the program changed", a.seen)), entry, keep,
+                        digest=a.digest)
+
+
+def _unpin(a: Aim, attempt: int, retried: Event | None = None) -> PoolDecision:
+    """The Job of the pool's name is made again (a retry after its Job expired, or one
+    deleted): status first forgets the old Job's uid, and the Job is created at the next
+    reconcile. Else a status write lost after the create would leave the old uid pinned,
+    and the operator's own new Job would be taken for a stray."""
+    entry = {"name": a.pool.name, "job": a.job, "specHash": a.digest, "state": "Pending", "attempt": attempt,
+             **({"lastError": a.prev["lastError"]} if attempt > 1 and a.prev.get("lastError") else {}),
+             "message": f"Creating warmer Job {a.job} again"}
+    return PoolDecision(a.pool.name, (retried,) if retried is not None else (), entry, keep_service=a.hosts > 1,
                         digest=a.digest)
 
 

@@ -46,3 +46,12 @@ def warmer_image_of(pod: Mapping[str, Any]) -> tuple[str | None, str]:
         return None, (f"the node reports no repository digest for {spec.get('image')} "
                       f"(imageID {status.get('imageID') or 'unset'}): it is referenced by tag")
     return pinned, f"the digest the node resolved {spec.get('image')} to"
+
+
+def reported(pod: Mapping[str, Any]) -> bool:
+    """The kubelet has reported what the init container warmer-image ran (its imageID), or
+    the pod has no such init container (nothing to wait for)."""
+    if not any(ct.get("name") == WARMER_CONTAINER for ct in (pod.get("spec") or {}).get("initContainers") or []):
+        return True
+    return any(st.get("name") == WARMER_CONTAINER and st.get("imageID")
+               for st in (pod.get("status") or {}).get("initContainerStatuses") or [])

@@ -9,6 +9,7 @@ import datetime as dt
 import os
 import signal
 import ssl
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from cachewarm.admission.server import AdmissionServer, Limits, Listener, Servin
 WEBHOOK_RETRY_MAX_SECONDS = 60.0
 # At shutdown, reconciles in flight get this long to end before the Lease is given up.
 DRAIN_SECONDS = 20.0
+# The operator's own pod is read this often, this far apart, for the warmer image's digest.
+PIN_ATTEMPTS, PIN_RETRY_SECONDS = 10, 1.0
 
 
 def run(settings: Settings) -> None:
@@ -213,12 +216,19 @@ def pin_warmer_image(settings: Settings, kube: KubeClient) -> Settings:
             log.warning("The warmer image is referenced by tag: pods run whatever it names when they start",
                         image=settings.warmer_image)
         return settings
-    try:
-        pod = kube.read_pod(settings.pod_namespace, settings.pod_name)
-    except KubeError as exc:
-        log.warning("Could not read the operator's pod; the warmer image is referenced by tag",
-                    image=settings.warmer_image, error=str(exc))
-        return settings
+    pod: dict[str, Any] | None = None
+    for attempt in range(PIN_ATTEMPTS):
+        # The kubelet reports the init container's imageID in the pod's status a moment
+        # after it exits, which may be after this container starts: read again until then.
+        try:
+            pod = kube.read_pod(settings.pod_namespace, settings.pod_name)
+        except KubeError as exc:
+            log.warning("Could not read the operator's pod; the warmer image is referenced by tag",
+                        image=settings.warmer_image, error=str(exc))
+            return settings
+        if pod is None or images.reported(pod) or attempt == PIN_ATTEMPTS - 1:
+            break
+        time.sleep(PIN_RETRY_SECONDS)
     pinned, why = images.warmer_image_of(pod or {})
     if pinned is None:
         log.warning("The warmer image is referenced by tag", image=settings.warmer_image, why=why)
