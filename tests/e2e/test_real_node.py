@@ -312,8 +312,15 @@ def with_warmer() -> Iterator[tuple[Testbed, RealNode]]:
     is built (cached by content). Per test, so that the node is gone before a later
     fixture of this file starts its own."""
     from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
+    yield from node_holding(images.WARMER_IMAGE)
+
+
+def node_holding(ref: str) -> Iterator[tuple[Testbed, RealNode]]:
+    """A control plane (with the controller manager) and a real node holding the image
+    `ref` (only that one built, cached by content); both stopped after the yield."""
+    from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(images, "BUILDS", tuple(b for b in images.BUILDS if b.ref == images.WARMER_IMAGE))
+        patch.setattr(images, "BUILDS", tuple(b for b in images.BUILDS if b.ref == ref))
         archives = images.build_all()
     bed = Testbed()
     try:
@@ -337,6 +344,11 @@ def test_our_init_containers_run_unprivileged_beside_a_privileged_root_container
     """D7 and D1 on a real kubelet + containerd + runc. The pod patch is the webhook's
     (admit_pod, the same function the webhook runs; this bed has no operator, so the pod
     is created with the patch applied, as the apiserver would store it after the webhook).
+    tests/e2e/test_real_install.py shows D7 (and D8) through the installed operator's
+    webhook; this one stays for what that one's pod does not get there: three init
+    containers (the recorder, cachewarm-pythonpath, beside the copier), the shape of a pod
+    that sets its PYTHONPATH when the cache has no boot ConfigMap the operator verified
+    (D4), which a healthy install copies in process instead.
     The training container is privileged, root, with SYS_ADMIN added: each init container
     we add still runs as 65532 with no capabilities, no new privileges, RuntimeDefault
     seccomp and a read-only root, as runc was told (the runtime spec containerd kept) and
@@ -362,7 +374,9 @@ def test_our_init_containers_run_unprivileged_beside_a_privileged_root_container
                     securityContext={"privileged": True, "runAsUser": 0, "capabilities": {"add": ["SYS_ADMIN"]}})
     pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "privileged", "namespace": ns, "labels": {"cachewarm.dev/cache": "llama"}},
-           "spec": {"restartPolicy": "Never", "containers": [train]}}
+           # Its token explicit: admit_pod runs here before the apiserver's ServiceAccount
+           # plugin would have given it one (a pod without either opted out of tokens).
+           "spec": {"restartPolicy": "Never", "automountServiceAccountToken": True, "containers": [train]}}
     answer = admit.admit_pod(pod, lambda n, name: entry if (n, name) == (ns, "llama") else None,
                              Reporting(WARMER_IMAGE, "https://10.96.0.100/report/v1", "PEM"), WARMER_IMAGE)
     pod["spec"].update(answer.spec)
@@ -398,42 +412,6 @@ def test_our_init_containers_run_unprivileged_beside_a_privileged_root_container
     assert "could not run python" in lines[-1], lines[-1]
 
 
-def test_a_pod_that_opted_out_of_tokens_runs_with_no_token_from_us(with_warmer: tuple[Testbed, RealNode]) -> None:
-    """D8 on a real kubelet: automountServiceAccountToken false, a cache that asks for the
-    reporter; the webhook's patch (admit_pod) adds no projected token and no reporter, the
-    pod runs, and no token file exists anywhere under /var/run/secrets in it."""
-    from cachewarm.admission import admit  # noqa: PLC0415
-    from cachewarm.builders.reporting import Reporting  # noqa: PLC0415
-    from cachewarm_testbed.images import WARMER_IMAGE  # noqa: PLC0415
-    bed, _ = with_warmer
-    ns = f"rn-{uuid.uuid4().hex[:8]}"
-    assert bed.kubectl_run("create", "namespace", ns).returncode == 0
-    eventually(lambda: bed.get_json("serviceaccount", "default", ns), what="default ServiceAccount")
-    spec = {"storage": {"gcs": {"bucket": "b-1", "location": "US", "prefix": "p"}},
-            "injection": {"mode": "ReadOnly", "report": True, "localCopy": {"sizeLimit": "64Mi"}},
-            "warmup": {"image": BUSYBOX_IMAGE, "targets": ["m:f"], "pools": [{"name": "cpu"}]}}
-    entry = admit.index_entry(spec, generation=1, uid="u-1", warmed=True)
-    pod: dict[str, Any] = {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "no-token", "namespace": ns, "labels": {"cachewarm.dev/cache": "llama"}},
-        "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [
-            busybox("train", 'find /var/run/secrets -type f 2>&1; echo "env-url=${CACHEWARM_REPORT_URL:-none}"')]}}
-    answer = admit.admit_pod(pod, lambda n, name: entry if (n, name) == (ns, "llama") else None,
-                             Reporting(WARMER_IMAGE, "https://10.96.0.100/report/v1", "PEM"), WARMER_IMAGE)
-    assert any("automountServiceAccountToken false" in w for w in answer.warnings), answer.warnings
-    pod["spec"].update(answer.spec)
-    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=json.dumps(pod))
-    assert created.returncode == 0, created.stderr
-    wait(bed, "--for=jsonpath={.status.phase}=Succeeded", "pod/no-token", "-n", ns)
-    got = bed.get_json("pod", "no-token", ns)
-    assert got is not None
-    assert not any("projected" in v for v in got["spec"].get("volumes") or []), got["spec"]["volumes"]
-    logs = bed.kubectl_run("logs", "no-token", "-c", "train", "-n", ns)
-    assert logs.returncode == 0, logs.stderr
-    assert "token" not in logs.stdout and "env-url=none" in logs.stdout, logs.stdout
-    assert got["status"]["initContainerStatuses"], "the copy still came, by init container"
-
-
 # --- issue 28: the copier keeps only what it checked (agents' part) --------------------------
 
 @pytest.fixture(scope="module")
@@ -442,18 +420,7 @@ def with_train() -> Iterator[tuple[Testbed, RealNode]]:
     library), in which the copier runs as a pod's python runs it. Only that image is built
     (cached by content)."""
     from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(images, "BUILDS", tuple(b for b in images.BUILDS
-                                              if b.ref == f"docker.io/{images.PLAIN_TRAIN_IMAGE}"))
-        archives = images.build_all()
-    bed = Testbed()
-    try:
-        bed.start(controller_manager=True, real_node=True)
-        node = bed.start_real_node()
-        node.import_images(archives)
-        yield bed, node
-    finally:
-        bed.stop()
+    yield from node_holding(f"docker.io/{images.PLAIN_TRAIN_IMAGE}")
 
 
 def test_a_tampered_entry_and_a_symlink_planted_in_the_copy_are_replaced_by_the_next_copy_after_a_restart(

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from cachewarm.admission import admit
-from cachewarm.admission.accounts import ServiceAccounts
 from cachewarm.builders.reporting import Reporting
 from cachewarm.clients.kube import KubeError
 from cachewarm.reconcile.admitted import RecentInjections
+from apitoken import given_api_token
 from cachewarm.reconcile import status as cache_status
 from cachewarm.reconcile import pods as held_pods
 from cachewarm.api.conditions import Cond
@@ -143,121 +143,46 @@ def test_a_pod_held_for_a_cache_that_does_not_exist_is_released() -> None:
 
 REPORTING = Reporting("cachewarm/warmer:1", "https://10.96.0.100/report/v1", "PEM")
 REPORTS = {**SPEC, "injection": {"report": True}}
-UNREADABLE = admit.ServiceAccountAutomount("train", error="reading ServiceAccount ml/train: 403 Forbidden")
-
-
-def account(automount: bool | None) -> admit.ServiceAccountAutomount:
-    return admit.ServiceAccountAutomount("train", automount=automount)
 
 
 def token_volumes(spec: dict[str, Any]) -> list[str]:
     return [v["name"] for v in spec.get("volumes") or []
-            if any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])]
+            if any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])
+            and not v["name"].startswith("kube-api-access-")]
 
 
 @pytest.mark.parametrize("own", [True, False, None], ids=["pod-true", "pod-false", "pod-unset"])
-@pytest.mark.parametrize("sa", [account(True), account(False), account(None), UNREADABLE],
-                         ids=["sa-true", "sa-false", "sa-unset", "sa-unreadable"])
-def test_a_pods_token_follows_its_own_field_else_its_service_accounts_and_an_unreadable_one_gives_none(
-        own: bool | None, sa: admit.ServiceAccountAutomount) -> None:
+@pytest.mark.parametrize("given", [True, False], ids=["apiserver-gave-a-token", "apiserver-gave-none"])
+def test_a_pods_token_follows_its_own_field_else_what_the_apiserver_gave_it(own: bool | None, given: bool) -> None:
     """Kubernetes' rule: the pod's automountServiceAccountToken when set wins; unset, its
-    ServiceAccount's (unset there: true). A ServiceAccount that could not be read: no
-    token (fail closed), said in a warning, not counted as an opt-out. No token means no
-    reporter; the cache env comes either way."""
+    ServiceAccount's, which the apiserver's ServiceAccount admission (before any webhook)
+    applied: a pod that leaves its field unset and was given no token opted out through its
+    ServiceAccount. No token means no reporter; the cache env comes either way."""
     p = pod(serviceAccountName="train", containers=[{"name": "train", "image": "train:1"}],
             **({} if own is None else {"automountServiceAccountToken": own}))
-    answer = admit.admit_pod(p, lookup(entry(REPORTS)), REPORTING, None, sa)
-    opted_out = own is False or (own is None and sa.automount is False and not sa.error)
-    unreadable = own is None and bool(sa.error)
-    gets_token = not opted_out and not unreadable
-    assert token_volumes(answer.spec) == (["cachewarm-report-token"] if gets_token else [])
-    assert ("cachewarm-reporter" in json.dumps(answer.spec)) is gets_token
+    if given:
+        p["spec"] = given_api_token(p["spec"])
+    answer = admit.admit_pod(p, lookup(entry(REPORTS)), REPORTING, None)
+    opted_out = own is False or (own is None and not given)
+    assert token_volumes(answer.spec) == ([] if opted_out else ["cachewarm-report-token"])
+    assert ("cachewarm-reporter" in json.dumps(answer.spec)) is not opted_out
     assert "JAX_COMPILATION_CACHE_DIR" in json.dumps(answer.spec["containers"])
     note = answer.annotations["cachewarm.dev/injected"]
     assert note.endswith("; no token or reporter: opted out of ServiceAccount tokens") is opted_out
-    assert note.endswith("; no token or reporter: its ServiceAccount could not be read") is unreadable
     said = [w for w in answer.warnings if "no ServiceAccount token" in w]
-    assert len(said) == (0 if gets_token else 1)
-    if own is None and sa.automount is False and not sa.error:
+    assert len(said) == (1 if opted_out else 0)
+    if own is None and not given:
         assert "its ServiceAccount 'train' sets automountServiceAccountToken false" in said[0]
-    if unreadable:
-        assert "'train' could not be read (reading ServiceAccount ml/train: 403 Forbidden)" in said[0]
 
 
-def test_the_service_account_is_read_only_where_it_decides() -> None:
-    """account_to_read names the ServiceAccount (spec.serviceAccountName, else default) only
-    when the pod leaves its own field unset and would otherwise get a reporter."""
-    reports = lookup(entry(REPORTS))
-    assert admit.account_to_read(pod(), reports, REPORTING) == ("ml", "default")
-    assert admit.account_to_read(pod(serviceAccountName="train"), reports, REPORTING) == ("ml", "train")
-    assert admit.account_to_read(pod(automountServiceAccountToken=True), reports, REPORTING) is None
-    assert admit.account_to_read(pod(automountServiceAccountToken=False), reports, REPORTING) is None
-    assert admit.account_to_read(pod(), reports, None) is None  # no reporter for anyone
-    assert admit.account_to_read(pod(), lookup(None), REPORTING) is None  # no such cache
-    assert admit.account_to_read(pod(), lookup(entry({**SPEC, "injection": {"report": False}})), REPORTING) is None
-    assert admit.account_to_read(pod(), lookup(entry({"storage": {}})), REPORTING) is None  # invalid cache
-    assert admit.account_to_read({"metadata": {"labels": {"cachewarm.dev/cache": "llama"}}, "spec": "nonsense"},
-                                 reports, REPORTING) is None
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_service_accounts_are_read_once_per_ttl_and_failures_fail_closed() -> None:
-    """Each answer is kept ttl seconds (a failed read error_ttl), per namespace/name;
-    admissions at once share one read; a missing, refused or hung read is an error."""
-    clock, calls, release = Clock(), [], threading.Event()
-    stored: dict[tuple[str, str], Any] = {("ml", "train"): {"automountServiceAccountToken": False},
-                                          ("ml", "default"): {"metadata": {"name": "default"}},
-                                          ("ml", "gone"): None}
-
-    def read(ns: str, name: str, timeout: float) -> Any:
-        calls.append((ns, name, timeout))
-        if name == "denied":
-            raise KubeError(f"reading ServiceAccount {ns}/{name}: 403 Forbidden", 403)
-        if name == "hung":
-            release.wait()  # a read that never ends (a real one ends at the client's own timeout)
-        return stored.get((ns, name))
-
-    accounts = ServiceAccounts(read, clock=clock, timeout=0.05, ttl=10, error_ttl=2)
-
-    async def ask(*keys: tuple[str, str]) -> list[admit.ServiceAccountAutomount]:
-        release.clear()
-        try:
-            return list(await asyncio.gather(*(accounts.automount(*k) for k in keys)))
-        finally:
-            release.set()  # asyncio.run waits for the reading thread
-
-    first = asyncio.run(ask(("ml", "train"), ("ml", "train"), ("ml", "default")))
-    assert [(a.automount, a.error) for a in first] == [(False, ""), (False, ""), (None, "")]
-    assert calls == [("ml", "train", 0.05), ("ml", "default", 0.05)]  # one read for two admissions
-    stored[("ml", "train")] = {"automountServiceAccountToken": True}
-    clock.now += 9
-    assert asyncio.run(ask(("ml", "train")))[0].automount is False and len(calls) == 2  # kept
-    clock.now += 1
-    assert asyncio.run(ask(("ml", "train")))[0].automount is True and len(calls) == 3  # read again
-    gone, denied, hung = asyncio.run(ask(("ml", "gone"), ("ml", "denied"), ("ml", "hung")))
-    assert gone.error == "it does not exist" and "403 Forbidden" in denied.error
-    assert hung.error == "no answer within 0.05s"
-    clock.now += 1
-    asyncio.run(ask(("ml", "gone")))
-    assert len(calls) == 6  # a failure kept error_ttl
-    clock.now += 1
-    asyncio.run(ask(("ml", "gone")))
-    assert len(calls) == 7
-
-
-def test_service_accounts_keep_at_most_max_kept() -> None:
-    clock, calls = Clock(), []
-    accounts = ServiceAccounts(lambda ns, name, t: calls.append(name) or {}, clock=clock, max_kept=2)
-    for name in ("a", "b", "c", "a"):
-        asyncio.run(accounts.automount("ml", name))
-    assert calls == ["a", "b", "c", "a"]  # a was dropped for c
+def test_a_token_of_the_pods_own_where_kubernetes_puts_it_is_no_opt_out() -> None:
+    """A container that mounts its own token at /var/run/secrets/kubernetes.io/serviceaccount
+    gets none from the apiserver's plugin, and did not opt out: it gets our token."""
+    own = pod(containers=[{"name": "train", "image": "train:1", "volumeMounts": [
+        {"name": "mine", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount/"}]}])
+    assert admit.token_withheld(own["spec"]) == ("", False)
+    unnamed = pod(volumes=[{"name": "kube-api-access-x", "configMap": {"name": "not-a-token"}}])
+    assert admit.token_withheld(unnamed["spec"])[1] is True  # not a projected volume: no token
 
 
 def watched(name: str, note: str | None, *, cache: str = "llama", phase: str = "Running",
@@ -277,7 +202,6 @@ def test_pods_opted_out_counts_what_the_webhook_noted_on_live_watched_pods() -> 
     opted = "; no token or reporter: opted out of ServiceAccount tokens"
     record = RecentInjections(60)
     for p in [watched("out-1", opted), watched("out-2", f"; kept its own train/X{opted}", phase="Pending"),
-              watched("unreadable", "; no token or reporter: its ServiceAccount could not be read"),
               watched("spec-only", None), watched("token", ""), watched("done", opted, phase="Succeeded"),
               watched("deleting", opted, deleting=True), watched("other", opted, cache="gpt")]:
         record.observe_pod(None, p)

@@ -20,6 +20,8 @@ import pathlib
 from typing import Any
 
 import pytest
+
+from apitoken import given_api_token
 import yaml
 
 from cachewarm.reconcile import cache as service
@@ -196,8 +198,9 @@ def _admission(spec: dict[str, Any], pod_spec: dict[str, Any], status: dict[str,
     entry = admit.index_entry(spec, generation=2, uid="u-1", warmed=warmed, image_pythonpath=pythonpath,
                               manifests=manifests if warmed else {},
                               env_configmap=configmaps.get("env"), boot_configmap=configmaps.get("boot"))
+    # As the webhook gets it: the apiserver's ServiceAccount admission gave it its token.
     pod = {"metadata": {"namespace": NS, "generateName": "train-", "labels": {"cachewarm.dev/cache": "c-1"}},
-           "spec": json.loads(json.dumps(pod_spec))}
+           "spec": given_api_token(json.loads(json.dumps(pod_spec)))}
     got = admit.admit_pod(pod, lambda ns, name: entry if (ns, name) == (NS, "c-1") else None, REPORTING, WARMER_IMAGE)
     return {"spec": got.spec, "annotations": got.annotations, "warnings": got.warnings, "injected": got.injected}
 

@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+import apitoken
+from apitoken import given_api_token
+
 from cachewarm.admission import admit as admission
 from cachewarm.reconcile import configmaps
 from cachewarm.agents import payload
@@ -59,8 +62,10 @@ def training_pod(**spec: Any) -> dict[str, Any]:
     container = {"name": "train", "image": "train:1", "command": ["python", "train.py"],
                  "env": [{"name": "STORAGE_EMULATOR_HOST", "value": "http://gcs:9023"}],
                  "resources": {"limits": {"cpu": "4", "memory": "8Gi"}}}
+    # As the webhook gets it: the apiserver's ServiceAccount admission gave it its token.
     return {"metadata": {"name": "p", "namespace": "team", "labels": {"cachewarm.dev/cache": "llama"}},
-            "spec": {"containers": [container], **spec}}
+            "spec": ({"containers": [container], **spec} if spec.get("automountServiceAccountToken") is False
+                     else given_api_token({"containers": [container], **spec}))}
 
 
 def admit(pod: dict[str, Any], spec: dict[str, Any], *, warmer: str | None = WARMER,
@@ -180,7 +185,7 @@ def test_without_the_reporter_the_copier_still_gets_its_files_and_no_pythonpath_
     assert copier["name"] == "cachewarm-copy"
     [train] = spec["containers"]
     assert "PYTHONPATH" not in env(train) and "CACHEWARM_LOCAL_COPY_SUMMARY" not in env(train)
-    assert {v["name"] for v in spec["volumes"]} == {"cachewarm-reporter", "cachewarm-cache"}
+    assert {v["name"] for v in spec["volumes"]} == {"cachewarm-reporter", "cachewarm-cache", apitoken.VOLUME["name"]}
 
 
 def test_without_a_warmer_image_the_pod_reads_the_bucket_and_is_told() -> None:
@@ -636,7 +641,7 @@ def test_in_process_only_the_main_containers_image_copies_the_others_and_init_co
     answer = admit_known(pod, cache_spec({}))
     read_only = {"name": "cachewarm-cache", "mountPath": "/cachewarm-cache", "readOnly": True}
     [prepare] = answer.spec["initContainers"]  # the pod's own, and nothing of ours
-    assert "CACHEWARM_COPY_IN_PROCESS" not in env(prepare) and prepare["volumeMounts"] == [read_only]
+    assert "CACHEWARM_COPY_IN_PROCESS" not in env(prepare) and prepare["volumeMounts"] == [apitoken.MOUNT, read_only]
     assert_valid(answer.spec)
     train, proxy, evaluator = answer.spec["containers"]
     assert env(proxy)["PYTHONPATH"] == "/envoy" and "CACHEWARM_COPY_IN_PROCESS" not in env(proxy)
@@ -812,9 +817,11 @@ def test_without_a_verified_boot_configmap_the_copy_is_by_init_container_and_not
 
 
 def tokens(spec: dict[str, Any]) -> list[str]:
-    """The volumes of the patched pod spec that carry a ServiceAccount token."""
+    """The volumes of the patched pod spec that carry a ServiceAccount token we added (not
+    the apiserver's kube-api-access one the pod came with)."""
     return [v["name"] for v in spec.get("volumes") or []
-            if any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])]
+            if any("serviceAccountToken" in s for s in (v.get("projected") or {}).get("sources") or [])
+            and v["name"] != apitoken.VOLUME["name"]]
 
 
 @pytest.mark.parametrize("path", ["reporter-only", "copy-by-init", "copy-in-process"])

@@ -43,52 +43,40 @@ def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, wa
             "env_configmap": env_configmap, "boot_configmap": boot_configmap}
 
 
-@dataclass(frozen=True)
-class ServiceAccountAutomount:
-    """What a pod's ServiceAccount `name` says of tokens, as the webhook read it:
-    `automount`, its automountServiceAccountToken (None: unset, which means true), or
-    `error`, why it could not be read (missing, refused, timed out)."""
-
-    name: str
-    automount: bool | None = None
-    error: str = ""
+# Where Kubernetes puts a pod's ServiceAccount token, and the volume its ServiceAccount
+# admission plugin adds for it (kube-api-access-<random>, a projected volume).
+API_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+API_TOKEN_VOLUME_PREFIX = "kube-api-access-"
 
 
-def account_to_read(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting | None) -> tuple[str, str] | None:
-    """(namespace, ServiceAccount) whose automountServiceAccountToken decides whether this
-    pod takes our projected token, or None when no read is needed: the pod sets its own
-    field (the pod's wins), or it would get no reporter anyway (no `reporting`, no such or
-    no valid cache, injection.report off). The ServiceAccount is spec.serviceAccountName,
-    "default" when unset (as the apiserver fills it in)."""
-    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-    if reporting is None or not isinstance(meta, Mapping) or not isinstance(spec, Mapping) \
-            or isinstance(spec.get("automountServiceAccountToken"), bool):
-        return None
-    namespace = str(meta.get("namespace") or "")
-    entry = lookup(namespace, str((meta.get("labels") or {}).get(c.CACHE_LABEL) or ""))
-    cache = entry.get("cache") if entry is not None else None
-    if not isinstance(cache, CacheSpec) or not cache.injection.report:
-        return None
-    return namespace, str(spec.get("serviceAccountName") or "default")
+def _given_api_token(pod_spec: Mapping[str, Any]) -> bool:
+    """The pod has its ServiceAccount token: the apiserver's ServiceAccount admission,
+    which runs before any admission webhook, gave it the kube-api-access volume, or one
+    of its containers mounts a token of its own where Kubernetes puts it (then the
+    plugin adds none)."""
+    if any(str(v.get("name") or "").startswith(API_TOKEN_VOLUME_PREFIX) and v.get("projected")
+           for v in pod_spec.get("volumes") or []):
+        return True
+    return any(str(m.get("mountPath") or "").rstrip("/") == API_TOKEN_DIR
+               for ct in [*(pod_spec.get("containers") or []), *(pod_spec.get("initContainers") or [])]
+               for m in ct.get("volumeMounts") or [])
 
 
-def token_withheld(pod_spec: Mapping[str, Any], account: ServiceAccountAutomount | None) -> tuple[str, bool]:
+def token_withheld(pod_spec: Mapping[str, Any]) -> tuple[str, bool]:
     """(why the pod takes no ServiceAccount token from us, whether that is its opt-out);
     ('', False) when it takes one. Kubernetes' rule: the pod's automountServiceAccountToken
-    when set, else its ServiceAccount's (`account`; None: not read, so the pod's field
-    alone decides). A ServiceAccount that could not be read gives no token (fail closed)."""
+    when set, else its ServiceAccount's. The apiserver applied that rule before this
+    webhook runs (its ServiceAccount admission plugin), so a pod that leaves its field
+    unset and was given no token opted out through its ServiceAccount: read from the pod,
+    with no ServiceAccount read (nothing a tenant can make slow or large)."""
     own = pod_spec.get("automountServiceAccountToken")
     if own is False:
         return "this pod sets automountServiceAccountToken false", True
-    if own is True or account is None:
+    if own is True or _given_api_token(pod_spec):
         return "", False
-    if account.error:
-        return (f"its ServiceAccount {account.name!r} could not be read ({account.error}), so whether the pod "
-                "opted out of tokens is not known"), False
-    if account.automount is False:
-        return (f"its ServiceAccount {account.name!r} sets automountServiceAccountToken false and the pod leaves "
-                "its own unset"), True
-    return "", False
+    account = str(pod_spec.get("serviceAccountName") or "default")
+    return (f"the apiserver gave this pod no ServiceAccount token (its ServiceAccount {account!r} sets "
+            "automountServiceAccountToken false, and the pod leaves its own unset)"), True
 
 
 def _with_local(cache: CacheSpec, local: LocalCopy | None) -> CacheSpec:
@@ -96,14 +84,12 @@ def _with_local(cache: CacheSpec, local: LocalCopy | None) -> CacheSpec:
 
 
 def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, reporting: Reporting | None,
-            warmer_image: str | None, warnings: list[str],
-            account: ServiceAccountAutomount | None) -> tuple[CacheSpec, Reporting | None, str]:
+            warmer_image: str | None, warnings: list[str]) -> tuple[CacheSpec, Reporting | None, str]:
     """(the cache as this pod gets it, the reporting it gets, what its annotation says of
     a token withheld), each difference from what the cache asks for said in `warnings`: a
     HostPath copy is an EmptyDir one (D1); no copy where the pod cannot have one (it reads
     the bucket); no reporter, and so no token, for a pod whose owner opted out of
-    ServiceAccount tokens (D8), itself or through its ServiceAccount (`account`), or whose
-    ServiceAccount could not be read."""
+    ServiceAccount tokens (D8), itself or through its ServiceAccount."""
     local = cache.injection.local_copy
     if local is not None and local.volume == "HostPath":
         warnings.append(f"cachewarm: CompilationCache {cache_name!r} {HOST_PATH_WITHDRAWN} "
@@ -118,16 +104,12 @@ def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, repo
                         "/cachewarm-cache, /cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or "
                         "/var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
     reports = reporting if cache.injection.report else None
-    why, opted_out = token_withheld(pod_spec, account) if reports is not None else ("", False)
-    if not why:
+    why, opted_out = token_withheld(pod_spec) if reports is not None else ("", False)
+    if not opted_out:
         return cache, reports, ""
-    if opted_out:
-        warnings.append(f"cachewarm: {why}, so cachewarm gives it no ServiceAccount token either, and no reporter: "
-                        f"CompilationCache {cache_name!r} gets no report from it")
-        return cache, None, OPTED_OUT_NOTE
-    warnings.append(f"cachewarm: {why}: cachewarm gives it no ServiceAccount token and no reporter (it still gets the "
-                    f"cache), and CompilationCache {cache_name!r} gets no report from it")
-    return cache, None, "no token or reporter: its ServiceAccount could not be read"
+    warnings.append(f"cachewarm: {why}, so cachewarm gives it no ServiceAccount token either, and no reporter: "
+                    f"CompilationCache {cache_name!r} gets no report from it")
+    return cache, None, OPTED_OUT_NOTE
 
 
 def _claim_root(cache: CacheSpec, pod_spec: Mapping[str, Any]) -> list[str]:
@@ -164,11 +146,10 @@ class Admission:
 
 
 def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting | None = None,
-              warmer_image: str | None = None, account: ServiceAccountAutomount | None = None) -> Admission:
+              warmer_image: str | None = None) -> Admission:
     """Add the named cache's env (and, with waitForWarm, a scheduling gate; with
     `reporting` and spec.injection.report, the reporter, unless the pod opted out of
-    tokens: `account` is what its ServiceAccount says, read where account_to_read asks for
-    it, None where the pod's own field decides; with spec.injection.localCopy and
+    tokens, itself or through its ServiceAccount (token_withheld); with spec.injection.localCopy and
     the `warmer_image` that carries the copier, the local copy) to a pod being created, or
     say in a warning why not. Raises only on a bug; the caller admits anyway."""
     meta = pod.get("metadata") or {}
@@ -186,7 +167,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
                             "pod admitted without the cache")
         return out
     pod_spec = pod.get("spec") or {}
-    cache, reports, withheld = _served(cache, pod_spec, cache_name, reporting, warmer_image, out.warnings, account)
+    cache, reports, withheld = _served(cache, pod_spec, cache_name, reporting, warmer_image, out.warnings)
     result = inject_pod(pod, cache_name, entry["generation"], cache, entry.get("env_configmap"))
     if result.changed:
         out.spec["containers"] = result.containers

@@ -339,18 +339,6 @@ class KubeClient:
                 _content_type="application/merge-patch+json", _request_timeout=self.timeout)
         return done is not None
 
-    # --- the admission webhook: a pod's ServiceAccount (its token opt-out) ---
-
-    def read_service_account(self, namespace: str, name: str, *, timeout: float | None = None) -> dict[str, Any] | None:
-        """A ServiceAccount as stored, or None when it does not exist. `timeout` (seconds)
-        replaces the client's own for this one call (the admission path has a deadline of
-        its own). Raises KubeError."""
-        found: Any = None
-        with _errors(f"reading ServiceAccount {namespace}/{name}", ok=(404,)):
-            found = self._core().read_namespaced_service_account(
-                name, namespace, _request_timeout=self.timeout if timeout is None else timeout)
-        return None if found is None else _dict(found)
-
     # --- the webhook's serving certificate, shared by every replica through one Secret ---
 
     def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:

@@ -20,7 +20,7 @@ import kopf
 
 from cachewarm.api import conditions, timefmt
 from cachewarm.admission import admit
-from cachewarm.reconcile.pods import REFUSED, CacheLookup
+from cachewarm.reconcile.pods import REFUSED
 from cachewarm.reconcile.status import was_warmed
 from cachewarm.reconcile import warmup as warmups
 from cachewarm.api import constants as c
@@ -89,9 +89,8 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
     started = time.perf_counter()
     try:
         settings = memo.get("settings")
-        lookup, reporting = (lambda ns, n: next(iter(caches.get((ns, n), [])), None)), _reporting(memo)
-        answer = admit.admit_pod(body, lookup, reporting, settings.warmer_image if settings is not None else None,
-                                 await _service_account(memo, body, lookup, reporting))
+        answer = admit.admit_pod(body, lambda ns, n: next(iter(caches.get((ns, n), [])), None),
+                                 _reporting(memo), settings.warmer_image if settings is not None else None)
     except Exception as exc:  # noqa: BLE001 - a pod is never refused on our account
         warnings.append(f"cachewarm could not inject this pod ({type(exc).__name__}: {exc}); admitted unchanged")
         _count_admission(memo, "error", started)
@@ -106,21 +105,6 @@ async def inject(body: kopf.Body, patch: kopf.Patch, warnings: list[str], dryrun
         patch.metadata.setdefault("annotations", {}).update(answer.annotations)
     warnings.extend(answer.warnings)  # admission writes nothing (no Event): sideEffects None
     _count_admission(memo, "injected" if answer.injected else "unchanged", started)
-
-
-async def _service_account(memo: Any, body: kopf.Body, lookup: CacheLookup,
-                           reporting: Reporting | None) -> admit.ServiceAccountAutomount | None:
-    """What the pod's ServiceAccount says of tokens, read (memo.accounts: bounded, kept a
-    few seconds) only where it decides whether the pod takes our token; without a reader,
-    unreadable, so the pod gets none (fail closed)."""
-    wanted = admit.account_to_read(body, lookup, reporting)
-    if wanted is None:
-        return None
-    accounts = memo.get("accounts")
-    if accounts is None:
-        return admit.ServiceAccountAutomount(wanted[1], error="this operator reads no ServiceAccounts")
-    found: admit.ServiceAccountAutomount = await accounts.automount(*wanted)
-    return found
 
 
 def _reporting(memo: Any) -> Reporting | None:

@@ -20,7 +20,6 @@ from cachewarm.api import constants as c
 from cachewarm.runtime import handlers
 from cachewarm.runtime import images, logs
 from cachewarm.admission import keeper as servingcert
-from cachewarm.admission.accounts import ServiceAccounts
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient
 from cachewarm.runtime.controller import Controller
@@ -69,8 +68,6 @@ def run(settings: Settings) -> None:
         gcs=GcsClient(project=settings.gcp_project, timeout=settings.gcs_timeout_seconds),
         kube=kube,
         injections=RecentInjections(settings.injection_window_seconds),
-        # The webhook reads a pod's ServiceAccount where its token opt-out decides.
-        accounts=ServiceAccounts.of(kube),
         tasks=[],
     )
     scope: dict[str, Any] = (
