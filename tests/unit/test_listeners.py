@@ -208,7 +208,7 @@ def test_a_next_request_whose_headers_come_too_slowly_after_an_answer_is_counted
 
 
 def test_connections_past_the_cap_are_closed_and_those_within_it_served() -> None:
-    limits = Limits(handshake_seconds=5, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT * 2, body_seconds=5, keepalive_seconds=WAIT * 2,
                     max_connections=2, max_body_bytes=1024)
 
     async def body(port: int, _: ServingTls) -> tuple[bool, bytes]:
@@ -225,7 +225,7 @@ def test_connections_past_the_cap_are_closed_and_those_within_it_served() -> Non
 
 def test_one_peer_at_its_cap_is_refused_more_while_another_peer_is_still_served() -> None:
     # The listener's own cap far above: only the per-peer one can refuse here.
-    limits = Limits(handshake_seconds=5, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT * 2, body_seconds=5, keepalive_seconds=WAIT * 2,
                     max_connections=50, max_connections_per_peer=2, max_body_bytes=1024)
 
     async def body(port: int, _: ServingTls) -> tuple[bool, bytes, bytes, bytes]:
@@ -251,7 +251,7 @@ def test_one_peer_at_its_cap_is_refused_more_while_another_peer_is_still_served(
 
 def test_the_apiservers_verified_connections_are_not_bound_by_the_per_peer_cap() -> None:
     material, client_ca, client = MATERIAL
-    limits = Limits(handshake_seconds=5, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+    limits = Limits(handshake_seconds=5, header_seconds=WAIT * 2, body_seconds=5, keepalive_seconds=WAIT * 2,
                     max_connections=50, max_connections_per_peer=1, max_body_bytes=1024)
 
     async def body(port: int, _: ServingTls) -> list[bytes]:
@@ -332,3 +332,39 @@ def test_without_a_client_ca_the_admission_context_asks_for_no_certificate() -> 
 def test_an_unreadable_client_ca_stops_the_start() -> None:
     with pytest.raises(ssl.SSLError):
         ServingTls(b"-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
+
+
+def test_handshakes_under_way_are_capped_per_peer_and_per_listener_before_any_tls() -> None:
+    """Each TLS handshake under way holds buffers until it ends (its deadline at most): past
+    max_handshakes_per_peer from one address, or max_handshakes in all, a new TCP connection
+    is closed at once, before any TLS, and counted; a peer under both is still served."""
+    limits = Limits(handshake_seconds=3, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+                    max_connections=50, max_connections_per_peer=50, max_body_bytes=1024,
+                    max_handshakes=3, max_handshakes_per_peer=2)
+
+    async def body(port: int, _: ServingTls) -> tuple[bool, bool, float, bytes]:
+        writers = []  # kept: a writer collected closes its connection
+
+        async def silent(source: str) -> asyncio.StreamReader:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+            writers.append(writer)
+            return reader
+        loop = asyncio.get_running_loop()
+        held = [await silent("127.0.0.2"), await silent("127.0.0.2")]  # its two handshakes
+        await asyncio.sleep(0.2)  # both accepted: under way
+        started = loop.time()
+        per_peer_closed = await closed(await silent("127.0.0.2"))
+        held.append(await silent("127.0.0.3"))  # the listener's third
+        await asyncio.sleep(0.2)
+        all_closed = await closed(await silent("127.0.0.4"))
+        refused_within = loop.time() - started  # both refused at once, not at a deadline
+        for reader in held:  # their handshakes end at their deadline: slots free again
+            await closed(reader)
+        served = await post(*await connect(port, source="127.0.0.4"))
+        return per_peer_closed, all_closed, refused_within, served
+    metrics = Metrics()
+    per_peer_closed, all_closed, refused_within, served = serving(
+        limits, body, metrics=metrics, expect_dropped={"handshake_cap": 2, "handshake_deadline": 3})
+    assert per_peer_closed and all_closed and refused_within < limits.handshake_seconds
+    assert served.startswith(b"HTTP/1.1 200")
+    assert dropped(metrics) == {"handshake_cap": 2, "handshake_deadline": 3}

@@ -53,6 +53,7 @@ DROP_REASONS = (
     "peer_cap",  # its peer address had max_connections_per_peer open
     "tls_handshake",  # the handshake failed: not TLS, no or an unverified client certificate, ...
     "handshake_deadline",  # no complete handshake within handshake_seconds
+    "handshake_cap",  # max_handshakes under way, or max_handshakes_per_peer from its address
     "header_deadline",  # a request's headers not complete in time
     "body_deadline",  # a request's body not complete within body_seconds (answered 408)
     "body_too_large",  # a request's body over max_body_bytes (answered 413)
@@ -240,6 +241,12 @@ class Limits:
     # a client with a verified client certificate (the apiserver) is not bound by it
     max_connections_per_peer: int = 16
     max_body_bytes: int = 1024 * 1024  # as aiohttp's default before; etcd stores at most 1.5 MiB an object
+    # TLS handshakes under way at once (each holds ~0.3 MiB of buffers until it ends: 256
+    # of them ~80 MiB), and from one peer address: more are closed at once. Checked before
+    # the handshake, so no client is known yet (the apiserver included): the per-peer one
+    # must stay above the connections one apiserver opens at once in a burst of pod creations.
+    max_handshakes: int = 256
+    max_handshakes_per_peer: int = 64
 
 
 class _Guard(asyncio.Protocol):
@@ -265,7 +272,17 @@ class _Guard(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # The TCP connection (start_tls never calls this for the TLS one).
         self.peer = _peer_host(transport)
-        self.listener.handshaking.add(self)
+        limits, under_way = self.listener.limits, self.listener.handshaking
+        if len(under_way) >= limits.max_handshakes:
+            self.listener.drop("handshake_cap", self.peer, f"{limits.max_handshakes} TLS handshakes under way")
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        if sum(1 for guard in under_way if guard.peer == self.peer) >= limits.max_handshakes_per_peer:
+            self.listener.drop("handshake_cap", self.peer,
+                               f"{limits.max_handshakes_per_peer} TLS handshakes from it under way")
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        under_way.add(self)
         self._handshake = asyncio.get_running_loop().create_task(self._secure(transport))
 
     async def _secure(self, raw: asyncio.BaseTransport) -> None:
@@ -285,6 +302,7 @@ class _Guard(asyncio.Protocol):
             return
         finally:
             listener.handshaking.discard(self)
+            self._handshake = None  # no cycle through the finished task keeps this connection
         if tls is None or self._lost:  # lost between the handshake and now
             return
         self.transport = tls
