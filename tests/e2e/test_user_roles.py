@@ -84,8 +84,8 @@ def test_warmup_needs_its_author_to_be_allowed_jobs(installed: Testbed, tenant_n
     may create Jobs. Two users of one namespace: `edit` (may create Jobs) and one bound to
     cachewarm-edit alone (CompilationCaches, no Jobs). The author-only user makes a cache
     without warmup, and is refused one with it (the message names the missing right); the
-    editor's cache with warmup stays editable by the author-only user in what its warmers do
-    not run (a label, injection), not in spec.warmup."""
+    editor's cache with warmup takes the author-only user's labels and annotations, not a
+    change of its spec or its re-warm annotation (each may start its warmers anew)."""
     ns = tenant_ns
     edit = _user(installed, ns, "edit", tmp_path)
     author = _user(installed, ns, "cachewarm-edit", tmp_path)
@@ -113,12 +113,15 @@ def test_warmup_needs_its_author_to_be_allowed_jobs(installed: Testbed, tenant_n
     # The author-only user on the editor's cache: judged as itself, for what it changes.
     rc, out = _as(installed, author, "label", "-n", ns, "compilationcache/warms", "team=ml")
     assert rc == 0, out
-    rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=merge",
-                  "-p", json.dumps({"spec": {"injection": {"report": False}}}))
+    rc, out = _as(installed, author, "annotate", "-n", ns, "compilationcache/warms", "team/owner=ml")
     assert rc == 0, out
-    rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=merge",
-                  "-p", json.dumps({"spec": {"warmup": {"image": "attacker/image:1"}}}))
-    assert rc != 0 and "needs the right to create jobs.batch" in out, out
+    # Any change of its spec may start its warmers anew (here: the JAX settings they
+    # compile with), as may its re-warm annotation: refused like a change of spec.warmup.
+    for change in ({"spec": {"warmup": {"image": "attacker/image:1"}}}, {"spec": {"jax": {"minCompileTimeSecs": 5}}},
+                   {"metadata": {"annotations": {"cachewarm.dev/rewarm": "again"}}}):
+        rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=merge",
+                      "-p", json.dumps(change))
+        assert rc != 0 and "needs the right to create jobs.batch" in out, (change, out)
     stored = installed.get_json("compilationcache", "warms", ns)
     assert stored is not None and stored["spec"]["warmup"]["image"] == "demo/train:1"
     rc, out = _as(installed, author, "patch", "-n", ns, "compilationcache/warms", "--type=json",

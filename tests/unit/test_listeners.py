@@ -368,3 +368,17 @@ def test_handshakes_under_way_are_capped_per_peer_and_per_listener_before_any_tl
     assert per_peer_closed and all_closed and refused_within < limits.handshake_seconds
     assert served.startswith(b"HTTP/1.1 200")
     assert dropped(metrics) == {"handshake_cap": 2, "handshake_deadline": 3}
+
+
+def test_a_client_ca_configured_but_empty_at_start_lets_no_caller_in_until_one_loads() -> None:
+    """An empty CA file at start (the settings' check passed a moment before) asks for a
+    certificate all the same: no caller without one gets in (never open to all), and an
+    empty file again is refused, not taken as the CA already loaded."""
+    material, apiserver, _ = MATERIAL
+    tls = ServingTls(b"", require_client_cert=True)
+    tls.load(material)
+    assert tls.context.verify_mode == ssl.CERT_REQUIRED
+    with pytest.raises(ValueError, match="empty"):
+        tls.load_client_ca(b"")
+    assert tls.load_client_ca(material.ca_pem) and tls.context.verify_mode == ssl.CERT_REQUIRED
+    assert ServingTls(b"").context.verify_mode == ssl.CERT_NONE  # no client CA configured: none asked

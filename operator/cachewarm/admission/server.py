@@ -173,9 +173,12 @@ class ServingTls:
     take one away), which new connections take; `reports_context` never asks for one
     (pods authenticate with their tokens). Raises ssl.SSLError for an unreadable `client_ca`."""
 
-    def __init__(self, client_ca: bytes = b"") -> None:
+    def __init__(self, client_ca: bytes = b"", *, require_client_cert: bool = False) -> None:
+        """`require_client_cert`: a client CA is configured, so a certificate is asked for
+        even where `client_ca` holds none yet (an empty file at start): no caller gets in
+        until load_client_ca loads one, never every caller."""
         self.client_ca = client_ca
-        self.context = _admission_context(client_ca)
+        self.context = _admission_context(client_ca, required=require_client_cert)
         self.reports_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.material: TlsMaterial | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="cachewarm-tls-"))
@@ -194,10 +197,10 @@ class ServingTls:
         on; connections open keep the CA they were verified with. False when it is the
         one asked for already. Raises ValueError (empty) or ssl.SSLError (no certificate
         in it), and then the CA asked for stays: never none."""
-        if client_ca == self.client_ca:
-            return False
         if not client_ca.strip():
             raise ValueError("the client CA file is empty")
+        if client_ca == self.client_ca:
+            return False
         context = _admission_context(client_ca)
         if self.material is not None:
             self._load_chain(self.material, context)
@@ -218,12 +221,14 @@ class ServingTls:
             keyfile.unlink()
 
 
-def _admission_context(client_ca: bytes) -> ssl.SSLContext:
-    """A server context that, with `client_ca`, requires a client certificate it signed.
-    Raises ssl.SSLError for a `client_ca` without a PEM certificate."""
+def _admission_context(client_ca: bytes, *, required: bool = False) -> ssl.SSLContext:
+    """A server context that, with `client_ca` (or `required`), requires a client
+    certificate `client_ca` signed (with none loaded: no client is let in). Raises
+    ssl.SSLError for a `client_ca` without a PEM certificate."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    if client_ca:
+    if client_ca.strip():
         context.load_verify_locations(cadata=client_ca.decode("ascii", "replace"))
+    if client_ca.strip() or required:
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 

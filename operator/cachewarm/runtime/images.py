@@ -32,6 +32,21 @@ def digest_reference(image_id: str) -> str | None:
     return ref if sep and repository and _DIGEST.fullmatch(digest) else None
 
 
+def repository(image: str) -> str:
+    """The repository an image reference names, as container runtimes normalise it
+    (`busybox` -> `docker.io/library/busybox`, `team/w:1` -> `docker.io/team/w`)."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name = name[: len(name) - len(last)] + last.split(":", 1)[0]
+    first, _, rest = name.partition("/")
+    if not rest:
+        return f"docker.io/library/{name}"
+    if "." not in first and ":" not in first and first != "localhost":
+        return f"docker.io/{name}"
+    return name
+
+
 def warmer_image_of(pod: Mapping[str, Any]) -> tuple[str | None, str]:
     """The warmer image by digest from the operator's own pod (None: none to be had), and
     a sentence saying where it came from or why there is none."""
@@ -45,7 +60,12 @@ def warmer_image_of(pod: Mapping[str, Any]) -> tuple[str | None, str]:
     if pinned is None:
         return None, (f"the node reports no repository digest for {spec.get('image')} "
                       f"(imageID {status.get('imageID') or 'unset'}): it is referenced by tag")
-    return pinned, f"the digest the node resolved {spec.get('image')} to"
+    # The digest only, under the repository the Deployment names: a node that holds the
+    # same image under several names reports one of them (the first in its own order),
+    # which anyone who can make the node pull a copy from their registry could choose.
+    wanted = repository(str(spec.get("image") or ""))
+    digest = pinned.rsplit("@", 1)[1]
+    return f"{wanted}@{digest}", f"the digest the node resolved {spec.get('image')} to"
 
 
 def reported(pod: Mapping[str, Any]) -> bool:

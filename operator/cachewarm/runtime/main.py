@@ -99,7 +99,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Where this replica takes reports; named in the Lease while it leads.
     reports_at = address(ours.pod_ip, ours.reports_port) if ours.webhook_enabled else ""
     if ours.webhook_enabled:
-        tls = ServingTls(Path(ours.admission_client_ca).read_bytes() if ours.admission_client_ca else b"")
+        tls = ServingTls(Path(ours.admission_client_ca).read_bytes() if ours.admission_client_ca else b"",
+                         require_client_cert=bool(ours.admission_client_ca))
         if not ours.admission_client_ca:
             log.warning("The admission listener answers any caller that reaches it (no admission_client_ca): it "
                         "cannot tell the apiserver from a pod; see docs/security.md")
