@@ -361,6 +361,27 @@ def test_operator_killed_mid_warm_leaves_one_job_per_pool(
     assert sorted(p["job"] for p in obj["status"]["warmup"]["pools"]) == names
 
 
+# What a forged warmer summary claims: every field it could put in status, each larger
+# than a real warm's (so the summaries' max() would pick it), written as a pod's
+# termination message.
+BIG = 10**12
+FORGERY = {"processIndex": 0, "entriesFound": 0, "entriesWritten": BIG, "bytesWritten": BIG, "compileSeconds": BIG,
+           "keys": ["f" * 16], "keyCount": 1, "imagePythonPath": "/forged",
+           "manifestGeneration": "666", "fingerprint": {"platform": "forged"}, "errors": []}
+WRITE_FORGERY = f"open('/dev/termination-log', 'w').write({json.dumps(FORGERY)!r})"
+
+
+def warmer_job_name(bed: Testbed, namespace: str, body: dict[str, Any]) -> str:
+    """The name the warmer Job of `body`'s first pool will have: the builders'
+    deterministic one, from the spec as the apiserver defaults it (a server dry-run)."""
+    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+                          input=yaml.safe_dump(body))
+    assert dry.returncode == 0, dry.stderr
+    cache = parse_spec(json.loads(dry.stdout)["spec"])
+    assert cache.warmup is not None
+    return job_name(body["metadata"]["name"], cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
+
+
 def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
 ) -> None:
@@ -372,20 +393,10 @@ def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
     summaries' max() would pick them), and one Warning names it."""
     bed = controller_manager
     body = warm_cache("forged", f"forged-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]})
-    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
-                          input=yaml.safe_dump(body))
-    assert dry.returncode == 0, dry.stderr
-    cache = parse_spec(json.loads(dry.stdout)["spec"])
-    assert cache.warmup is not None
-    job = job_name("forged", cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
-    big = 10**12
-    forgery = {"processIndex": 0, "entriesFound": 0, "entriesWritten": big, "bytesWritten": big, "compileSeconds": big,
-               "keys": ["f" * 16], "keyCount": 1, "imagePythonPath": "/forged",
-               "manifestGeneration": "666", "fingerprint": {"platform": "forged"}, "errors": []}
-    write = f"open('/dev/termination-log', 'w').write({json.dumps(forgery)!r})"
+    job = warmer_job_name(bed, namespace, body)
     forger = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "forger", "labels": {"job-name": job}},
               "spec": {"restartPolicy": "Never", "containers": [{
-                  "name": "warm", "image": "demo/train:1", "command": ["python", "-c", write]}]}}
+                  "name": "warm", "image": "demo/train:1", "command": ["python", "-c", WRITE_FORGERY]}]}}
     created = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(forger))
     assert created.returncode == 0, created.stderr
     eventually(lambda: ((bed.get_json("pod", "forger", namespace) or {}).get("status") or {}).get("phase")
@@ -394,7 +405,7 @@ def test_a_pod_the_warmer_job_did_not_create_cannot_forge_its_results(
     obj = wait_warmed(bed, namespace, "forged")
     [pool] = obj["status"]["warmup"]["pools"]
     assert pool["job"] == job  # the forged pod was listed with the Job's own
-    assert pool["entriesWritten"] < big and pool["bytesWritten"] < big and pool["compileSeconds"] < big
+    assert pool["entriesWritten"] < BIG and pool["bytesWritten"] < BIG and pool["compileSeconds"] < BIG
     assert "f" * 16 not in pool["keys"] and pool["fingerprint"]["platform"] == "cpu"
     assert pool.get("imagePythonPath", {}).get("value") != "/forged" and pool.get("manifestGeneration") != "666"
     ignored = [e for e in bed.events_for("forged", namespace) if e["reason"] == "WarmerPodIgnored"]
@@ -414,17 +425,7 @@ def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
     its own Job of that name (the cache its controller), and status holds the real warm."""
     bed = controller_manager
     body = warm_cache("squat", f"squat-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]})
-    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
-                          input=yaml.safe_dump(body))
-    assert dry.returncode == 0, dry.stderr
-    cache = parse_spec(json.loads(dry.stdout)["spec"])
-    assert cache.warmup is not None
-    name = job_name("squat", cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
-    big = 10**12
-    forgery = {"processIndex": 0, "entriesFound": 0, "entriesWritten": big, "bytesWritten": big, "compileSeconds": big,
-               "keys": ["f" * 16], "keyCount": 1, "imagePythonPath": "/forged",
-               "manifestGeneration": "666", "fingerprint": {"platform": "forged"}, "errors": []}
-    write = f"open('/dev/termination-log', 'w').write({json.dumps(forgery)!r})"
+    name = warmer_job_name(bed, namespace, body)
     squatter: dict[str, Any] = {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "labels": {"cachewarm.dev/warmer-for": "squat", "cachewarm.dev/pool": "cpu"},
@@ -432,7 +433,7 @@ def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
                      "ownerReferences": [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
                                           "name": "squat", "uid": str(uuid.uuid4()), "controller": True}]},
         "spec": {"backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never", "containers": [
-            {"name": "warm", "image": "demo/train:1", "command": ["python", "-c", write],
+            {"name": "warm", "image": "demo/train:1", "command": ["python", "-c", WRITE_FORGERY],
              "env": [{"name": "CACHEWARM_MANIFEST", "value": f"gs://{body['spec']['storage']['gcs']['bucket']}/x"}]}]}}}}
     claimed = bed.kubectl_run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(squatter))
     assert claimed.returncode != 0 and "names a CompilationCache as its controller" in claimed.stderr, claimed.stderr
@@ -457,7 +458,7 @@ def test_a_job_the_cache_does_not_control_is_stopped_and_never_read(
     assert (controller["kind"], controller["uid"]) == ("CompilationCache", obj["metadata"]["uid"])
     [pool] = obj["status"]["warmup"]["pools"]
     assert pool["job"] == name and pool["state"] == "Succeeded" and pool["jobUid"] == meta["uid"]
-    assert pool["entriesWritten"] < big and pool["bytesWritten"] < big and pool["compileSeconds"] < big
+    assert pool["entriesWritten"] < BIG and pool["bytesWritten"] < BIG and pool["compileSeconds"] < BIG
     assert "f" * 16 not in pool["keys"] and pool["fingerprint"]["platform"] == "cpu"
     assert pool.get("imagePythonPath", {}).get("value") != "/forged" and pool.get("manifestGeneration") != "666"
     stopped = [e for e in bed.events_for("squat", namespace) if e["reason"] == "WarmerJobNotOurs"]
@@ -515,12 +516,7 @@ def test_a_job_of_the_warmers_name_without_its_label_is_named_not_deleted(
     message and one Warning say so; deleted by its owner, the warmer runs."""
     bed = controller_manager
     body = warm_cache("held", f"held-{uuid.uuid4().hex[:8]}", {"targets": ["train:targets"]})
-    dry = bed.kubectl_run("create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
-                          input=yaml.safe_dump(body))
-    assert dry.returncode == 0, dry.stderr
-    cache = parse_spec(json.loads(dry.stdout)["spec"])
-    assert cache.warmup is not None
-    name = job_name("held", cache.warmup.pools[0], spec_hash(cache, cache.warmup.pools[0], ""))
+    name = warmer_job_name(bed, namespace, body)
     holder = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
               "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
                   {"name": "x", "image": "demo/train:1", "command": ["true"]}]}}}}
