@@ -501,8 +501,8 @@ def test_reporter_is_added_to_every_container_that_can_take_it(
 def test_a_service_accounts_opt_out_of_tokens_holds_unless_the_pod_says_otherwise(
     operator: OperatorHandle, controller_manager: Testbed, namespace: str
 ) -> None:
-    """Issue 28 item 11, Kubernetes' rule through the running webhook (which reads the
-    ServiceAccount with the manifests' RBAC: a 403 fails the operator fixture): a pod that
+    """Issue 28 item 11, Kubernetes' rule through the running webhook (which reads it from
+    the pod as the apiserver's ServiceAccount plugin left it, before any webhook): a pod that
     leaves automountServiceAccountToken unset, of a ServiceAccount that sets it false, gets
     no projected token and no reporter from us (the cache env still), says why, and is
     counted in status.reports.podsOptedOut; the same ServiceAccount with the pod's field

@@ -179,7 +179,7 @@ def test_a_token_of_the_pods_own_where_kubernetes_puts_it_is_no_opt_out() -> Non
     """A container that mounts its own token at /var/run/secrets/kubernetes.io/serviceaccount
     gets none from the apiserver's plugin, and did not opt out: it gets our token."""
     own = pod(containers=[{"name": "train", "image": "train:1", "volumeMounts": [
-        {"name": "mine", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount/"}]}])
+        {"name": "mine", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}]}])
     assert admit.token_withheld(own["spec"]) == ("", False)
     unnamed = pod(volumes=[{"name": "kube-api-access-x", "configMap": {"name": "not-a-token"}}])
     assert admit.token_withheld(unnamed["spec"])[1] is True  # not a projected volume: no token

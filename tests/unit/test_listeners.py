@@ -334,41 +334,56 @@ def test_an_unreadable_client_ca_stops_the_start() -> None:
         ServingTls(b"-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
 
 
-def test_handshakes_under_way_are_capped_per_peer_and_per_listener_before_any_tls() -> None:
-    """Each TLS handshake under way holds buffers until it ends (its deadline at most): past
-    max_handshakes_per_peer from one address, or max_handshakes in all, a new TCP connection
-    is closed at once, before any TLS, and counted; a peer under both is still served."""
-    limits = Limits(handshake_seconds=3, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+def test_a_burst_of_connections_from_one_address_waits_for_handshake_slots_and_is_served() -> None:
+    """As the apiserver opens one connection per admission in flight: 24 at once from one
+    address, with 3 handshakes allowed at once (2 per address): none refused, all served."""
+    limits = Limits(handshake_seconds=WAIT, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
                     max_connections=50, max_connections_per_peer=50, max_body_bytes=1024,
                     max_handshakes=3, max_handshakes_per_peer=2)
 
-    async def body(port: int, _: ServingTls) -> tuple[bool, bool, float, bytes]:
-        writers = []  # kept: a writer collected closes its connection
+    async def body(port: int, _: ServingTls) -> list[bytes]:
+        async def one() -> bytes:
+            return await post(*await connect(port, source="127.0.0.2"))
+        return list(await asyncio.gather(*(one() for _ in range(24))))
+    metrics = Metrics()
+    answers = serving(limits, body, metrics=metrics, expect_dropped={})
+    assert len(answers) == 24 and all(a.startswith(b"HTTP/1.1 200") for a in answers)
+    assert dropped(metrics) == {}
 
-        async def silent(source: str) -> asyncio.StreamReader:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+def test_stalled_handshakes_of_one_address_hold_only_its_share_and_waiting_is_bounded() -> None:
+    """One address opens connections and never starts TLS: it holds its 2 handshake slots,
+    its other connections wait (closed, counted, when they waited handshake_seconds, or at
+    once past max_waiting), and another address is still served at once."""
+    limits = Limits(handshake_seconds=3, header_seconds=WAIT, body_seconds=5, keepalive_seconds=WAIT,
+                    max_connections=50, max_connections_per_peer=50, max_body_bytes=1024,
+                    max_handshakes=3, max_handshakes_per_peer=2, max_waiting=2)
+
+    async def body(port: int, _: ServingTls) -> tuple[bool, float, bytes, float]:
+        writers = []  # kept: a writer collected closes its connection
+        loop = asyncio.get_running_loop()
+
+        async def silent() -> asyncio.StreamReader:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
             writers.append(writer)
             return reader
-        loop = asyncio.get_running_loop()
-        held = [await silent("127.0.0.2"), await silent("127.0.0.2")]  # its two handshakes
-        await asyncio.sleep(0.2)  # both accepted: under way
-        started = loop.time()
-        per_peer_closed = await closed(await silent("127.0.0.2"))
-        held.append(await silent("127.0.0.3"))  # the listener's third
+        held = [await silent() for _ in range(4)]  # 2 in handshake, 2 waiting
         await asyncio.sleep(0.2)
-        all_closed = await closed(await silent("127.0.0.4"))
-        refused_within = loop.time() - started  # both refused at once, not at a deadline
-        for reader in held:  # their handshakes end at their deadline: slots free again
+        started = loop.time()
+        past_waiting = await closed(await silent())  # a third would wait: max_waiting is 2
+        refused_in = loop.time() - started
+        started = loop.time()
+        other = await post(*await connect(port, source="127.0.0.3"))  # its own slot, at once
+        served_in = loop.time() - started
+        for reader in held:  # two at their handshake deadline, two at their wait's
             await closed(reader)
-        served = await post(*await connect(port, source="127.0.0.4"))
-        return per_peer_closed, all_closed, refused_within, served
+        return past_waiting, refused_in, other, served_in
     metrics = Metrics()
-    per_peer_closed, all_closed, refused_within, served = serving(
-        limits, body, metrics=metrics, expect_dropped={"handshake_cap": 2, "handshake_deadline": 3})
-    assert per_peer_closed and all_closed and refused_within < limits.handshake_seconds
-    assert served.startswith(b"HTTP/1.1 200")
-    assert dropped(metrics) == {"handshake_cap": 2, "handshake_deadline": 3}
-
+    past_waiting, refused_in, other, served_in = serving(
+        limits, body, metrics=metrics, expect_dropped={"handshake_cap": 1, "handshake_deadline": 4})
+    assert past_waiting and refused_in < limits.handshake_seconds
+    assert other.startswith(b"HTTP/1.1 200") and served_in < limits.handshake_seconds
+    assert dropped(metrics) == {"handshake_cap": 1, "handshake_deadline": 4}
 
 def test_a_client_ca_configured_but_empty_at_start_lets_no_caller_in_until_one_loads() -> None:
     """An empty CA file at start (the settings' check passed a moment before) asks for a

@@ -55,7 +55,8 @@ IN_POD = {"pod_name": "cachewarm-operator-1", "pod_namespace": "cachewarm-system
 
 
 @pytest.mark.parametrize(("image", "expected"), [
-    ("busybox", "docker.io/library/busybox"), ("cachewarm/warmer:0.1.0", "docker.io/cachewarm/warmer"),
+    ("busybox", "docker.io/library/busybox"), ("docker.io/busybox:1", "docker.io/library/busybox"),
+    ("cachewarm/warmer:0.1.0", "docker.io/cachewarm/warmer"),
     ("docker.io/cachewarm/warmer:0.1.0", "docker.io/cachewarm/warmer"),
     ("registry.example:5000/team/warmer:1", "registry.example:5000/team/warmer"),
     (f"registry.example/team/warmer@{DIGEST}", "registry.example/team/warmer"),
@@ -65,11 +66,13 @@ def test_repositories_are_named_as_the_runtime_names_them(image: str, expected: 
     assert images.repository(image) == expected
 
 
-def test_the_digest_is_pinned_under_the_deployments_repository_not_the_one_the_node_reported() -> None:
+def test_a_digest_reported_under_another_repository_is_not_pinned() -> None:
     """A node that holds the same image under another name (a tenant's pod pulled a copy
-    from its registry, sorted first) reports that one: only its digest is taken."""
-    elsewhere = operator_pod(f"0attacker.example/w@{DIGEST}")
-    assert images.warmer_image_of(elsewhere)[0] == PINNED
+    from its registry, sorted first) may report that one, whose digest our registry need
+    not have: the tag stays, and why is said."""
+    pinned, why = images.warmer_image_of(operator_pod(f"0attacker.example/w@{DIGEST}"))
+    assert pinned is None and "another repository" in why
+    assert images.warmer_image_of(operator_pod(f"registry.example/team/warmer@{DIGEST}"))[0] == PINNED
 
 
 def test_the_operator_in_a_pod_takes_the_digest_its_node_ran() -> None:

@@ -53,7 +53,7 @@ DROP_REASONS = (
     "peer_cap",  # its peer address had max_connections_per_peer open
     "tls_handshake",  # the handshake failed: not TLS, no or an unverified client certificate, ...
     "handshake_deadline",  # no complete handshake within handshake_seconds
-    "handshake_cap",  # max_handshakes under way, or max_handshakes_per_peer from its address
+    "handshake_cap",  # max_waiting connections already waiting for a handshake slot
     "header_deadline",  # a request's headers not complete in time
     "body_deadline",  # a request's body not complete within body_seconds (answered 408)
     "body_too_large",  # a request's body over max_body_bytes (answered 413)
@@ -247,11 +247,14 @@ class Limits:
     max_connections_per_peer: int = 16
     max_body_bytes: int = 1024 * 1024  # as aiohttp's default before; etcd stores at most 1.5 MiB an object
     # TLS handshakes under way at once (each holds ~0.3 MiB of buffers until it ends: 256
-    # of them ~80 MiB), and from one peer address: more are closed at once. Checked before
-    # the handshake, so no client is known yet (the apiserver included): the per-peer one
-    # must stay above the connections one apiserver opens at once in a burst of pod creations.
+    # of them ~80 MiB), and from one peer address. A connection beyond either waits (its
+    # TCP socket only, not read) for a slot, the waiting peers served in turn, so a burst
+    # from the apiserver is served as slots free and one address's stalled handshakes hold
+    # at most its own share; it is closed if it waited handshake_seconds, or when
+    # max_waiting wait already.
     max_handshakes: int = 256
     max_handshakes_per_peer: int = 64
+    max_waiting: int = 4096
 
 
 class _Guard(asyncio.Protocol):
@@ -272,23 +275,37 @@ class _Guard(asyncio.Protocol):
         self._early: list[bytes] = []  # decrypted before the caps were checked (TLS 1.3: with the Finished)
         self._early_eof = False
         self._handshake: asyncio.Task[None] | None = None
+        self._raw: asyncio.BaseTransport | None = None  # the TCP transport while it waits for a handshake slot
+        self._waited: asyncio.TimerHandle | None = None
         self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # The TCP connection (start_tls never calls this for the TLS one).
         self.peer = _peer_host(transport)
-        limits, under_way = self.listener.limits, self.listener.handshaking
-        if len(under_way) >= limits.max_handshakes:
-            self.listener.drop("handshake_cap", self.peer, f"{limits.max_handshakes} TLS handshakes under way")
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        if sum(1 for guard in under_way if guard.peer == self.peer) >= limits.max_handshakes_per_peer:
-            self.listener.drop("handshake_cap", self.peer,
-                               f"{limits.max_handshakes_per_peer} TLS handshakes from it under way")
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        under_way.add(self)
-        self._handshake = asyncio.get_running_loop().create_task(self._secure(transport))
+        self._raw = transport
+        transport.pause_reading()  # type: ignore[attr-defined]  # start_tls reads its ClientHello
+        self.listener.waits(self)
+
+    def wait(self) -> None:
+        """Wait for a handshake slot, at most handshake_seconds."""
+        self._waited = asyncio.get_running_loop().call_later(self.listener.limits.handshake_seconds, self._waited_out)
+
+    def _waited_out(self) -> None:
+        if self.listener.unqueue(self):
+            self.listener.drop("handshake_deadline", self.peer, "no TLS handshake slot in time")
+            self._close_raw()
+
+    def _close_raw(self) -> None:
+        if self._raw is not None:
+            self._raw.abort()  # type: ignore[attr-defined]
+
+    def start_handshake(self) -> None:
+        """Take a handshake slot (the listener counts it) and start the TLS handshake."""
+        if self._waited is not None:
+            self._waited.cancel()
+            self._waited = None
+        assert self._raw is not None
+        self._handshake = asyncio.get_running_loop().create_task(self._secure(self._raw))
 
     async def _secure(self, raw: asyncio.BaseTransport) -> None:
         listener = self.listener
@@ -306,8 +323,8 @@ class _Guard(asyncio.Protocol):
         except (ConnectionError, OSError):  # the client went away during the handshake: not refused
             return
         finally:
-            listener.handshaking.discard(self)
-            self._handshake = None  # no cycle through the finished task keeps this connection
+            self._handshake = self._raw = None  # no cycle through the finished task keeps this connection
+            listener.handshake_done(self)
         if tls is None or self._lost:  # lost between the handshake and now
             return
         self.transport = tls
@@ -331,9 +348,11 @@ class _Guard(asyncio.Protocol):
             tls.close()
 
     def abort(self) -> None:
-        """Close the connection while its handshake runs (the listener stops)."""
+        """Close the connection while its handshake runs or waits (the listener stops)."""
         if self._handshake is not None:
             self._handshake.cancel()
+        elif self.listener.unqueue(self):
+            self._close_raw()
 
     def arm(self, seconds: float | None, reason: str = "") -> None:
         """Close the connection in `seconds` unless re-armed, counted as `reason` ("":
@@ -377,6 +396,8 @@ class _Guard(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self.arm(None)
+        if self.listener.unqueue(self) and self._waited is not None:  # gone while it waited for a slot
+            self._waited.cancel()
         if self._admitted:
             self._admitted = False
             self.listener.open.pop(self.transport, None)  # type: ignore[arg-type]
@@ -420,6 +441,10 @@ class Listener:
         self.routes = dict(routes)
         self.open: dict[asyncio.BaseTransport, _Guard] = {}
         self.handshaking: set[_Guard] = set()
+        self.handshaking_per_peer: collections.Counter[str] = collections.Counter()
+        # Connections waiting for a handshake slot, by peer address, the peers in turn.
+        self.waiting: collections.OrderedDict[str, collections.deque[_Guard]] = collections.OrderedDict()
+        self.queued = 0
         self.per_peer: dict[str, int] = {}  # peer IP -> its connections in `open`
         self.label, self.metrics = label or name, metrics
         self.dropped: collections.Counter[str] = collections.Counter()  # reason -> connections
@@ -433,6 +458,60 @@ class Listener:
     @property
     def refused_per_peer(self) -> int:
         return self.dropped["peer_cap"]
+
+    def _has_slot(self, peer: str) -> bool:
+        return (len(self.handshaking) < self.limits.max_handshakes
+                and self.handshaking_per_peer[peer] < self.limits.max_handshakes_per_peer)
+
+    def _start(self, guard: _Guard) -> None:
+        self.handshaking.add(guard)
+        self.handshaking_per_peer[guard.peer] += 1
+        guard.start_handshake()
+
+    def waits(self, guard: _Guard) -> None:
+        """A new connection: its handshake now if a slot is free (and no other connection
+        of its address waits), else it waits its turn, unless max_waiting already do."""
+        if guard.peer not in self.waiting and self._has_slot(guard.peer):
+            self._start(guard)
+        elif self.queued >= self.limits.max_waiting:
+            self.drop("handshake_cap", guard.peer, f"{self.limits.max_waiting} connections wait for a TLS handshake")
+            guard._close_raw()
+        else:
+            self.waiting.setdefault(guard.peer, collections.deque()).append(guard)
+            self.queued += 1
+            guard.wait()
+
+    def unqueue(self, guard: _Guard) -> bool:
+        """Take `guard` out of the waiting connections; False when it was not waiting."""
+        queue = self.waiting.get(guard.peer)
+        if queue is None or guard not in queue:
+            return False
+        queue.remove(guard)
+        self.queued -= 1
+        if not queue:
+            del self.waiting[guard.peer]
+        return True
+
+    def handshake_done(self, guard: _Guard) -> None:
+        """A handshake ended (done, failed, cancelled): its slot goes to the waiting
+        connections, one per address in turn."""
+        if guard in self.handshaking:
+            self.handshaking.discard(guard)
+            self.handshaking_per_peer[guard.peer] -= 1
+            if self.handshaking_per_peer[guard.peer] <= 0:
+                del self.handshaking_per_peer[guard.peer]
+        while self.waiting and len(self.handshaking) < self.limits.max_handshakes:
+            peer = next((p for p in self.waiting if self._has_slot(p)), None)
+            if peer is None:
+                return
+            queue = self.waiting[peer]
+            waiting = queue.popleft()
+            self.queued -= 1
+            if queue:
+                self.waiting.move_to_end(peer)  # the next slot to another address first
+            else:
+                del self.waiting[peer]
+            self._start(waiting)
 
     def drop(self, reason: str, peer: str, detail: str) -> None:
         """Count a connection refused or closed for `reason` (one of DROP_REASONS)."""
@@ -489,7 +568,7 @@ class Listener:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        for guard in list(self.handshaking):
+        for guard in [*self.handshaking, *(g for queue in self.waiting.values() for g in queue)]:
             guard.abort()
         if self._runner is not None:
             await self._runner.cleanup()

@@ -914,7 +914,9 @@ def _recorded(ctx: WarmContext, a: Aim, current: Mapping[str, Any]) -> PoolDecis
         return PoolDecision(a.pool.name, entry=entry, digest=a.digest)
     again = {"name": a.pool.name, "job": a.job, "specHash": a.digest, "state": "Pending", "attempt": a.attempt + 1,
              "lastError": a.prev.get("lastError", ""), "message": f"Retrying after attempt {a.attempt} failed"}
-    return PoolDecision(a.pool.name, (DeleteJob(a.job), _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev)),
+    uid = str((current.get("metadata") or {}).get("uid") or "")
+    retried = _retried(a.pool.name, a.job, a.attempt + 1, ctx.retry, a.prev)
+    return PoolDecision(a.pool.name, (DeleteJob(a.job, uid), retried),
                         again, digest=a.digest)
 
 

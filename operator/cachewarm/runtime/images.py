@@ -44,6 +44,8 @@ def repository(image: str) -> str:
         return f"docker.io/library/{name}"
     if "." not in first and ":" not in first and first != "localhost":
         return f"docker.io/{name}"
+    if first == "docker.io" and "/" not in rest:
+        return f"docker.io/library/{rest}"
     return name
 
 
@@ -60,12 +62,15 @@ def warmer_image_of(pod: Mapping[str, Any]) -> tuple[str | None, str]:
     if pinned is None:
         return None, (f"the node reports no repository digest for {spec.get('image')} "
                       f"(imageID {status.get('imageID') or 'unset'}): it is referenced by tag")
-    # The digest only, under the repository the Deployment names: a node that holds the
-    # same image under several names reports one of them (the first in its own order),
-    # which anyone who can make the node pull a copy from their registry could choose.
+    # Only under the repository the Deployment names: a node that holds the same image under
+    # several names reports one of them (the first in its own order), which anyone who can
+    # make the node pull a copy from their registry could choose, and that copy's digest
+    # need not exist in ours (every pull of it would fail).
     wanted = repository(str(spec.get("image") or ""))
-    digest = pinned.rsplit("@", 1)[1]
-    return f"{wanted}@{digest}", f"the digest the node resolved {spec.get('image')} to"
+    if repository(pinned) != wanted:
+        return None, (f"the node reports {spec.get('image')} as {pinned}, another repository than {wanted}: "
+                      "it is referenced by tag")
+    return pinned, f"the digest the node resolved {spec.get('image')} to"
 
 
 def reported(pod: Mapping[str, Any]) -> bool:
