@@ -49,6 +49,7 @@ from kubernetes import client, config, watch
 
 from rounds import REPO, imported_from, order, paired, unpack
 
+from cachewarm_testbed.buckets import grant
 from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm
 from cachewarm_testbed.gcsproxy import ProxyControl
 
@@ -172,6 +173,7 @@ def fill(gcs: storage.Client, bucket: str, entries: int) -> None:
         blob.upload_from_string(b"x")
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(put, range(entries)))
+    grant(gcs, bucket, NS)  # as its owner would, for the namespace's caches (ignored by revisions before consent)
 
 
 def report(result: dict[str, Any]) -> None:
@@ -195,7 +197,9 @@ def measure(args: argparse.Namespace, tree: Path, pythonpath: str | None) -> dic
         operator = bed.start_operator(kubeconfig, {
             "CACHEWARM_LOG_LEVEL": "WARNING", "CACHEWARM_POD_NAMESPACE": "cachewarm-system",
             "CACHEWARM_POD_NAME": "cachewarm-bench", "CACHEWARM_GCP_PROJECT": "testbed",
-            "CACHEWARM_RESYNC_SECONDS": str(args.resync), **({"PYTHONPATH": pythonpath} if pythonpath else {})})
+            "CACHEWARM_RESYNC_SECONDS": str(args.resync),
+            # Every cache makes its own bucket in one namespace (an older revision ignores this).
+            "CACHEWARM_BUCKETS_PER_NAMESPACE": "10000", **({"PYTHONPATH": pythonpath} if pythonpath else {})})
         proxy = ProxyControl(bed.storage_emulator_host)
         if args.entries:
             fill_started = time.monotonic()

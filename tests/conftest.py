@@ -101,6 +101,9 @@ OPERATOR_ENV = {
     # short enough for test_warmup's deleted entry, long enough for test_operator_bucket to
     # show resyncs that list nothing.
     "CACHEWARM_INVENTORY_SECONDS": "10",
+    # An admin's limits on the buckets caches may create (tests/e2e/test_bucket_consent.py).
+    "CACHEWARM_BUCKET_LOCATIONS": "us-central1",
+    "CACHEWARM_BUCKET_STORAGE_CLASSES": "STANDARD,NEARLINE",
     # status.usage is written every 30 s in a cluster; test_reports reads it sooner.
     "CACHEWARM_USAGE_FLUSH_SECONDS": "1",
 }

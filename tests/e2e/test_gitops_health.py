@@ -17,6 +17,7 @@ import pytest
 from google.cloud import storage
 from kubernetes import client, config, watch
 
+from cachewarm_testbed.buckets import grant
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.processes import Proc
 
@@ -126,6 +127,7 @@ def test_an_adopted_bucket_that_cannot_be_used_is_failed_until_it_can(
     bucket = f"adopt-{uuid.uuid4().hex[:8]}"
     if reason == "LocationMismatch":
         gcs.create_bucket(bucket, location="us-central1")
+        grant(gcs, bucket, namespace)
     installed.apply(cache("adopt", bucket, **gcs_kwargs), namespace)
 
     def stalled() -> dict[str, Any] | None:
@@ -140,6 +142,7 @@ def test_an_adopted_bucket_that_cannot_be_used_is_failed_until_it_can(
 
     if reason == "BucketNotFound":
         gcs.create_bucket(bucket, location="us-central1")
+        grant(gcs, bucket, namespace)
     else:
         fixed = cache("adopt", bucket, **{**gcs_kwargs, "location": "us-central1"})
         installed.apply(fixed, namespace)

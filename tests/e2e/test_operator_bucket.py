@@ -17,6 +17,7 @@ from cachewarm.clients.gcs import GcsClient
 from cachewarm.api.model import GcsStorage
 from cachewarm.reconcile.bucket import reconcile_bucket
 from cachewarm_testbed import lifecycle_eval as ev
+from cachewarm_testbed.buckets import grant
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually
 from cachewarm_testbed.gcsproxy import ProxyControl
 
@@ -228,6 +229,7 @@ def test_adopt_bucket_in_other_region_reports_and_writes_nothing(
 ) -> None:
     name = unique_bucket("eu")
     gcs.create_bucket(name, location="europe-west4")
+    grant(gcs, name, namespace)  # granted: the region is then checked (without a grant, nothing is said of it)
     blob = gcs.bucket(name).blob("theirs/data.bin")
     blob.upload_from_string(b"keep me")
     proxy.clear_log()
@@ -245,6 +247,7 @@ def test_adopted_bucket_is_configured_but_its_own_rules_and_access_kept(
 ) -> None:
     name = unique_bucket("adopted")
     gcs.create_bucket(name, location="US-CENTRAL1")
+    grant(gcs, name, namespace, "jax")
     bucket = gcs.get_bucket(name)
     theirs = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
     bucket.lifecycle_rules = [theirs]
@@ -306,6 +309,7 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
     # An adopted bucket: entries under the prefix go, the bucket and other data stay.
     adopted = unique_bucket("adopt-del")
     gcs.create_bucket(adopted, location="us-central1")
+    grant(gcs, adopted, namespace, "c")
     _put(gcs, adopted, [f"c/{ENTRY}", f"elsewhere/{ENTRY}", "c/sub/" + ENTRY,
                         f"{manifests}/adopted/cpu.json", f"{manifests}/shared/cpu.json"])
     installed.apply(cache("adopted", adopted, prefix="c", create=False, deletionPolicy="Delete"), namespace)
@@ -430,6 +434,7 @@ def test_adopted_bucket_rules_match_only_jax_entries_and_foreign_rules_stay(
         # Shaped like the rule the cache will want, one day apart (an identical one is the
         # team's rule for the job: cachewarm then adds no copy, see the integration tests).
         gcs, "adopt-root" if not prefix else "adopt-prefix", ours(6, object_prefix) if prefix else ours(6), objects)
+    grant(gcs, name, namespace, prefix)
     spec = cache("team", name, create=False, prefix=prefix, lifecycle={"deleteAfterDays": 5})
     installed.apply(spec, namespace)
     if not prefix:
@@ -561,6 +566,7 @@ def test_a_rule_that_no_longer_fits_under_gcs_limit_is_a_condition_and_nothing_i
     older even when both were created in the same second.)"""
     name = unique_bucket("full")
     gcs.create_bucket(name, location="us-central1")
+    grant(gcs, name, namespace)
     theirs = [{"action": {"type": "Delete"}, "condition": {"age": 100 + i, "matchesPrefix": [f"logs{i}/"]}}
               for i in range(b.MAX_LIFECYCLE_RULES - 1)]
     bucket = gcs.get_bucket(name)
@@ -611,6 +617,7 @@ def test_the_rule_a_cache_needs_already_there_unrecorded_is_reported_and_never_c
     and entries expire as that rule says. Removing the copy lets cachewarm manage it again."""
     name = unique_bucket("identical")
     gcs.create_bucket(name, location="us-central1")
+    grant(gcs, name, namespace, "jax")
     needed = ours(10, "jax/")
     bucket = gcs.get_bucket(name)
     bucket.lifecycle_rules = [LOGS_RULE, needed]
@@ -657,6 +664,8 @@ def test_a_bucket_another_operator_instance_uses_is_reported_and_its_rules_are_l
     other's rule or label, and the two reach a fixed point (neither writes again)."""
     name = unique_bucket("two-ops")
     gcs.create_bucket(name, location="us-central1")
+    grant(gcs, name, "team-b", "b", instance="ops-b")  # one grant per cluster (instance)
+    grant(gcs, name, namespace, "a")
     other_spec = GcsStorage.model_validate({"bucket": name, "location": "us-central1", "create": False,
                                             "prefix": "b", "lifecycle": {"deleteAfterDays": 20}})
     other_claim = b.Claim.of(other_spec, created="2026-01-01T00:00:00Z", namespace="team-b", name="b")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cachewarm.api.bucket import BucketInfo
+from cachewarm.builders.bucket import grant_label
 from cachewarm.clients.gcs import ObjectInfo
 
 
@@ -21,6 +22,7 @@ class MemoryBucket:
         self.custom_time = custom_time
         self.listings = 0
         self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD",
+                                 labels=dict([grant_label("ml", "")]),  # its owner granted it to namespace ml
                                  soft_delete_seconds=7 * 86400, metageneration=1)
 
     def get_bucket(self, name: str) -> BucketInfo:

@@ -29,8 +29,11 @@ def entry(i: int, prefix: str = "jax/") -> str:
 class FakeGcs:
     """One bucket and its objects; patches and customTime stamps are applied to them."""
 
-    def __init__(self, bucket: b.BucketInfo, objects: list[ObjectInfo] | None = None) -> None:
-        self.bucket = bucket
+    def __init__(self, bucket: b.BucketInfo, objects: list[ObjectInfo] | None = None,
+                 granted_to: str | None = "ns") -> None:
+        # As its owner left it: granted (a whole-bucket grant label) to namespace `granted_to`.
+        grant = dict([b.grant_label(granted_to, "")]) if granted_to else {}
+        self.bucket = dataclasses.replace(bucket, labels={**bucket.labels, **grant})
         self.objects = {o.name: o for o in objects or []}
         self.stamps: list[str] = []
         self.patches: list[dict[str, Any]] = []

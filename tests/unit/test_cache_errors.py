@@ -15,6 +15,7 @@ import pytest
 
 from cachewarm.reconcile import cache as service
 from cachewarm.api.bucket import BucketInfo
+from cachewarm.builders.bucket import grant_label
 from cachewarm.clients.kube import KubeError
 from cachewarm.clients.gcs import GcsUnavailable, ObjectInfo
 from cachewarm.reconcile.admitted import RecentInjections
@@ -32,6 +33,7 @@ class FakeGcs:
     def __init__(self, fail: Exception | None = None) -> None:
         self.fail = fail
         self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD",
+                                 labels=dict([grant_label("ml", "")]),  # its owner granted it to namespace ml
                                  soft_delete_seconds=7 * 86400, metageneration=1)
 
     def get_bucket(self, name: str) -> BucketInfo:

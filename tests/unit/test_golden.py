@@ -11,6 +11,7 @@ file a change to an agent's source updates."""
 
 from __future__ import annotations
 
+import dataclasses
 import base64
 import datetime as dt
 import hashlib
@@ -28,6 +29,7 @@ from cachewarm.reconcile import cache as service
 from cachewarm.admission import admit
 from cachewarm.reconcile import configmaps
 from cachewarm.builders import placement
+from cachewarm.builders.bucket import grant_label
 from cachewarm.builders.reporting import Reporting
 from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.api.model import parse_spec
@@ -150,6 +152,8 @@ def _configmap(cm: dict[str, Any]) -> dict[str, Any]:
 class Recording(MemoryBucket):
     def __init__(self) -> None:
         super().__init__(["a" * 16])
+        # Its owner granted it to the golden caches' namespace (MemoryBucket's is another).
+        self.bucket = dataclasses.replace(self.bucket, labels=dict([grant_label(NS, "")]))
         self.patches: list[dict[str, Any]] = []
 
     def patch_bucket(self, current: Any, patch: dict[str, Any]) -> Any:

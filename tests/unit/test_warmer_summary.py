@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cachewarm.api.bucket import BucketInfo
+from cachewarm.builders.bucket import grant_label
 from cachewarm.reconcile import cache as service
 from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.reconcile.warmplan import parse_summary, pool_status
@@ -71,6 +72,7 @@ class Gcs:
 
     def __init__(self) -> None:
         self.bucket = BucketInfo(name="b-1", location="US", storage_class="STANDARD",
+                                 labels=dict([grant_label("ml", "")]),  # its owner granted it to namespace ml
                                  soft_delete_seconds=7 * 86400, metageneration=1)
 
     def get_bucket(self, name: str) -> BucketInfo:

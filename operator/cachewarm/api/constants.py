@@ -52,6 +52,11 @@ GCS_LABEL_RULE_PREFIX: Final = "cachewarm-rule-"
 # the creation labels carry it under this key, a rule label carries it as its value. Each
 # operator sees only its own cluster's caches, so another instance's rules are foreign.
 GCS_LABEL_INSTANCE: Final = "cachewarm-instance"
+# A bucket owner's consent (docs/bucket-and-data-safety.md#bucket-consent): a label
+# `cachewarm-grant-<16 hex of sha256("<instance>/<namespace>/<prefix>")>` whose value is the
+# namespace lets that operator instance act for caches of that namespace at that prefix and
+# under it. Only whoever may change the bucket's labels can give it.
+GCS_LABEL_GRANT_PREFIX: Final = "cachewarm-grant-"
 DEFAULT_INSTANCE: Final = "default"
 # The value of rule labels written before instances existed: the default instance's.
 LEGACY_RULE_RECORD: Final = "1"
@@ -132,6 +137,10 @@ class Reason:
     DRIFT_CORRECTED: Final = "DriftCorrected"
     ACCESS_DENIED: Final = "AccessDenied"
     NAME_TAKEN: Final = "BucketNameTaken"
+    # The bucket exists and its owner has not consented to this namespace's use of the prefix.
+    BUCKET_NOT_GRANTED: Final = "BucketNotGranted"
+    # A new bucket outside what the operator's admin allows (location, class, count).
+    CREATION_NOT_ALLOWED: Final = "BucketCreationNotAllowed"
     GCS_UNAVAILABLE: Final = "GCSUnavailable"
     BUCKET_NOT_READY: Final = "BucketNotReady"
     DATA_DELETED: Final = "DataDeleted"

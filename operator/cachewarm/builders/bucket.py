@@ -65,6 +65,83 @@ def created_by(bucket: BucketInfo, namespace: str, name: str, instance: str = c.
     return all(labels.get(k) == v for k, v in owner_labels(namespace, name, instance).items())
 
 
+# --- consent: whose bucket the operator may act on for a namespace ------------------------
+
+
+def created_for(bucket: BucketInfo, namespace: str, instance: str = c.DEFAULT_INSTANCE) -> bool:
+    """Whether this operator created the bucket for a cache of `namespace` (its creation
+    labels, written in the create call itself; before instances existed: the default's)."""
+    labels = {**bucket.labels}
+    labels.setdefault(c.GCS_LABEL_INSTANCE, c.DEFAULT_INSTANCE)
+    return (labels.get(c.GCS_LABEL_MANAGED_BY) == c.MANAGED_BY and labels.get(c.GCS_LABEL_NAMESPACE) == namespace[:63]
+            and labels.get(c.GCS_LABEL_INSTANCE) == instance)
+
+
+def grant_label(namespace: str, prefix: str, instance: str = c.DEFAULT_INSTANCE) -> tuple[str, str]:
+    """The label (key, value) by which a bucket's owner lets this operator instance act for
+    caches of `namespace` at `prefix` ("" for the whole bucket) and under it. GCS label keys
+    hold only lowercase letters, digits, '-' and '_' (63 at most), so the key carries a hash
+    of instance, namespace and prefix, and the value the namespace, for people to read."""
+    digest = hashlib.sha256(f"{instance}/{namespace}/{prefix}".encode()).hexdigest()[:16]
+    return f"{c.GCS_LABEL_GRANT_PREFIX}{digest}", namespace
+
+
+def covering_prefixes(prefix: str) -> list[str]:
+    """The prefix, each folder above it, and the bucket root (""): a grant at any of them
+    covers a cache at `prefix`. "a/b" -> ["a/b", "a", ""]."""
+    parts = prefix.split("/") if prefix else []
+    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def consent(bucket: BucketInfo, namespace: str, prefix: str, instance: str = c.DEFAULT_INSTANCE) -> str | None:
+    """How the bucket's owner consented to this operator acting for caches of `namespace`
+    at `prefix` (a phrase for messages), or None when it did not: cachewarm created the
+    bucket for that namespace, or the bucket carries a grant label for the prefix or one
+    above it."""
+    if created_for(bucket, namespace, instance):
+        return "created by cachewarm for this namespace"
+    for granted in covering_prefixes(prefix):
+        key, value = grant_label(namespace, granted, instance)
+        if bucket.labels.get(key) == value:
+            return f"granted by its label {key} (prefix {granted!r})" if granted else f"granted by its label {key} (whole bucket)"
+    return None
+
+
+def granted_claims(bucket: BucketInfo, claims: Iterable[Claim], instance: str = c.DEFAULT_INSTANCE) -> list[Claim]:
+    """The caches the bucket's owner consented to: only they count on the bucket (their
+    rules, their prefixes' precedence), so a cache without consent can neither take a
+    prefix from one with it nor put a rule on the bucket."""
+    return [cl for cl in claims if consent(bucket, cl.namespace, cl.prefix, instance) is not None]
+
+
+@dataclass(frozen=True)
+class CreationLimits:
+    """What the operator's admin allows a cache to create (the operator's project pays):
+    locations and storage classes (empty: any), and buckets per namespace."""
+
+    locations: frozenset[str] = frozenset()
+    storage_classes: frozenset[str] = frozenset()
+    per_namespace: int = 10
+
+
+def creation_refusal(gcs: GcsStorage, limits: CreationLimits, created_in_namespace: int | None) -> str | None:
+    """Which of the admin's rules a new bucket would break (None: none). `created_in_namespace`:
+    how many buckets this operator created for the namespace exist now (None: not counted,
+    when the count cannot matter)."""
+    if limits.locations and gcs.location.upper() not in {loc.upper() for loc in limits.locations}:
+        return (f"location {gcs.location} is not one this cluster's admin allows for new buckets "
+                f"(CACHEWARM_BUCKET_LOCATIONS: {', '.join(sorted(limits.locations))})")
+    if limits.storage_classes and gcs.storage_class.upper() not in {s.upper() for s in limits.storage_classes}:
+        return (f"storage class {gcs.storage_class} is not one this cluster's admin allows for new buckets "
+                f"(CACHEWARM_BUCKET_STORAGE_CLASSES: {', '.join(sorted(limits.storage_classes))})")
+    if limits.per_namespace == 0:
+        return "this cluster's admin allows cachewarm to create no buckets (CACHEWARM_BUCKETS_PER_NAMESPACE: 0)"
+    if created_in_namespace is not None and created_in_namespace >= limits.per_namespace:
+        return (f"cachewarm already created {created_in_namespace} buckets for this namespace, the most this "
+                f"cluster's admin allows (CACHEWARM_BUCKETS_PER_NAMESPACE: {limits.per_namespace})")
+    return None
+
+
 # --- caches sharing a bucket ------------------------------------------------------------
 
 

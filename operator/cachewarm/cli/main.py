@@ -1,8 +1,9 @@
-"""The `cachewarm` command line: `run` (the operator), `warm` (the warmer) and `inspect`
-(what a cache holds)."""
+"""The `cachewarm` command line: `run` (the operator), `warm` (the warmer), `inspect`
+(what a cache holds) and `grant` (the label a bucket owner adds)."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -108,6 +109,34 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
         sys.exit(1)
     render = inspection.as_json if output == "json" else inspection.as_table
     click.echo(render(url, progs, pools), nl=False)
+
+
+@cli.command(name="grant")
+@click.argument("url", metavar="gs://BUCKET[/PREFIX]")
+@click.option("-n", "--namespace", required=True, help="Namespace whose CompilationCaches may use the bucket.")
+@click.option("--instance", default="default", show_default=True,
+              help="The operator's CACHEWARM_INSTANCE (one per cluster sharing the bucket).")
+def grant(url: str, namespace: str, instance: str) -> None:
+    """Print the bucket label by which a bucket's owner lets cachewarm act for the
+    CompilationCaches of NAMESPACE at PREFIX and under it (no PREFIX: the whole bucket),
+    and the gcloud command that adds it. Writes nothing: the owner runs the command with
+    their own rights on the bucket (docs/bucket-and-data-safety.md#bucket-consent)."""
+    from cachewarm.builders.bucket import grant_label
+    from cachewarm.cli import inspection
+
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
+        raise click.BadParameter(f"{namespace!r} is not a namespace name (lowercase letters, digits and '-', "
+                                 "at most 63)", param_hint="--namespace")
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", instance):
+        raise click.BadParameter(f"{instance!r} is not an operator instance name (CACHEWARM_INSTANCE)",
+                                 param_hint="--instance")
+    try:
+        bucket, prefix = inspection.parse_url(url)
+    except inspection.InspectError as exc:
+        raise click.BadParameter(str(exc), param_hint="URL") from None
+    key, value = grant_label(namespace, prefix.rstrip("/"), instance)
+    click.echo(f"{key}={value}")
+    click.echo(f"gcloud storage buckets update gs://{bucket} --update-labels={key}={value}")
 
 
 def main() -> None:

@@ -169,6 +169,18 @@ class GcsClient:
         )
         return _info(bucket) if bucket is not None else None
 
+    def list_bucket_labels(self) -> Iterator[tuple[str, Mapping[str, str]]]:
+        """(name, labels) of every bucket of the operator's project, a page at a time (only
+        those fields asked for). Raises GcsError."""
+        pages = iter(self.client.list_buckets(project=self._project, fields="items(name,labels),nextPageToken",
+                                              timeout=self._timeout, retry=self._retry).pages)
+        while True:
+            page = _translate(lambda: next((list(p) for p in pages), None), "listing the project's buckets")
+            if page is None:
+                return
+            for bucket in page:
+                yield bucket.name, dict(bucket.labels or {})
+
     def create_bucket(
         self, name: str, *, location: str, storage_class: str, labels: dict[str, str],
         settings: Mapping[str, Any] | None = None,

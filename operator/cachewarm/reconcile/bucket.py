@@ -55,6 +55,9 @@ class BucketOutcome:
     # Rules not cachewarm's that also delete this cache's entries ("#index {condition}"),
     # named in LifecycleReady's message.
     foreign_deleting: list[str] = field(default_factory=list)
+    # The bucket is not granted to this cache: status.bucket and status.cache (what earlier
+    # reconciles saw of it) are removed, not left as they were.
+    withheld: bool = False
 
     @property
     def ready(self) -> bool:
@@ -102,19 +105,50 @@ class Update:
     drift: bool
 
 
-def plan_create(spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], instance: str) -> Stop | Create:
+def plan_create(spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], instance: str,
+                limits: b.CreationLimits = b.CreationLimits(), created_in_namespace: int | None = None) -> Stop | Create:
     """The bucket does not exist: create it (with its settings, as the plan for a bucket
-    holding nothing yet says, so the next read finds nothing to patch) if the spec says so."""
+    holding nothing yet says, so the next read finds nothing to patch) if the spec says so
+    and the operator's admin allows it (`limits`; `created_in_namespace`: the buckets this
+    operator created for the namespace that exist now)."""
     if not spec.create:
         return Stop(Cond(c.Condition.BUCKET_READY, False, c.Reason.BUCKET_NOT_FOUND,
                          f"Bucket {spec.bucket} does not exist and spec.storage.gcs.create is false; "
                          "create it or set create: true"))
+    refusal = b.creation_refusal(spec, limits, created_in_namespace)
+    if refusal is not None:
+        return Stop(Cond(c.Condition.BUCKET_READY, False, c.Reason.CREATION_NOT_ALLOWED,
+                         f"Bucket {spec.bucket} does not exist and cachewarm will not create it: {refusal}. "
+                         "Ask the cluster's admin, or create the bucket yourself and grant it to this namespace "
+                         "(docs/bucket-and-data-safety.md#bucket-consent)"))
     labels = b.owner_labels(mine.namespace, mine.name, instance)
     fresh = BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
                        labels=labels, uniform_access=True, public_access_prevention="enforced")
     return Create(labels, b.bucket_patch(
         fresh, spec, plan=b.plan_lifecycle(claims, b.rule_budget(fresh, instance)),
         owns_settings=b.settings_owner(claims, fresh, instance) == mine, created_by_us=True, instance=instance))
+
+
+def not_granted(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, instance: str) -> BucketOutcome | None:
+    """The outcome for a bucket whose owner has not consented to this namespace's use of the
+    prefix (None when it has): nothing written, stamped, listed or deleted, nothing of the
+    bucket reported (status.bucket and status.cache removed), and the label to add."""
+    if b.consent(bucket, mine.namespace, spec.prefix, instance) is not None:
+        return None
+    key, value = b.grant_label(mine.namespace, spec.prefix, instance)
+    where = f"prefix {spec.prefix!r}" if spec.prefix else "the whole bucket"
+    why = (f"Bucket {spec.bucket} exists and its owner has not granted it to namespace {mine.namespace} (cachewarm "
+           f"instance {instance}) for {where}: cachewarm writes, stamps, lists and deletes nothing in it and reports "
+           f"nothing of it. Its owner grants it by adding the bucket label {key}={value}, e.g. `gcloud storage "
+           f"buckets update gs://{spec.bucket} --update-labels={key}={value}` (it covers {spec.url} and everything "
+           "under it; removing it revokes the grant); see docs/bucket-and-data-safety.md#bucket-consent")
+    held = "cachewarm keeps no lifecycle rule and changes no setting on a bucket not granted to this namespace"
+    return BucketOutcome(
+        Cond(c.Condition.BUCKET_READY, False, c.Reason.BUCKET_NOT_GRANTED, why),
+        settings=[Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_NOT_GRANTED, held),
+                  Cond(c.Condition.SOFT_DELETE_APPLIED, False, c.Reason.BUCKET_NOT_GRANTED, held)],
+        withheld=True,
+    )
 
 
 def plan_update(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], instance: str,
@@ -181,7 +215,8 @@ def reconciled_outcome(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, c
                        lifecycle: b.LifecyclePlan, instance: str, events: list[Event],
                        inventory: tuple[dict[str, Any], frozenset[str]] | None) -> BucketOutcome:
     """BucketReady True, and the settings' conditions for the bucket as the last write left it."""
-    how = "created by cachewarm" if b.created_by(bucket, mine.namespace, mine.name, instance) else "adopted"
+    how = ("created by cachewarm" if b.created_by(bucket, mine.namespace, mine.name, instance)
+           else f"adopted, {b.consent(bucket, mine.namespace, spec.prefix, instance)}")
     rules, foreign_deleting = _with_foreign_deletes(
         _lifecycle_condition(bucket, spec, mine, lifecycle, instance), bucket, spec,
         lifecycle.rule_of.get(mine.key), instance)
@@ -224,37 +259,52 @@ def _inventory(gcs: GcsClient, spec: GcsStorage, *, created_now: bool,
     return cache_inventory(gcs, spec) if take_inventory else None
 
 
+def created_for_namespace(gcs: GcsClient, namespace: str, instance: str) -> int:
+    """How many buckets of the operator's project this operator created for the namespace
+    (its creation labels), listed only when a cache is about to create one."""
+    fake = BucketInfo(name="", location="", storage_class="")
+    return sum(1 for _, labels in gcs.list_bucket_labels()
+               if b.created_for(dataclasses.replace(fake, labels=labels), namespace, instance))
+
+
 def reconcile_bucket(
     gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool,
     instance: str = c.DEFAULT_INSTANCE, settings_owned_before: bool = True, take_inventory: bool = True,
+    limits: b.CreationLimits = b.CreationLimits(),
 ) -> BucketOutcome:
     """Bring the bucket to the spec. Raises GcsError for failures worth retrying.
 
-    `claims` are every cache the operator knows on this bucket; they decide which caches
-    manage their prefix (none overlapping an older one), cachewarm's rules on the bucket
-    and who owns soft delete. `spec_changed` says whether this run follows a spec change
+    `claims` are every cache the operator knows on this bucket; of them, those the bucket's
+    owner consented to (builders.bucket.consent) decide which caches manage their prefix
+    (none overlapping an older one), cachewarm's rules on the bucket and who owns soft
+    delete. Nothing but a read of the bucket happens before this cache's own consent is
+    checked (not_granted). `spec_changed` says whether this run follows a spec change
     (writes are then "configuration") or not (writes then undo drift made outside cachewarm).
     `instance` names this operator on the bucket (rules other instances recorded are foreign).
     `settings_owned_before` says whether this cache owned the bucket-wide settings at its
     previous reconcile; if not, its first soft delete write is configuration, not drift.
     `take_inventory` lists the cache's entries (cache_inventory); without it `cache` and
-    `entry_keys` are None.
+    `entry_keys` are None. `limits`: what the operator's admin allows a new bucket to be.
 
-    Each round reads the bucket, decides (plan_create, plan_update: pure) and writes what
-    they decided; a write refused because the bucket changed since the read (412) starts
-    the next round.
+    Each round reads the bucket, decides (plan_create, not_granted, plan_update: pure) and
+    writes what they decided; a write refused because the bucket changed since the read
+    (412) starts the next round, with consent checked again on what was read.
     """
     claims = _claims_with(claims, mine)
-    refused_by = b.refused_by(claims, mine)
-    if refused_by is not None:
-        return refused_outcome(gcs.get_bucket(spec.bucket), spec, mine=mine, claims=claims, refused_by=refused_by,
-                               instance=instance)
     events: list[Event] = []
     created_now = False
     for _ in range(MERGE_ATTEMPTS):
         bucket = gcs.get_bucket(spec.bucket)
         if bucket is None:
-            create = plan_create(spec, mine=mine, claims=claims, instance=instance)
+            # A bucket made now would be granted to this namespace only: an older cache of it
+            # on an overlapping prefix keeps this one from making it.
+            first = b.refused_by([cl for cl in claims if cl.namespace == mine.namespace], mine)
+            if first is not None:
+                return refused_outcome(None, spec, mine=mine, claims=claims, refused_by=first, instance=instance)
+            counted = (created_for_namespace(gcs, mine.namespace, instance)
+                       if spec.create and b.creation_refusal(spec, limits, None) is None else None)
+            create = plan_create(spec, mine=mine, claims=claims, instance=instance, limits=limits,
+                                 created_in_namespace=counted)
             if isinstance(create, Stop):
                 return BucketOutcome(create.condition, status=create.status, events=events)
             made = _create(gcs, spec, create)
@@ -266,7 +316,15 @@ def reconcile_bucket(
             if created:
                 created_now = True
                 events.append(created_event(spec, create.settings))
-        update = plan_update(bucket, spec, mine=mine, claims=claims, instance=instance,
+        refused = not_granted(bucket, spec, mine=mine, instance=instance)
+        if refused is not None:
+            refused.events = events
+            return refused
+        granted = b.granted_claims(bucket, claims, instance)
+        refused_by = b.refused_by(granted, mine)
+        if refused_by is not None:
+            return refused_outcome(bucket, spec, mine=mine, claims=granted, refused_by=refused_by, instance=instance)
+        update = plan_update(bucket, spec, mine=mine, claims=granted, instance=instance,
                              settings_owned_before=settings_owned_before)
         if isinstance(update, Stop):
             return BucketOutcome(update.condition, status=update.status, events=events)
@@ -281,7 +339,7 @@ def reconcile_bucket(
     else:
         raise GcsPreconditionFailed(f"Bucket {spec.bucket} changed {MERGE_ATTEMPTS} times while cachewarm merged "
                                     "its settings; retrying", status=412)
-    return reconciled_outcome(bucket, spec, mine=mine, claims=claims, lifecycle=update.lifecycle, instance=instance,
+    return reconciled_outcome(bucket, spec, mine=mine, claims=granted, lifecycle=update.lifecycle, instance=instance,
                               events=events,
                               inventory=_inventory(gcs, spec, created_now=created_now, take_inventory=take_inventory))
 
@@ -435,10 +493,12 @@ def cache_inventory(gcs: GcsClient, spec: GcsStorage, *,
 
 
 def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name: str,
-                      instance: str = c.DEFAULT_INSTANCE) -> list[Event]:
+                      instance: str = c.DEFAULT_INSTANCE, sharers: Sequence[b.Claim] = ()) -> list[Event]:
     """deletionPolicy Delete: remove this cache's entries and its warmers' manifests, and
-    the bucket if this operator's cache made it and it is then empty. Objects that are
-    neither JAX cache entries nor this cache's own manifests (another cache's are not) are
+    the bucket if this operator's cache made it and it is then empty. Nothing is deleted
+    in a bucket not granted to the cache's namespace at its prefix (builders.bucket.consent,
+    checked on the bucket as read now), nor under a prefix another granted cache uses
+    (`sharers`: the operator's other caches on the same prefix). Objects that are neither JAX cache entries nor this cache's own manifests (another cache's are not) are
     never touched; nor is anything under a prefix another operator instance's rule names (a
     cache of that operator uses it). Raises GcsError (the finalizer stays and the deletion
     is retried)."""
@@ -446,6 +506,14 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
     bucket = gcs.get_bucket(spec.bucket)  # None when it is gone
     if bucket is None:
         return [Event("Normal", c.Reason.DATA_DELETED, f"Bucket {spec.bucket} is already gone")]
+    if b.consent(bucket, namespace, spec.prefix, instance) is None:
+        return [Event("Normal", c.Reason.DATA_RETAINED,
+                      f"Kept the data under {spec.url}: the bucket is not granted to namespace {namespace}, so "
+                      "cachewarm deletes nothing in it")]
+    sharing = sorted(o for o in b.granted_claims(bucket, sharers, instance) if o.key != (namespace, name))
+    if sharing:
+        return [Event("Normal", c.Reason.DATA_RETAINED,
+                      f"Kept the data under {spec.url}: CompilationCache {sharing[0].ref} uses the same prefix")]
     other = b.covered_by_other_instance(bucket, spec.object_prefix, instance)
     if other is not None:
         return [Event("Normal", c.Reason.DATA_RETAINED,

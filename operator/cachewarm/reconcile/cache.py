@@ -18,7 +18,7 @@ from cachewarm.api import timefmt
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
 from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
-from cachewarm.builders.bucket import Claim
+from cachewarm.builders.bucket import Claim, CreationLimits
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.reconcile.bucket import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
@@ -71,6 +71,7 @@ class Wiring:
     injections: RecentInjections
     claims: ClaimLookup
     instance: str = c.DEFAULT_INSTANCE
+    limits: CreationLimits = CreationLimits()
     warm_retry: WarmRetry = WarmRetry()
     inventory_every: dt.timedelta = dt.timedelta(hours=1)
 
@@ -198,7 +199,7 @@ def _bucket(one: _Pass, cache: CacheSpec, *, take_inventory: bool) -> Seen:
                                      spec_changed=one.obj.status.get("observedGeneration") != one.generation,
                                      instance=one.wiring.instance,
                                      settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED,
-                                     take_inventory=take_inventory))
+                                     take_inventory=take_inventory, limits=one.wiring.limits))
     except GcsError as exc:
         seen = Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, exc.reason, f"{exc}; retrying")))
         if previous is None or previous.get("reason") != exc.reason:
@@ -312,9 +313,6 @@ def delete_cache(gcs: GcsClient, spec: Mapping[str, Any], meta: Mapping[str, Any
     stays). Raises GcsError; InvalidSpec for a spec that cannot be read."""
     cache = parse_spec(spec)
     gcs_spec = cache.storage.gcs
-    others = sorted(o for o in claims(gcs_spec.bucket)
-                    if o.key != (namespace, name) and o.prefix == gcs_spec.prefix)
-    if others:
-        return [Event("Normal", c.Reason.DATA_RETAINED,
-                      f"Kept the data under {gcs_spec.url}: CompilationCache {others[0].ref} uses the same prefix")]
-    return delete_cache_data(gcs, gcs_spec, namespace=namespace, name=name, instance=instance)
+    # Of the caches on the same prefix, delete_cache_data counts those the bucket is granted to.
+    sharers = [o for o in claims(gcs_spec.bucket) if o.key != (namespace, name) and o.prefix == gcs_spec.prefix]
+    return delete_cache_data(gcs, gcs_spec, namespace=namespace, name=name, instance=instance, sharers=sharers)

@@ -38,7 +38,8 @@ class Seen:
 # What only a person can fix: the bucket (BucketReady) or the warm (Warmed) stays as it is
 # until the spec, the bucket or IAM changes. A failed warm is one only once no retry is left.
 STALLED_BUCKET = (c.Reason.INVALID_SPEC, c.Reason.BUCKET_NOT_FOUND, c.Reason.LOCATION_MISMATCH, c.Reason.NAME_TAKEN,
-                  c.Reason.PREFIX_IN_USE, c.Reason.ACCESS_DENIED)
+                  c.Reason.PREFIX_IN_USE, c.Reason.ACCESS_DENIED, c.Reason.BUCKET_NOT_GRANTED,
+                  c.Reason.CREATION_NOT_ALLOWED)
 
 
 STALLED_WARM = (c.Reason.UNKNOWN_TPU_SHAPE, c.Reason.INVALID_TPU_SHAPE, c.Reason.ENTRIES_MISSING,
@@ -104,6 +105,9 @@ def assemble(status: Mapping[str, Any], generation: int, seen: Seen, injection: 
         out["bucket"] = bucket.status
     if bucket.cache is not None:
         out["cache"] = bucket.cache
+    if bucket.withheld:
+        # Not granted (any more): what earlier reconciles saw of the bucket goes (a merge patch).
+        out["bucket"] = out["cache"] = None
     if seen.warmup is not None:
         out["warmup"] = {"pools": seen.warmup.pools}
     elif not has_warmup and status.get("warmup") is not None:

@@ -38,7 +38,7 @@ from cachewarm.api import timefmt
 from cachewarm.reconcile.cache import CacheObject, Outcome, Wiring, claim_of, delete_cache, reconcile_cache
 from cachewarm.reconcile import pods as held_pods
 from cachewarm.reconcile import status as cache_status
-from cachewarm.builders.bucket import Claim
+from cachewarm.builders.bucket import Claim, CreationLimits
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.api.events import Event
@@ -145,7 +145,10 @@ class Controller:
                                                active=lambda: self.leader.is_leader, clock=clock, name="reconcile")
         self.wiring = Wiring(
             gcs=gcs, kube=kube, warmer_image=settings.warmer_image, injections=injections, claims=self.claims,
-            instance=settings.instance, warm_retry=WarmRetry(settings.warm_retries, settings.warm_retry_seconds),
+            instance=settings.instance,
+            limits=CreationLimits(frozenset(settings.bucket_locations), frozenset(settings.bucket_storage_classes),
+                                  settings.buckets_per_namespace),
+            warm_retry=WarmRetry(settings.warm_retries, settings.warm_retry_seconds),
             inventory_every=dt.timedelta(seconds=settings.inventory_seconds))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="reconcile")

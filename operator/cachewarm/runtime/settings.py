@@ -36,6 +36,22 @@ class Settings(BaseSettings):
         default="",
         description="GCP project that owns buckets cachewarm creates; empty uses the credentials' default.",
     )
+    bucket_locations: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Locations a cache may create a bucket in (create: true), as a JSON list or comma-separated "
+                    "(us-central1,us-east4; any case); empty allows any. Buckets cachewarm creates are billed to "
+                    "gcp_project.",
+    )
+    bucket_storage_classes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Storage classes a cache may create a bucket with (STANDARD, NEARLINE, COLDLINE, ARCHIVE), as a "
+                    "JSON list or comma-separated; empty allows any.",
+    )
+    buckets_per_namespace: int = Field(
+        default=10, ge=0, le=10_000,
+        description="Buckets cachewarm creates for one namespace, at most (those that exist, by their creation "
+                    "labels); 0: caches may only use buckets that exist and are granted to them.",
+    )
     instance: str = Field(
         default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$",
         description="This operator's name on GCS buckets (lowercase letter first, then letters, digits, - or _; "
@@ -224,7 +240,7 @@ class Settings(BaseSettings):
                              f"metrics_port ({self.metrics_port}) must differ")
         return self
 
-    @field_validator("namespaces", "webhook_hosts", mode="before")
+    @field_validator("namespaces", "webhook_hosts", "bucket_locations", "bucket_storage_classes", mode="before")
     @classmethod
     def _parse_list(cls, value: object) -> object:
         """A JSON list when the value starts with '[', otherwise comma-separated."""
@@ -247,6 +263,15 @@ class Settings(BaseSettings):
         if wrong:
             raise ValueError(f"not namespace names (lowercase letters, digits and '-', at most 63): {wrong}")
         return value
+
+    @field_validator("bucket_locations", "bucket_storage_classes")
+    @classmethod
+    def _gcs_names(cls, value: list[str]) -> list[str]:
+        """GCS location and storage class names: letters, digits, '-' and '_' (compared upper-case)."""
+        wrong = [name for name in value if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,62}", name)]
+        if wrong:
+            raise ValueError(f"not GCS location or storage class names (letters, digits, '-', '_'): {wrong}")
+        return [name.upper() for name in value]
 
     @classmethod
     def from_env(cls) -> Settings:
