@@ -13,9 +13,11 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from google.cloud import storage
 
 from cachewarm.builders import bucket as b
@@ -36,6 +38,22 @@ def team_a(testbed: Testbed) -> Iterator[str]:
     assert testbed.kubectl_run("create", "namespace", name).returncode == 0
     yield name
     testbed.kubectl_run("delete", "namespace", name, "--wait=false")
+
+
+def editor(bed: Testbed, ns: str, tmp_path: Path) -> Path:
+    """A kubeconfig of a user with the built-in `edit` role in `ns` only (ServiceAccount
+    ns/tenant), as a platform team gives a team its namespace (kube-controller-manager
+    aggregates cachewarm-edit into `edit`)."""
+    for args in (("create", "serviceaccount", "tenant", "-n", ns),
+                 ("create", "rolebinding", "tenant-edit", "--clusterrole=edit", f"--serviceaccount={ns}:tenant",
+                  "-n", ns)):
+        done = bed.kubectl_run(*args)
+        assert done.returncode == 0, done.stderr
+    kubeconfig = bed.service_account_kubeconfig(ns, "tenant", tmp_path / "tenant.kubeconfig")
+    eventually(lambda: bed.kubectl_run("auth", "can-i", "create", "compilationcaches.cachewarm.dev", "-n", ns,
+                                       kubeconfig=kubeconfig).returncode == 0 or None,
+               timeout=60, what="edit aggregates cachewarm-edit")
+    return kubeconfig
 
 
 def team_b_bucket(gcs: storage.Client, team_b: str) -> tuple[str, list[str]]:
@@ -74,9 +92,9 @@ def reads_of(proxy: ProxyControl, name: str) -> int:
 
 def test_a_tenant_cannot_make_the_operator_touch_another_namespaces_bucket(
     operator: OperatorHandle, installed: Testbed, namespace: str, team_a: str, gcs: storage.Client,
-    proxy: ProxyControl,
+    proxy: ProxyControl, tmp_path: Path, controller_manager: Testbed,
 ) -> None:
-    """team-a names team-b's bucket three ways (adopt its prefix with a 1-day rule and
+    """A user with `edit` in team-a names team-b's bucket three ways (adopt its prefix with a 1-day rule and
     deletionPolicy Delete, its root, and create: true over it): each BucketNotGranted with the
     label team-b's owner would add, nothing of the bucket in status, and across several
     reconciles not one request beyond a read of the bucket's metadata; deleting the caches
@@ -91,8 +109,10 @@ def test_a_tenant_cannot_make_the_operator_touch_another_namespaces_bucket(
                       lifecycle={"deleteAfterDays": 1, "allowBucketRoot": True}),
         "create": cache("create", name, create=True, prefix="jax", deletionPolicy="Delete"),
     }
+    tenant = editor(installed, team_a, tmp_path)
     for body in tries.values():
-        installed.apply(body, team_a)
+        made = installed.kubectl_run("create", "-n", team_a, "-f", "-", input=yaml.safe_dump(body), kubeconfig=tenant)
+        assert made.returncode == 0, made.stderr
     for cache_name, body in tries.items():
         obj = wait_condition(installed, team_a, cache_name, "BucketReady", "False", "BucketNotGranted")
         message = condition(obj, "BucketReady")["message"]
@@ -110,7 +130,7 @@ def test_a_tenant_cannot_make_the_operator_touch_another_namespaces_bucket(
 
     proxy.clear_log()  # the test's own reads above went through the proxy too
     for cache_name in tries:
-        done = installed.kubectl_run("delete", "ccache", cache_name, "-n", team_a, "--timeout=60s")
+        done = installed.kubectl_run("delete", "ccache", cache_name, "-n", team_a, "--timeout=60s", kubeconfig=tenant)
         assert done.returncode == 0, done.stderr
     assert touched(proxy, name) == []
     assert snapshot(gcs, name) == before
