@@ -166,15 +166,31 @@ def test_creation_within_the_limits_is_planned() -> None:
     assert b.creation_refusal(wanted, b.CreationLimits(per_namespace=0), None) is not None
 
 
-def test_the_count_is_of_this_namespaces_buckets_made_by_this_operator() -> None:
-    class Listing:
-        def list_bucket_labels(self) -> Any:
-            yield "a", b.owner_labels("team-a", "c1", "default")
-            yield "b", b.owner_labels("team-a", "c2", "other")  # another cluster's
-            yield "c", b.owner_labels("team-b", "c3", "default")
-            yield "d", {**dict([b.grant_label("team-a", "")])}  # granted, not created
-            yield "e", b.owner_labels("team-a", "c4", "default")
-    assert r.created_for_namespace(Listing(), "team-a", "default") == 2  # type: ignore[arg-type]
+class Listing:
+    listings = 0
+
+    def list_bucket_labels(self) -> Any:
+        self.listings += 1
+        yield "a", b.owner_labels("team-a", "c1", "default")
+        yield "b", b.owner_labels("team-a", "c2", "other")  # another cluster's
+        yield "c", b.owner_labels("team-b", "c3", "default")
+        yield "d", {**dict([b.grant_label("team-a", "")])}  # granted, not created
+        yield "e", b.owner_labels("team-a", "c4", "default")
+        legacy = {k: v for k, v in b.owner_labels("team-a", "c5").items() if k != c.GCS_LABEL_INSTANCE}
+        yield "f", legacy  # created before instances existed: the default instance's
+
+
+def test_the_count_is_of_this_namespaces_buckets_made_by_this_operator_listed_once_a_while() -> None:
+    now = [0.0]
+    gcs = Listing()
+    counts = r.CreatedCounts(ttl=60, clock=lambda: now[0])
+    assert counts.count(gcs, "team-a", "default") == 3  # type: ignore[arg-type]
+    assert counts.count(gcs, "team-a", "other") == 1  # type: ignore[arg-type]
+    assert counts.count(gcs, "team-b", "default") == 1 and gcs.listings == 1  # type: ignore[arg-type]
+    counts.created("team-a", "default")  # made by this process since the listing
+    assert counts.count(gcs, "team-a", "default") == 4 and gcs.listings == 1  # type: ignore[arg-type]
+    now[0] = 61.0  # listed again: the bucket made above is not in this fake's listing
+    assert counts.count(gcs, "team-a", "default") == 3 and gcs.listings == 2  # type: ignore[arg-type]
 
 
 def test_the_cli_prints_the_label_the_operator_asks_for() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -259,18 +260,43 @@ def _inventory(gcs: GcsClient, spec: GcsStorage, *, created_now: bool,
     return cache_inventory(gcs, spec) if take_inventory else None
 
 
-def created_for_namespace(gcs: GcsClient, namespace: str, instance: str) -> int:
-    """How many buckets of the operator's project this operator created for the namespace
-    (its creation labels), listed only when a cache is about to create one."""
-    fake = BucketInfo(name="", location="", storage_class="")
-    return sum(1 for _, labels in gcs.list_bucket_labels()
-               if b.created_for(dataclasses.replace(fake, labels=labels), namespace, instance))
+class CreatedCounts:
+    """How many buckets of the operator's project this operator created for each namespace
+    (their creation labels), for CACHEWARM_BUCKETS_PER_NAMESPACE. One listing of the
+    project's buckets serves every namespace for `ttl` seconds, and the creations this
+    process makes meanwhile are added to it; a bucket deleted meanwhile is seen at the next
+    listing (until then its namespace may be refused a creation it is allowed). Listed
+    only when a cache is about to create a bucket; reconciles wait for one listing."""
+
+    def __init__(self, ttl: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] | None = None
+        self._listed = 0.0
+
+    def count(self, gcs: GcsClient, namespace: str, instance: str) -> int:
+        with self._lock:
+            if self._counts is None or self._clock() - self._listed > self._ttl:
+                counts: dict[tuple[str, str], int] = {}
+                for _, labels in gcs.list_bucket_labels():
+                    if labels.get(c.GCS_LABEL_MANAGED_BY) == c.MANAGED_BY and c.GCS_LABEL_NAMESPACE in labels:
+                        key = (labels[c.GCS_LABEL_NAMESPACE], labels.get(c.GCS_LABEL_INSTANCE, c.DEFAULT_INSTANCE))
+                        counts[key] = counts.get(key, 0) + 1
+                self._counts, self._listed = counts, self._clock()
+            return self._counts.get((namespace[:63], instance), 0)
+
+    def created(self, namespace: str, instance: str) -> None:
+        with self._lock:
+            if self._counts is not None:
+                key = (namespace[:63], instance)
+                self._counts[key] = self._counts.get(key, 0) + 1
 
 
 def reconcile_bucket(
     gcs: GcsClient, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], spec_changed: bool,
     instance: str = c.DEFAULT_INSTANCE, settings_owned_before: bool = True, take_inventory: bool = True,
-    limits: b.CreationLimits = b.CreationLimits(),
+    limits: b.CreationLimits = b.CreationLimits(), counts: CreatedCounts | None = None,
 ) -> BucketOutcome:
     """Bring the bucket to the spec. Raises GcsError for failures worth retrying.
 
@@ -284,7 +310,9 @@ def reconcile_bucket(
     `settings_owned_before` says whether this cache owned the bucket-wide settings at its
     previous reconcile; if not, its first soft delete write is configuration, not drift.
     `take_inventory` lists the cache's entries (cache_inventory); without it `cache` and
-    `entry_keys` are None. `limits`: what the operator's admin allows a new bucket to be.
+    `entry_keys` are None. `limits`: what the operator's admin allows a new bucket to be;
+    `counts`: the buckets created per namespace (shared by the operator's reconciles; None
+    lists them at each creation).
 
     Each round reads the bucket, decides (plan_create, not_granted, plan_update: pure) and
     writes what they decided; a write refused because the bucket changed since the read
@@ -301,7 +329,8 @@ def reconcile_bucket(
             first = b.refused_by([cl for cl in claims if cl.namespace == mine.namespace], mine)
             if first is not None:
                 return refused_outcome(None, spec, mine=mine, claims=claims, refused_by=first, instance=instance)
-            counted = (created_for_namespace(gcs, mine.namespace, instance)
+            counts = counts if counts is not None else CreatedCounts(ttl=0)
+            counted = (counts.count(gcs, mine.namespace, instance)
                        if spec.create and b.creation_refusal(spec, limits, None) is None else None)
             create = plan_create(spec, mine=mine, claims=claims, instance=instance, limits=limits,
                                  created_in_namespace=counted)
@@ -315,6 +344,7 @@ def reconcile_bucket(
             bucket, created = made
             if created:
                 created_now = True
+                counts.created(mine.namespace, instance)
                 events.append(created_event(spec, create.settings))
         refused = not_granted(bucket, spec, mine=mine, instance=instance)
         if refused is not None:

@@ -21,7 +21,7 @@ from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
 from cachewarm.builders.bucket import Claim, CreationLimits
 from cachewarm.clients.gcs import GcsClient, GcsError
 from cachewarm.clients.kube import KubeClient, KubeError
-from cachewarm.reconcile.bucket import BucketOutcome, cache_inventory, delete_cache_data, reconcile_bucket
+from cachewarm.reconcile.bucket import BucketOutcome, CreatedCounts, cache_inventory, delete_cache_data, reconcile_bucket
 from cachewarm.reconcile.configmaps import publish_configmaps
 from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.reconcile import podsmode
@@ -72,6 +72,7 @@ class Wiring:
     claims: ClaimLookup
     instance: str = c.DEFAULT_INSTANCE
     limits: CreationLimits = CreationLimits()
+    created_counts: CreatedCounts = field(default_factory=CreatedCounts)
     warm_retry: WarmRetry = WarmRetry()
     inventory_every: dt.timedelta = dt.timedelta(hours=1)
 
@@ -199,7 +200,8 @@ def _bucket(one: _Pass, cache: CacheSpec, *, take_inventory: bool) -> Seen:
                                      spec_changed=one.obj.status.get("observedGeneration") != one.generation,
                                      instance=one.wiring.instance,
                                      settings_owned_before=soft is not None and soft.get("reason") == c.Reason.RECONCILED,
-                                     take_inventory=take_inventory, limits=one.wiring.limits))
+                                     take_inventory=take_inventory, limits=one.wiring.limits,
+                                     counts=one.wiring.created_counts))
     except GcsError as exc:
         seen = Seen(BucketOutcome(Cond(c.Condition.BUCKET_READY, False, exc.reason, f"{exc}; retrying")))
         if previous is None or previous.get("reason") != exc.reason:
