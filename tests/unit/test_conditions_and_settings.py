@@ -115,10 +115,28 @@ def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, val
     ("CACHEWARM_CERT_CHECK_SECONDS", "hourly"),
     ("CACHEWARM_INVENTORY_SECONDS", "0"),
     ("CACHEWARM_INVENTORY_SECONDS", "hourly"),
+    ("CACHEWARM_BUCKET_LOCATIONS", "us central1"),
+    ("CACHEWARM_BUCKET_LOCATIONS", '["us-central1", 5]'),
+    ("CACHEWARM_BUCKET_LOCATIONS", "[us-central1"),
+    ("CACHEWARM_BUCKET_STORAGE_CLASSES", "STANDARD;NEARLINE"),
+    ("CACHEWARM_BUCKETS_PER_NAMESPACE", "-1"),
+    ("CACHEWARM_BUCKETS_PER_NAMESPACE", "ten"),
+    ("CACHEWARM_BUCKETS_PER_NAMESPACE", "10001"),
 ])
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError):
+        Settings.from_env()
+
+
+def test_bucket_limits_parse_and_name_what_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEWARM_BUCKET_LOCATIONS", "us-central1, europe-west4")
+    monkeypatch.setenv("CACHEWARM_BUCKET_STORAGE_CLASSES", '["standard"]')
+    settings = Settings.from_env()
+    assert settings.bucket_locations == ["US-CENTRAL1", "EUROPE-WEST4"] and settings.bucket_storage_classes == ["STANDARD"]
+    assert settings.buckets_per_namespace == 10
+    monkeypatch.setenv("CACHEWARM_BUCKET_LOCATIONS", "us-central1,us east4")
+    with pytest.raises(ValidationError, match=r"not GCS location or storage class names.*'us east4'"):
         Settings.from_env()
 
 
