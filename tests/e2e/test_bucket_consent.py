@@ -200,11 +200,13 @@ def test_the_grant_the_message_names_works_and_its_removal_stops_further_writes(
     labels.pop(found.group(1))
     bucket.labels = labels
     bucket.patch()
-    installed.apply(cache("llama", name, create=False, prefix="llama", lifecycle={"deleteAfterDays": 2}), namespace)
-    obj = wait_condition(installed, namespace, "llama", "BucketReady", "False", "BucketNotGranted")
+    # Nothing else changes: the next resync (3 s here, 300 s by default) finds the grant gone.
+    obj = wait_condition(installed, namespace, "llama", "BucketReady", "False", "BucketNotGranted", timeout=30)
     assert "bucket" not in obj["status"] and "cache" not in obj["status"], obj["status"]
     after = snapshot(gcs, name)
     proxy.clear_log()
+    # Whatever the spec asks from now on, nothing reaches the bucket beyond a read.
+    installed.apply(cache("llama", name, create=False, prefix="llama", lifecycle={"deleteAfterDays": 2}), namespace)
     eventually(lambda: reads_of(proxy, name) >= 4, timeout=60, what="reconciles after the revocation")
     assert touched(proxy, name) == [] and snapshot(gcs, name) == after
     assert ours(2, "llama/") not in after["rules"] and ours(10, "llama/") in after["rules"]

@@ -172,11 +172,23 @@ def test_rule_limit_leaves_out_the_newest_groups() -> None:
     assert p.over_limit == {("ns", "c3")}
 
 
+def test_one_namespace_holds_at_most_four_distinct_rules_on_a_bucket() -> None:
+    mine = [b.Claim(f"2026-01-0{i}T00:00:00Z", "team-a", f"a{i}", f"a{i}", delete_after_days=i) for i in range(1, 7)]
+    theirs = b.Claim("2026-02-01T00:00:00Z", "team-b", "b", "b", delete_after_days=30)
+    again = b.Claim("2026-03-01T00:00:00Z", "team-a", "again", "again", delete_after_days=2)  # shares a rule
+    p = b.plan_lifecycle([*mine, theirs, again], budget=50)
+    assert p.over_namespace_limit == {("team-a", "a5"), ("team-a", "a6")}
+    assert set(p.rule_of) == {("team-a", f"a{i}") for i in range(1, 5)} | {("team-b", "b"), ("team-a", "again")}
+    assert len(p.rules) == 5
+
+
 def test_budget_counts_foreign_rules_and_labels() -> None:
     bucket = info(lifecycle_rules=[THEIRS] * 3, labels={"team": "x", **labelled(ours(5, "p/"))})
-    assert b.rule_budget(bucket) == min(100 - 3, 64 - 1)
-    many = info(labels={f"l{i}": "v" for i in range(60)})
+    # GCS's 64 labels, less the others' one and the 8 always left to the owner (for a grant).
+    assert b.rule_budget(bucket) == min(100 - 3, 64 - 8 - 1)
+    many = info(labels={f"l{i}": "v" for i in range(52)})
     assert b.rule_budget(many) == 4
+    assert b.rule_budget(info(labels={f"l{i}": "v" for i in range(56)})) == 0
 
 
 def test_settings_owner_is_the_creator_and_nobody_on_an_adopted_bucket() -> None:
@@ -477,8 +489,8 @@ def test_two_instances_keep_each_others_rules_and_reach_a_fixed_point() -> None:
 def test_another_instances_records_do_not_count_against_its_budget_as_ours() -> None:
     theirs = ours(20, "team-b/")
     bucket = info(lifecycle_rules=[theirs], labels={b.rule_label(theirs): "ops-b"})
-    assert b.rule_budget(bucket, "ops-a") == min(100 - 1, 64 - 1)
-    assert b.rule_budget(bucket, "ops-b") == min(100, 64)
+    assert b.rule_budget(bucket, "ops-a") == min(100 - 1, 64 - 8 - 1)
+    assert b.rule_budget(bucket, "ops-b") == min(100, 64 - 8)
 
 
 def test_records_written_before_instances_are_the_default_instances() -> None:

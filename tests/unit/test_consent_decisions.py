@@ -221,3 +221,43 @@ def test_the_cli_refuses_a_wrong_grant_with_what_is_wrong(args: list[str], says:
 
     done = CliRunner().invoke(cli, args)
     assert done.exit_code == 2 and says in done.output, done.output
+
+
+def test_a_new_bucket_is_made_with_no_rule_of_another_namespaces_cache() -> None:
+    wanted = spec(create=True, prefix="b")
+    mine = b.Claim.of(wanted, created="2026-02-01T00:00:00Z", namespace="team-b", name="c")
+    squatter = b.Claim("2026-01-01T00:00:00Z", "team-a", "early", "", delete_after_days=1, allow_bucket_root=True)
+    made = r.plan_create(wanted, mine=mine, claims=[squatter, mine], instance="default")
+    assert isinstance(made, r.Create)
+    assert made.settings["lifecycle"]["rule"] == [b.last_use_rule(30, ["b/"])]
+
+
+def test_a_created_buckets_storage_class_is_changed_only_to_one_the_admin_allows() -> None:
+    made = dataclasses.replace(bucket(**b.owner_labels("team-a", "c")), storage_class="STANDARD")
+    mine = b.Claim("2026-01-01T00:00:00Z", "team-a", "c", "jax")
+    out = r.plan_update(made, spec(storageClass="ARCHIVE", location="us-central1"), mine=mine, claims=[mine],
+                        instance="default", settings_owned_before=True, limits=LIMITS)
+    assert isinstance(out, r.Stop) and out.condition.reason == c.Reason.CREATION_NOT_ALLOWED
+    assert "CACHEWARM_BUCKET_STORAGE_CLASSES: STANDARD" in out.condition.message
+    fine = r.plan_update(made, spec(storageClass="ARCHIVE", location="us-central1"), mine=mine, claims=[mine],
+                         instance="default", settings_owned_before=True)  # no limits: as asked
+    assert isinstance(fine, r.Update) and fine.patch["storageClass"] == "ARCHIVE"
+
+
+def test_a_patch_never_changes_the_labels_that_give_consent() -> None:
+    key, value = b.grant_label("team-a", "jax")
+    granted = bucket(**{key: value})
+    mine = b.Claim("2026-01-01T00:00:00Z", "team-a", "c", "jax")
+    plan = b.plan_lifecycle([mine], 10)
+    patch = b.bucket_patch(granted, spec(), plan=plan, owns_settings=False, created_by_us=False)
+    assert patch["labels"][key] == value  # sent back as read
+    with pytest.raises(ValueError, match="consent labels"):
+        b._consent_labels_unchanged(granted, {**patch["labels"], key: "team-b"})
+    with pytest.raises(ValueError, match="consent labels"):
+        b._consent_labels_unchanged(granted, {k: v for k, v in patch["labels"].items() if k != key})
+
+
+def test_the_refusal_of_a_bucket_cachewarm_made_sends_the_user_to_the_projects_admin() -> None:
+    made = bucket(**b.owner_labels("team-b", "c"))
+    out = r.not_granted(made, spec(), mine=b.Claim("t", "team-a", "c", "jax"), instance="default")
+    assert out is not None and "An admin of the operator's GCP project" in out.condition.message

@@ -44,6 +44,12 @@ POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 # GCS limits (https://cloud.google.com/storage/docs/lifecycle, .../docs/tags-and-labels).
 MAX_LIFECYCLE_RULES = 100
 MAX_BUCKET_LABELS = 64
+# Labels cachewarm never takes for its rule records, so the owner can always still add a
+# grant or a label of their own; and the distinct rules (deleteAfterDays) one namespace's
+# caches may hold on a bucket, so one tenant granted a prefix cannot take the bucket's rules
+# and labels from the others (issue 29 attacker review).
+OWNER_LABELS_KEPT_FREE = 8
+RULES_PER_NAMESPACE = 4
 _INT_CONDITIONS = ("age", "daysSinceCustomTime", "daysSinceNoncurrentTime", "numNewerVersions")
 
 
@@ -233,17 +239,30 @@ class LifecyclePlan:
     rule_of: dict[tuple[str, str], dict[str, Any]]  # cache key -> the rule covering its entries
     root_not_allowed: frozenset[tuple[str, str]] = frozenset()
     over_limit: frozenset[tuple[str, str]] = frozenset()
+    # Caches left without a rule because their namespace's caches already hold
+    # RULES_PER_NAMESPACE distinct deleteAfterDays on the bucket (older caches first).
+    over_namespace_limit: frozenset[tuple[str, str]] = frozenset()
 
 
 def plan_lifecycle(claims: Iterable[Claim], budget: int) -> LifecyclePlan:
     """One rule per distinct deleteAfterDays among the active caches, at most `budget`
-    rules; the groups whose oldest cache is newest are left out first."""
+    rules; the groups whose oldest cache is newest are left out first. A namespace's caches
+    use at most RULES_PER_NAMESPACE distinct deleteAfterDays (its oldest caches' first);
+    its other caches get none."""
     groups: dict[int, list[Claim]] = {}
     root_not_allowed: set[tuple[str, str]] = set()
+    days_of: dict[str, list[int]] = {}
+    over_namespace: set[tuple[str, str]] = set()
     for cl in active(claims):
         if cl.object_prefix == "" and not cl.allow_bucket_root:
             root_not_allowed.add(cl.key)
             continue
+        used = days_of.setdefault(cl.namespace, [])
+        if cl.delete_after_days not in used:
+            if len(used) >= RULES_PER_NAMESPACE:
+                over_namespace.add(cl.key)
+                continue
+            used.append(cl.delete_after_days)
         groups.setdefault(cl.delete_after_days, []).append(cl)
     by_age = sorted(groups, key=lambda d: min(groups[d]))
     kept = set(by_age[:max(budget, 0)])
@@ -254,7 +273,7 @@ def plan_lifecycle(claims: Iterable[Claim], budget: int) -> LifecyclePlan:
         rules.append(rule)
         rule_of.update({cl.key: rule for cl in groups[days]})
     over = {cl.key for d in groups if d not in kept for cl in groups[d]}
-    return LifecyclePlan(rules, rule_of, frozenset(root_not_allowed), frozenset(over))
+    return LifecyclePlan(rules, rule_of, frozenset(root_not_allowed), frozenset(over), frozenset(over_namespace))
 
 
 def canonical(rule: Mapping[str, Any]) -> dict[str, Any]:
@@ -373,11 +392,12 @@ def foreign_rules_deleting_entries(bucket: BucketInfo, object_prefix: str, insta
 
 def rule_budget(bucket: BucketInfo, instance: str = c.DEFAULT_INSTANCE) -> int:
     """How many rules this operator may own: GCS's rule limit less the rules of others, and
-    its label limit less the labels of others (each owned rule takes one label)."""
+    its label limit less the labels of others and OWNER_LABELS_KEPT_FREE (each owned rule
+    takes one label; the owner can always add a grant)."""
     foreign, _ = split_rules(bucket, instance)
     mine = recorded(bucket, instance)
     other_labels = [k for k in bucket.labels if k not in mine]
-    return min(MAX_LIFECYCLE_RULES - len(foreign), MAX_BUCKET_LABELS - len(other_labels))
+    return min(MAX_LIFECYCLE_RULES - len(foreign), MAX_BUCKET_LABELS - OWNER_LABELS_KEPT_FREE - len(other_labels))
 
 
 def identical_foreign(bucket: BucketInfo, rule: Mapping[str, Any], instance: str = c.DEFAULT_INSTANCE) -> bool:
@@ -469,6 +489,7 @@ def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, plan: LifecyclePlan, ow
     only by the cache that owns bucket-wide settings.
     """
     patch = lifecycle_patch(bucket, plan, instance)
+    _consent_labels_unchanged(bucket, patch.get("labels"))
     wanted_soft = gcs.soft_delete_days * DAY
     if owns_settings and created_by_us and bucket.soft_delete_seconds != wanted_soft:
         patch["softDeletePolicy"] = {"retentionDurationSeconds": wanted_soft}
@@ -481,6 +502,19 @@ def bucket_patch(bucket: BucketInfo, gcs: GcsStorage, *, plan: LifecyclePlan, ow
         if bucket.storage_class != gcs.storage_class:
             patch["storageClass"] = gcs.storage_class
     return patch
+
+
+def _consent_labels_unchanged(bucket: BucketInfo, labels: Mapping[str, Any] | None) -> None:
+    """The labels that give consent (grants, creation labels) are the owner's or the create
+    call's: a patch must send them as read. Raises ValueError (a bug, never sent)."""
+    if labels is None:
+        return
+    consent_keys = {c.GCS_LABEL_MANAGED_BY, c.GCS_LABEL_NAMESPACE, c.GCS_LABEL_CACHE, c.GCS_LABEL_INSTANCE}
+    changed = sorted(k for k in {*labels, *bucket.labels}
+                     if (k in consent_keys or k.startswith(c.GCS_LABEL_GRANT_PREFIX))
+                     and labels.get(k) != bucket.labels.get(k))
+    if changed:
+        raise ValueError(f"cachewarm's patch of bucket {bucket.name} would change consent labels {changed}")
 
 
 def is_cache_entry(object_name: str, gcs: GcsStorage) -> bool:

@@ -125,6 +125,7 @@ def plan_create(spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], i
     labels = b.owner_labels(mine.namespace, mine.name, instance)
     fresh = BucketInfo(name=spec.bucket, location=spec.location, storage_class=spec.storage_class,
                        labels=labels, uniform_access=True, public_access_prevention="enforced")
+    claims = b.granted_claims(fresh, claims, instance)  # the new bucket is this namespace's alone
     return Create(labels, b.bucket_patch(
         fresh, spec, plan=b.plan_lifecycle(claims, b.rule_budget(fresh, instance)),
         owns_settings=b.settings_owner(claims, fresh, instance) == mine, created_by_us=True, instance=instance))
@@ -138,9 +139,12 @@ def not_granted(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, instance
         return None
     key, value = b.grant_label(mine.namespace, spec.prefix, instance)
     where = f"prefix {spec.prefix!r}" if spec.prefix else "the whole bucket"
+    # A bucket cachewarm made belongs to the operator's project: its admins grant it.
+    owner = ("An admin of the operator's GCP project (cachewarm created this bucket for another namespace or "
+             "operator instance)" if bucket.labels.get(c.GCS_LABEL_MANAGED_BY) == c.MANAGED_BY else "Its owner")
     why = (f"Bucket {spec.bucket} exists and its owner has not granted it to namespace {mine.namespace} (cachewarm "
            f"instance {instance}) for {where}: cachewarm writes, stamps, lists and deletes nothing in it and reports "
-           f"nothing of it. Its owner grants it by adding the bucket label {key}={value}, e.g. `gcloud storage "
+           f"nothing of it. {owner} grants it by adding the bucket label {key}={value}, e.g. `gcloud storage "
            f"buckets update gs://{spec.bucket} --update-labels={key}={value}` (it covers {spec.url} and everything "
            "under it; removing it revokes the grant); see docs/bucket-and-data-safety.md#bucket-consent")
     held = "cachewarm keeps no lifecycle rule and changes no setting on a bucket not granted to this namespace"
@@ -153,13 +157,23 @@ def not_granted(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, instance
 
 
 def plan_update(bucket: BucketInfo, spec: GcsStorage, *, mine: b.Claim, claims: Sequence[b.Claim], instance: str,
-                settings_owned_before: bool) -> Stop | Update:
-    """The bucket exists: refuse one in another location, else the smallest patch that
-    brings it to what the caches on it (`claims`, mine included) need."""
+                settings_owned_before: bool, limits: b.CreationLimits = b.CreationLimits()) -> Stop | Update:
+    """The bucket exists: refuse one in another location, or a storage class the admin
+    does not allow for a bucket this cache created, else the smallest patch that brings it
+    to what the caches on it (`claims`, mine included) need."""
     if not b.location_matches(bucket, spec):
         return Stop(Cond(c.Condition.BUCKET_READY, False, c.Reason.LOCATION_MISMATCH,
                          f"Bucket {spec.bucket} is in {bucket.location}, but spec asks for {spec.location}; "
                          "cachewarm never moves buckets: fix spec.storage.gcs.location or use another bucket"),
+                    status=_status(bucket, spec, mine, instance))
+    created = b.created_by(bucket, mine.namespace, mine.name, instance)
+    if created and bucket.storage_class != spec.storage_class and limits.storage_classes \
+            and spec.storage_class.upper() not in {s.upper() for s in limits.storage_classes}:
+        return Stop(Cond(c.Condition.BUCKET_READY, False, c.Reason.CREATION_NOT_ALLOWED,
+                         f"This cache created bucket {spec.bucket} ({bucket.storage_class}) and asks for storage class "
+                         f"{spec.storage_class}, which this cluster's admin does not allow for buckets cachewarm creates "
+                         f"(CACHEWARM_BUCKET_STORAGE_CLASSES: {', '.join(sorted(limits.storage_classes))}); "
+                         "cachewarm changes nothing"),
                     status=_status(bucket, spec, mine, instance))
     lifecycle = b.plan_lifecycle(claims, b.rule_budget(bucket, instance))
     patch = b.bucket_patch(bucket, spec, plan=lifecycle,
@@ -355,7 +369,7 @@ def reconcile_bucket(
         if refused_by is not None:
             return refused_outcome(bucket, spec, mine=mine, claims=granted, refused_by=refused_by, instance=instance)
         update = plan_update(bucket, spec, mine=mine, claims=granted, instance=instance,
-                             settings_owned_before=settings_owned_before)
+                             settings_owned_before=settings_owned_before, limits=limits)
         if isinstance(update, Stop):
             return BucketOutcome(update.condition, status=update.status, events=events)
         if not update.patch:
@@ -410,6 +424,13 @@ def _lifecycle_condition(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, pl
                     "JAX's entries from any other object whose name ends in -cache or -atime, in any folder; "
                     "cachewarm wrote no lifecycle rule and nothing expires. Give the cache a prefix, or set "
                     "lifecycle.allowBucketRoot: true if no other object in the bucket ends in -cache or -atime")
+    if mine.key in plan.over_namespace_limit:
+        return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULE_LIMIT_REACHED,
+                    f"The caches of namespace {mine.namespace} on bucket {spec.bucket} already use "
+                    f"{b.RULES_PER_NAMESPACE} distinct deleteAfterDays, the most cachewarm keeps rules for per "
+                    f"namespace on one bucket (so that one namespace cannot take a shared bucket's rules and labels); "
+                    f"no rule for {mine.delete_after_days} days. Nothing expires; use the deleteAfterDays of another "
+                    "of this namespace's caches on the bucket (they share a rule)")
     if mine.key in plan.over_limit:
         foreign, ours = b.split_rules(bucket, instance)
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULE_LIMIT_REACHED,
