@@ -75,6 +75,11 @@ def run(settings: Settings) -> None:
     )
     log.info("Started cachewarm operator", scope=settings.namespaces or "cluster",
              resync_seconds=settings.resync_seconds, webhook=settings.webhook_enabled)
+    if settings.instance == "default":
+        log.warning("CACHEWARM_INSTANCE is 'default': bucket grants and the buckets cachewarm creates name the "
+                    "cluster by it, so another cluster's operator in the same GCP project also left at 'default' "
+                    "gets what a namespace of the same name is granted here; set it to this cluster's name "
+                    "(docs/bucket-and-data-safety.md#bucket-consent)", instance=settings.instance)
     asyncio.run(
         kopf.operator(registry=registry, memo=memo, standalone=True, liveness_endpoint=liveness, **scope)
     )
