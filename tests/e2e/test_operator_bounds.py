@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from cachewarm.builders import injection
 from cachewarm.builders import job as jb
 from cachewarm.builders.reporting import Reporting
 from cachewarm.clients.kube import KubeClient
-from cachewarm_testbed.cluster import Testbed, eventually
+from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, repo_root
 
 pytestmark = pytest.mark.e2e
 
@@ -266,8 +267,17 @@ def test_warmer_jobs_and_services_only(installed: Testbed, operator_kubeconfig: 
         refused_by(f"cachewarm-operator-{kind}s",
                    as_operator(installed, operator_kubeconfig, "delete", kind, name, "-n", ns, "--wait=false"),
                    "DELETE")
+    # A stray under a cache's warmer label, which the operator stops (reconcile/warmplan.py).
+    stray = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "stray", "namespace": ns,
+             "labels": {"cachewarm.dev/warmer-for": "llama", "cachewarm.dev/pool": "h100"}},
+             "spec": {"template": {"spec": {"restartPolicy": "Never",
+                                            "containers": [{"name": "c", "image": "busybox"}]}}}}
+    assert as_admin(installed, "create", "-f", "-", body=stray)[0] == 0
+    kube.delete_job(ns, "stray")
     kube.delete_service(ns, service["metadata"]["name"])
     kube.delete_job(ns, job["metadata"]["name"])
+    gone = installed.get_json("job", "stray", ns)  # foreground: no controller-manager here to finish it
+    assert gone is None or gone["metadata"].get("deletionTimestamp"), gone
     assert installed.get_json("service", service["metadata"]["name"], ns) is None
 
 
@@ -447,3 +457,98 @@ def test_policies_are_installed_with_fail_and_deny(installed: Testbed, repo: Pat
         assert stored is not None and stored["spec"]["failurePolicy"] == "Fail", name
         binding = installed.get_json("validatingadmissionpolicybinding", name, "")
         assert binding is not None and binding["spec"]["validationActions"] == ["Deny"], name
+
+
+# --- the namespaced install (manifests/namespaced) -------------------------------------------
+
+NAMESPACED = "manifests/namespaced"
+NAMESPACED_RESOURCES = {"pods", "jobs", "services", "configmaps", "events", "compilationcaches"}
+
+
+def built(bed: Testbed, repo: Path, path: str) -> list[dict[str, Any]]:
+    done = bed.kubectl_run("kustomize", str(repo / path))
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def test_namespaced_overlay_binds_namespaced_rights_per_namespace(installed: Testbed, repo: Path) -> None:
+    """`kubectl kustomize manifests/namespaced` builds; no ClusterRoleBinding gives the
+    operator a namespaced resource; its three namespace lists agree; it installs what
+    manifests/ does (its resources list is manifests/kustomization.yaml's, which kustomize
+    cannot include as `..`)."""
+    docs = built(installed, repo, NAMESPACED)
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    operator = {"kind": "ServiceAccount", "name": OPERATOR[1], "namespace": OPERATOR[0]}
+    cluster_wide = [d for d in docs if d["kind"] == "ClusterRoleBinding" and operator in d.get("subjects", [])]
+    assert [d["metadata"]["name"] for d in cluster_wide] == ["cachewarm-operator-cluster"]
+    for binding in cluster_wide:
+        granted = {r for rule in roles[binding["roleRef"]["name"]]["rules"] for r in rule["resources"]}
+        assert not granted & NAMESPACED_RESOURCES, granted
+    watched = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "RoleBinding"
+                     and d["roleRef"]["name"] == "cachewarm-operator" and d["metadata"]["namespace"] != OPERATOR[0])
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    [hook] = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    [selector] = hook["webhooks"][0]["namespaceSelector"]["matchExpressions"]
+    assert watched and sorted(env["CACHEWARM_NAMESPACES"].split(",")) == watched
+    assert selector["operator"] == "In" and sorted(selector["values"]) == watched
+    base = yaml.safe_load((repo / "manifests" / "kustomization.yaml").read_text())["resources"]
+    overlay = yaml.safe_load((repo / NAMESPACED / "kustomization.yaml").read_text())["resources"]
+    assert ["../" + r for r in base] == overlay[:len(base)]
+
+
+@pytest.fixture(scope="module")
+def namespaced_install() -> Iterator[Testbed]:
+    """A control plane of its own with manifests/namespaced applied (its example namespaces
+    team-a and team-b, and team-c, which it does not watch)."""
+    repo = repo_root()
+    bed = Testbed().start()
+    try:
+        for args in (("apply", "-f", str(repo / "crds")),
+                     *(("create", "namespace", n) for n in ("team-a", "team-b", "team-c")),
+                     ("apply", "-k", str(repo / NAMESPACED)),
+                     ("wait", "--for=condition=Established", "--timeout=60s", "crd/compilationcaches.cachewarm.dev")):
+            done = bed.kubectl_run(*args)
+            assert done.returncode == 0, (args, done.stderr)
+        yield bed
+    finally:
+        bed.stop()
+
+
+def test_namespaced_install_runs_the_operator_in_its_namespaces_only(namespaced_install: Testbed,
+                                                                     tmp_path: Path) -> None:
+    bed = namespaced_install
+    who = f"--as=system:serviceaccount:{OPERATOR[0]}:{OPERATOR[1]}"
+    can = lambda *a: bed.kubectl_run("auth", "can-i", *a, who).stdout.strip() == "yes"  # noqa: E731
+    assert can("patch", "pods", "-n", "team-a") and can("create", "jobs.batch", "-n", "team-b")
+    for ns in ("team-c", "kube-system", "default"):
+        assert not can("patch", "pods", "-n", ns) and not can("create", "configmaps", "-n", ns), ns
+        assert not can("create", "jobs.batch", "-n", ns) and not can("list", "compilationcaches.cachewarm.dev", "-n", ns)
+    assert can("list", "customresourcedefinitions.apiextensions.k8s.io")
+    assert can("update", "mutatingwebhookconfigurations/cachewarm-pod-injector")
+    assert can("create", "tokenreviews.authentication.k8s.io")
+    kubeconfig = bed.service_account_kubeconfig(*OPERATOR, tmp_path / "kubeconfig")
+    handle = OperatorHandle(bed, kubeconfig, {
+        "CACHEWARM_NAMESPACES": "team-a,team-b", "CACHEWARM_RESYNC_SECONDS": "3", "CACHEWARM_GCP_PROJECT": "testbed",
+        "CACHEWARM_RETRY_DELAY_SECONDS": "0.5", "CACHEWARM_GCS_TIMEOUT_SECONDS": "2",
+        "CACHEWARM_POD_NAMESPACE": OPERATOR[0]})
+    try:
+        for ns in ("team-a", "team-c"):
+            bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "c"},
+                       "spec": {"storage": {"gcs": {"bucket": f"ns-{uuid.uuid4().hex[:8]}",
+                                                    "location": "us-central1"}}}}, ns)
+        eventually(lambda: ((bed.get_json("ccache", "c", "team-a") or {}).get("status") or {}).get(
+            "observedGeneration") == 1 or None, timeout=60, what="the cache in team-a reconciled")
+        eventually(lambda: all(h["clientConfig"].get("caBundle") for h in
+                               (bed.get_json("mutatingwebhookconfiguration", WEBHOOK, "") or {})["webhooks"]) or None,
+                   timeout=30, what="the webhook pointed at the operator")
+        # team-c is not watched: its cache has no status of the operator's (read once
+        # team-a's was reconciled; the operator never reads team-c, where RBAC would refuse
+        # it: no 403 in its log below).
+        unwatched = (bed.get_json("ccache", "c", "team-c") or {}).get("status") or {}
+        assert unwatched.get("observedGeneration", 0) == 0 and not unwatched.get("conditions"), unwatched
+    finally:
+        handle.stop()
+    # A right the namespaced install lacks shows up as a 403 in the operator's log.
+    log = handle.log.read_text(errors="replace")
+    assert not re.findall(r"User \"system:serviceaccount:cachewarm-system:[a-z-]+\" cannot [^\n]{0,200}", log)
