@@ -96,6 +96,7 @@ def enforced(installed: Testbed, operator_kubeconfig: Path, kube: KubeClient) ->
                                                   "-n", probe),
         "cachewarm-operator-webhook": lambda: op("replace", "-f", "-", body=hook),
         "cachewarm-injected-pods": lambda: as_admin(installed, "create", "--dry-run=server", "-f", "-", body=bad_pod),
+        "cachewarm-operator-own-objects": lambda: op("create", "secret", "generic", "probe", "-n", "cachewarm-system"),
     }
     for policy, attempt in probes.items():
         eventually(lambda: f"'{policy}'" in attempt()[1] or None, timeout=30, what=f"{policy} enforced")
@@ -219,10 +220,34 @@ def test_configmaps_only_the_caches_own(installed: Testbed, operator_kubeconfig:
                                                                  "cachewarm.dev/env-for": "other"}}}):
         refused_by("cachewarm-operator-configmaps",
                    as_operator(installed, operator_kubeconfig, "create", "-f", "-", body=body), message)
+    # Its own shape, in the cluster's own namespaces: refused.
+    system = copy.deepcopy(ours)
+    system["metadata"].update(namespace="kube-system", name=ours["metadata"]["name"] + "x")
+    refused_by("cachewarm-operator-configmaps",
+               as_operator(installed, operator_kubeconfig, "create", "-f", "-", body=system), "no ConfigMap in kube-*")
     # A change of an existing one: RBAC (get, create) refuses it before any policy.
     rc, out = as_operator(installed, operator_kubeconfig, "patch", "configmap", ours["metadata"]["name"], "-n", ns,
                           "--type=merge", "-p", '{"metadata":{"labels":{"x":"y"}}}')
     assert rc != 0 and "cannot patch resource" in out, out
+
+
+def test_own_secret_and_lease_only(installed: Testbed, operator: OperatorHandle, operator_kubeconfig: Path,
+                                   enforced: None) -> None:
+    """RBAC lets the operator create Secrets and Leases in cachewarm-system (it cannot name
+    what is created); the policy lets it create only its TLS Secret and its Lease, which the
+    session's operator made as it started (the suite's every reconcile needs its lead)."""
+    assert installed.get_json("lease", "cachewarm-operator", "cachewarm-system") is not None
+    made = installed.get_json("secret", "cachewarm-webhook-tls", "cachewarm-system")
+    assert made is not None and made["type"] == "kubernetes.io/tls"
+    token = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
+             "metadata": {"name": "kept-token", "namespace": "cachewarm-system",
+                          "annotations": {"kubernetes.io/service-account.name": "cachewarm-operator"}}}
+    refused_by("cachewarm-operator-own-objects",
+               as_operator(installed, operator_kubeconfig, "create", "-f", "-", body=token), "only its webhook's TLS")
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": "another", "namespace": "cachewarm-system"}, "spec": {}}
+    refused_by("cachewarm-operator-own-objects",
+               as_operator(installed, operator_kubeconfig, "create", "-f", "-", body=lease), "Lease cachewarm-operator")
 
 
 # --- 3. Jobs and Services: warmers only, without host access or privilege -------------------
@@ -250,11 +275,27 @@ def test_warmer_jobs_and_services_only(installed: Testbed, operator_kubeconfig: 
         ("hostnet", lambda p: p.update(hostNetwork=True), "host network"),
         ("hostpid", lambda p: p.update(hostPID=True), "host network, PID"),
         ("hostport", lambda p: p["containers"][0].update(ports=[{"containerPort": 80, "hostPort": 80}]), "host port"),
+        ("secret", lambda p: p["volumes"].append({"name": "s", "secret": {"secretName": "any"}}),
+         "only emptyDir volumes"),
+        ("projected", lambda p: p["volumes"].append(
+            {"name": "t", "projected": {"sources": [{"secret": {"name": "any"}}]}}), "only emptyDir volumes"),
+        ("envfrom", lambda p: p["containers"][0].update(envFrom=[{"secretRef": {"name": "any"}}]), "no envFrom"),
+        ("secretkey", lambda p: p["containers"][0].setdefault("env", []).append(
+            {"name": "X", "valueFrom": {"secretKeyRef": {"name": "any", "key": "k"}}}), "no envFrom"),
+        ("root", lambda p: p["containers"][0].update(securityContext={"runAsUser": 0}), "no pod security context"),
+        ("podroot", lambda p: p.update(securityContext={"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}}),
+         "no pod security context"),
+        ("node", lambda p: p.update(nodeName="control-plane"), "no pod security context, node"),
+        ("priority", lambda p: p.update(priorityClassName="system-node-critical"), "priority"),
     ]:
         body = copy.deepcopy(job)
         body["metadata"]["name"] = f"bad-{name}"
         change(body["spec"]["template"]["spec"])
         refuse(why, body)
+    # Never in the cluster's own namespaces, whatever it carries.
+    system = copy.deepcopy(job)
+    system["metadata"].update(name="in-kube-system", namespace="kube-system")
+    refuse("no warmer Job in kube-*", system)
     service = built[1]
     svc = lambda name, f: refused_by(  # noqa: E731
         "cachewarm-operator-services",
