@@ -245,5 +245,6 @@ def test_new_buckets_only_where_the_admin_allows(
     assert "already created 10 buckets for this namespace" in condition(obj, "BucketReady")["message"]
     assert gcs.lookup_bucket(eleventh) is None
     gcs.get_bucket(made[0]).delete()
-    wait_condition(installed, namespace, "eleventh", "Ready", "True")
+    # Counted again at the next listing of the project's buckets: one serves a minute.
+    wait_condition(installed, namespace, "eleventh", "Ready", "True", timeout=120)
     assert gcs.get_bucket(eleventh).labels["cachewarm-namespace"] == namespace
