@@ -333,13 +333,20 @@ def webhook_restored(installed: Testbed) -> Iterator[dict[str, Any]]:
     original = installed.get_json("mutatingwebhookconfiguration", WEBHOOK, "")
     assert original is not None
     yield original
-    current = installed.get_json("mutatingwebhookconfiguration", WEBHOOK, "")
-    assert current is not None
-    back = copy.deepcopy(original)
-    back["metadata"] = {"name": WEBHOOK, "labels": original["metadata"].get("labels", {}),
-                        "resourceVersion": current["metadata"]["resourceVersion"]}
-    rc, out = as_admin(installed, "replace", "-f", "-", body=back)
-    assert rc == 0, out
+
+    def put_back() -> bool | None:
+        # The session's operator, when it runs, rewrites its CA bundle and URL on its own
+        # (its certificate check, every second here): a replace between our read and write
+        # is a conflict, and the next attempt reads again.
+        current = installed.get_json("mutatingwebhookconfiguration", WEBHOOK, "")
+        assert current is not None
+        back = copy.deepcopy(original)
+        back["metadata"] = {"name": WEBHOOK, "labels": original["metadata"].get("labels", {}),
+                            "resourceVersion": current["metadata"]["resourceVersion"]}
+        rc, out = as_admin(installed, "replace", "-f", "-", body=back)
+        assert rc == 0 or "the object has been modified" in out, out
+        return rc == 0 or None
+    eventually(put_back, timeout=30, what="the webhook configuration put back")
 
 
 def test_webhook_configuration_only_its_client_config(installed: Testbed, operator_kubeconfig: Path, kube: KubeClient,
