@@ -82,9 +82,6 @@ def enforced(installed: Testbed, operator_kubeconfig: Path, kube: KubeClient) ->
     as_admin(installed, "create", "serviceaccount", "default", "-n", probe)  # or kube-controller-manager's
     assert as_admin(installed, "create", "-f", "-", body=pod("probe", probe))[0] == 0
     op = lambda *a, body=None: as_operator(installed, operator_kubeconfig, *a, "--dry-run=server", body=body)  # noqa: E731
-    hook = installed.get_json("mutatingwebhookconfiguration", WEBHOOK, "")
-    assert hook is not None
-    hook["webhooks"][0]["failurePolicy"] = "Fail"
     bad_pod = pod("probe-bad", probe, labels={"cachewarm.dev/cache": "x"},
                   volumes=[{"name": "cachewarm-reporter", "hostPath": {"path": "/"}}])
     probes = {
@@ -94,7 +91,9 @@ def enforced(installed: Testbed, operator_kubeconfig: Path, kube: KubeClient) ->
         "cachewarm-operator-jobs": lambda: op("create", "job", "probe", "--image=busybox", "-n", probe),
         "cachewarm-operator-services": lambda: op("create", "service", "clusterip", "probe", "--tcp=80:80",
                                                   "-n", probe),
-        "cachewarm-operator-webhook": lambda: op("replace", "-f", "-", body=hook),
+        "cachewarm-operator-webhook": lambda: op("patch", "mutatingwebhookconfiguration", WEBHOOK, "--type=json", "-p",
+                                                 json.dumps([{"op": "replace", "path": "/webhooks/0/failurePolicy",
+                                                              "value": "Fail"}])),
         "cachewarm-injected-pods": lambda: as_admin(installed, "create", "--dry-run=server", "-f", "-", body=bad_pod),
         "cachewarm-operator-own-objects": lambda: op("create", "secret", "generic", "probe", "-n", "cachewarm-system"),
     }
@@ -358,8 +357,9 @@ def test_webhook_configuration_only_its_client_config(installed: Testbed, operat
     changed = installed.get_json("mutatingwebhookconfiguration", WEBHOOK, "")
     assert changed is not None and changed["webhooks"][0]["clientConfig"]["url"].startswith("https://127.0.0.1")
 
-    # As the operator writes it: read, change, replace (kubectl replace would also rewrite
-    # kubectl's last-applied annotation, which the policy refuses on its own).
+    # With the operator's own verb, patch (its RBAC has no update), of the whole object as
+    # read and changed (kubectl would also rewrite its last-applied annotation, which the
+    # policy refuses on its own).
     hooks = DynamicClient(kube.api_client).resources.get(api_version="admissionregistration.k8s.io/v1",
                                                          kind="MutatingWebhookConfiguration")
 
@@ -367,7 +367,7 @@ def test_webhook_configuration_only_its_client_config(installed: Testbed, operat
         body = hooks.get(name=WEBHOOK).to_dict()
         change(body)
         try:
-            hooks.replace(body=body)
+            hooks.patch(name=WEBHOOK, body=body, content_type="application/merge-patch+json")
         except ApiException as exc:
             return exc.status or 1, str(exc.body)
         return 0, ""
@@ -576,7 +576,8 @@ def test_namespaced_install_runs_the_operator_in_its_namespaces_only(namespaced_
         assert not can("patch", "pods", "-n", ns) and not can("create", "configmaps", "-n", ns), ns
         assert not can("create", "jobs.batch", "-n", ns) and not can("list", "compilationcaches.cachewarm.dev", "-n", ns)
     assert can("list", "customresourcedefinitions.apiextensions.k8s.io")
-    assert can("update", "mutatingwebhookconfigurations/cachewarm-pod-injector")
+    assert can("patch", "mutatingwebhookconfigurations/cachewarm-pod-injector")
+    assert not can("update", "mutatingwebhookconfigurations/cachewarm-pod-injector")
     assert can("create", "tokenreviews.authentication.k8s.io")
     kubeconfig = bed.service_account_kubeconfig(*OPERATOR, tmp_path / "kubeconfig")
     handle = OperatorHandle(bed, kubeconfig, {

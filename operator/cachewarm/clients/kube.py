@@ -144,26 +144,34 @@ class KubeClient:
     def set_webhook_client_config(self, configuration: str, ca_pem: bytes, url: str | None) -> int:
         """Point every webhook of MutatingWebhookConfiguration `configuration` at our
         endpoint: the CA bundle, and the URL when given (else its Service stays). Returns
-        how many webhooks were changed; 0 means it already pointed at us.
-        Raises KubeError (404 when the configuration is not installed)."""
+        how many webhooks were changed; 0 means it already pointed at us. A JSON patch of
+        each webhook's clientConfig alone, on the resourceVersion read (a field this client
+        does not model is never dropped, and the policy cachewarm-operator-webhook allows
+        exactly this). Raises KubeError (404 when the configuration is not installed, 409/422
+        when it changed since it was read: the next check tries again)."""
         api = client.AdmissionregistrationV1Api(self.api_client)
         current: Any = None
         with _errors(f"reading MutatingWebhookConfiguration {configuration}"):
             current = api.read_mutating_webhook_configuration(configuration, _request_timeout=self.timeout)
         bundle = base64.b64encode(ca_pem).decode()
+        ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/resourceVersion",
+                                      "value": current.metadata.resource_version}]
         changed = 0
-        for hook in current.webhooks or []:
+        for i, hook in enumerate(current.webhooks or []):
             cc = hook.client_config
             wanted_url = url if url else cc.url
-            if cc.ca_bundle != bundle or cc.url != wanted_url:
-                cc.ca_bundle = bundle
-                if url:
-                    cc.url = url
-                    cc.service = None
-                changed += 1
+            if cc.ca_bundle == bundle and cc.url == wanted_url:
+                continue
+            changed += 1
+            ops += [{"op": "test", "path": f"/webhooks/{i}/name", "value": hook.name},
+                    {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle}]
+            if url:
+                ops.append({"op": "add", "path": f"/webhooks/{i}/clientConfig/url", "value": url})
+                if cc.service is not None:
+                    ops.append({"op": "remove", "path": f"/webhooks/{i}/clientConfig/service"})
         if changed:
             with _errors(f"updating MutatingWebhookConfiguration {configuration}"):
-                api.replace_mutating_webhook_configuration(configuration, current, _request_timeout=self.timeout)
+                api.patch_mutating_webhook_configuration(configuration, ops, _request_timeout=self.timeout)
         return changed
 
     def post_event(self, involved: dict[str, Any], *, type: str, reason: str, message: str,
