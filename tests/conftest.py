@@ -104,6 +104,10 @@ OPERATOR_ENV = {
     # An admin's limits on the buckets caches may create (tests/e2e/test_bucket_consent.py).
     "CACHEWARM_BUCKET_LOCATIONS": "us-central1",
     "CACHEWARM_BUCKET_STORAGE_CLASSES": "STANDARD,NEARLINE",
+    # The project's buckets listed at every creation: test_bucket_consent makes buckets with
+    # creation labels by hand, which a listing kept for a minute (the default) would count
+    # only from its next listing (that reuse is a unit test's, test_consent_decisions).
+    "CACHEWARM_BUCKET_COUNT_SECONDS": "0",
     # status.usage is written every 30 s in a cluster; test_reports reads it sooner.
     "CACHEWARM_USAGE_FLUSH_SECONDS": "1",
 }

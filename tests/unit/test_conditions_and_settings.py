@@ -122,6 +122,8 @@ def test_wrong_namespaces_say_what_is_wrong(monkeypatch: pytest.MonkeyPatch, val
     ("CACHEWARM_BUCKETS_PER_NAMESPACE", "-1"),
     ("CACHEWARM_BUCKETS_PER_NAMESPACE", "ten"),
     ("CACHEWARM_BUCKETS_PER_NAMESPACE", "10001"),
+    ("CACHEWARM_BUCKET_COUNT_SECONDS", "-1"),
+    ("CACHEWARM_BUCKET_COUNT_SECONDS", "a minute"),
 ])
 def test_bad_settings_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)

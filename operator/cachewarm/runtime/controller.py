@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from cachewarm.api import constants as c
 from cachewarm.api import timefmt
+from cachewarm.reconcile.bucket import CreatedCounts
 from cachewarm.reconcile.cache import CacheObject, Outcome, Wiring, claim_of, delete_cache, reconcile_cache
 from cachewarm.reconcile import pods as held_pods
 from cachewarm.reconcile import status as cache_status
@@ -148,6 +149,7 @@ class Controller:
             instance=settings.instance,
             limits=CreationLimits(frozenset(settings.bucket_locations), frozenset(settings.bucket_storage_classes),
                                   settings.buckets_per_namespace),
+            created_counts=CreatedCounts(ttl=settings.bucket_count_seconds),
             warm_retry=WarmRetry(settings.warm_retries, settings.warm_retry_seconds),
             inventory_every=dt.timedelta(seconds=settings.inventory_seconds))
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -52,6 +52,12 @@ class Settings(BaseSettings):
         description="Buckets cachewarm creates for one namespace, at most (those that exist, by their creation "
                     "labels); 0: caches may only use buckets that exist and are granted to them.",
     )
+    bucket_count_seconds: float = Field(
+        default=60.0, ge=0, le=3600,
+        description="How long one listing of the project's buckets serves the per-namespace count "
+                    "(buckets_per_namespace) for every namespace; the operator adds the buckets it creates meanwhile, "
+                    "and one made or deleted by anyone else counts from the next listing. 0 lists at every creation.",
+    )
     instance: str = Field(
         default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$",
         description="This operator's name on GCS buckets (lowercase letter first, then letters, digits, - or _; "
