@@ -30,10 +30,13 @@ ENTRY = "jit_step-" + "ab" * 32 + "-cache"
 THEIRS = {"action": {"type": "Delete"}, "condition": {"age": 365, "matchesPrefix": ["logs/"]}}
 
 
-def new_bucket(gcs: storage.Client, **labels: str) -> str:
+def new_bucket(gcs: storage.Client, granted: bool = True, **labels: str) -> str:
+    """A bucket its owner made and (`granted`) granted whole to namespace ns, for the operator
+    instances these tests run (default, ops-a, ops-b); its other labels as given."""
     name = f"it-{uuid.uuid4().hex[:10]}"
     bucket = gcs.bucket(name)
-    bucket.labels = labels
+    grants = dict(b.grant_label("ns", "", instance) for instance in ("default", "ops-a", "ops-b")) if granted else {}
+    bucket.labels = {**grants, **labels}
     gcs.create_bucket(bucket, location="us-central1")
     return name
 
@@ -64,7 +67,7 @@ def test_stale_metageneration_is_refused_with_412(storage_only: storage.Client) 
 
 
 def test_labels_are_merged_and_removed_as_gcs_patch_does(storage_only: storage.Client, storage_bed: Testbed) -> None:
-    name = new_bucket(storage_only, team="a", old="x")
+    name = new_bucket(storage_only, granted=False, team="a", old="x")
     # A PATCH naming one label, as other tools send it: GCS keeps the others.
     requests.patch(f"{storage_bed.storage_emulator_host}/storage/v1/b/{name}", json={"labels": {"added": "y"}},
                    timeout=10).raise_for_status()
