@@ -52,9 +52,10 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
 DELETE = object()
 
 
-def with_local_copy(local_copy: dict[str, Any], mode: Any = "ReadOnly", jax: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A valid cache whose injection has `local_copy` (mode DELETE leaves mode unset)."""
-    injection: dict[str, Any] = {"localCopy": local_copy}
+def with_local_copy(local_copy: Any, mode: Any = "ReadOnly", jax: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A valid cache whose injection has `local_copy` (mode DELETE leaves mode unset;
+    local_copy DELETE: readFrom LocalCopy instead)."""
+    injection: dict[str, Any] = {"localCopy": local_copy} if local_copy is not DELETE else {"readFrom": "LocalCopy"}
     if mode is not DELETE:
         injection["mode"] = mode
     obj = with_change("spec.injection", injection)
@@ -189,6 +190,21 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
      'injection.localCopy needs jax.enableXlaCaches "none"'),
     ("local-copy-xla-cache-list", with_local_copy({}, jax={"enableXlaCaches": "xla_gpu_kernel_cache_file"}),
      'injection.localCopy needs jax.enableXlaCaches "none"'),
+    # spec.injection.readFrom (issue 30)
+    ("read-from-unknown", with_change("spec.injection", {"readFrom": "Disk"}),
+     'spec.injection.readFrom: Unsupported value: "Disk": supported values: "LocalCopy", "Bucket"'),
+    ("read-from-bucket-with-local-copy", with_change("spec.injection", {"readFrom": "Bucket", "localCopy": {}}),
+     "injection.readFrom Bucket turns the local copy off, and injection.localCopy configures one"),
+    ("read-from-local-copy-read-write", with_change("spec.injection", {"readFrom": "LocalCopy", "mode": "ReadWrite"}),
+     "injection.readFrom LocalCopy needs injection.mode ReadOnly"),
+    ("read-from-local-copy-xla-caches",
+     with_local_copy(DELETE, mode=DELETE, jax={"enableXlaCaches": "all"}),
+     'injection.readFrom LocalCopy needs jax.enableXlaCaches "none"'),
+    # spec.warmup.minCompileTimeSecs (issue 30)
+    ("warmup-min-compile-negative", with_change("spec.warmup.minCompileTimeSecs", -1),
+     "spec.warmup.minCompileTimeSecs in body should be greater than or equal to 0"),
+    ("warmup-min-compile-string", with_change("spec.warmup.minCompileTimeSecs", "1s"),
+     "spec.warmup.minCompileTimeSecs: Invalid value"),
 ]
 
 
@@ -227,11 +243,21 @@ def test_local_copy_is_stored_with_its_defaults(crd_installed: Testbed, namespac
     assert stored["spec"]["jax"]["enableXlaCaches"] == "none"
 
 
-def test_local_copy_is_absent_by_default(crd_installed: Testbed, namespace: str) -> None:
+def test_local_copy_and_read_from_are_not_written_into_stored_caches(crd_installed: Testbed, namespace: str) -> None:
+    # The local copy is the default read path (issue 30), decided by the operator at each
+    # read (api/model.CacheSpec), not by a CRD default that would be written into objects.
     code, out = create(crd_installed, namespace, valid_cache())
     assert code == 0, out
     stored = json.loads(crd_installed.kubectl_run("get", "ccache", "llama", "-n", namespace, "-o", "json").stdout)
-    assert "localCopy" not in stored["spec"]["injection"]
+    assert "localCopy" not in stored["spec"]["injection"] and "readFrom" not in stored["spec"]["injection"]
+    assert "minCompileTimeSecs" not in stored["spec"]["warmup"]
+
+
+@pytest.mark.parametrize("injection", [{"readFrom": "Bucket"}, {"readFrom": "LocalCopy"},
+                                       {"readFrom": "LocalCopy", "localCopy": {"sizeLimit": "1Gi"}}])
+def test_read_from_values_are_accepted(crd_installed: Testbed, namespace: str, injection: dict[str, Any]) -> None:
+    code, out = create(crd_installed, namespace, with_change("spec.injection", injection))
+    assert code == 0, out
 
 
 @pytest.mark.parametrize(("local_copy", "jax"), [

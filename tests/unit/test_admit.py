@@ -57,7 +57,26 @@ def test_injection_sets_env_and_annotation_without_gate_by_default() -> None:
     assert answer.injected and "schedulingGates" not in answer.spec
     # A spec without a mode reads only (D6: the CRD's default, and the model's).
     assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadOnly, gs://b-1/p)"}
-    assert answer.warnings == []
+    # The default read path is a local copy; without a warmer image (the copier's) none can be made.
+    assert answer.warnings == ["cachewarm: CompilationCache 'llama' gives pods a local copy by default, which this "
+                               "pod cannot get (a Windows pod, a volume of its own named cachewarm-cache, "
+                               "cachewarm-boot, cachewarm-reporter or cachewarm-report-token, or a mount of one, or "
+                               "one mounted at /cachewarm-cache, /cachewarm-boot, /cachewarm-copy, /cachewarm-reporter "
+                               "or /var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket"]
+
+
+def test_a_cache_that_sets_neither_local_copy_nor_read_from_gives_pods_the_default_local_copy() -> None:
+    image = {"containers": [{"name": "train", "image": "team/train:1"}]}
+    answer = admit.admit_pod(pod(**image), lookup(entry({**SPEC, "warmup": WARMUP})), warmer_image="w@sha256:" + "a" * 64)
+    assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadOnly, gs://b-1/p, local copy)"}
+    env = {e["name"]: e["value"] for e in answer.spec["containers"][0]["env"]}
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache" and answer.warnings == []
+    assert [v["name"] for v in answer.spec["volumes"] if v["name"] == "cachewarm-cache"] == ["cachewarm-cache"]
+    # readFrom Bucket: the pod reads gs:// directly, no copy.
+    bucket = admit.admit_pod(pod(**image), lookup(entry({**SPEC, "warmup": WARMUP, "injection": {"readFrom": "Bucket"}})),
+                             warmer_image="w@sha256:" + "a" * 64)
+    env = {e["name"]: e["value"] for e in bucket.spec["containers"][0]["env"]}
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p" and "volumes" not in bucket.spec
 
 
 def test_wait_for_warm_gates_only_until_warmed_and_keeps_other_gates() -> None:

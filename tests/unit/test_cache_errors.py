@@ -225,7 +225,7 @@ def test_an_env_configmap_that_cannot_be_read_is_a_condition_and_the_rest_is_rep
 
 
 def test_the_env_configmap_holds_the_pod_env_and_is_owned_by_the_cache(kube: MemoryKube) -> None:
-    outcome = reconcile(kube, FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly"}})
+    outcome = reconcile(kube, FakeGcs(), {**spec(), "injection": {"mode": "ReadOnly", "readFrom": "Bucket"}})
     [cm] = kube.configmaps.values()
     assert cm["metadata"]["name"].startswith("cachewarm-llama-env-") and cm["metadata"]["namespace"] == "ml"
     assert cm["metadata"]["ownerReferences"][0]["uid"] == "u-1"

@@ -182,9 +182,19 @@ def test_injection_mode_wrong_is_refused() -> None:
         parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": {"mode": "WriteOnly"}})
 
 
-def test_local_copy_is_off_by_default_and_reads_the_crd_defaults() -> None:
+def test_local_copy_is_on_by_default_where_the_cache_allows_one_and_reads_the_crd_defaults() -> None:
     gcs = {"bucket": "b-1", "location": "US"}
-    assert parse_spec({"storage": {"gcs": gcs}}).injection.local_copy is None
+    default = parse_spec({"storage": {"gcs": gcs}}).injection
+    assert default.local_copy == parse_spec({"storage": {"gcs": gcs}, "injection": {"localCopy": {}}}).injection.local_copy
+    assert default.local_copy_by_default
+    # Not where it cannot be: readFrom Bucket, ReadWrite pods, XLA's caches on.
+    for spec in ({"injection": {"readFrom": "Bucket"}}, {"injection": {"mode": "ReadWrite"}},
+                 {"jax": {"enableXlaCaches": "all"}}):
+        cache = parse_spec({"storage": {"gcs": gcs}, **spec})
+        assert cache.injection.local_copy is None and cache.read_path()[0] == "Bucket", spec
+    # Named: the same copy, not "by default"; and a user cannot claim the default flag.
+    named = parse_spec({"storage": {"gcs": gcs}, "injection": {"readFrom": "LocalCopy", "localCopyByDefault": True}})
+    assert named.injection.local_copy == default.local_copy and not named.injection.local_copy_by_default
     cache = parse_spec({"storage": {"gcs": gcs}, "injection": {"mode": "ReadOnly", "localCopy": {}}})
     local = cache.injection.local_copy
     assert local is not None

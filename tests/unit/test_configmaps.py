@@ -23,7 +23,9 @@ from memkube import MemoryKube
 
 NS, NAME, UID = "ml", "llama", "u-1"
 OWNER = {"name": NAME, "uid": UID}
-CACHE = parse_spec({"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}})
+# Pods read the bucket: no boot ConfigMap (the local copy is the default, so say so).
+CACHE = parse_spec({"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
+                    "injection": {"readFrom": "Bucket"}})
 LOCAL = parse_spec({"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
                     "injection": {"mode": "ReadOnly", "localCopy": {"sizeLimit": "1Gi"}}})
 NOW = dt.datetime(2026, 11, 22, 7, 0, tzinfo=dt.timezone.utc)

@@ -8,7 +8,7 @@ import pytest
 
 from cachewarm.builders import injection
 from cachewarm.builders.injection import Kept, cache_env, env_configmap, env_configmap_name, inject_pod
-from cachewarm.api.model import CacheSpec, parse_spec
+from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
 
 
 def spec(mode: str = "ReadWrite", prefix: str = "llama", **jax: Any) -> CacheSpec:
@@ -28,12 +28,24 @@ def as_dict(env: list[dict[str, str]]) -> dict[str, str]:
 @pytest.mark.parametrize(("cache", "role", "min_compile"), [
     (spec("ReadWrite"), "pod", "1.0"),
     (spec("ReadOnly"), "pod", "1e9"),
-    (spec("ReadOnly"), "warmer", "1.0"),
-    (spec("ReadOnly", minCompileTimeSecs=0.25), "warmer", "0.25"),
+    # The warmer writes every program (issue 30): jax.minCompileTimeSecs is the pods' (ReadWrite).
+    (spec("ReadOnly"), "warmer", "0.0"),
+    (spec("ReadOnly", minCompileTimeSecs=0.25), "warmer", "0.0"),
     (spec("ReadWrite", minCompileTimeSecs=2), "pod", "2.0"),
 ])
 def test_min_compile_time_by_role_and_mode(cache: CacheSpec, role: Any, min_compile: str) -> None:
     assert as_dict(cache_env(cache, role))["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == min_compile
+
+
+def test_the_warmers_threshold_is_warmup_min_compile_time_secs() -> None:
+    warmup = {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}
+    body = {"storage": {"gcs": {"bucket": "b", "location": "US"}}, "jax": {"minCompileTimeSecs": 2}}
+    cache = parse_spec({**body, "warmup": {**warmup, "minCompileTimeSecs": 0.5}})
+    assert as_dict(cache_env(cache, "warmer"))["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0.5"
+    assert as_dict(cache_env(parse_spec({**body, "warmup": warmup}), "warmer"))[
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0.0"
+    with pytest.raises(InvalidSpec, match=r"spec\.warmup\.minCompileTimeSecs"):
+        parse_spec({**body, "warmup": {**warmup, "minCompileTimeSecs": -1}})
 
 
 def test_pod_and_warmer_point_at_the_same_cache_bytes() -> None:
@@ -142,7 +154,8 @@ def test_the_env_configmap_is_the_pod_env_owned_by_the_cache() -> None:
     assert cm["immutable"] is True and cm["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cachewarm"
     assert cm["metadata"]["annotations"] == {"cachewarm.dev/content-sha256": injection.configmap_sha256(cm["data"])}
     assert injection.body_sha256(cm) == injection.configmap_sha256(cm["data"])
-    assert cm["data"] == as_dict(cache_env(spec("ReadOnly"), "pod"))
+    # Its containers may be in a pod that got no copy: they read the bucket.
+    assert cm["data"] == as_dict(cache_env(spec("ReadOnly"), "pod", local=False))
     assert cm["metadata"]["ownerReferences"] == [{"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
                                                   "name": "llama", "uid": "u-1", "controller": True,
                                                   "blockOwnerDeletion": True}]

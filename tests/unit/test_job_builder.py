@@ -64,7 +64,7 @@ def test_h100_pool() -> None:
     assert container["command"] == ["python", "/cachewarm/warm.py", "targets", "--parallel=1", "train.warm:targets"]
     assert env(job) == {
         "JAX_COMPILATION_CACHE_DIR": "gs://team-cache/llama",
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2.0",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.0",  # the warmer writes every program (warmup.minCompileTimeSecs unset); jax.minCompileTimeSecs is the pods'
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none",
         "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -185,7 +185,8 @@ def test_a_local_copy_cache_is_warmed_again_for_a_trusted_manifest() -> None:
     # reported; pools warmed before that get a new hash (one more warm). Caches without a
     # local copy keep theirs (no re-warm on upgrade).
     pools = [{"name": "g", "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}]
-    plain = cache(pools)
+    default = cache(pools)
+    plain = default.model_copy(update={"injection": default.injection.model_copy(update={"local_copy": None})})
     copied = plain.model_copy(update={"injection": plain.injection.model_copy(
         update={"local_copy": parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}},
                                           "injection": {"mode": "ReadOnly", "localCopy": {}}}).injection.local_copy})})
@@ -193,6 +194,9 @@ def test_a_local_copy_cache_is_warmed_again_for_a_trusted_manifest() -> None:
     # (That a cache without a local copy keeps the hash it had is pinned by the golden
     # snapshots, tests/golden/operator-*.json, whose specHash values predate issue 28.)
     assert jb.spec_hash(copied, pool) != jb.spec_hash(plain, pool)
+    # Issue 30: the local copy is the default, so a cache that sets neither localCopy nor
+    # readFrom is a local-copy cache: its pools are warmed again on upgrade (CHANGELOG).
+    assert jb.spec_hash(default, pool) == jb.spec_hash(copied, pool)
 
 
 @pytest.mark.parametrize(("pool", "hosts"), [

@@ -36,8 +36,9 @@ def test_read_write_says_why_and_how_to_switch() -> None:
 
 
 @pytest.mark.parametrize(("local", "status", "reason", "said"), [
-    pytest.param(None, True, "NoLocalCopy", "pods read the bucket", id="none"),
-    pytest.param({}, True, "PerPodCopy", "own EmptyDir copy", id="empty-dir"),
+    pytest.param(None, True, "PerPodCopy", "own EmptyDir copy of at most 10Gi (the default: spec.injection sets "
+                 "neither localCopy nor readFrom", id="none"),
+    pytest.param({}, True, "PerPodCopy", "own EmptyDir copy of at most 10Gi;", id="empty-dir"),
     pytest.param({"volume": "Ephemeral"}, True, "PerPodCopy", "own Ephemeral copy", id="ephemeral"),
     pytest.param({"volume": "HostPath", "hostPath": "/mnt/ssd", "sizeLimit": "375Gi"}, False, "HostPathWithdrawn",
                  "EmptyDir copy of 375Gi instead", id="host-path"),
@@ -49,6 +50,17 @@ def test_local_copy_as_specified(local: dict[str, Any] | None, status: bool, rea
     cond = local_copy_as_specified(cache(injection))
     assert (cond.type, cond.status, cond.reason) == ("LocalCopyAsSpecified", status, reason)
     assert said in cond.message
+
+
+@pytest.mark.parametrize(("spec", "said"), [
+    pytest.param({"injection": {"readFrom": "Bucket"}}, "spec.injection.readFrom is Bucket", id="read-from-bucket"),
+    pytest.param({"injection": {"mode": "ReadWrite"}}, "mode is ReadWrite", id="read-write"),
+    pytest.param({"jax": {"enableXlaCaches": "all"}}, "enableXlaCaches is 'all'", id="xla-caches"),
+])
+def test_pods_that_read_the_bucket_are_told_why(spec: dict[str, Any], said: str) -> None:
+    cond = local_copy_as_specified(parse_spec({"storage": {"gcs": {"bucket": "b", "location": "US"}}, **spec}))
+    assert (cond.status, cond.reason) == (True, "NoLocalCopy")
+    assert "Pods read the bucket (gs://b) directly" in cond.message and said in cond.message
 
 
 def test_host_path_message_says_why_and_what_to_do() -> None:

@@ -98,7 +98,9 @@ def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, repo
     if cache.injection.local_copy is not None and not local_copy_possible(pod_spec, warmer_image):
         # No copy (no warmer image configured, a Windows pod): the pod reads the bucket.
         cache = _with_local(cache, None)
-        warnings.append(f"cachewarm: CompilationCache {cache_name!r} asks for a local copy, which this pod "
+        asks = "gives pods a local copy by default" if cache.injection.local_copy_by_default else \
+            "asks for a local copy"
+        warnings.append(f"cachewarm: CompilationCache {cache_name!r} {asks}, which this pod "
                         "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
                         "cachewarm-reporter or cachewarm-report-token, or a mount of one, or one mounted at "
                         "/cachewarm-cache, /cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or "

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from croniter import CroniterBadDateError, croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 # A cron schedule as the CRD's pattern has it: an @alias or exactly five fields.
@@ -85,12 +85,22 @@ class LocalCopy(_Model):
     timeout_seconds: int = Field(default=300, alias="timeoutSeconds", ge=1, le=3600)
 
 
+ReadFrom = Literal["LocalCopy", "Bucket"]
+
+
 class Injection(_Model):
     # The CRD's default; objects stored while it was ReadWrite carry that value explicitly.
     mode: Literal["ReadWrite", "ReadOnly"] = "ReadOnly"
     wait_for_warm: WaitForWarm = Field(default_factory=WaitForWarm, alias="waitForWarm")
     report: bool = True
+    # The copy pods read, as the operator decided it (CacheSpec.read_path): the spec's
+    # localCopy, or the default one, or None where pods read the bucket.
     local_copy: LocalCopy | None = Field(default=None, alias="localCopy")
+    # What the user wrote in spec.injection.readFrom (None: not set, the operator decides).
+    read_from: ReadFrom | None = Field(default=None, alias="readFrom")
+    # Set by CacheSpec's parsing only (the CRD has no such field, so the apiserver prunes it
+    # from what users write): local_copy is the default copy, not the spec's.
+    local_copy_by_default: bool = Field(default=False, alias="localCopyByDefault")
 
 
 class Accelerator(_Model):
@@ -132,6 +142,8 @@ class Warmup(_Model):
     # The CRD's rule, to the letter: an interpreter's name or absolute path, nothing else.
     python: str = Field(default="python", pattern=r"^(/[A-Za-z0-9._+-]+)*/?python[0-9.]*$")
     working_dir: str | None = Field(default=None, alias="workingDir")
+    # The warmers' write threshold (the CRD has no default: 0, every program compiled).
+    min_compile_time_secs: float = Field(default=0.0, alias="minCompileTimeSecs", ge=0)
     parallelism: int = Field(default=1, ge=1)
     backoff_limit: int = Field(default=1, alias="backoffLimit", ge=0)
     active_deadline_seconds: int = Field(default=3600, alias="activeDeadlineSeconds", ge=1)
@@ -167,6 +179,47 @@ class CacheSpec(_Model):
     jax: JaxSettings = Field(default_factory=JaxSettings)
     injection: Injection = Field(default_factory=Injection)
     warmup: Warmup | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_read_path(cls, data: Any) -> Any:
+        """The read path decided here, once, for every reader of the spec (webhook, status,
+        Jobs): readFrom LocalCopy is a localCopy of LocalCopy's defaults; a ReadOnly cache with XLA's caches off whose spec sets neither
+        injection.localCopy nor injection.readFrom gets the default local copy (an EmptyDir
+        of LocalCopy's defaults, `local_copy_by_default`). Not a CRD default: that would be
+        written into stored objects as they are read, switching them silently and for good;
+        here it is a decision the LocalCopyAsSpecified condition states (read_path)."""
+        if not isinstance(data, Mapping):
+            return data
+        injection = data.get("injection")
+        injection = dict(injection) if isinstance(injection, Mapping) else {}
+        given = data.get("jax")
+        jax: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+        injection.pop("localCopyByDefault", None)
+        injection.pop("local_copy_by_default", None)
+        if injection.get("localCopy") is None and injection.get("readFrom") == "LocalCopy":
+            injection["localCopy"] = {}  # asked for by name, with LocalCopy's defaults
+        elif injection.get("localCopy") is None and injection.get("readFrom") is None \
+                and injection.get("mode", "ReadOnly") == "ReadOnly" and jax.get("enableXlaCaches", "none") == "none":
+            injection["localCopy"] = {}
+            injection["localCopyByDefault"] = True
+        return {**data, "injection": injection}
+
+    def read_path(self) -> tuple[ReadFrom, str]:
+        """(where pods read the cache, why), in words for the LocalCopyAsSpecified condition."""
+        injection = self.injection
+        if injection.local_copy is not None:
+            if injection.local_copy_by_default:
+                return "LocalCopy", ("the default: spec.injection sets neither localCopy nor readFrom; set "
+                                     "spec.injection.readFrom to Bucket for pods to read gs:// directly")
+            return "LocalCopy", "spec.injection.localCopy"
+        if injection.read_from == "Bucket":
+            return "Bucket", "spec.injection.readFrom is Bucket"
+        if injection.mode != "ReadOnly":
+            return "Bucket", ("spec.injection.mode is ReadWrite: a pod's new entries must reach the bucket, so it "
+                              "gets no local copy")
+        return "Bucket", (f"spec.jax.enableXlaCaches is {self.jax.enable_xla_caches!r}: with XLA's caches on, the "
+                          "cache directory is part of every key, so a local copy would never hit")
 
 
 def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:

@@ -35,18 +35,20 @@ def _number(value: float) -> str:
 def cache_env(cache: CacheSpec, role: Role, *, local: bool = True) -> list[dict[str, str]]:
     """Env vars (name/value dicts, in a stable order) that point JAX at this cache.
 
-    A `warmer` always writes; a `pod` writes only in ReadWrite mode, and reads its local
+    A `warmer` always writes, every program that took warmup.minCompileTimeSecs (default 0);
+    a `pod` writes only in ReadWrite mode (jax.minCompileTimeSecs), and reads its local
     copy where spec.injection.localCopy is set (ReadOnly only: the CRD says so) unless
     `local` is false (the ConfigMap for envFrom containers, which may be in a pod that got
     no copy: they read the bucket).
     """
     gcs = cache.storage.gcs
     directory = c.LOCAL_COPY_DIR if role == "pod" and local and cache.injection.local_copy is not None else gcs.url
-    min_compile = (
-        READ_ONLY_MIN_COMPILE_SECS
-        if role == "pod" and cache.injection.mode == "ReadOnly"
-        else _number(cache.jax.min_compile_time_secs)
-    )
+    if role == "warmer":  # the one writer, writing once: every program unless the cache says otherwise
+        min_compile = _number(cache.warmup.min_compile_time_secs if cache.warmup is not None else 0.0)
+    elif cache.injection.mode == "ReadOnly":
+        min_compile = READ_ONLY_MIN_COMPILE_SECS
+    else:
+        min_compile = _number(cache.jax.min_compile_time_secs)
     return [
         {"name": c.ENV_CACHE_DIR, "value": directory},
         {"name": c.ENV_MIN_COMPILE_TIME, "value": min_compile},

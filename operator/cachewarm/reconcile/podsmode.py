@@ -1,6 +1,7 @@
 """What a cache's spec makes of its training pods, said as conditions: PodsReadOnly (only
 warmers write, or pods may write entries every later reader runs) and LocalCopyAsSpecified
-(a cache stored with the withdrawn HostPath copy gets an EmptyDir one; pools whose warmers
+(which copy pods read, the default one included, or why they read the bucket; a cache stored
+with the withdrawn HostPath copy gets an EmptyDir one; pools whose warmers
 recorded no manifest generation give pods an empty copy). Pure: from the spec and the
 pools' status, so a repeated reconcile says the same."""
 
@@ -45,9 +46,10 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
     (NoTrustedManifest) while every pool lacks a manifest generation (pods' copies are
     empty: a silent cold start otherwise); True otherwise, naming pools still without one."""
     local = cache.injection.local_copy
+    _, why = cache.read_path()
     if local is None:
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.NO_LOCAL_COPY,
-                    "No local copy asked for: pods read the bucket")
+                    f"Pods read the bucket ({cache.storage.gcs.url}) directly, with no local copy: {why}"[:1000])
     if local.volume == "HostPath":
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.HOST_PATH_WITHDRAWN,
                     f"localCopy.volume HostPath is withdrawn: a copy shared between pods is a writable mount another "
@@ -61,8 +63,12 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
                     "entrypoint runs in a child process never can: give warmup.targets)"[:1000])
     some = (f"; pools without a recorded manifest give nothing ({', '.join(untrusted)}): pods of only those "
             "pools start cold" if untrusted else "")
+    default = (f" ({why}; operators before this one gave such a cache no copy: its pods read the bucket, see "
+               "CHANGELOG.md)" if cache.injection.local_copy_by_default else "")
     return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.PER_POD_COPY,
-                f"Each pod gets its own {local.volume} copy{some}"[:1000])
+                f"Each pod gets its own {local.volume} copy of at most {local.size_limit}{default}{some}; a pod that "
+                "cannot have one (a Windows pod, volumes of its own named like cachewarm's) reads the bucket, and "
+                "the webhook's warning and the pod's cachewarm.dev/injected annotation say so"[:1000])
 
 
 def spec_conditions(cache: CacheSpec, name: str, pools: Sequence[Mapping[str, Any]] = ()) -> list[Cond]:
