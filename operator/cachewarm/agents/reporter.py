@@ -67,9 +67,38 @@ DURATION_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 DURATION_COMPILE = "/jax/core/compile/backend_compile_duration"
 MISS_LOG = "PERSISTENT COMPILATION CACHE MISS for"
 HIT_LOG = "Persistent compilation cache hit for"
+# JAX 0.10's records of a compile it did not write (compiler._cache_write), at DEBUG: a
+# program with a host callback is never written (NotCacheable), one that compiled faster
+# than jax_persistent_cache_min_compile_time_secs is not written (its own compile seconds
+# are the record's last argument, as they are in the record of one that is written).
+NOT_WRITTEN_LOG = "Not writing persistent cache entry for"
+HOST_CALLBACKS_WORDS = "host callbacks"
+COMPILE_TOOK_WORDS = "seconds to compile"
+ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"  # a local path: its entries are listed once, at jax import
+# JAX's helper programs: the one-primitive programs jax.numpy and eager ops compile under
+# JAX's own names (`jit_<primitive>`). Counted apart from the user's in userCompileRequests
+# and userHits; the list is the rule (tests/unit/test_misses.py pins it), a program of a
+# user named like one of these counts as a helper.
+HELPER_PROGRAMS = frozenset(
+    "jit_" + name for name in (
+        "convert_element_type", "broadcast_in_dim", "iota", "gather", "scatter", "scatter_add",
+        "dynamic_slice", "dynamic_update_slice", "_multi_slice", "slice", "concatenate", "reshape",
+        "squeeze", "expand_dims", "transpose", "select_n", "pad", "rev", "copy", "device_put",
+        "add", "sub", "mul", "div", "neg", "max", "min", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
+        "not", "abs", "sign", "exp", "log", "sqrt", "rsqrt", "pow", "integer_pow", "reduce_sum",
+        "reduce_max", "reduce_min", "argmax", "argmin", "cumsum", "sort", "clamp", "_where",
+        "_reduce_sum", "_reduce_max", "_mean", "_var", "_einsum", "_unstack", "_split", "remainder",
+        "floor", "ceil", "round", "sin", "cos", "tanh", "logistic", "erf", "dot_general", "square",
+        "_rbg_split", "_threefry_split", "_threefry_seed", "threefry2x32", "random_bits", "random_seed",
+        "random_wrap", "random_unwrap", "_uniform", "_normal", "_randint", "_gamma", "_bernoulli"))
 
 MAX_MISSES = 20  # the last programs that missed, with their keys
 MAX_HIT_KEYS = 20  # the last distinct entries hit (program and key): `cachewarm inspect` names their pods
+MAX_PROGRAMS_KEPT = 200  # programs tallied by name in the process (past it, the cheapest is forgotten)
+MAX_PROGRAMS = 20  # of those, the report names the ones that cost the most seconds
+MAX_PROGRAM_KEYS = 4  # key hashes kept per program (the ones it missed with; the cache's for it)
+KEY_HASH_CHARS = 16  # as the warmer names an entry: the first 16 hex digits of its key's sha256
+MAX_LISTED = 20000  # names read from the local cache directory at jax import
 MAX_BODY_BYTES = 15000  # under the operator's cap (16 KiB): hit keys, then misses, give way first
 FIRST_REPORT_SECONDS = 5.0  # after the first compile: the first steps' compiles are in it
 DEFAULT_PERIOD_SECONDS = 60.0
@@ -106,6 +135,16 @@ class Tally:
         self.compiles = 0
         self.misses: collections.deque[dict[str, str]] = collections.deque(maxlen=MAX_MISSES)
         self.hit_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> program
+        # program name -> what its compile requests did (Tally.program); the user's requests
+        # and hits apart from JAX's helper programs (HELPER_PROGRAMS), from the same records.
+        self.programs: dict[str, dict[str, Any]] = {}
+        self.user_requests = 0
+        self.user_hits = 0
+        self.reading_logs = False  # the records are ours to read (the per-program counts hold)
+        # program name -> key hashes of the entries the local cache directory held for it when
+        # jax was imported (the warmer's entries: readers write none); None: not listed.
+        self.cached: dict[str, list[str]] | None = None
+        self.current = threading.local()  # the program this thread's compile request is for
         self.changed = threading.Event()
         self.first = threading.Event()
         self.logger: logging.Logger | None = None
@@ -130,9 +169,16 @@ class Tally:
                 with self.lock:
                     self.saved_seconds += float(duration)
             elif event == DURATION_COMPILE:
+                # The request's whole time (key, lookup, load or compile, write), after the
+                # hit or miss record of the same thread named its program.
+                current = getattr(self.current, "program", None)
+                self.current.program = None
                 with self.lock:
                     self.compile_seconds += float(duration)
                     self.compiles += 1
+                    if current is not None and current[0] in self.programs:
+                        field = "loadSeconds" if current[1] else "compileSeconds"
+                        self.programs[current[0]][field] += float(duration)
                 self.first.set()
             else:
                 return
@@ -150,6 +196,7 @@ class Tally:
             if str(record.msg).startswith(MISS_LOG) and len(args) >= 2:
                 with self.lock:
                     self.misses.append({"program": str(args[0])[:200], "key": _clip_key(str(args[1]))})
+                    self.program(str(args[0])[:200], str(args[1]), hit=False)
             elif str(record.msg).startswith(HIT_LOG) and len(args) >= 2:
                 with self.lock:
                     key = _clip_key(str(args[1]))
@@ -157,6 +204,14 @@ class Tally:
                     self.hit_keys.move_to_end(key)
                     while len(self.hit_keys) > MAX_HIT_KEYS:
                         self.hit_keys.popitem(last=False)
+                    self.program(str(args[0])[:200], str(args[1]), hit=True)
+            elif str(record.msg).startswith(NOT_WRITTEN_LOG) and args:
+                with self.lock:
+                    found = self.programs.get(str(args[0])[:200])
+                    if found is not None and HOST_CALLBACKS_WORDS in str(record.msg):
+                        found["notWritten"] = "hostCallbacks"
+                    elif found is not None and COMPILE_TOOK_WORDS in str(record.msg):
+                        found["notWritten"] = "belowThreshold"
             parent = self.logger.parent if self.logger is not None else None
             if parent is None or record.levelno >= parent.getEffectiveLevel():
                 return True
@@ -166,13 +221,69 @@ class Tally:
         except Exception:  # noqa: BLE001
             return True
 
+    def program(self, name: str, key: str, hit: bool) -> None:
+        """Counts a hit or miss of program `name` with `key` (the lock held) and names it
+        as this thread's current request, for the request's duration that follows."""
+        found = self.programs.get(name)
+        if not name:
+            return
+        if found is None:
+            if len(self.programs) >= MAX_PROGRAMS_KEPT:  # the one that cost least goes
+                cheapest = min(self.programs, key=lambda n: (self.programs[n]["misses"] > 0,
+                                                             self.programs[n]["compileSeconds"]))
+                del self.programs[cheapest]
+            found = self.programs[name] = {"program": name, "hits": 0, "misses": 0, "compileSeconds": 0.0,
+                                           "loadSeconds": 0.0, "keys": [], "notWritten": None,
+                                           "helper": name in HELPER_PROGRAMS}
+        found["hits" if hit else "misses"] += 1
+        digest = _digest(key)
+        if not hit and digest and digest not in found["keys"] and len(found["keys"]) < MAX_PROGRAM_KEYS:
+            found["keys"].append(digest)
+        if not found["helper"]:
+            self.user_requests += 1
+            self.user_hits += 1 if hit else 0
+        self.current.program = (name, hit)
+
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {"requests": self.requests, "hits": self.hits, "misses": max(self.requests - self.hits, 0),
-                    "compileSecondsSaved": round(self.saved_seconds, 3),
-                    "compileSecondsSpent": round(self.compile_seconds, 3), "compiles": self.compiles,
-                    "lastMisses": list(self.misses),
-                    "hitKeys": [{"program": program, "key": key} for key, program in self.hit_keys.items()]}
+            out: dict[str, Any] = {
+                "requests": self.requests, "hits": self.hits, "misses": max(self.requests - self.hits, 0),
+                "compileSecondsSaved": round(self.saved_seconds, 3),
+                "compileSecondsSpent": round(self.compile_seconds, 3), "compiles": self.compiles,
+                "lastMisses": list(self.misses),
+                "hitKeys": [{"program": program, "key": key} for key, program in self.hit_keys.items()]}
+            if self.reading_logs:
+                out["userRequests"], out["userHits"] = self.user_requests, self.user_hits
+                costly = sorted(self.programs.values(), key=lambda p: (-p["compileSeconds"], -p["misses"],
+                                                                        p["program"]))[:MAX_PROGRAMS]
+                out["programs"] = [self._program_report(p) for p in costly]
+            return out
+
+    def _program_report(self, found: dict[str, Any]) -> dict[str, Any]:
+        one = {**found, "keys": list(found["keys"]), "compileSeconds": round(found["compileSeconds"], 3),
+               "loadSeconds": round(found["loadSeconds"], 3)}
+        if self.cached is not None:  # the warmer's entries of this program the pod's cache held
+            one["cached"] = list(self.cached.get(found["program"], []))
+        return one
+
+    def list_cache(self, directory: str) -> None:
+        """Reads the names of the entries in the local cache directory (`<program>-<sha256>-cache`)
+        once, before any compile of this process: the entries the pod's copy brought (a
+        reader writes none). Not a directory (a gs:// path, none): left unknown."""
+        if not directory or "://" in directory or not os.path.isdir(directory):
+            return
+        found: dict[str, list[str]] = {}
+        with os.scandir(directory) as names:
+            for number, entry in enumerate(names):
+                if number >= MAX_LISTED:
+                    return  # too many to say which programs it lacks: unknown
+                program, digest = entry.name[:-len("-cache")].rpartition("-")[0], _digest(entry.name[:-len("-cache")])
+                if not entry.name.endswith("-cache") or not program or not digest:
+                    continue  # not an entry's name
+                keys = found.setdefault(program[:200], [])
+                if len(keys) < MAX_PROGRAM_KEYS:
+                    keys.append(digest)
+        self.cached = found
 
 
 def _load_fingerprint(here: Path) -> Callable[[], dict[str, Any]]:
@@ -349,6 +460,14 @@ def local_copy(path: str) -> dict[str, Any] | None:
         return None
 
 
+def _digest(key: str) -> str:
+    """How the operator names the entry of `key` (`<program>-<sha256>`): the first
+    KEY_HASH_CHARS hex digits of its hash; "" when it does not end in one."""
+    digest = key.rsplit("-", 1)[-1]
+    hexdigits = "0123456789abcdef"
+    return digest[:KEY_HASH_CHARS] if len(digest) == 64 and all(ch in hexdigits for ch in digest) else ""
+
+
 def _clip_key(key: str) -> str:
     """A key of at most 200 characters that still ends in its `-<sha256>` (the entry's
     name): a long program name gives way, not the hash."""
@@ -357,17 +476,20 @@ def _clip_key(key: str) -> str:
 
 def _fit(report: dict[str, Any], dumps: Callable[..., str]) -> bytes:
     """The report as JSON within MAX_BODY_BYTES: the oldest hit keys, then the oldest
-    misses, are left out until it fits (long program names could otherwise pass the
-    operator's cap and lose the whole report)."""
+    misses, then the programs that cost least, are left out until it fits (long program
+    names could otherwise pass the operator's cap and lose the whole report)."""
     counts = report["counts"]
     while True:
         body = dumps(report, separators=(",", ":")).encode()
         if len(body) <= MAX_BODY_BYTES:
             return body
-        listed = "hitKeys" if counts.get("hitKeys") else "lastMisses" if counts.get("lastMisses") else None
-        if listed is None:
+        listed = next((name for name in ("hitKeys", "lastMisses") if counts.get(name)), None)
+        if listed is not None:
+            counts[listed] = counts[listed][len(counts[listed]) // 2 + 1:]
+        elif counts.get("programs"):  # costliest first: the tail goes
+            counts["programs"] = counts["programs"][:len(counts["programs"]) // 2]
+        else:
             return body
-        counts[listed] = counts[listed][len(counts[listed]) // 2 + 1:]
 
 
 def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
@@ -383,6 +505,11 @@ def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
         if logger.level == logging.NOTSET:  # one the user set stays theirs (and then so are its records)
             logger.setLevel(logging.DEBUG)
             logger.addFilter(tally)
+            tally.reading_logs = True
+        try:
+            tally.list_cache(os.environ.get(ENV_CACHE_DIR, ""))
+        except OSError:
+            pass  # unreadable: which programs the cache held stays unknown
         os.register_at_fork(after_in_child=reporter.forked)
         threading.Thread(target=reporter.loop, name="cachewarm-reporter", daemon=True).start()
         atexit.register(reporter.at_exit)

@@ -101,6 +101,9 @@ class Condition:
     # Whether the training pods that reported compute their keys as the warmers did
     # (versions, devices, flags, cache dir); Unknown until both have reported.
     KEYS_MATCH: Final = "KeysMatch"
+    # Whether the training pods that reported loaded every program they ran from the cache;
+    # False with the cause of the costliest one they compiled (reconcile/misses.py).
+    PROGRAMS_WARM: Final = "ProgramsWarm"
     # Whether training pods only read the cache (spec.injection.mode ReadOnly) or may write
     # entries every later reader runs (ReadWrite, False with how to switch).
     PODS_READ_ONLY: Final = "PodsReadOnly"

@@ -144,7 +144,8 @@ def _seconds(start: Any, end: Any) -> float | None:
 
 
 class _CacheCollector(Collector):
-    """Entries and bytes of each cache as its status last reported them (the inventory)."""
+    """Entries and bytes of each cache as its status last reported them (the inventory), and
+    its pods' missed programs by cause and measured seconds saved (status.usage)."""
 
     def __init__(self, caches: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
         self._caches = caches
@@ -154,12 +155,33 @@ class _CacheCollector(Collector):
                                     "as last listed.", labels=["namespace", "cache"])
         size = GaugeMetricFamily("cachewarm_cache_bytes", "Bytes of those entries, as last listed.",
                                  labels=["namespace", "cache"])
+        missed = GaugeMetricFamily("cachewarm_missed_programs", "Programs the cache's pods compiled in the usage "
+                                   "window (status.usage.missedPrograms), by cause.",
+                                   labels=["namespace", "cache", "cause"])
+        lost = GaugeMetricFamily("cachewarm_missed_program_seconds", "Seconds the pods spent compiling those "
+                                 "programs, by cause.", labels=["namespace", "cache", "cause"])
+        saved = GaugeMetricFamily("cachewarm_measured_seconds_saved", "Seconds the pods' hits saved in the usage "
+                                  "window, measured (status.usage.measuredSecondsSaved): a program's compile seconds "
+                                  "in the window times its hits, less their load seconds.", labels=["namespace", "cache"])
         for body in list(self._caches()):
-            meta, cache = body.get("metadata") or {}, (body.get("status") or {}).get("cache") or {}
-            if "entries" not in cache:
-                continue
+            meta, status = body.get("metadata") or {}, body.get("status") or {}
+            cache, usage = status.get("cache") or {}, status.get("usage") or {}
             labels = [str(meta.get("namespace") or ""), str(meta.get("name") or "")]
-            entries.add_metric(labels, float(cache.get("entries") or 0))
-            size.add_metric(labels, float(cache.get("bytes") or 0))
+            if "entries" in cache:
+                entries.add_metric(labels, float(cache.get("entries") or 0))
+                size.add_metric(labels, float(cache.get("bytes") or 0))
+            by_cause: dict[str, tuple[int, float]] = {}
+            for one in usage.get("missedPrograms") or []:
+                if isinstance(one, Mapping) and isinstance(one.get("cause"), str):
+                    count, seconds = by_cause.get(one["cause"], (0, 0.0))
+                    by_cause[one["cause"]] = (count + 1, seconds + float(one.get("compileSeconds") or 0))
+            for cause, (count, seconds) in sorted(by_cause.items()):
+                missed.add_metric([*labels, cause], float(count))
+                lost.add_metric([*labels, cause], seconds)
+            if isinstance(usage.get("measuredSecondsSaved"), (int, float)):
+                saved.add_metric(labels, float(usage["measuredSecondsSaved"]))
         yield entries
         yield size
+        yield missed
+        yield lost
+        yield saved

@@ -4,7 +4,8 @@ Pure: the caller lists the bucket (GcsClient) and reads the cache (KubeClient); 
 module groups the entries by program, matches them to the warmer pools that reported
 their keys (with the fingerprint those were computed with) and to the training pods that
 reported hitting them (status.usage.recentHits, from the pods' reporters, within the
-operator's report window), and renders a table or JSON.
+operator's report window), and renders a table or JSON; then the programs those pods still
+compiled, each with its cause (status.usage.missedPrograms).
 """
 
 from __future__ import annotations
@@ -105,8 +106,16 @@ def _iso(when: dt.datetime | None) -> str | None:
     return timefmt.rfc3339(when) if when else None
 
 
-def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = ()) -> str:
-    """The report for scripts: every entry, and each pool's fingerprint."""
+def _missed_rows(missed: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """status.usage.missedPrograms as a script reads it (fields of another shape left out)."""
+    return [{name: one.get(name) for name in ("program", "cause", "pods", "misses", "compileSeconds", "message")}
+            for one in missed if isinstance(one, Mapping)]
+
+
+def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = (),
+            missed: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The report for scripts: every entry, each pool's fingerprint, and the programs pods
+    still compiled with their causes."""
     return json.dumps({
         "url": url,
         "programs": [{"name": p.name, "entries": len(p.entries), "bytes": p.size, "written": _iso(p.written),
@@ -116,6 +125,7 @@ def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any
                                for e in p.entries]} for p in progs],
         "pools": [{"name": pool.get("name"), "state": pool.get("state"), "job": pool.get("job"),
                    "fingerprint": pool.get("fingerprint") or {}} for pool in pools],
+        "missedPrograms": _missed_rows(missed),
     }, indent=2)
 
 
@@ -144,8 +154,10 @@ def _pods(program: Program) -> str:
     return (",".join(shown) + (f" +{more}" if more > 0 else "")) if names else "-"
 
 
-def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = ()) -> str:
-    """The report for people: one row per program, then the pools' fingerprints."""
+def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = (),
+             missed: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The report for people: one row per program, the pools' fingerprints, then the
+    programs pods still compiled, each with its cause and what to do."""
     rows = [("PROGRAM", "ENTRIES", "SIZE", "WRITTEN", "LAST USED", "WARMED BY", "HIT BY (PODS)")]
     rows += [(p.name, str(len(p.entries)), _size(p.size), _iso(p.written) or "-", _iso(p.last_used) or "-",
               ",".join(p.pools) or "-", _pods(p)) for p in progs]
@@ -158,4 +170,12 @@ def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, An
         lines += [f"{pool.get('name')}  {pool.get('state', '-')}  {describe(pool.get('fingerprint') or {})}"
                   + (f", image {pool['fingerprint']['image']}" if (pool.get("fingerprint") or {}).get("image") else "")
                   for pool in pools]
+    rows_missed = _missed_rows(missed)
+    if rows_missed:
+        lines += ["", "COMPILED BY PODS (WINDOW)  CAUSE  PODS  MISSES  SECONDS"]
+        for one in rows_missed:
+            lines.append(f"{one['program']}  {one['cause'] or 'Unknown'}  {one['pods']}  {one['misses']}  "
+                         f"{one['compileSeconds']}")
+            if one["message"]:
+                lines.append(f"  {one['message']}")
     return "\n".join(lines) + "\n"

@@ -71,7 +71,8 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
     """Show what a cache holds, by program: entries, size, when written and last used
     (customTime), which warmer pools reported them, with the fingerprint (versions,
     devices, flags, image) their keys were computed with, and which training pods reported
-    hitting them within the operator's report window (their reporters).
+    hitting them within the operator's report window (their reporters); then the programs
+    those pods still compiled, each with its cause (status.usage.missedPrograms).
 
     NAMESPACE/NAME reads the CompilationCache (and its warmers' status) with $KUBECONFIG or
     the in-cluster ServiceAccount; --bucket reads only the bucket. GCS is read with
@@ -87,6 +88,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
         raise click.UsageError("give either NAMESPACE/NAME or --bucket gs://BUCKET[/PREFIX]")
     pools: list[dict[str, object]] = []
     hits: list[dict[str, object]] = []
+    missed: list[dict[str, object]] = []
     try:
         if cache:
             namespace, _, name = cache.partition("/")
@@ -99,6 +101,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
             bucket, prefix, url = storage.bucket, storage.object_prefix, storage.url
             pools = list(((body.get("status") or {}).get("warmup") or {}).get("pools") or [])
             hits = list(((body.get("status") or {}).get("usage") or {}).get("recentHits") or [])
+            missed = list(((body.get("status") or {}).get("usage") or {}).get("missedPrograms") or [])
         else:
             assert url is not None
             bucket, prefix = inspection.parse_url(url)
@@ -108,7 +111,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     render = inspection.as_json if output == "json" else inspection.as_table
-    click.echo(render(url, progs, pools), nl=False)
+    click.echo(render(url, progs, pools, missed), nl=False)
 
 
 @cli.command(name="grant")

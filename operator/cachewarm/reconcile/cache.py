@@ -26,6 +26,7 @@ from cachewarm.reconcile.configmaps import publish_configmaps
 from cachewarm.reconcile.admitted import RecentInjections
 from cachewarm.reconcile import podsmode
 from cachewarm.reconcile.keysmatch import keys_match
+from cachewarm.reconcile.misses import KEY_UNSTABLE, programs_warm, unstable
 from cachewarm.reconcile.pods import release_held_pods
 from cachewarm.reconcile.status import Seen, assemble, changed, inventory_due, transition_events, was_warmed, \
     warmers_checked
@@ -160,6 +161,7 @@ def _reconcile(one: _Pass) -> Outcome:
         _warm_failed(one, cache, seen, exc)
     if cache.warmup is not None:
         _keys_match(one, seen)
+    seen.programs_warm = programs_warm(one.obj.status.get("usage"))
     _opted_out(one, seen)
     # After the warm: whether its pools have a manifest generation the copier trusts.
     pools = seen.warmup.pools if seen.warmup is not None else (one.obj.status.get("warmup") or {}).get("pools") or []
@@ -304,6 +306,12 @@ def _opted_out(one: _Pass, seen: Seen) -> None:
 def _keys_match(one: _Pass, seen: Seen) -> None:
     pools = seen.warmup.pools if seen.warmup is not None else (one.obj.status.get("warmup") or {}).get("pools") or []
     matched, reason, message = keys_match(list(pools), list(one.pod_fingerprints))
+    changing = unstable(one.obj.status.get("usage"))
+    if matched is True and changing:
+        # Same fingerprints, yet another key: the keys do not match (status.usage says which).
+        matched, reason, message = False, KEY_UNSTABLE, (
+            f"The training pods' fingerprints match the warmers', but {', '.join(changing[:5])} got another key "
+            "than the warmer's: a per-process value in its HLO (custom_partitioning, say); see ProgramsWarm")[:1000]
     seen.keys_match = Cond(c.Condition.KEYS_MATCH, matched, reason, message)
     if matched is False and changed(one.obj.status, seen.keys_match):
         one.events.append(Event("Warning", reason, message))

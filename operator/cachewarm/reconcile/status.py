@@ -29,6 +29,7 @@ class Seen:
     waiting_pods: int | None = None
     injection: Cond | None = None
     keys_match: Cond | None = None
+    programs_warm: Cond | None = None  # from status.usage (reconcile/misses.py)
     # status.injection.configMaps: role -> the verified ConfigMap (None: none; removed by the merge patch)
     configmaps: dict[str, str | None] | None = None
     pods_opted_out: int | None = None
@@ -94,7 +95,8 @@ def assemble(status: Mapping[str, Any], generation: int, seen: Seen, injection: 
         ready = Cond(c.Condition.READY, True, c.Reason.RECONCILED, "The cache is ready for warmers and training pods")
     updates = [bucket.condition, ready, reconciling, stalled, *bucket.settings,
                *([seen.warm_condition] if seen.warm_condition else []), *([seen.injection] if seen.injection else []),
-               *([seen.keys_match] if seen.keys_match else []), *seen.spec]
+               *([seen.keys_match] if seen.keys_match else []),
+               *([seen.programs_warm] if seen.programs_warm else []), *seen.spec]
     existing = [cd for cd in status.get("conditions") or []
                 if has_warmup or cd.get("type") not in (c.Condition.WARMED, c.Condition.KEYS_MATCH)]
     out: dict[str, Any] = {

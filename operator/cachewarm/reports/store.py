@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachewarm.api import timefmt
+from cachewarm.reconcile import misses as causes
 
 MAX_BODY_BYTES = 16 * 1024
 AUDIENCE = "cachewarm"
@@ -48,6 +49,8 @@ LAST_MISSES = 10  # per cache, in status
 RECENT_HITS = 50  # entries hit within the window, newest first, in status (cachewarm inspect names their pods)
 HIT_PODS = 5  # pod names kept per entry hit (podCount counts them all)
 COLD_PODS_NAMED = 5  # pods named in one LocalCopyCold Event (it counts them all)
+MISSED_PROGRAMS = 10  # in status: the programs that cost the most compile seconds, each with its cause
+HIT_PROGRAMS = 10  # in status: the programs hit most, with what they cost and saved
 
 
 class ReportError(Exception):
@@ -75,6 +78,26 @@ class ProgramKey(_Strict):
     key: str = Field(max_length=200)
 
 
+HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{1,16}$")]
+
+
+class ProgramUse(_Strict):
+    """What one program's compile requests did in a process (the reporter's per-program
+    tally): hits, misses, the seconds its misses took to compile and its hits to load, the
+    key hashes it missed with, those of the entries the pod's cache held for it (None: not
+    listed), and why JAX did not write it, when it said so."""
+
+    program: str = Field(min_length=1, max_length=200)
+    hits: int = Field(ge=0, le=10**9)
+    misses: int = Field(ge=0, le=10**9)
+    compile_seconds: float = Field(alias="compileSeconds", ge=0, le=1e9)
+    load_seconds: float = Field(alias="loadSeconds", ge=0, le=1e9)
+    keys: list[HexKey] = Field(default_factory=list, max_length=4)
+    cached: list[HexKey] | None = Field(default=None, max_length=4)
+    not_written: Literal["hostCallbacks", "belowThreshold"] | None = Field(default=None, alias="notWritten")
+    helper: bool = False
+
+
 class Counts(_Strict):
     requests: int = Field(ge=0, le=10**9)
     hits: int = Field(ge=0, le=10**9)
@@ -83,6 +106,10 @@ class Counts(_Strict):
     compile_seconds_spent: float = Field(alias="compileSecondsSpent", ge=0, le=1e9)
     last_misses: list[ProgramKey] = Field(alias="lastMisses", default_factory=list, max_length=50)
     hit_keys: list[ProgramKey] = Field(alias="hitKeys", default_factory=list, max_length=50)
+    # JAX's helper programs left out (the reporter's HELPER_PROGRAMS); None: not counted.
+    user_requests: int | None = Field(default=None, alias="userRequests", ge=0, le=10**9)
+    user_hits: int | None = Field(default=None, alias="userHits", ge=0, le=10**9)
+    programs: list[ProgramUse] = Field(default_factory=list, max_length=50)
 
 
 class Process(_Strict):
@@ -157,6 +184,8 @@ def parse(body: bytes) -> Report:
             from None
     if report.counts.hits > report.counts.requests:
         raise ReportError("not a cachewarm report: more hits than compile requests")
+    if (report.counts.user_hits or 0) > (report.counts.user_requests or 0):
+        raise ReportError("not a cachewarm report: more user hits than user compile requests")
     return report
 
 
@@ -370,11 +399,13 @@ class Store:
             if caches is not None:
                 self._cold_said = {key: said for key, said in self._cold_said.items() if key in caches}
 
-    def usage(self, namespace: str, cache: str, now: dt.datetime) -> dict[str, Any] | None:
+    def usage(self, namespace: str, cache: str, now: dt.datetime,
+              body: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """status.usage of a cache: pods and processes that reported in the window, their
         hits, misses, hit ratio, compile seconds saved and spent, the last misses
-        (pod, program, key) and the entries hit (program, key, the pods that hit it). None
-        when no pod reported in the window."""
+        (pod, program, key) and the entries hit (program, key, the pods that hit it); with
+        the cache's object (`body`: its spec and status), the programs missed with their
+        causes (programs_usage). None when no pod reported in the window."""
         with self._lock:
             processes = [latest for latest in (self._by_cache.get((namespace, cache)) or {}).values()
                          if now - latest.at <= self.window]
@@ -421,6 +452,7 @@ class Store:
                     "bytesCopied": sum(local.bytes_copied for _, local in copies.values()),
                     "maxSeconds": round(max(local.seconds for _, local in copies.values()), 3),
                 }
+            usage.update(programs_usage(processes, body))
             return usage
 
     @staticmethod
@@ -462,6 +494,75 @@ class Store:
     def caches(self) -> list[tuple[str, str]]:
         with self._lock:
             return list(self._by_cache)
+
+
+def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The per-program part of status.usage: the user's requests and hits apart from JAX's
+    helper programs (from the processes that counted them), the programs missed (top
+    MISSED_PROGRAMS by compile seconds, each with its cause when `body` is given) and hit
+    (top HIT_PROGRAMS by hits, with their load seconds against the seconds a compile of them
+    took where a pod in the window compiled one), and the seconds those hits saved."""
+    out: dict[str, Any] = {}
+    counted = [p.report.counts for p in processes if p.report.counts.user_requests is not None]
+    if counted:
+        requests, hits = sum(c.user_requests or 0 for c in counted), sum(c.user_hits or 0 for c in counted)
+        out.update(userCompileRequests=requests, userHits=hits)
+        if requests:
+            out["userHitRatio"] = round(hits / requests, 3)
+    per: dict[str, dict[str, Any]] = {}
+    for latest in processes:
+        for one in latest.report.counts.programs:
+            seen = per.setdefault(one.program, {"hits": 0, "misses": 0, "compile": 0.0, "load": 0.0, "pods": set(),
+                                                "keys": set(), "cached": None, "notWritten": None, "fps": [],
+                                                "helper": one.helper, "held": False})
+            seen["hits"] += one.hits
+            seen["load"] += one.load_seconds
+            if one.misses:
+                seen["misses"] += one.misses
+                seen["compile"] += one.compile_seconds
+                seen["pods"].add(latest.report.pod.name)
+                seen["keys"] |= set(one.keys)
+                seen["fps"].append(latest.report.fingerprint.as_status())
+                seen["notWritten"] = seen["notWritten"] or one.not_written
+                if one.cached is not None:  # other keys than its own miss's, and whether it held that one
+                    seen["cached"] = (seen["cached"] or set()) | (set(one.cached) - set(one.keys))
+                    seen["held"] = seen["held"] or bool(set(one.cached) & set(one.keys))
+    if not per:
+        return out
+    warm = causes.warmed(body.get("spec") or {}, body.get("status") or {}) if body is not None else None
+    missed = sorted((p for p in per.items() if p[1]["misses"]), key=lambda p: (-p[1]["compile"], p[0]))
+    out["missedPrograms"] = [_missed(name, seen, warm) for name, seen in missed[:MISSED_PROGRAMS]]
+    hit = [(name, seen) for name, seen in per.items() if seen["hits"]]
+    saved = [_hit(name, seen) for name, seen in sorted(hit, key=lambda p: (-p[1]["hits"], p[0]))]
+    out["hitPrograms"] = saved[:HIT_PROGRAMS]
+    known = [one["secondsSaved"] for one in saved if "secondsSaved" in one]
+    if known:
+        out["measuredSecondsSaved"] = round(sum(known), 3)
+    return out
+
+
+def _missed(name: str, seen: Mapping[str, Any], warm: causes.Warmed | None) -> dict[str, Any]:
+    one: dict[str, Any] = {"program": name, "pods": len(seen["pods"]), "misses": seen["misses"],
+                           "compileSeconds": round(seen["compile"], 3), "helper": seen["helper"]}
+    if warm is not None:
+        cause, message = causes.classify(causes.Missed(
+            name, seen["misses"], seen["compile"], frozenset(seen["pods"]), frozenset(seen["keys"]),
+            frozenset(seen["cached"]) if seen["cached"] is not None else None, seen["notWritten"],
+            tuple(seen["fps"]), seen["held"]), warm)
+        one.update(cause=cause, message=message[:1000])
+    return one
+
+
+def _hit(name: str, seen: Mapping[str, Any]) -> dict[str, Any]:
+    """A program hit: its load seconds per hit against what a compile of it took in the
+    window (measured by the pods that missed it), and the seconds its hits saved."""
+    one: dict[str, Any] = {"program": name, "hits": seen["hits"], "loadSeconds": round(seen["load"] / seen["hits"], 3),
+                           "helper": seen["helper"]}
+    if seen["misses"]:
+        compile_once = seen["compile"] / seen["misses"]
+        one["compileSeconds"] = round(compile_once, 3)
+        one["secondsSaved"] = round(seen["hits"] * compile_once - seen["load"], 3)
+    return one
 
 
 def cold_message(pods: list[tuple[str, str]]) -> str:

@@ -39,6 +39,7 @@ from cachewarm.reconcile.bucket import CreatedCounts
 from cachewarm.reconcile.cache import CacheObject, Outcome, Wiring, claim_of, delete_cache, reconcile_cache
 from cachewarm.reconcile import pods as held_pods
 from cachewarm.reconcile import status as cache_status
+from cachewarm.reconcile.misses import stale as programs_stale
 from cachewarm.builders.bucket import Claim, CreationLimits
 from cachewarm.clients.kube import KubeClient, KubeError
 from cachewarm.clients.gcs import GcsClient, GcsError
@@ -310,7 +311,7 @@ class Controller:
         for key, body in list(self.store.items()):
             written = (body.get("status") or {}).get("usage")
             if key in reported:
-                usage = self.reports.usage(*key, now)
+                usage = self.reports.usage(*key, now, body)
             elif written and _older_than(written.get("lastReportTime"), now - self.reports.window):
                 usage = None
             else:
@@ -329,6 +330,8 @@ class Controller:
             if self._fingerprints_seen.get(key, "[]") != seen:
                 self._fingerprints_seen[key] = seen
                 self.enqueue(key)
+            elif written is not None and programs_stale(body.get("status") or {}):
+                self.enqueue(key)  # ProgramsWarm is behind the usage status holds (reconcile/misses.py)
         for key in set(self._fingerprints_seen) - set(self.store):
             del self._fingerprints_seen[key]
 
