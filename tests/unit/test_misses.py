@@ -47,7 +47,7 @@ WARM = misses.Warmed((("cpu", FP),), 1.0, {})
      "custom_partitioning"),
     (missed(seconds=0.25), WARM, misses.BELOW_WRITE_THRESHOLD, "warmup.minCompileTimeSecs of 1.0"),
     (missed(cached=None), misses.Warmed((("cpu", FP),), 0.0, {"jit_step": (frozenset(), True)}),
-     misses.BELOW_WRITE_THRESHOLD, "does not write"),
+     misses.BELOW_WRITE_THRESHOLD, "compiled it and did not write it"),
     (missed(seconds=3.0), WARM, misses.NOT_WARMED, "add the program"),
     (missed(seconds=0.25), misses.Warmed((("cpu", FP),), 0.0, {}), misses.NOT_WARMED, "add the program"),
     (missed(cached=None), WARM, misses.UNKNOWN, "gs://"),
@@ -66,11 +66,11 @@ def test_each_missed_program_gets_the_cause_a_user_acts_on(one: misses.Missed, w
 
 def test_the_warmers_side_is_read_from_spec_and_status_and_odd_shapes_are_not_known() -> None:
     status = {"warmup": {"pools": [
-        {**POOL, "programs": [{"program": "jit_a", "key": H1, "written": True},
+        {**POOL, "compiledPrograms": [{"program": "jit_a", "key": H1, "written": True},
                               {"program": "jit_b", "written": False}, "junk", {"program": 3}],
          "unstablePrograms": [{"program": "jit_c", "seen": "runs"}, 7]},
         {"name": "tpu", "state": "Running", "fingerprint": {**FP, "platform": "tpu"}},  # not succeeded: not compared
-        "not a pool", {"name": "x", "programs": "nope", "unstablePrograms": {"a": 1}}]}}
+        "not a pool", {"name": "x", "compiledPrograms": "nope", "unstablePrograms": {"a": 1}}]}}
     warm = misses.warmed({"warmup": {"minCompileTimeSecs": 0.5}, "jax": {"minCompileTimeSecs": 2}}, status)
     assert warm.pools == (("cpu", FP),)
     assert warm.min_compile_time_secs == 0.5

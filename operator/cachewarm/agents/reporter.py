@@ -75,22 +75,24 @@ NOT_WRITTEN_LOG = "Not writing persistent cache entry for"
 HOST_CALLBACKS_WORDS = "host callbacks"
 COMPILE_TOOK_WORDS = "seconds to compile"
 ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"  # a local path: its entries are listed once, at jax import
-# JAX's helper programs: the one-primitive programs jax.numpy and eager ops compile under
-# JAX's own names (`jit_<primitive>`). Counted apart from the user's in userCompileRequests
-# and userHits; the list is the rule (tests/unit/test_misses.py pins it), a program of a
-# user named like one of these counts as a helper.
-HELPER_PROGRAMS = frozenset(
-    "jit_" + name for name in (
-        "convert_element_type", "broadcast_in_dim", "iota", "gather", "scatter", "scatter_add",
-        "dynamic_slice", "dynamic_update_slice", "_multi_slice", "slice", "concatenate", "reshape",
-        "squeeze", "expand_dims", "transpose", "select_n", "pad", "rev", "copy", "device_put",
-        "add", "sub", "mul", "div", "neg", "max", "min", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
-        "not", "abs", "sign", "exp", "log", "sqrt", "rsqrt", "pow", "integer_pow", "reduce_sum",
-        "reduce_max", "reduce_min", "argmax", "argmin", "cumsum", "sort", "clamp", "_where",
-        "_reduce_sum", "_reduce_max", "_mean", "_var", "_einsum", "_unstack", "_split", "remainder",
-        "floor", "ceil", "round", "sin", "cos", "tanh", "logistic", "erf", "dot_general", "square",
-        "_rbg_split", "_threefry_split", "_threefry_seed", "threefry2x32", "random_bits", "random_seed",
-        "random_wrap", "random_unwrap", "_uniform", "_normal", "_randint", "_gamma", "_bernoulli"))
+# JAX's helper programs, counted apart from the user's in userRequests and userHits (the
+# rule): `jit_<p>` for p a JAX primitive (the program eager dispatch of one primitive
+# compiles, e.g. jit_convert_element_type, jit_broadcast_in_dim, jit_stage), the primitives
+# read from JAX's lowering registry once jax is imported (PRIMITIVES_FALLBACK when it cannot
+# be read), and the programs of jax.numpy's and jax.random's own jitted helpers below. A
+# user's function named like one of them counts as a helper.
+HELPER_PROGRAMS = frozenset("jit_" + name for name in (
+    "_multi_slice", "_where", "_unstack", "_split", "_reduce_sum", "_reduce_max", "_reduce_min", "_reduce_prod",
+    "_mean", "_var", "_std", "_cumsum", "_einsum", "_rbg_split", "_threefry_split", "_threefry_seed",
+    "_threefry_fold_in", "_random_bits", "_uniform", "_normal", "_randint", "_gamma", "_bernoulli", "_choice",
+    "_permutation"))
+PRIMITIVES_FALLBACK = frozenset((
+    "convert_element_type", "broadcast_in_dim", "iota", "gather", "scatter", "scatter-add", "dynamic_slice",
+    "dynamic_update_slice", "slice", "concatenate", "reshape", "squeeze", "transpose", "select_n", "pad", "copy",
+    "copy_p", "device_put", "stage", "add", "sub", "mul", "div", "neg", "max", "min", "eq", "ne", "lt", "le", "gt",
+    "ge", "and", "or", "not", "abs", "exp", "log", "sqrt", "integer_pow", "pow", "reduce_sum", "reduce_max",
+    "reduce_min", "argmax", "argmin", "cumsum", "sort", "clamp", "dot_general", "random_bits", "random_seed",
+    "random_wrap", "random_unwrap", "threefry2x32"))
 
 MAX_MISSES = 20  # the last programs that missed, with their keys
 MAX_HIT_KEYS = 20  # the last distinct entries hit (program and key): `cachewarm inspect` names their pods
@@ -141,6 +143,7 @@ class Tally:
         self.user_requests = 0
         self.user_hits = 0
         self.reading_logs = False  # the records are ours to read (the per-program counts hold)
+        self.primitives: frozenset[str] = PRIMITIVES_FALLBACK  # JAX's, once jax is imported (see HELPER_PROGRAMS)
         # program name -> key hashes of the entries the local cache directory held for it when
         # jax was imported (the warmer's entries: readers write none); None: not listed.
         self.cached: dict[str, list[str]] | None = None
@@ -232,9 +235,9 @@ class Tally:
                 cheapest = min(self.programs, key=lambda n: (self.programs[n]["misses"] > 0,
                                                              self.programs[n]["compileSeconds"]))
                 del self.programs[cheapest]
+            helper = name in HELPER_PROGRAMS or (name.startswith("jit_") and name[4:] in self.primitives)
             found = self.programs[name] = {"program": name, "hits": 0, "misses": 0, "compileSeconds": 0.0,
-                                           "loadSeconds": 0.0, "keys": [], "notWritten": None,
-                                           "helper": name in HELPER_PROGRAMS}
+                                           "loadSeconds": 0.0, "keys": [], "notWritten": None, "helper": helper}
         found["hits" if hit else "misses"] += 1
         digest = _digest(key)
         if not hit and digest and digest not in found["keys"] and len(found["keys"]) < MAX_PROGRAM_KEYS:
@@ -460,6 +463,20 @@ def local_copy(path: str) -> dict[str, Any] | None:
         return None
 
 
+def _primitives() -> frozenset[str]:
+    """The names of JAX's primitives, from its lowering registry (every primitive that can be
+    compiled has a lowering there); empty when it cannot be read (another JAX)."""
+    try:
+        from jax._src.interpreters import mlir  # noqa: PLC0415
+
+        found = {p.name for p in getattr(mlir, "_lowerings", {})}
+        for lowerings in getattr(mlir, "_platform_specific_lowerings", {}).values():
+            found |= {p.name for p in lowerings}
+        return frozenset(str(name) for name in found)
+    except Exception:  # noqa: BLE001 - a JAX without that registry: the fallback list
+        return frozenset()
+
+
 def _digest(key: str) -> str:
     """How the operator names the entry of `key` (`<program>-<sha256>`): the first
     KEY_HASH_CHARS hex digits of its hash; "" when it does not end in one."""
@@ -510,6 +527,7 @@ def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
             tally.list_cache(os.environ.get(ENV_CACHE_DIR, ""))
         except OSError:
             pass  # unreadable: which programs the cache held stays unknown
+        tally.primitives = _primitives() or PRIMITIVES_FALLBACK
         os.register_at_fork(after_in_child=reporter.forked)
         threading.Thread(target=reporter.loop, name="cachewarm-reporter", daemon=True).start()
         atexit.register(reporter.at_exit)

@@ -62,7 +62,7 @@ class Warmed:
 
     pools: tuple[tuple[str, Mapping[str, Any]], ...]  # (pool, fingerprint) of the pools that succeeded
     min_compile_time_secs: float | None  # spec.warmup.minCompileTimeSecs, the warmers' (None: not known)
-    # program -> (key hashes written, compiled without writing) from pools[].programs, when
+    # program -> (key hashes written, compiled without writing) from pools[].compiledPrograms, when
     # a warmer reports it (absent: not known).
     programs: Mapping[str, tuple[frozenset[str], bool]]
     # Programs a pool's warmer saw get a second key (pools[].unstablePrograms[].program).
@@ -85,7 +85,7 @@ def warmed(spec: Mapping[str, Any], status: Mapping[str, Any]) -> Warmed:
     threshold = warmup.get("minCompileTimeSecs", 0.0) if isinstance(warmup, Mapping) else 0.0
     programs: dict[str, tuple[frozenset[str], bool]] = {}
     for pool in pools:
-        for one in _listed(pool, "programs"):
+        for one in _listed(pool, "compiledPrograms"):
             if not isinstance(one, Mapping) or not isinstance(one.get("program"), str):
                 continue
             keys, unwritten = programs.get(one["program"], (frozenset(), False))
@@ -138,9 +138,11 @@ def classify(missed: Missed, warm: Warmed) -> tuple[str, str]:
     per_compile = missed.compile_seconds / max(missed.misses, 1)
     held = missed.held_missed or bool(written & missed.keys)
     if unwritten or (missed.cached is not None and not held and threshold and per_compile < threshold):
+        known = "the warmer compiled it and did not write it" if unwritten else (
+            "a warmer that compiles it does not write it (if none does, add it to a pool's warmup too)")
         return BELOW_WRITE_THRESHOLD, (
             f"{name} compiled in {per_compile:.2f}s, under the cache's warmup.minCompileTimeSecs of {threshold}: "
-            f"a warmer does not write it ({lost}); unset warmup.minCompileTimeSecs (0) to have it written")
+            f"{known} ({lost}); unset warmup.minCompileTimeSecs (0) to have every program written")
     if missed.cached is not None and not held:
         return NOT_WARMED, (
             f"No warmer of this cache compiled {name} ({lost}): add the program to a pool's warmup (targets or "
