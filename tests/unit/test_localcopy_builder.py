@@ -883,3 +883,28 @@ def test_an_ephemeral_copy_by_init_container_without_fsgroup_is_said_to_be_perha
     again = admit(later, cache_spec(local))
     assert again.spec.get("initContainers") or in_process  # the copier resynced (by init container)
     assert not any("fsGroup" in w for w in again.warnings)
+
+
+def test_the_default_copy_is_sized_from_the_caches_listing_beyond_its_10gi() -> None:
+    from cachewarm.builders.localcopy import default_copy_size
+    assert default_copy_size("10Gi", 0) == "10Gi"
+    assert default_copy_size("10Gi", 5 * 2**30) == "10Gi"
+    assert default_copy_size("10Gi", int(8.9 * 2**30)) == "10Gi"  # under 90% of 10Gi: the copier takes it all
+    assert default_copy_size("10Gi", 9 * 2**30) == "12Gi"  # 9Gi / 0.9 is just over 10Gi: 11, plus one
+    # 30 GiB listed: the copier's 90% share of 35Gi holds it (30 / 0.9 = 33.4 -> 34, plus one).
+    assert default_copy_size("10Gi", 30 * 2**30) == "35Gi"
+
+
+def test_a_default_copy_of_a_large_cache_gets_a_volume_that_holds_it_and_a_set_one_keeps_its_size() -> None:
+    from cachewarm.admission import admit
+    pod = {"metadata": {"name": "t", "namespace": "ml", "labels": {"cachewarm.dev/cache": "c"}},
+           "spec": {"containers": [{"name": "train", "image": "team/train:1"}]}}
+    base = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}}
+
+    def volume(spec: dict[str, Any]) -> dict[str, Any]:
+        entry = admit.index_entry(spec, generation=1, uid="u", warmed=True, cache_bytes=30 * 2**30)
+        answer = admit.admit_pod(pod, lambda ns, n: entry, warmer_image="w@sha256:" + "a" * 64)
+        return next(v for v in answer.spec["volumes"] if v["name"] == "cachewarm-cache")
+    assert volume(base)["emptyDir"] == {"sizeLimit": "35Gi"}
+    # A localCopy the user wrote is theirs: its sizeLimit is kept.
+    assert volume({**base, "injection": {"localCopy": {}}})["emptyDir"] == {"sizeLimit": "10Gi"}

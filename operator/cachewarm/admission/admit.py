@@ -12,7 +12,7 @@ from cachewarm.api import constants as c
 from cachewarm.api.model import CacheSpec, InvalidSpec, LocalCopy, parse_spec
 from cachewarm.builders.injection import inject_pod
 from cachewarm.builders.localcopy import HOST_PATH_WITHDRAWN, add_local_copy, add_local_copy_in_process
-from cachewarm.builders.localcopy import local_copy_possible, served
+from cachewarm.builders.localcopy import default_copy_size, local_copy_possible, served
 from cachewarm.builders.localcopy import in_process as is_in_process
 from cachewarm.builders.reporting import Reporting, add_reporter
 from cachewarm.reconcile.admitted import OPTED_OUT_NOTE
@@ -23,7 +23,7 @@ from cachewarm.reconcile.pods import CacheLookup
 def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, warmed: bool,
                 refused: bool = False, image_pythonpath: str | None = None,
                 manifests: Mapping[str, str] | None = None, env_configmap: str | None = None,
-                boot_configmap: str | None = None) -> dict[str, Any]:
+                boot_configmap: str | None = None, cache_bytes: int = 0) -> dict[str, Any]:
     """What the webhook needs of a cache, parsed once: the typed spec (or why it is
     invalid), whether it is Warmed, whether it is refused (BucketReady reason in
     REFUSED: no pod is held for it), the PYTHONPATH the warmup's image sets, as its
@@ -32,7 +32,8 @@ def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, wa
     `<object>#<generation>`, status.warmup.pools[].manifestObject and manifestGeneration),
     and the env and boot
     ConfigMaps the operator verified (status.injection.configMaps; None: none verified,
-    and the webhook references none)."""
+    and the webhook references none), and the bytes under the cache's prefix at its last
+    listing (status.cache.bytes: the default copy is sized from it, default_copy_size)."""
     try:
         cache: CacheSpec | None = parse_spec(spec)
         error = ""
@@ -40,7 +41,8 @@ def index_entry(spec: Mapping[str, Any], *, generation: int, uid: str | None, wa
         cache, error = None, str(exc)
     return {"cache": cache, "error": error, "generation": generation, "uid": uid, "warmed": warmed,
             "refused": refused, "image_pythonpath": image_pythonpath, "manifests": dict(manifests or {}),
-            "env_configmap": env_configmap, "boot_configmap": boot_configmap}
+            "env_configmap": env_configmap, "boot_configmap": boot_configmap, "cache_bytes": cache_bytes}
+
 
 
 # Where Kubernetes puts a pod's ServiceAccount token, and the volume its ServiceAccount
@@ -84,13 +86,18 @@ def _with_local(cache: CacheSpec, local: LocalCopy | None) -> CacheSpec:
 
 
 def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, reporting: Reporting | None,
-            warmer_image: str | None, warnings: list[str]) -> tuple[CacheSpec, Reporting | None, str]:
+            warmer_image: str | None, warnings: list[str], cache_bytes: int = 0
+            ) -> tuple[CacheSpec, Reporting | None, str]:
     """(the cache as this pod gets it, the reporting it gets, what its annotation says of
     a token withheld), each difference from what the cache asks for said in `warnings`: a
     HostPath copy is an EmptyDir one (D1); no copy where the pod cannot have one (it reads
     the bucket); no reporter, and so no token, for a pod whose owner opted out of
     ServiceAccount tokens (D8), itself or through its ServiceAccount."""
     local = cache.injection.local_copy
+    if local is not None and cache.injection.local_copy_by_default:
+        size = default_copy_size(local.size_limit, cache_bytes)
+        if size != local.size_limit:
+            cache = _with_local(cache, local.model_copy(update={"size_limit": size}))
     if local is not None and local.volume == "HostPath":
         warnings.append(f"cachewarm: CompilationCache {cache_name!r} {HOST_PATH_WITHDRAWN} "
                         f"(sizeLimit {local.size_limit})")
@@ -169,7 +176,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
                             "pod admitted without the cache")
         return out
     pod_spec = pod.get("spec") or {}
-    cache, reports, withheld = _served(cache, pod_spec, cache_name, reporting, warmer_image, out.warnings)
+    cache, reports, withheld = _served(cache, pod_spec, cache_name, reporting, warmer_image, out.warnings,
+                                       int(entry.get("cache_bytes") or 0))
     result = inject_pod(pod, cache_name, entry["generation"], cache, entry.get("env_configmap"))
     if result.changed:
         out.spec["containers"] = result.containers

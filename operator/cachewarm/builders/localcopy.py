@@ -52,6 +52,19 @@ GPU, TPU = "nvidia.com/gpu", "google.com/tpu"
 GENERATION = re.compile(r"[0-9]{1,19}")
 
 
+GIB = 2**30
+
+
+def default_copy_size(size_limit: str, cache_bytes: int) -> str:
+    """The default copy's sizeLimit: LocalCopy's default (`size_limit`, 10Gi), or where the
+    cache's last listing holds more than the copier takes of that (BUDGET_SHARE of it), as
+    many whole GiB as hold the listing within that share, plus one: the default copy takes
+    the whole cache, as its user expects of a default, not the part that fits 10Gi."""
+    needed = int(cache_bytes / BUDGET_SHARE) + 1
+    if cache_bytes <= 0 or needed <= _bytes(size_limit):
+        return size_limit
+    return f"{-(-needed // GIB) + 1}Gi"
+
 def _kind_of_pod(spec: Mapping[str, Any]) -> str:
     """gpu, tpu or cpu: what the pod's containers ask for."""
     asked: set[str] = set()

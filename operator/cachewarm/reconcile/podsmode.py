@@ -63,8 +63,8 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
                     "entrypoint runs in a child process never can: give warmup.targets)"[:1000])
     some = (f"; pools without a recorded manifest give nothing ({', '.join(untrusted)}): pods of only those "
             "pools start cold" if untrusted else "")
-    default = (f" ({why}; operators before this one gave such a cache no copy: its pods read the bucket, see "
-               "CHANGELOG.md)" if cache.injection.local_copy_by_default else "")
+    default = (f" ({why}; larger where the cache's last listing needs more; operators before this one gave such "
+               "a cache no copy: its pods read the bucket, see CHANGELOG.md)" if cache.injection.local_copy_by_default else "")
     return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.PER_POD_COPY,
                 f"Each pod gets its own {local.volume} copy of at most {local.size_limit}{default}{some}; a pod that "
                 "cannot have one (a Windows pod, volumes of its own named like cachewarm's) reads the bucket, and "

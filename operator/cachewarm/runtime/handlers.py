@@ -75,7 +75,12 @@ def index_caches(namespace: str | None, name: str, spec: kopf.Spec, meta: kopf.M
                                                        pools, str((spec.get("warmup") or {}).get("image") or "")),
                                                    manifests=warmups.recorded_manifests(pools),
                                                    env_configmap=_name(configmaps.get("env")),
-                                                   boot_configmap=_name(configmaps.get("boot")))}
+                                                   boot_configmap=_name(configmaps.get("boot")),
+                                                   cache_bytes=_bytes((status.get("cache") or {}).get("bytes")))}
+
+
+def _bytes(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _name(value: Any) -> str | None:
