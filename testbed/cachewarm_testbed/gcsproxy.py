@@ -40,6 +40,21 @@ any fault does. `GET /_proxy/holds` says, per name, how many requests arrived th
 how many wait there now, so a test waits for the event it means (the request is held)
 and lets it go when it has seen what it wanted to see meanwhile, instead of a hang that
 must outlast something on a loaded machine. New rules or a clear release every hold.
+A rule with `"forward": true` does not answer: it waits its `hang` (a slow answer) and
+then lets the request through to the emulator.
+
+Auth (off by default, so the rest of the suite talks to it as before): `POST /_proxy/auth`
+`{"tokeninfo": URL, "buckets": [...], "exemptAgents": [...]}` makes every request on those
+buckets' objects and metadata (all requests when `buckets` is empty; the batch endpoint
+too) carry `Authorization: Bearer <token>` with a token the metadata stand-in at URL
+(cachewarm_testbed.metadata) issued and that has not expired, asked of its tokeninfo as
+GCS asks Google's; otherwise 401 with GCS's JSON error and `WWW-Authenticate`, before the
+emulator sees it. The log says which (`auth`: ok, missing, expired, unknown, exempt). The
+token is checked when the request arrives, as GCS does (not again while a long answer is
+sent). Kinder than GCS, and said here: a request whose User-Agent contains one of
+`exemptAgents` (e.g. "gcloud-python/": google-cloud-storage, the operator's and the tests'
+own client, which sends no token to an emulator at all) passes unchecked. `DELETE
+/_proxy/auth` turns it off.
 
 Run: python -m cachewarm_testbed.gcsproxy --port P --upstream http://127.0.0.1:Q
 """
@@ -65,6 +80,7 @@ MAX_LIFECYCLE_RULES = 100  # per bucket (GCS's documented limit)
 METADATA_PATH = re.compile(r"^/storage/v1/b/[^/]+(/o/.+)?/?$")
 BUCKET_PATH = re.compile(r"^/storage/v1/b/[^/]+/?$")
 LIST_PATH = re.compile(r"^/storage/v1/b/[^/]+/o/?$")
+BUCKET_IN_PATH = re.compile(r"/b/([^/?]+)")  # the bucket of a JSON-API, upload or download path
 MAX_PAGE = 1000  # GCS's largest objects.list page (and its default)
 
 
@@ -76,6 +92,7 @@ class Rule:
     hang: float
     times: int
     hold: str = ""  # a gate's name: wait there until released
+    forward: bool = False  # after `hang`, let the request through instead of answering `status`
 
     def matches(self, request: web.Request) -> bool:
         return (self.method in ("*", request.method)) and bool(self.path.search(request.path))
@@ -98,6 +115,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.metadata_writes = asyncio.Lock()
         self.gates: dict[str, Gate] = {}
+        self.auth: dict[str, Any] | None = None  # None: no token checked (the default)
 
     def _release_all(self) -> None:
         for gate in self.gates.values():
@@ -112,7 +130,8 @@ class Proxy:
         self._release_all()
         self.rules = [
             Rule(method=r.get("method", "*"), path=re.compile(r.get("path", ".*")), status=int(r.get("status", 503)),
-                 hang=float(r.get("hang", 0)), times=int(r.get("times", 1)), hold=str(r.get("hold", "")))
+                 hang=float(r.get("hang", 0)), times=int(r.get("times", 1)), hold=str(r.get("hold", "")),
+                 forward=bool(r.get("forward", False)))
             for r in body
         ]
         for rule in self.rules:
@@ -136,6 +155,42 @@ class Proxy:
         return web.json_response({name: {"arrived": g.arrived, "waiting": g.waiting, "released": g.opened.is_set()}
                                   for name, g in self.gates.items()})
 
+    async def set_auth(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if not isinstance(body, dict) or not str(body.get("tokeninfo") or "").startswith("http"):
+            return _error(400, "auth needs tokeninfo: the metadata stand-in's base URL")
+        self.auth = {"tokeninfo": str(body["tokeninfo"]).rstrip("/"), "buckets": set(body.get("buckets") or []),
+                     "exemptAgents": [str(a) for a in body.get("exemptAgents") or []]}
+        return web.json_response({"tokeninfo": self.auth["tokeninfo"], "buckets": sorted(self.auth["buckets"])})
+
+    async def clear_auth(self, _: web.Request) -> web.Response:
+        self.auth = None
+        return web.json_response({})
+
+    async def _unauthorized(self, request: web.Request) -> tuple[web.Response | None, str]:
+        """(GCS's 401, or None to go on; what the log says of the token: '' when the
+        auth mode is off or the request is not on a checked bucket)."""
+        if self.auth is None:
+            return None, ""
+        bucket = BUCKET_IN_PATH.search(request.path)
+        if self.auth["buckets"] and not (bucket is None and request.path.startswith("/batch/")) and (
+                bucket is None or bucket.group(1) not in self.auth["buckets"]):
+            return None, ""
+        agent = request.headers.get("User-Agent", "")
+        if any(a in agent for a in self.auth["exemptAgents"]):
+            return None, "exempt"
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return _unauthenticated("Anonymous caller does not have storage.objects.get access to the Google "
+                                    "Cloud Storage object.", "required"), "missing"
+        assert self.session is not None
+        async with self.session.get(f"{self.auth['tokeninfo']}/_metadata/tokeninfo",
+                                    params={"access_token": token.strip()}) as resp:
+            info = await resp.json(content_type=None)
+        if resp.status == 200:
+            return None, "ok"
+        return _unauthenticated("Invalid Credentials", "authError"), str(info.get("error_description") or "invalid")
+
     async def get_log(self, _: web.Request) -> web.Response:
         return web.json_response(self.log)
 
@@ -151,6 +206,14 @@ class Proxy:
         return None
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        # The token first, as GCS checks it when a request arrives (a slow answer after it
+        # is a `forward` rule's hang).
+        refused, auth = await self._unauthorized(request)
+        if auth:
+            request["auth"] = auth  # for the log
+        if refused is not None:
+            self.log.append({"method": request.method, "path": request.path, "status": refused.status, "auth": auth})
+            return refused
         rule = self._fault(request)
         if rule is not None:
             if rule.hold:
@@ -163,9 +226,10 @@ class Proxy:
                     gate.waiting -= 1
             if rule.hang:
                 await asyncio.sleep(rule.hang)
-            return web.json_response(
-                {"error": {"code": rule.status, "message": f"injected fault {rule.status}"}}, status=rule.status
-            )
+            if not rule.forward:
+                return web.json_response(
+                    {"error": {"code": rule.status, "message": f"injected fault {rule.status}"}}, status=rule.status
+                )
         assert self.session is not None
         data = await request.read()
         if request.method == "GET" and LIST_PATH.match(request.path):
@@ -176,7 +240,8 @@ class Proxy:
             current = await self._current(request)
             refused = _refusal(request, data, current)
             if refused is not None:
-                self.log.append({"method": request.method, "path": request.path, "status": refused.status})
+                self.log.append({"method": request.method, "path": request.path, "status": refused.status,
+                                 **_auth(request)})
                 return refused
             if current is not None and BUCKET_PATH.match(request.path) and request.method == "PATCH":
                 data = _merge_labels(data, current)
@@ -203,7 +268,7 @@ class Proxy:
         # Resumable uploads answer with a Location on the emulator: point it back at us.
         if "Location" in out_headers:
             out_headers["Location"] = out_headers["Location"].replace(self.upstream, f"http://{request.host}")
-        self.log.append({"method": request.method, "path": request.path, "status": status})
+        self.log.append({"method": request.method, "path": request.path, "status": status, **_auth(request)})
         if request.method == "POST" and re.fullmatch(r"/storage/v1/b/?", request.path) and status == 200:
             payload, status = await self._complete_insert(json.loads(data or b"{}"), payload, status)
         return web.Response(body=payload, status=status, headers=out_headers)
@@ -214,7 +279,7 @@ class Proxy:
         query = {k: v for k, v in request.query.items() if k not in ("pageToken", "maxResults", "matchGlob", "fields")}
         async with self.session.get(self.upstream + request.path, params=query) as resp:
             payload, status = await resp.read(), resp.status
-        self.log.append({"method": request.method, "path": request.path, "status": status})
+        self.log.append({"method": request.method, "path": request.path, "status": status, **_auth(request)})
         if status != 200:
             return web.Response(body=payload, status=status, content_type="application/json")
         body = json.loads(payload)
@@ -298,6 +363,19 @@ def _error(status: int, message: str) -> web.Response:
                              status=status)
 
 
+def _unauthenticated(message: str, reason: str) -> web.Response:
+    """GCS's 401: its JSON error and the challenge header."""
+    return web.json_response({"error": {"code": 401, "message": message, "errors": [
+        {"message": message, "domain": "global", "reason": reason, "locationType": "header",
+         "location": "Authorization"}]}}, status=401,
+        headers={"WWW-Authenticate": 'Bearer realm="https://accounts.google.com/"'})
+
+
+def _auth(request: web.Request) -> dict[str, str]:
+    """The log's `auth` field, when the request's token was looked at."""
+    return {"auth": request["auth"]} if "auth" in request else {}
+
+
 def _refusal(request: web.Request, data: bytes, current: dict[str, Any] | None) -> web.Response | None:
     """The 412 (or 400) GCS would answer instead of applying this write, if any."""
     if current is None:
@@ -352,6 +430,8 @@ def make_app(upstream: str) -> web.Application:
     app.router.add_post("/_proxy/faults", proxy.set_faults)
     app.router.add_delete("/_proxy/faults", proxy.clear_faults)
     app.router.add_get("/_proxy/log", proxy.get_log)
+    app.router.add_post("/_proxy/auth", proxy.set_auth)
+    app.router.add_delete("/_proxy/auth", proxy.clear_auth)
     app.router.add_post("/_proxy/release", proxy.release)
     app.router.add_get("/_proxy/holds", proxy.get_holds)
     app.router.add_delete("/_proxy/log", proxy.clear_log)
@@ -389,7 +469,8 @@ class ProxyControl:
 
     def faults(self, rules: list[dict[str, Any]]) -> None:
         """Each rule: method ("*"), path (regex), status (503), hang (seconds), times (1),
-        hold (a name: each matching request waits until `release(name)`, then answers)."""
+        hold (a name: each matching request waits until `release(name)`, then answers),
+        forward (true: after `hang`, the request goes on to the emulator)."""
         self._call("POST", "/_proxy/faults", rules)
 
     def release(self, hold: str) -> dict[str, Any]:
@@ -415,6 +496,17 @@ class ProxyControl:
 
     def clear_faults(self) -> None:
         self._call("DELETE", "/_proxy/faults")
+
+    def require_tokens(self, tokeninfo: str, buckets: list[str] | None = None,
+                       exempt_agents: list[str] | None = None) -> None:
+        """Auth mode (see the module's doc): requests on `buckets` (all when None) need a
+        live token of the metadata stand-in at `tokeninfo`."""
+        self._call("POST", "/_proxy/auth", {"tokeninfo": tokeninfo, "buckets": buckets or [],
+                                            "exemptAgents": exempt_agents or []})
+
+    def allow_anonymous(self) -> None:
+        """Auth mode off (the default): no token is checked."""
+        self._call("DELETE", "/_proxy/auth")
 
     def log(self) -> list[dict[str, Any]]:
         """Requests that reached the emulator: method, path, status."""

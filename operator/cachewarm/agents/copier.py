@@ -30,8 +30,20 @@ only the standard library and the image needs no GCS library; in one of two ways
   modules only a copy needs (ssl, http, hashlib, concurrent.futures) are imported when one
   starts.
 
-Where `STORAGE_EMULATOR_HOST` is set it talks to that (no auth); otherwise to GCS with the
-pod's token from the metadata server (GKE Workload Identity).
+Credentials: GCS's (or, where `STORAGE_EMULATOR_HOST` is set, that emulator's) requests
+carry the pod's access token from the metadata server (GKE Workload Identity), at
+GCE_METADATA_HOST (host[:port], google-auth's variable; GCE_METADATA_ROOT, its old name,
+too) or GCE's 169.254.169.254. The emulator does not switch that off: where
+GCE_METADATA_HOST names a server the token is sent to the emulator too (the testbed's
+proxy checks it). Only where STORAGE_EMULATOR_HOST is set and no metadata host is named
+(an emulator on a developer's machine, which has no metadata server) are requests sent
+without a token, and the summary says so (`auth: "none"`); a pod on GKE does not set
+STORAGE_EMULATOR_HOST. A token is fetched when first needed and again before it expires:
+once less than min(300 s, half its stated lifetime) is left (google-auth refreshes 3 min
+45 s early, gcsfs 5 min). GCS's 401 to a token the client held valid (revoked, or dead
+before the expiry it stated) drops it and the request is tried again, once, with a new
+one; a second 401 fails that request. A metadata server that gives no token is retried as
+a refused connection (GKE's refuses a new pod's first requests for a few seconds).
 
 - What it copies, and what it trusts (issue 28): with CACHEWARM_COPY_MANIFESTS set, the
   union of the entries named by the pools' manifests, each given as `<object>#<generation>`:
@@ -110,7 +122,9 @@ Settings (environment):
                              in process, also the once-per-pod guard (see above)
   CACHEWARM_COPY_IN_PROCESS  "1": sitecustomize.py starts child() or runs copy_in_process()
                              (not read here)
-  STORAGE_EMULATOR_HOST      a GCS emulator's base URL (no auth) instead of GCS
+  STORAGE_EMULATOR_HOST      a GCS emulator's base URL instead of GCS (see Credentials)
+  GCE_METADATA_HOST          the metadata server, host[:port] (GCE_METADATA_ROOT too;
+                             default 169.254.169.254; see Credentials)
   REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE  the CAs to trust for HTTPS (see TLS above)
 
 Summary (one line `{"cachewarm-copier": {...}}` on stdout, in process (child or not) on
@@ -127,8 +141,9 @@ stderr, and in CACHEWARM_COPY_SUMMARY):
   characters each); cold (the pod starts without entries it should have had: nothing
   copied or present and something went wrong, or the listing failed); seconds;
   manifestsMissing (the names that were 404 at their generation, at most 5) and
-  manifestError (the first other failure); destWorldWritable when so. Manifests are read
-  with the same retries as entries.
+  manifestError (the first other failure); destWorldWritable when so; auth "metadata" |
+  "none" and, with "metadata", tokens (fetched from the metadata server) and tokensRefused
+  (GCS's 401s that dropped a token). Manifests are read with the same retries as entries.
 """
 
 from __future__ import annotations
@@ -153,7 +168,11 @@ if TYPE_CHECKING:
 
 ENTRY = re.compile(r"^[^/]+-(?P<hash>[0-9a-f]{64})-cache$")
 GCS = "https://storage.googleapis.com"
-METADATA_TOKEN = "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token"
+METADATA_HOST = "169.254.169.254"  # GCE's, where GCE_METADATA_HOST names no other
+METADATA_TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
+METADATA_TOKEN = f"http://{METADATA_HOST}{METADATA_TOKEN_PATH}"
+HOST_PORT = re.compile(r"^(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$")
+REFRESH_BEFORE_SECONDS = 300.0  # a token is fetched again this long before it expires (or at half its life)
 ATTEMPTS = 4
 CORRUPT_ATTEMPTS = 3  # of the ATTEMPTS, at most this many that read bytes other than GCS's
 BACKOFF_SECONDS = 0.5
@@ -196,6 +215,7 @@ class Settings(NamedTuple):
     pinned: bool = False  # CACHEWARM_COPY_MANIFESTS set: only `manifests` are trusted; else the prefix
     untrusted: int = 0  # its items without a generation (not read)
     summary_path: str = ""  # CACHEWARM_COPY_SUMMARY: kept by the sweep where it is in `dest`
+    token_url: str = ""  # the metadata server's token URL; '': no token (an emulator without one)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -213,7 +233,20 @@ class Settings(NamedTuple):
             # requests' order; an empty one is unset, as there.
             ca_bundle=env.get("REQUESTS_CA_BUNDLE") or env.get("CURL_CA_BUNDLE") or "",
             summary_path=env.get(ENV_COPY_SUMMARY, ""),
+            token_url=token_url(env),
         )
+
+
+def token_url(env: Mapping[str, str]) -> str:
+    """The metadata server's token URL the copy's requests take their token from (see the
+    module's doc), '' for none: STORAGE_EMULATOR_HOST set and no metadata host named.
+    Raises ValueError for a metadata host that is not host[:port]. Pure."""
+    host = (env.get("GCE_METADATA_HOST") or env.get("GCE_METADATA_ROOT") or "").strip()
+    if not host:
+        return "" if env.get("STORAGE_EMULATOR_HOST") else METADATA_TOKEN
+    if HOST_PORT.match(host) is None:
+        raise ValueError(f"GCE_METADATA_HOST {host[:100]!r} is not host[:port]")
+    return f"http://{host}{METADATA_TOKEN_PATH}"
 
 
 def pinned_manifests(value: str) -> tuple[tuple[tuple[str, str], ...], int]:
@@ -445,6 +478,7 @@ class Client:
         import urllib.request  # noqa: PLC0415
 
         self.endpoint, self.token = endpoint, token
+        self._sent = threading.local()  # the token this thread's last request carried (see _renewed)
         # urlopen's handlers (the pod's HTTP(S)_PROXY included), with `context` for HTTPS.
         self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
         self._partials = itertools.count()
@@ -468,10 +502,17 @@ class Client:
 
         # Inside the attempts: GKE's metadata server may refuse a pod's first requests for
         # a few seconds after it starts, as an init container does.
-        bearer = self.token()
+        bearer = self._sent.token = self.token()
         headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
         return self._opener.open(urllib.request.Request(url, headers=headers),
                                  timeout=min(REQUEST_TIMEOUT_SECONDS, self._remaining()))
+
+    def _renewed(self) -> bool:
+        """After GCS's 401: whether the token this thread sent was dropped for a new one
+        (a MetadataToken's refused()); False without a token to renew."""
+        refused = getattr(self.token, "refused", None)
+        sent = getattr(self._sent, "token", None)
+        return bool(refused is not None and sent and refused(sent))
 
     def _attempts(self, url: str, attempt: Callable[[], T]) -> T:
         """`attempt()`, a request and the reading of its whole answer, until it succeeds:
@@ -485,6 +526,7 @@ class Client:
         last: Exception | None = None
         after: float | None = None
         corrupt = 0
+        renewed = False
         for number in range(ATTEMPTS):
             if number:
                 time.sleep(retry_delay(number, self._remaining(), after))
@@ -493,6 +535,9 @@ class Client:
                 return attempt()
             except urllib.error.HTTPError as exc:
                 _close(exc)  # its connection, now rather than when collected
+                if exc.code == 401 and not renewed and self._renewed():
+                    renewed, after, last = True, 0.0, exc  # once, at once, with a new token
+                    continue
                 if exc.code not in RETRIED:
                     raise CopyError(f"HTTP {exc.code} for {url}", exc.code) from None
                 if exc.code in RETRY_AFTER:
@@ -670,33 +715,64 @@ class Client:
         return size, replaced
 
 
-def metadata_token() -> Callable[[], str | None]:
-    """The pod's access token from the metadata server, fetched once and then again
-    shortly before it expires."""
-    import http.client  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
+class MetadataToken:
+    """The pod's access token from the metadata server at `url`: fetched when first asked
+    for, again once less than min(REFRESH_BEFORE_SECONDS, half its stated lifetime) is
+    left, and again after GCS refused it (refused()). Callable: the token, or raises
+    MetadataError. Shared by the copy's threads."""
 
-    # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    lock = threading.Lock()
-    state: dict[str, Any] = {"token": None, "until": 0.0}
+    def __init__(self, url: str = "") -> None:
+        import urllib.request  # noqa: PLC0415
 
-    def token() -> str | None:
-        with lock:
-            if state["token"] is None or time.monotonic() > state["until"]:
-                request = urllib.request.Request(METADATA_TOKEN, headers={"Metadata-Flavor": "Google"})
+        self.url = url or METADATA_TOKEN
+        # Never through the pod's HTTP(S)_PROXY: the metadata server is link-local.
+        self._direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._lock = threading.Lock()
+        self._token: str | None = None
+        self._until = 0.0
+        self.fetched = 0  # tokens the metadata server gave
+        self.refusals = 0  # tokens dropped after GCS's 401
+
+    def __call__(self) -> str | None:
+        import http.client  # noqa: PLC0415
+        import urllib.request  # noqa: PLC0415
+
+        with self._lock:
+            if self._token is None or time.monotonic() >= self._until:
+                request = urllib.request.Request(self.url, headers={"Metadata-Flavor": "Google"})
                 try:
-                    with direct.open(request, timeout=5) as answer:
+                    with self._direct.open(request, timeout=5) as answer:
                         got = json.load(answer)
-                    state["token"] = str(got["access_token"])
-                    state["until"] = time.monotonic() + max(float(got.get("expires_in", 300)) - 60, 30)
+                    token, lifetime = str(got["access_token"]), float(got.get("expires_in", 300))
+                    if not token or not lifetime == lifetime:  # nan
+                        raise ValueError("an empty token or a lifetime that is not a number")
                 except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
                     # Retried as a connection error (the server may refuse a new pod's first
                     # requests), and never taken for GCS's answer about an object (a 404 here
                     # is not a missing manifest).
                     raise MetadataError(f"metadata server token: {type(exc).__name__}: {exc}") from None
-            return str(state["token"])
-    return token
+                self._token = token
+                # Early enough that no request starts with a token about to die; a lifetime
+                # of seconds (or 0) fetches one for (nearly) every request, never a dead one.
+                self._until = time.monotonic() + lifetime - min(REFRESH_BEFORE_SECONDS, max(lifetime, 0.0) / 2)
+                self.fetched += 1
+            return self._token
+
+    def refused(self, token: str) -> bool:
+        """GCS answered 401 to a request that carried `token`: forget it, unless another
+        request already did (then the one held now is newer), so the next call fetches a
+        new one. True: worth one more try."""
+        with self._lock:
+            if token == self._token:
+                self._token = None
+                self.refusals += 1
+            return True
+
+
+def metadata_token(url: str = "") -> MetadataToken:
+    """The pod's token from the metadata server's token URL `url` (GCE's when ''), as
+    Client takes it (see MetadataToken)."""
+    return MetadataToken(url)
 
 
 def local_entries(dest: str) -> dict[str, int]:
@@ -1008,9 +1084,13 @@ def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
         context, error = ssl_context(settings.ca_bundle, settings.endpoint.lower().startswith("https:"))
         if error:
             add_error(live, error)
-        client = Client(settings.endpoint, (lambda: None) if env.get("STORAGE_EMULATOR_HOST") else metadata_token(),
-                        context)
-        return run(settings, client, live)
+        token = metadata_token(settings.token_url) if settings.token_url else None
+        client = Client(settings.endpoint, token or (lambda: None), context)
+        live["auth"] = "metadata" if token is not None else "none"
+        summary = run(settings, client, live)
+        if token is not None:
+            summary.update(tokens=token.fetched, tokensRefused=token.refusals)
+        return summary
     except Exception as exc:  # noqa: BLE001 - bad settings: say so, start cold
         summary = new_summary("manifest" if ENV_COPY_MANIFESTS in env else "prefix")
         summary["cold"] = True
