@@ -340,3 +340,22 @@ def test_through_the_reconcile_keysmatch_and_programs_warm_agree_on_an_unstable_
     assert "jit_unstable_step" in str(keys.get("message"))
     assert (warm.get("status"), warm.get("reason")) == ("False", misses.KEY_UNSTABLE)
     assert not misses.stale({**after, "usage": usage})  # the flush asks for no further reconcile
+
+
+def test_a_pods_start_is_told_warm_against_cold_where_both_are_known() -> None:
+    def counted(pod: str, requests: int, programs: list[dict[str, Any]]) -> bytes:
+        body = json.loads(report(pod, f"uid-{pod}", programs))
+        body["counts"].update(requests=requests, hits=sum(p["hits"] for p in programs),
+                              misses=requests - sum(p["hits"] for p in programs))
+        return json.dumps(body).encode()
+    store = Store()
+    store.record(parse(counted("cold", 2, [program("jit_a", misses_=1, compile_=3.0),
+                                           program("jit_b", misses_=1, compile_=1.0)])), NOW)
+    store.record(parse(counted("warm", 2, [program("jit_a", hits=1, load=0.2),
+                                           program("jit_b", misses_=1, compile_=1.0)])), NOW)
+    # Not known: a request not in its program list; a hit of a program no pod compiled.
+    store.record(parse(counted("partial", 3, [program("jit_a", hits=1, load=0.2)])), NOW)
+    store.record(parse(counted("unmeasured", 1, [program("jit_c", hits=1, load=0.1)])), NOW)
+    usage = store.usage("ml", "llama", NOW, BODY)
+    assert usage is not None
+    assert usage["podStarts"] == [{"pod": "warm", "compileSeconds": 1.2, "coldCompileSeconds": 4.0}]

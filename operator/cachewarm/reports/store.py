@@ -51,6 +51,7 @@ HIT_PODS = 5  # pod names kept per entry hit (podCount counts them all)
 COLD_PODS_NAMED = 5  # pods named in one LocalCopyCold Event (it counts them all)
 MISSED_PROGRAMS = 10  # in status: the programs that cost the most compile seconds, each with its cause
 HIT_PROGRAMS = 10  # in status: the programs hit most, with what they cost and saved
+POD_STARTS = 10  # in status: pods' compile seconds warm against cold, the ones that saved most
 
 
 class ReportError(Exception):
@@ -538,7 +539,36 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
     known = [one["secondsSaved"] for one in saved if "secondsSaved" in one]
     if known:
         out["measuredSecondsSaved"] = round(sum(known), 3)
+    starts = _pod_starts(processes, per)
+    if starts:
+        out["podStarts"] = starts
     return out
+
+
+def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per pod that hit something, the seconds its compile requests took (compiling what
+    missed, loading what hit) against what they would have taken all compiled (each
+    program's compile seconds as measured in the window): where both are known, that is
+    where every request of its processes is in their program lists and every program it
+    hit was compiled by some pod in the window. The POD_STARTS that saved most."""
+    pods: dict[str, list[_Latest]] = {}
+    for latest in processes:
+        pods.setdefault(latest.report.pod.uid, []).append(latest)
+    out: list[dict[str, Any]] = []
+    for mine in pods.values():
+        listed = [one for latest in mine for one in latest.report.counts.programs]
+        complete = all(sum(one.hits + one.misses for one in latest.report.counts.programs)
+                       == latest.report.counts.requests for latest in mine)
+        measured = all(one.hits == 0 or per[one.program]["misses"] for one in listed)
+        if not listed or not complete or not measured or not any(one.hits for one in listed):
+            continue
+        warm = sum(one.compile_seconds + one.load_seconds for one in listed)
+        cold = sum(one.compile_seconds + (one.hits * per[one.program]["compile"] / per[one.program]["misses"]
+                                          if one.hits else 0.0) for one in listed)
+        out.append({"pod": mine[0].report.pod.name, "compileSeconds": round(warm, 3),
+                    "coldCompileSeconds": round(cold, 3)})
+    out.sort(key=lambda one: (float(one["compileSeconds"]) - float(one["coldCompileSeconds"]), str(one["pod"])))
+    return out[:POD_STARTS]
 
 
 def _missed(name: str, seen: Mapping[str, Any], warm: causes.Warmed | None) -> dict[str, Any]:
