@@ -30,9 +30,10 @@ and the server's CPU from /proc. A round's copier/floor ratio is of MB/s (over 1
 faster). Every copy is checked: every entry there, whole, with its MD5 (the copier's summary
 says copied = entries, failed 0; the floor checks its own and fails loudly).
 
-Auth: the copier sends no token where STORAGE_EMULATOR_HOST is set, so the copier side runs
-copier.main() with its Client's token function replaced by one giving the server's token
-(its download path untouched).
+Auth as in production: the server's process also answers the GCE metadata server's token
+request (its own port, plain HTTP, the Metadata-Flavor header required; the token lives an
+hour), which the copier asks through GCE_METADATA_HOST and sends to the server; the floor is
+handed the same token.
 
 Run: .venv/bin/python bench/copier_floor.py [--rounds 5] [--entries 40] [--min-mb 1] [--max-mb 200]
      [--total-mb 2048] [--workers 16] [--manifest] [--drop-caches] [--json out.json]
@@ -223,8 +224,30 @@ class Handler(http.server.BaseHTTPRequestHandler):
         server.count("media", obj["size"])
 
 
+class Metadata(http.server.BaseHTTPRequestHandler):
+    """The GCE metadata server's token endpoint, for the copier's token."""
+
+    token = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path.split("?")[0] != "/computeMetadata/v1/instance/service-accounts/default/token" or \
+                self.headers.get("Metadata-Flavor") != "Google":
+            self.send_error(404 if self.headers.get("Metadata-Flavor") == "Google" else 403)
+            return
+        body = json.dumps({"access_token": self.token, "expires_in": 3600, "token_type": "Bearer"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 def serve(args: argparse.Namespace) -> None:
-    """The server's process: serves until its stdin closes; its URL on stdout."""
+    """The server's process: serves until its stdin closes; its URL and its metadata
+    server's host:port on stdout."""
     folder = Path(args.serve)
     index = json.loads((folder / "index.json").read_text())
     extra = {MANIFEST: Path(args.manifest_file).read_bytes()} if args.manifest_file else {}
@@ -234,7 +257,11 @@ def serve(args: argparse.Namespace) -> None:
         tls.load_cert_chain(args.cert, args.key)
     server = Server(folder, index, extra, args.token, tls, args.page_size)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}", flush=True)
+    Metadata.token = args.token
+    metadata = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=metadata.serve_forever, daemon=True).start()
+    print(f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]} 127.0.0.1:{metadata.server_address[1]}",
+          flush=True)
     sys.stdin.read()
     server.shutdown()
 
@@ -303,21 +330,6 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 # --- the copier side --------------------------------------------------------------------------
 
-# copier.main() as the init container runs it, but with the server's token: where
-# STORAGE_EMULATOR_HOST is set the copier sends none. Only the token function is replaced.
-COPIER_WITH_TOKEN = """
-import os, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import copier
-token = os.environ.pop("BENCH_TOKEN")
-class Client(copier.Client):
-    def __init__(self, endpoint, _token, context=None):
-        super().__init__(endpoint, lambda: token, context)
-copier.Client = Client
-copier.main()
-"""
-
-
 def run_measured(command: list[str], env: dict[str, str]) -> tuple[str, float, float]:
     """Runs `command`; its stdout, wall seconds and CPU seconds (user + system, its own)."""
     started = time.perf_counter()
@@ -361,7 +373,7 @@ def settle(drop: bool) -> None:
 
 @contextlib.contextmanager
 def server_process(folder: Path, tls_dir: Path, token: str, manifest: bytes | None,
-                   page_size: int) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+                   page_size: int) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
     command = [sys.executable, __file__, "--serve", str(folder), "--token", token, "--page-size", str(page_size),
                "--cert", str(tls_dir / "tls.crt"), "--key", str(tls_dir / "tls.key")]
     if manifest is not None:
@@ -370,7 +382,8 @@ def server_process(folder: Path, tls_dir: Path, token: str, manifest: bytes | No
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
-        yield process.stdout.readline().strip(), process
+        url, metadata = process.stdout.readline().split()
+        yield url, metadata, process
     finally:
         assert process.stdin is not None
         process.stdin.close()
@@ -399,22 +412,24 @@ def stats(url: str, ca: Path) -> dict[str, Any]:
     return got
 
 
-def one_side(kind: str, args: argparse.Namespace, url: str, token: str, index: list[dict[str, Any]],
+def one_side(kind: str, args: argparse.Namespace, url: str, metadata: str, token: str, index: list[dict[str, Any]],
              dest: Path, work: Path, manifest_pin: str) -> dict[str, Any]:
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEWARM_", "STORAGE_EMULATOR_HOST",
-                                                                           "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"))}
+                                                                           "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+                                                                           "GCE_METADATA_"))}
     if kind == "copier":
         env = {**base_env, "STORAGE_EMULATOR_HOST": url, "CACHEWARM_COPY_BUCKET": BUCKET,
                "CACHEWARM_COPY_PREFIX": PREFIX.strip("/"), "CACHEWARM_COPY_DEST": str(dest),
-               "REQUESTS_CA_BUNDLE": str(work / "ca.pem"), "BENCH_TOKEN": token,
+               "REQUESTS_CA_BUNDLE": str(work / "ca.pem"), "GCE_METADATA_HOST": metadata,
                "CACHEWARM_COPY_MAX_BYTES": str(64 << 30)}
         if args.workers:
             env["CACHEWARM_COPY_WORKERS"] = str(args.workers)
         if manifest_pin:
             env["CACHEWARM_COPY_MANIFESTS"] = manifest_pin
-        stdout, wall, cpu = run_measured([sys.executable, "-I", "-S", "-c", COPIER_WITH_TOKEN, str(COPIER)], env)
+        stdout, wall, cpu = run_measured([sys.executable, "-I", "-S", str(COPIER)], env)
         summary = json.loads(stdout.strip().splitlines()[-1])["cachewarm-copier"]
         assert (summary["copied"], summary["failed"], summary["errors"]) == (len(index), 0, []), summary
+        assert (summary.get("auth"), summary.get("tokens")) == ("metadata", 1), summary  # the production path
         seconds, size = float(summary["seconds"]), int(summary["bytes"])
     else:
         job = work / "floor.json"
@@ -448,7 +463,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             with open(path, "rb") as f:
                 while f.read(BLOCK * 8):
                     pass
-    with server_process(folder, work, token, manifest, args.page_size) as (url, server):
+    with server_process(folder, work, token, manifest, args.page_size) as (url, metadata, server):
         pin = f"{MANIFEST}#{1_800_000_000_000_000}" if manifest is not None else ""  # Server's generation
         for number in range(args.rounds + 1):  # round 0: a warm-up of each, not counted
             order = ("copier", "floor") if number % 2 else ("floor", "copier")
@@ -457,7 +472,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 dest = work / f"{kind}-{number}"
                 settle(args.drop_caches)
                 before, server_cpu = stats(url, work / "ca.pem"), cpu_of(server.pid)
-                got = one_side(kind, args, url, token, index, dest, work, pin)
+                got = one_side(kind, args, url, metadata, token, index, dest, work, pin)
                 after = stats(url, work / "ca.pem")
                 got["serverCpu"] = cpu_of(server.pid) - server_cpu
                 got["requests"] = {k: v - before["counts"].get(k, 0) for k, v in after["counts"].items()
