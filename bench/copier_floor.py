@@ -35,7 +35,10 @@ request (its own port, plain HTTP, the Metadata-Flavor header required; the toke
 hour), which the copier asks through GCE_METADATA_HOST and sends to the server; the floor is
 handed the same token.
 
-Run: .venv/bin/python bench/copier_floor.py [--rounds 5] [--entries 40] [--min-mb 1] [--max-mb 200]
+With --baseline REV, that revision's copier.py (from git) is a third side of every round,
+run the same way; the three sides' order rotates round by round.
+
+Run: .venv/bin/python bench/copier_floor.py [--rounds 5] [--baseline REV] [--entries 40] [--min-mb 1] [--max-mb 200]
      [--total-mb 2048] [--workers 16] [--manifest] [--drop-caches] [--json out.json]
 """
 
@@ -417,7 +420,7 @@ def one_side(kind: str, args: argparse.Namespace, url: str, metadata: str, token
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEWARM_", "STORAGE_EMULATOR_HOST",
                                                                            "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
                                                                            "GCE_METADATA_"))}
-    if kind == "copier":
+    if kind in ("copier", "baseline"):
         env = {**base_env, "STORAGE_EMULATOR_HOST": url, "CACHEWARM_COPY_BUCKET": BUCKET,
                "CACHEWARM_COPY_PREFIX": PREFIX.strip("/"), "CACHEWARM_COPY_DEST": str(dest),
                "REQUESTS_CA_BUNDLE": str(work / "ca.pem"), "GCE_METADATA_HOST": metadata,
@@ -426,7 +429,8 @@ def one_side(kind: str, args: argparse.Namespace, url: str, metadata: str, token
             env["CACHEWARM_COPY_WORKERS"] = str(args.workers)
         if manifest_pin:
             env["CACHEWARM_COPY_MANIFESTS"] = manifest_pin
-        stdout, wall, cpu = run_measured([sys.executable, "-I", "-S", str(COPIER)], env)
+        program = COPIER if kind == "copier" else work / "baseline_copier.py"
+        stdout, wall, cpu = run_measured([sys.executable, "-I", "-S", str(program)], env)
         summary = json.loads(stdout.strip().splitlines()[-1])["cachewarm-copier"]
         assert (summary["copied"], summary["failed"], summary["errors"]) == (len(index), 0, []), summary
         assert (summary.get("auth"), summary.get("tokens")) == ("metadata", 1), summary  # the production path
@@ -454,6 +458,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.manifest:
         manifest = json.dumps({"version": 2, "entries": [
             {"name": e["file"], "size": e["size"], "md5": e["md5"], "generation": e["generation"]} for e in index]}).encode()
+    sides = ("copier", "floor", "baseline") if args.baseline else ("copier", "floor")
+    if args.baseline:  # that revision's copier.py, run the same way
+        (work / "baseline_copier.py").write_bytes(subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{args.baseline}:operator/cachewarm/agents/copier.py"],
+            check=True, capture_output=True).stdout)
     rounds: list[dict[str, Any]] = []
     print(f"{len(index)} entries, {total / MB:.0f} MB ({min(sizes) / MB:.1f}-{max(sizes) / MB:.1f} MB each), "
           f"{'manifest' if args.manifest else 'listing'} mode, workers {args.workers or 16}; "
@@ -466,7 +475,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with server_process(folder, work, token, manifest, args.page_size) as (url, metadata, server):
         pin = f"{MANIFEST}#{1_800_000_000_000_000}" if manifest is not None else ""  # Server's generation
         for number in range(args.rounds + 1):  # round 0: a warm-up of each, not counted
-            order = ("copier", "floor") if number % 2 else ("floor", "copier")
+            # The sides' order: rotated round by round, and reversed every other rotation.
+            turn = sides[number % len(sides):] + sides[:number % len(sides)]
+            order = turn if (number // len(sides)) % 2 else turn[::-1]
             row: dict[str, Any] = {"round": number, "order": list(order), "load": os.getloadavg()[0]}
             for kind in order:
                 dest = work / f"{kind}-{number}"
@@ -481,10 +492,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 shutil.rmtree(dest)
                 row[kind] = got
             row["ratio"] = row["copier"]["mbps"] / row["floor"]["mbps"]
+            if args.baseline:
+                row["baselineRatio"] = row["baseline"]["mbps"] / row["floor"]["mbps"]
             print(f"round {number}{' (warm-up)' if not number else ''}: load {row['load']:.2f}, "
                   + ", ".join(f"{k} {row[k]['mbps']:.0f} MB/s ({row[k]['seconds']:.2f} s, CPU {row[k]['cpu']:.2f} s, "
                               f"server CPU {row[k]['serverCpu']:.2f} s, {row[k]['requests']})" for k in order)
-                  + f"; copier/floor {row['ratio']:.3f}", flush=True)
+                  + f"; copier/floor {row['ratio']:.3f}"
+                  + (f", baseline/floor {row['baselineRatio']:.3f}" if args.baseline else ""), flush=True)
             rounds.append(row)
     shutil.rmtree(work)
     counted = rounds[1:]
@@ -492,9 +506,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     result = {"entries": len(index), "bytes": total, "mode": "manifest" if args.manifest else "listing",
               "workers": args.workers or 16, "dropCaches": args.drop_caches, "rounds": rounds,
               "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
-    for kind in ("copier", "floor"):
+    if args.baseline:
+        base_ratios = [r["baselineRatio"] for r in counted]
+        result["baselineRevision"] = args.baseline
+        result["baselineRatio"] = {"median": statistics.median(base_ratios), "min": min(base_ratios),
+                                   "max": max(base_ratios)}
+        print(f"baseline {args.baseline}: baseline/floor paired {result['baselineRatio']['median']:.3f} "
+              f"({result['baselineRatio']['min']:.3f}-{result['baselineRatio']['max']:.3f})")
+    for kind in sides:
         result[kind] = {m: statistics.median(r[kind][m] for r in counted) for m in ("mbps", "seconds", "wall", "cpu")}
     print(f"median over {len(counted)} rounds: copier {result['copier']['mbps']:.0f} MB/s "
+          + (f"(baseline {result['baseline']['mbps']:.0f} MB/s, CPU {result['baseline']['cpu']:.2f} s) "
+             if args.baseline else "") +
           f"(CPU {result['copier']['cpu']:.2f} s), floor {result['floor']['mbps']:.0f} MB/s "
           f"(CPU {result['floor']['cpu']:.2f} s); copier/floor paired {result['ratio']['median']:.3f} "
           f"({result['ratio']['min']:.3f}-{result['ratio']['max']:.3f})")
@@ -514,6 +537,7 @@ def main() -> None:
     parser.add_argument("--drop-caches", action="store_true", help="drop the page cache before each side (root)")
     parser.add_argument("--cache-dir", default="/tmp/cachewarm-bench-entries")
     parser.add_argument("--dest-root", default="/tmp", help="where the fresh directories are made (the same disk)")
+    parser.add_argument("--baseline", help="a git revision whose copier.py is a third side (e.g. one before a change)")
     parser.add_argument("--json", help="write the results here")
     # internal: the server's and the floor's processes
     parser.add_argument("--serve", help=argparse.SUPPRESS)
