@@ -9,13 +9,17 @@ manifests/`, and warms two caches through it (one per workload):
   large  demo/train.py's transformer step, one program, made bigger (--large-layers x
          --large-width), `train:targets`
 
-Then, for each workload, pods of each kind run in turn (--runs rounds, the kinds in a
-different order each round), each a fresh pod on the node:
+Then, for each workload, pods of each kind run in turn (--runs rounds, default 10; the
+kinds of a round back to back, in bench/rounds.py's order: as listed in even rounds,
+reversed in odd ones), each a fresh pod on the node:
 
   (a) none        an unlabelled pod: no persistent cache, every program compiled
-  (b) gs://       labelled for a ReadOnly cache: JAX reads the bucket through gcsfs (the
+  (b) gs://       labelled for a ReadOnly cache with `injection.readFrom: Bucket` (since
+                  issue 30 the explicit choice): JAX reads the bucket through gcsfs (the
                   training image with gcsfs)
-  (c) local copy  labelled for a ReadOnly cache with localCopy (emptyDir), in process: the
+  (c) local copy  labelled for a ReadOnly cache that sets neither injection.localCopy nor
+                  readFrom: the default read path (issue 30), a per-pod emptyDir copy of
+                  LocalCopy's defaults; in process: the
                   pod sets its PYTHONPATH (/app, the image's own), so the webhook knows it
                   and adds no init container; the pod's python starts a child that copies
                   the pool's manifest entries (our sitecustomize) and waits for it when
@@ -35,11 +39,17 @@ moment the program finished its first step (time.time() in the pod; the same hos
 clock), so it counts scheduling, every init container (the copy included), container
 start, python and jax start-up (in process, whatever of the copy has not overlapped them
 by the end of `import jax`), and each program compiled or loaded. The median of the
-runs is reported, with the range, and for (c) the copier's own seconds.
+runs is reported, with the range, and for (c) the copier's own seconds; and per round the
+paired ratios of each kind to (d) of the same round ((c)/(d), (b)/(d), (a)/(d), ...), their
+median and min-max. Each cache's LocalCopyAsSpecified condition is checked to say the read
+path meant ((b): NoLocalCopy, readFrom Bucket; (c): PerPodCopy, the default), and each pod's
+admitted spec to read where its kind says. Every measured pod of (b), (c) and (d) must
+have hit every program its workload asks for (cache_hits == programs, compiled == 0, in
+every round), and every (a) pod compiled them all: the run stops otherwise.
 
 Needs root and `make node-deps` (as the real-node tests).
 
-Run: .venv/bin/python bench/local_copy.py [--runs 5] [--with-reporter] [--with-init] [--json bench-local-copy.json]
+Run: .venv/bin/python bench/local_copy.py [--runs 10] [--with-reporter] [--with-init] [--json bench-local-copy.json]
 """
 
 from __future__ import annotations
@@ -59,8 +69,12 @@ from typing import Any
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
+from cachewarm.api import constants
 from cachewarm_testbed import images, install
 from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rounds import order, paired  # noqa: E402 - bench/rounds.py
 
 REPO = repo_root()
 NS = "bench"
@@ -70,6 +84,7 @@ LABELS = {"none": "(a) no cache", "gs": "(b) gs:// direct", "copy": "(c) local c
           "disk": "(d) local disk", "copy+reporter": "(c') local copy in process, reporter on",
           "copy-init": "(c-init) local copy by init container"}
 RATIOS = {"copy": "(c)", "copy+reporter": "(c')", "copy-init": "(c-init)"}
+SHORT = {"none": "(a)", "gs": "(b)", **RATIOS}  # the kinds paired with (d), round by round
 # (not "1e9": kubectl reads that YAML scalar as a number)
 READER = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1000000000", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
           "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
@@ -131,12 +146,17 @@ class Bench:
         }
         self.disk = Path(f"/var/tmp/cachewarm-bench-{uuid.uuid4().hex[:8]}")
         self.last_logs = ""  # the training container's log of the last pod run
+        # Programs each workload's process asks for (compile requests), from its first (a) pod:
+        # every later pod must ask for as many, and (b), (c), (d) hit them all.
+        self.programs: dict[str, int] = {}
 
-    def cache(self, name: str, prefix: str, *, local: bool, report: bool, warm: dict[str, Any] | None) -> None:
+    def cache(self, name: str, prefix: str, *, bucket: bool, report: bool, warm: dict[str, Any] | None) -> None:
+        """A ReadOnly cache: pods read gs:// (`bucket`: readFrom Bucket, the explicit choice)
+        or, setting neither localCopy nor readFrom, get the default read path (the copy)."""
         spec: dict[str, Any] = {
             "storage": {"gcs": {"bucket": self.bucket, "prefix": prefix, "location": "us-central1"}},
             "jax": {"minCompileTimeSecs": 0},
-            "injection": {"mode": "ReadOnly", "report": report, **({"localCopy": {"sizeLimit": "2Gi"}} if local else {})},
+            "injection": {"mode": "ReadOnly", "report": report, **({"readFrom": "Bucket"} if bucket else {})},
         }
         if warm is not None:
             spec["warmup"] = {"image": images.TRAIN_IMAGE, "targets": [warm["target"]], "pools": [{"name": "cpu"}],
@@ -146,9 +166,9 @@ class Bench:
 
     def warm(self) -> None:
         for workload, w in self.workloads.items():
-            self.cache(f"{workload}-copy", workload, local=True, report=False, warm=w)
-            self.cache(f"{workload}-gs", workload, local=False, report=False, warm=None)
-            self.cache(f"{workload}-copy-reported", workload, local=True, report=True, warm=None)
+            self.cache(f"{workload}-copy", workload, bucket=False, report=False, warm=w)
+            self.cache(f"{workload}-gs", workload, bucket=True, report=False, warm=None)
+            self.cache(f"{workload}-copy-reported", workload, bucket=False, report=True, warm=None)
         for workload in self.workloads:
             def warmed(name: str = f"{workload}-copy") -> dict[str, Any] | None:
                 obj = self.bed.get_json("ccache", name, NS) or {}
@@ -160,6 +180,8 @@ class Bench:
             obj = eventually(warmed, timeout=900, what=f"cache {workload}-copy Warmed")
             [pool] = obj["status"]["warmup"]["pools"]
             say(f"{workload}: warmed {pool['keyCount']} programs in {time.monotonic() - t0:.0f} s")
+            self.read_path(f"{workload}-copy", copy=True)
+            self.read_path(f"{workload}-gs", copy=False)
         # (d)'s floor: the same entries on the node's disk beforehand.
         client = storage.Client(project="bench", credentials=AnonymousCredentials(),
                                 client_options={"api_endpoint": self.bed.env()["STORAGE_EMULATOR_HOST"]})
@@ -169,6 +191,19 @@ class Bench:
             for blob in client.list_blobs(self.bucket, prefix=f"{workload}/", match_glob=f"{workload}/*-cache"):
                 blob.download_to_filename(str(dest / blob.name.rsplit("/", 1)[1]))
             dest.chmod(0o755)
+
+    def read_path(self, name: str, *, copy: bool) -> None:
+        """Stop unless the cache's LocalCopyAsSpecified says its pods read where the bench
+        means them to: the default copy (PerPodCopy, "the default"), or gs:// by readFrom
+        Bucket (NoLocalCopy)."""
+        def said() -> dict[str, Any] | None:
+            obj = self.bed.get_json("ccache", name, NS) or {}
+            conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+            return conds.get("LocalCopyAsSpecified")
+        cond = eventually(said, timeout=120, what=f"cache {name} LocalCopyAsSpecified")
+        want = ("PerPodCopy", "the default") if copy else ("NoLocalCopy", "readFrom is Bucket")
+        if cond.get("reason") != want[0] or want[1] not in cond.get("message", ""):
+            raise SystemExit(f"cache {name}: LocalCopyAsSpecified is not {want}: {cond}")
 
     def pod(self, workload: str, kind: str, name: str) -> dict[str, Any]:
         w = self.workloads[workload]
@@ -194,7 +229,10 @@ class Bench:
         return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **({"labels": labels} if labels else {})},
                 "spec": spec}
 
-    def run(self, workload: str, kind: str) -> dict[str, Any]:
+    def run(self, workload: str, kind: str, source: str = "manifest") -> dict[str, Any]:
+        """One fresh pod of `kind` for `workload`, timed; stops the bench unless it read where
+        its kind says and (b), (c), (d) hit every program, (a) compiled every one. `source`:
+        what a copy must have copied from (the warmers' manifests, or a warmless cache's prefix)."""
         name = f"{workload}-{kind.replace('+', '-')}-{uuid.uuid4().hex[:6]}"
         obj = self.pod(workload, kind, name)
         t0 = time.time()
@@ -209,10 +247,11 @@ class Bench:
         if finished["status"]["phase"] != "Succeeded":
             raise SystemExit(f"pod {name} failed: {logs[-2000:]}")
         line = json.loads(next(x for x in reversed(logs.splitlines()) if x.startswith("{")))
+        self.check(workload, kind, name, line, finished)
         out = {"seconds": round(line["done"] - t0, 3), "hits": line["cache_hits"], "compiled": line["compiled"],
                # pod created -> the program's python started: scheduling, init containers,
                # container start (what the pod's start costs before any of its own work)
-               "started": round(line["started"] - t0, 3) if "started" in line else None}
+               "started": round(line["started"] - t0, 3) if "started" in line else None, "pod": name}
         if kind.startswith("copy"):
             inits = [ct["name"] for ct in finished["spec"].get("initContainers") or []]
             if (kind == "copy-init") != ("cachewarm-copy" in inits):
@@ -224,14 +263,33 @@ class Bench:
                        cold=summary.get("cold"), trusted=summary.get("trusted"), present=summary.get("present"))
             # With the checks on (issue 28: pinned manifests, MD5 of every entry), a copy that
             # trusted nothing would time a cold start, not the copy: refuse to report it.
-            if summary.get("cold") or not summary.get("copied") or summary.get("source") != "manifest" \
-                    or not summary.get("trusted"):
+            if summary.get("cold") or not summary.get("copied") or summary.get("source") != source \
+                    or (source == "manifest" and not summary.get("trusted")):
                 raise SystemExit(f"pod {name} ({kind}): the copy trusted or copied nothing: {summary}")
         if self.containerd_log is not None:
             timeline = containerd_timeline(self.containerd_log, name, t0)
             out.update(containers=timeline, kubeletWait=kubelet_wait(timeline))
         self.bed.kubectl_run("delete", "pod", name, "-n", NS, "--wait=false")
         return out
+
+
+    def check(self, workload: str, kind: str, name: str, line: dict[str, Any], pod: dict[str, Any]) -> None:
+        """Stop the bench (loudly) unless the pod read its cache where `kind` says (its main
+        container's JAX_COMPILATION_CACHE_DIR as admitted: gs:// for (b), the copy's for (c),
+        none for (a)) and hit every program it asked for ((a): compiled every one)."""
+        [main] = [ct for ct in pod["spec"]["containers"] if ct["name"] == "train"]
+        where = next((e.get("value", "") for e in main.get("env") or [] if e["name"] == constants.ENV_CACHE_DIR), None)
+        want = {"none": None, "gs": "gs://", "disk": "/cache"}.get(kind, constants.LOCAL_COPY_DIR)
+        if (where is None) != (want is None) or (want is not None and not str(where).startswith(want)):
+            raise SystemExit(f"pod {name} ({kind}) reads its cache at {where!r}, not {want!r}")
+        programs = line.get("programs", line["cache_hits"] + line["compiled"])
+        expected = self.programs.setdefault(workload, programs) if kind == "none" else self.programs.get(workload)
+        hits_all = line["compiled"] == 0 and line["cache_hits"] == programs
+        if not programs or programs != expected or (hits_all if kind == "none" else not hits_all) \
+                or (kind == "none" and line["cache_hits"]):
+            raise SystemExit(f"pod {name} ({kind}): {line['cache_hits']} hits, {line['compiled']} compiled of "
+                             f"{programs} programs (the workload asks for {expected}); "
+                             f"{'(a) must compile every one' if kind == 'none' else 'every program must hit'}")
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -248,6 +306,25 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["copySecondsMedian"] = round(statistics.median(r["copySeconds"] for r in runs), 3)
         out["copied"], out["copyBytes"] = runs[-1]["copied"], runs[-1]["copyBytes"]
     return out
+
+
+def paired_to_floor(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each kind's seconds over (d)'s of the same round, per round, with median and min-max:
+    {"(c)/(d)": paired(...), ...} (rounds.paired)."""
+    if "disk" not in runs:
+        return {}
+    floor = [r["seconds"] for r in runs["disk"]]
+    return {f"{SHORT[k]}/(d)": paired([r["seconds"] for r in v], floor) for k, v in runs.items() if k in SHORT}
+
+
+def paired_table(pairs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Per workload and ratio: the median of the per-round ratios, min-max, and each round's."""
+    lines = ["| workload | per-round ratio | median | min–max | rounds |", "|---|---|---|---|---|"]
+    for workload, ratios in pairs.items():
+        for name, p in ratios.items():
+            lines.append(f"| {workload} | {name} | **{p['median']:.3f}×** | {p['min']:.3f}–{p['max']:.3f} | "
+                         f"{', '.join(f'{r:.3f}' for r in p['ratios'])} |")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -271,7 +348,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=10, help="rounds (each kind once per round)")
     parser.add_argument("--large-layers", default="12")
     parser.add_argument("--large-width", default="512")
     parser.add_argument("--with-reporter", action="store_true", help="also (c) with the reporter on")
@@ -299,18 +376,24 @@ def main() -> None:
             for kind in ("none", "gs"):
                 bench.run(workload, kind)
         results: dict[str, dict[str, Any]] = {}
+        pairs: dict[str, dict[str, dict[str, Any]]] = {}
         for workload in bench.workloads:
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
             for i in range(args.runs):
-                for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                for kind in order(i, kinds):  # a round's kinds back to back, reversed every other round
                     got = bench.run(workload, kind)
                     runs[kind].append(got)
-                    say(f"{workload} {kind}: {got}")
+                    say(f"{workload} round {i + 1} {kind}: {got}")
             results[workload] = {k: summarize(v) for k, v in runs.items()}
+            pairs[workload] = paired_to_floor(runs)
+            say(f"{workload} paired: {json.dumps(pairs[workload])}")
         print(table(results))
+        print()
+        print(paired_table(pairs))
         if args.json:
             args.json.write_text(json.dumps({"runs": args.runs, "large": bench.workloads["large"]["env"],
-                                             "results": results}, indent=1))
+                                             "programs": bench.programs, "paired": pairs, "results": results},
+                                            indent=1))
     finally:
         bed.stop()
         shutil.rmtree(bench.disk, ignore_errors=True)
