@@ -461,6 +461,16 @@ def ssl_context(ca_bundle: str, https: bool = True) -> tuple[ssl.SSLContext | No
     return context, error
 
 
+def proxied(url: str) -> bool:
+    """Whether a request to `url` goes through a proxy the environment names (HTTP_PROXY,
+    HTTPS_PROXY and NO_PROXY, as urllib reads them)."""
+    import urllib.parse  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    parts = urllib.parse.urlsplit(url)
+    return bool(urllib.request.getproxies().get(parts.scheme)) and not urllib.request.proxy_bypass(parts.netloc)
+
+
 def receiver(answer: Any) -> Callable[[memoryview], int]:
     """A function that fills a buffer with what one receive of `answer`'s body brings and
     says how many bytes (0: the body ended, or the connection did), so that a body that
@@ -491,6 +501,7 @@ def receiver(answer: Any) -> Callable[[memoryview], int]:
         count: int = fp.readinto1(buffer if left[0] < 0 else buffer[:left[0]])
         if left[0] > 0:
             left[0] -= count
+            answer.length = left[0]  # as http.client counts it: 0 once the body is read, so its connection may be kept
         return count
     return received
 
@@ -514,8 +525,11 @@ class Client:
 
         self.endpoint, self.token = endpoint, token
         self._sent = threading.local()  # the token this thread's last request carried (see _renewed)
-        # urlopen's handlers (the pod's HTTP(S)_PROXY included), with `context` for HTTPS.
+        # urlopen's handlers (the pod's HTTP(S)_PROXY included), with `context` for HTTPS:
+        # for requests through a proxy. The others go on connections kept per thread (_kept).
         self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
+        self._context = context
+        self._kept = threading.local()  # this thread's connection and its last answer (see _request)
         self._partials = itertools.count()
         self._lock = threading.Lock()
         # pid alone is not unique: two copiers into one directory (a pod's processes, or the pods
@@ -539,8 +553,59 @@ class Client:
         # a few seconds after it starts, as an init container does.
         bearer = self._sent.token = self.token()
         headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
-        return self._opener.open(urllib.request.Request(url, headers=headers),
-                                 timeout=min(REQUEST_TIMEOUT_SECONDS, self._remaining()))
+        timeout = min(REQUEST_TIMEOUT_SECONDS, self._remaining())
+        if proxied(url):
+            return self._opener.open(urllib.request.Request(url, headers=headers), timeout=timeout)
+        return self._request(url, headers, timeout)
+
+    def _request(self, url: str, headers: dict[str, str], timeout: float) -> Any:
+        """A GET on this thread's kept connection to the endpoint (a new one when it has
+        none, when its last answer was not read to its end, or when it was to close), its
+        answer as urllib's: an http.client answer, a status other than 2xx an HTTPError, a
+        certificate that does not verify a URLError. Each download being a connection of
+        its own cost a TLS handshake per entry: for 1,000 entries of 10-500 KB the copy
+        took 2x the CPU of a plain client that keeps its connections (and the server 3x;
+        bench/copier_floor.py, issue 30). A kept connection the server closed meanwhile
+        fails before any answer: tried again once on a new one, not counted an attempt."""
+        import http.client  # noqa: PLC0415
+        import ssl  # noqa: PLC0415
+        import urllib.error  # noqa: PLC0415
+        import urllib.parse  # noqa: PLC0415
+
+        parts = urllib.parse.urlsplit(url)
+        kept = self._kept.__dict__
+        connection, last = kept.pop("connection", None), kept.pop("answer", None)
+        reusable = (connection is not None and connection.sock is not None and last is not None
+                    and last.isclosed() and last.length == 0 and not last.will_close
+                    and kept.get("origin") == (parts.scheme, parts.netloc))
+        if connection is not None and not reusable:
+            connection.close()
+        for fresh in ((False, True) if reusable else (True,)):
+            if fresh:
+                connection = (http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout,
+                                                          context=self._context) if parts.scheme == "https"
+                              else http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout))
+            elif connection.sock is not None:
+                connection.sock.settimeout(timeout)
+            try:
+                connection.request("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path, headers=headers)
+                answer = connection.getresponse()
+                break
+            except ssl.SSLCertVerificationError as exc:  # as urllib raises it: not retried
+                connection.close()
+                raise urllib.error.URLError(exc) from None
+            except (ConnectionError, ssl.SSLEOFError):
+                connection.close()
+                if fresh:
+                    raise
+            except BaseException:
+                connection.close()
+                raise
+        kept.update(connection=connection, answer=answer, origin=(parts.scheme, parts.netloc))
+        if not 200 <= answer.status < 300:
+            kept["answer"] = None  # its body is not read: not kept
+            raise urllib.error.HTTPError(url, answer.status, answer.reason, answer.headers, answer)
+        return answer
 
     def _renewed(self) -> bool:
         """After GCS's 401: whether the token this thread sent was dropped for a new one
