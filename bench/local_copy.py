@@ -6,8 +6,8 @@ manifests/`, and warms two caches through it (one per workload):
 
   small  demo/programs.py: ten small programs (an MLP classifier: init with static sizes,
          a donating train step, bf16, evaluation, a static top-k), `programs:targets`
-  large  demo/train.py's transformer step, one program, made bigger (--large-layers x
-         --large-width), `train:targets`
+  large  demo/train.py's training step (a residual LM, its layers an unrolled scan), one
+         program, made bigger (--large-layers x --large-width), `train:targets`
 
 Then, for each workload, pods of each kind run in turn (--runs rounds, default 10; the
 kinds of a round back to back, in bench/rounds.py's order: as listed in even rounds,
