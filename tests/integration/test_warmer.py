@@ -155,14 +155,15 @@ def test_the_summary_carries_the_pythonpath_the_warmer_started_with(tmp_path: Pa
     assert "imagePythonPath" not in summary  # over 1000 characters: left out, never cut
 
 
-def test_an_entrypoint_in_a_child_process_reports_no_keys(tmp_path: Path) -> None:
-    """The warmer cannot see which entries a child process looked up, so it names none (the
-    operator then falls back to "the bucket holds entries") rather than only those it saw
-    written, which would make a re-warm of a full cache look empty."""
+def test_an_entrypoint_in_an_uncounted_child_process_reports_no_keys(tmp_path: Path) -> None:
+    """When the warmer cannot see which entries a child process looked up (python -E skips
+    its hook: test_warmer_children.py), it names none (the operator then falls back to "the
+    bucket holds entries") rather than only those it saw written, which would make a
+    re-warm of a full cache look empty."""
     script = tmp_path / "entry.py"
     script.write_text("import jax, jax.numpy as jnp\nprint(jax.jit(lambda x: x * 3)(jnp.ones(3)))\n")
     for _ in range(2):  # writes, then finds everything already cached
-        code, summary, log = warm(tmp_path, "command", "--", "sh", "-c", f"{sys.executable} {script}",
+        code, summary, log = warm(tmp_path, "command", "--", "sh", "-c", f"{sys.executable} -E {script}",
                                   cache=tmp_path / "c")
         assert code == 0, log
         assert "keys" not in summary and "keyCount" not in summary
@@ -253,7 +254,7 @@ def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
     tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client
 ) -> None:
     """A python entrypoint run in process names its entries: a manifest. Then the same
-    program run in a child process (sh -c): the warmer cannot tell which entries it used, so
+    program run in a child process the warmer cannot count (sh -c, python -E): it cannot tell which entries it used, so
     the manifest, which would name an older run's entries, goes and pods copy the prefix."""
     bucket = f"manifest-{uuid.uuid4().hex[:10]}"
     storage_only.create_bucket(bucket, location="us-central1")
@@ -267,7 +268,7 @@ def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
     assert len(read_manifest(storage_only, bucket, name)[0]["entries"]) == summary["manifestEntries"]
     assert summary["manifestGeneration"] == str(storage_only.bucket(bucket).get_blob(name).generation)
     code, summary, log = gcs_warm(tmp_path, storage_bed, url, manifest, "command", "--", "sh", "-c",
-                                  f"{sys.executable} {script}")
+                                  f"{sys.executable} -E {script}")
     assert code == 0, log
     assert "keys" not in summary and "manifestEntries" not in summary and "manifestError" not in summary
     assert "manifestGeneration" not in summary  # none written: nothing for the operator to record
@@ -275,7 +276,7 @@ def test_a_warm_that_cannot_name_its_entries_removes_the_pools_manifest(
     assert "Removed the manifest" in log
     # Nothing to remove is no error either.
     code, summary, log = gcs_warm(tmp_path, storage_bed, url, manifest, "command", "--", "sh", "-c",
-                                  f"{sys.executable} {script}")
+                                  f"{sys.executable} -E {script}")
     assert code == 0 and "manifestError" not in summary, log
 
 

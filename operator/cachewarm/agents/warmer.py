@@ -10,8 +10,11 @@ same code.
 
 targets: each callable returns or yields `jax.stages.Lowered` objects, or tuples
 (jitted_fn, args[, kwargs]) of abstract arguments (jax.ShapeDtypeStruct); each is compiled
-into the cache. command: the real entrypoint runs with the cache env; a python entrypoint
-runs in this process so JAX's own counters are read.
+into the cache. command: the real entrypoint runs with the cache env; `python FILE` and
+`python -m MODULE` run in this process so JAX's own counters are read; anything else
+(python -c, a shell wrapper, a launcher) runs as a child, whose python processes count
+their own JAX cache use through a start-up hook the warmer gives them (ChildHook) and
+leave it for the warmer to merge: fingerprint, counts, keys, as for a program run here.
 
 A JSON summary goes to the termination message ($CACHEWARM_SUMMARY_FILE, default
 /dev/termination-log) so the operator reads it from the pod. Exit status: 0 when every
@@ -21,7 +24,8 @@ below the cache's size/time thresholds, or no cache directory).
 
 Manifest ($CACHEWARM_MANIFEST, a gs:// URL the operator sets per warmer Job): process 0 writes
 there the entries the warm relied on, for training pods' local copies, or removes it when
-it cannot name them (an entrypoint in a child process). Never fatal. Version 2 (issue 28):
+it cannot name them (an entrypoint in a child process the hook could not count: python -E,
+-S or -I, or a PYTHONPATH the command replaces). Never fatal. Version 2 (issue 28):
 each entry with its size, GCS's md5Hash and generation, read from GCS after the warm (an
 entry whose digests cannot be read is left out, `manifestLeftOut`); the summary's
 `manifestGeneration` is the generation of the manifest object written, read back and
@@ -51,6 +55,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -116,6 +121,10 @@ class CacheDir:
         if not self.url:
             return {}
         try:
+            if self.url.startswith("gs://"):
+                listed = self.gcs_entries()
+                if listed is not None:
+                    return listed
             if "://" in self.url:
                 from etils import epath  # noqa: PLC0415 - only gs:// caches need it
 
@@ -135,6 +144,22 @@ class CacheDir:
         except Exception as exc:  # noqa: BLE001 - counting is best effort, never fatal
             log("Could not list the cache directory", url=self.url, error=repr(exc))
             return {}
+
+    def gcs_entries(self) -> dict[str, int] | None:
+        """The gs:// directory's entries as GCS lists them now (one listing, not gcsfs's
+        cached one: an entrypoint in a child process writes where this process's cache of
+        the listing cannot see); None without gcsfs (epath then lists through its own
+        backend). Raises what the listing raises."""
+        try:
+            fs = gcs_filesystem()
+        except ImportError:
+            return None
+        try:
+            listed = fs.ls(self.url[len("gs://"):].rstrip("/"), detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {str(o.get("name", "")).rsplit("/", 1)[-1]: int(o.get("size") or 0) for o in listed
+                if isinstance(o, dict) and str(o.get("name", "")).endswith("-cache")}
 
 
 class Counters:
@@ -187,6 +212,220 @@ class UsedKeys(logging.Filter):
         if str(record.msg).startswith(self.PREFIXES) and len(args) >= 2:
             self.keys.add(str(args[1]))
         return record.levelno >= self.quiet_below
+
+
+# Child processes (issue 30). An entrypoint the warmer runs as a child (python -c, a shell
+# wrapper, a launcher such as torchrun) compiles where this process's counters cannot see.
+# The warmer gives its children a directory first on PYTHONPATH (the image's own PYTHONPATH
+# behind it) holding a sitecustomize.py it writes itself (CHILD_SITECUSTOMIZE): every python
+# child that starts with site imports it, which loads this very file and calls child_hook().
+# The hook counts what the process's JAX cache did, as the warmer counts its own, and at exit
+# leaves a record (CHILD_RECORD_SUFFIX) in the directory $CACHEWARM_CHILD_RECORDS names,
+# which the warmer reads once its entrypoint has exited (read_child_records). Not counted: a
+# python started with -S, -I or -E, one whose PYTHONPATH the command replaces, and one that
+# ends without running atexit (os._exit, as forked multiprocessing workers do, or a signal).
+ENV_CHILD_RECORDS = "CACHEWARM_CHILD_RECORDS"
+CHILD_RECORD_SUFFIX = ".cachewarm-child.json"
+MAX_CHILD_RECORDS = 1000  # records read; more processes than that are not counted
+MAX_CHILD_RECORD_BYTES = 1 << 20
+CHILD_SITECUSTOMIZE = '''\
+"""Written by cachewarm's warmer for its child processes: count this process's JAX cache use
+(warm.py's child_hook), then run the image's own sitecustomize, which this file shadows."""
+try:
+    import importlib.util as _util
+    import os as _os
+
+    if _os.environ.get({records!r}):
+        _spec = _util.spec_from_file_location("cachewarm_warmer_hook", {warmer!r})
+        _hook = _util.module_from_spec(_spec)
+        _spec.loader.exec_module(_hook)
+        _hook.child_hook()
+except Exception as _exc:  # noqa: BLE001 - the program runs whatever happens here
+    import sys as _sys
+
+    print("cachewarm warmer: this process is not counted (%s: %s)" % (type(_exc).__name__, _exc), file=_sys.stderr)
+try:
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _here = _os.path.realpath(_os.path.dirname(_os.path.abspath(__file__)))
+    _spec = _machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in _sys.path if p and _os.path.realpath(p) != _here])
+    if _spec is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["sitecustomize"] = _module
+        try:
+            _spec.loader.exec_module(_module)
+        except Exception as _exc:  # noqa: BLE001 - as site.py: say so, go on
+            print("Error in sitecustomize; set PYTHONVERBOSE for traceback:\\n%s: %s" % (type(_exc).__name__, _exc),
+                  file=_sys.stderr)
+except Exception:  # noqa: BLE001
+    pass
+'''
+
+
+class _AfterJaxImport:
+    """A meta path finder, first on sys.meta_path, for `jax` only: jax's own spec, with a
+    loader that calls `then()` once jax's __init__ has run (jax.monitoring needs jax), then
+    takes itself out. A process that never imports jax pays for nothing else."""
+
+    def __init__(self, then: Any) -> None:
+        self.then = then
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "jax":
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                loader = spec.loader
+                if loader is not None and hasattr(loader, "exec_module"):
+                    hook = self
+
+                    class Loader:
+                        def create_module(self, s: Any) -> Any:
+                            return loader.create_module(s)
+
+                        def exec_module(self, module: Any) -> None:
+                            loader.exec_module(module)
+                            if getattr(module, "__loader__", None) is self:
+                                module.__loader__ = loader
+                            if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
+                                module.__spec__.loader = loader
+                            hook.fire()
+
+                    spec.loader = Loader()
+                return spec
+        return None
+
+    def fire(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        try:
+            self.then()
+        except Exception as exc:  # noqa: BLE001 - the program runs whatever happens here
+            log("Could not count this process's JAX cache use", error=repr(exc))
+
+
+def child_hook() -> None:
+    """In a child process of the warmer (CHILD_SITECUSTOMIZE calls it at start-up): once
+    jax is imported, count JAX's cache events and the keys looked up, and at exit write a
+    record {"pid", "requests", "hits", "keys", "fingerprint"} into $CACHEWARM_CHILD_RECORDS.
+    A process that never imported jax writes none. A forked child starts its own count."""
+    import atexit  # noqa: PLC0415
+
+    records = os.environ.get(ENV_CHILD_RECORDS, "")
+    if not records:
+        return
+    state: dict[str, Any] = {"counters": Counters(), "used": UsedKeys(), "pid": os.getpid()}
+    state["used"].install()
+
+    def fresh() -> None:  # after fork: the parent's counts are the parent's
+        state["counters"].events.clear()
+        state["used"].keys.clear()
+        state["pid"] = os.getpid()
+
+    def write() -> None:
+        if "jax" not in sys.modules or state["pid"] != os.getpid():
+            return
+        counters, used = state["counters"], state["used"]
+        record = {"pid": os.getpid(), "argv": [str(a)[:200] for a in sys.argv[:8]], "requests": counters.requests,
+                  "hits": counters.hits, "keys": sorted(used.keys),
+                  "fingerprint": fingerprint() if counters.requests else {}}
+        path = os.path.join(records, f"{os.getpid()}-{time.monotonic_ns()}{CHILD_RECORD_SUFFIX}")
+        try:
+            with open(path + ".tmp", "w") as out:
+                json.dump(record, out)
+            os.replace(path + ".tmp", path)
+        except OSError as exc:
+            log("Could not record this process's JAX cache use", path=path, error=repr(exc))
+
+    def after_jax() -> None:
+        state["counters"].install()
+        # Registered after jax's own import-time exit handlers, so it runs before them.
+        atexit.register(write)
+
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=fresh)
+    if "jax" in sys.modules:  # imported before the hook ran (a .pth file)
+        after_jax()
+    else:
+        sys.meta_path.insert(0, _AfterJaxImport(after_jax))
+
+
+class ChildHook:
+    """The warmer's side: a private directory with CHILD_SITECUSTOMIZE and the records
+    directory, and the env that puts them before a child (PYTHONPATH: this directory, then
+    what the warmer's own was, the image's)."""
+
+    def __init__(self) -> None:
+        import tempfile  # noqa: PLC0415
+
+        self.root = tempfile.mkdtemp(prefix="cachewarm-children-")
+        self.site = os.path.join(self.root, "site")
+        self.records = os.path.join(self.root, "records")
+        os.mkdir(self.site)
+        os.mkdir(self.records)
+        with open(os.path.join(self.site, "sitecustomize.py"), "w") as out:
+            out.write(CHILD_SITECUSTOMIZE.format(records=ENV_CHILD_RECORDS, warmer=os.path.abspath(__file__)))
+
+    def env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        own = environ.get("PYTHONPATH", "")
+        return {**environ, "PYTHONPATH": self.site + (os.pathsep + own if own else ""),
+                ENV_CHILD_RECORDS: self.records}
+
+    def records_read(self) -> list[dict[str, Any]]:
+        return read_child_records(self.records)
+
+    def close(self) -> None:
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def read_child_records(folder: str) -> list[dict[str, Any]]:
+    """The records child processes left in `folder`, each {"requests": int, "hits": int,
+    "keys": [str], "fingerprint": dict}, in the order they were written; a file that is not
+    such a record is skipped (said in the log)."""
+    try:
+        names = sorted((n for n in os.listdir(folder) if n.endswith(CHILD_RECORD_SUFFIX)),
+                       key=lambda n: os.stat(os.path.join(folder, n)).st_mtime_ns)
+    except OSError as exc:
+        log("Could not read the child processes' records", folder=folder, error=repr(exc))
+        return []
+    out: list[dict[str, Any]] = []
+    for name in names[:MAX_CHILD_RECORDS]:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                raw = json.loads(f.read(MAX_CHILD_RECORD_BYTES))
+            record = {"requests": int(raw["requests"]), "hits": int(raw["hits"]),
+                      "keys": [str(k) for k in raw["keys"]], "fingerprint": dict(raw.get("fingerprint") or {}),
+                      "pid": int(raw.get("pid") or 0)}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log("Skipped a child process's record", file=name, error=repr(exc))
+            continue
+        out.append(record)
+    return out
+
+
+def merge_fingerprints(own: Mapping[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The warm's fingerprint: this process's when it compiled (`own`, a python entrypoint
+    run in process), else that of the child that compiled the most. Children whose
+    fingerprints differ from it are counted in `otherFingerprints` (their keys are not the
+    ones a pod like the first would compute)."""
+    chosen = dict(own) if own else {}
+    if not chosen:
+        ranked = sorted((r for r in records if r["fingerprint"]), key=lambda r: -r["requests"])
+        chosen = dict(ranked[0]["fingerprint"]) if ranked else {}
+    others = sum(1 for r in records if r["fingerprint"] and r["fingerprint"] != chosen)
+    if chosen and others:
+        chosen["otherFingerprints"] = others
+    return chosen
 
 
 REFRESH_THREADS = 8  # customTime PATCHes in flight at once
@@ -350,6 +589,128 @@ def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, 
     return out
 
 
+# Unstable keys (issue 30): a program (a key's module name) that gets a new key while the
+# fingerprint is the same. JAX's key hashes the program's HLO, and some programs carry a
+# per-process value in it (a custom_partitioning primitive's callback pointer, with jax 0.10
+# on more than one device): each process computes another key, so no pod ever hits the
+# entry a warmer wrote, and each warm adds one more. The warmer sees it two ways:
+# - across runs: this pool's previous manifest (the newest in the pool's folder, written by
+#   an earlier warmer Job of the pool, with the same fingerprint) names an entry of the
+#   program that this warm did not use, and this warm wrote one of its own;
+# - within a run: two processes that ran the same programs (the same module names, the same
+#   fingerprint, e.g. a launcher's workers) looked the program up under different keys.
+# It says so in the summary (`unstablePrograms`), and across runs it removes the older
+# entries: only those the previous manifest names (the pool's own warm wrote them), only
+# under this cache directory, and only ones this warm did not use. The new entry stays (JAX
+# writes it before the warmer could know), so the bucket holds one warm's entries of the
+# program, not one per warm. The same signs follow a program whose code or shapes changed
+# between warms with the same image fingerprint: its older entry is then unused by this
+# pool's pods too (their local copy follows the new manifest), so removing it is right
+# either way; the status message names both causes.
+MAX_UNSTABLE = 5  # programs named in a summary (write_summary may name fewer)
+MAX_UNSTABLE_KEYS = 4  # key hashes named per program, the newest
+MAX_MANIFEST_READ = 4 << 20
+KEY_SHAPE = re.compile(r"[A-Za-z0-9_.\-]{1,300}-[0-9a-f]{16,128}")  # <module name>-<hash>, no "/"
+
+
+def program_of(key: str) -> str:
+    """The program a cache key is for: its module name, the key without the final -<hash>."""
+    return key.rsplit("-", 1)[0]
+
+
+def previous_manifest(url: str) -> dict[str, Any] | None:
+    """The newest manifest in the pool's folder (the folder of `url`, this Job's manifest,
+    not written yet in this run): the previous warm's. None when there is none, or it
+    cannot be read (said in the log)."""
+    if not url.startswith("gs://"):
+        return None
+    folder = url[len("gs://"):].rsplit("/", 1)[0]
+    try:
+        listed = [o for o in gcs_filesystem().ls(folder, detail=True, refresh=True)
+                  if isinstance(o, dict) and str(o.get("name", "")).endswith(".json") and o.get("type") != "directory"]
+        if not listed:
+            return None
+        newest = max(listed, key=lambda o: (str(o.get("updated") or ""), str(o.get("name"))))
+        if int(newest.get("size") or 0) > MAX_MANIFEST_READ:
+            raise ValueError(f"{newest.get('name')} is over {MAX_MANIFEST_READ} bytes")
+        data = json.loads(gcs_filesystem().cat_file(str(newest["name"])))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the warm
+        log("Could not read the pool's previous manifest", folder=folder, error=repr(exc))
+        return None
+
+
+def _same_fingerprint(one: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    def strip(fp: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in fp.items() if k != "otherFingerprints"}
+    return bool(one) and strip(one) == strip(other)
+
+
+def unstable_programs(previous: Mapping[str, Any] | None, fp: Mapping[str, Any], used: set[str],
+                      written: set[str], processes: list[tuple[Mapping[str, Any], set[str]]]
+                      ) -> tuple[list[dict[str, Any]], set[str]]:
+    """The programs whose key is unstable (see above), each {"program", "keys" (key hashes;
+    across runs the older first), "seen": "runs" or "processes"}, sorted by program; and the older keys to
+    remove. `previous`: the previous manifest; `used`: the keys this warm looked up or
+    wrote; `written`: those it wrote; `processes`: each process's (fingerprint, keys)."""
+    found: dict[str, dict[str, Any]] = {}
+    stale: set[str] = set()
+    entries = (previous or {}).get("entries")
+    if previous is not None and isinstance(entries, list) and _same_fingerprint(fp, previous.get("fingerprint") or {}):
+        older = {str(e.get("name", "")).removesuffix("-cache") for e in entries if isinstance(e, dict)}
+        older = {k for k in older if KEY_SHAPE.fullmatch(k)} - used
+        for key in sorted(written):
+            old = sorted(k for k in older if program_of(k) == program_of(key))
+            if old:
+                item = found.setdefault(program_of(key), {"program": program_of(key), "keys": old, "seen": "runs"})
+                item["keys"] = [*item["keys"], key]
+                stale.update(old)
+    by_names: dict[str, list[dict[str, set[str]]]] = {}
+    for process_fp, keys in processes:
+        programs: dict[str, set[str]] = {}
+        for key in keys:
+            programs.setdefault(program_of(key), set()).add(key)
+        if process_fp and programs:
+            identity = json.dumps([sorted(programs), process_fp], sort_keys=True, default=str)
+            by_names.setdefault(identity, []).append(programs)
+    for group in by_names.values():
+        for name in sorted(group[0]):
+            if name not in found and len({frozenset(p[name]) for p in group}) > 1:
+                found[name] = {"program": name, "keys": sorted(set().union(*(p[name] for p in group))),
+                               "seen": "processes"}
+    out = [{**item, "program": item["program"][:100],
+            "keys": [key_hash(k) for k in item["keys"]][-MAX_UNSTABLE_KEYS:]} for _, item in sorted(found.items())]
+    return out[:MAX_UNSTABLE], stale
+
+
+def remove_stale(cache_url: str, keys: Iterable[str]) -> dict[str, Any]:
+    """Remove the entries `keys` (their -cache and -atime objects) from the gs:// cache
+    directory: older entries of unstable programs (unstable_programs). Never raises:
+    {"unstableRemoved": entries removed} and "unstableError" when one could not be."""
+    out: dict[str, Any] = {"unstableRemoved": 0}
+    base = cache_url[len("gs://"):].rstrip("/") if cache_url.startswith("gs://") else ""
+    for key in sorted(keys):
+        if not base or not KEY_SHAPE.fullmatch(key):
+            continue
+        for suffix in ("-cache", "-atime"):
+            try:
+                gcs_filesystem().rm_file(f"{base}/{key}{suffix}")
+            except FileNotFoundError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - the warm stands; the entry is left
+                log("Could not remove an older entry of an unstable program", entry=f"{key}{suffix}", error=repr(exc))
+                out["unstableError"] = f"could not remove gs://{base}/{key}{suffix}: {type(exc).__name__}: {exc}"[:300]
+                continue
+            if suffix == "-cache":
+                out["unstableRemoved"] += 1
+                log("Removed an older entry of an unstable program", entry=f"{key}{suffix}")
+    return out
+
+
 def remove_manifest(url: str) -> dict[str, Any]:
     """Remove the pool's manifest: this warm cannot name the entries it relied on (an
     entrypoint in a child process), and an older manifest names an older program's; without
@@ -445,16 +806,27 @@ def run_targets(targets: list[str], parallel: int) -> tuple[list[dict[str, Any]]
 
 
 def in_process(argv: list[str]) -> bool:
-    """A python entrypoint runs in this process, so JAX's counters see its compiles."""
-    return len(argv) > 1 and os.path.basename(argv[0]).startswith("python") and argv[1] != "-c"
+    """Whether the entrypoint runs in this process: `python FILE ...` and `python -m MODULE
+    ...` (no other option before them). Anything else (python -c, python -u FILE, a shell
+    wrapper, a launcher) runs as a child, counted by its records (ChildHook)."""
+    if len(argv) < 2 or not os.path.basename(argv[0]).startswith("python"):
+        return False
+    return (argv[1] == "-m" and len(argv) > 2) or not argv[1].startswith("-")
 
 
-def run_command(argv: list[str]) -> int:
-    """Run the entrypoint: a python one in this process (JAX counters visible), else a child."""
+def run_command(argv: list[str], child_env: Mapping[str, str] | None = None) -> int:
+    """Run the entrypoint: a python one in this process (JAX counters visible), else a child.
+    `child_env`: the environment for child processes (ChildHook.env); an in-process
+    entrypoint's own children get its PYTHONPATH and records directory (os.environ's two
+    values are put back after)."""
     if not argv:
         raise ValueError("command mode needs the entrypoint after --")
+    if child_env is None:
+        child_env = dict(os.environ)
     if in_process(argv):
         saved = sys.argv
+        saved_env = {k: os.environ.get(k) for k in ("PYTHONPATH", ENV_CHILD_RECORDS)}
+        os.environ.update({k: v for k, v in child_env.items() if k in saved_env})
         try:
             if argv[1] == "-m" and len(argv) > 2:
                 sys.argv = [argv[2], *argv[3:]]
@@ -467,8 +839,13 @@ def run_command(argv: list[str]) -> int:
             return code if isinstance(code, int) else (0 if code is None else 1)
         finally:
             sys.argv = saved
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         return 0
-    return subprocess.call(argv)
+    return subprocess.call(argv, env=dict(child_env))
 
 
 def key_flags() -> list[str]:
@@ -538,8 +915,9 @@ def image_pythonpath(environ: Mapping[str, str]) -> dict[str, str]:
 
 def write_summary(summary: dict[str, Any]) -> None:
     """Write the summary as JSON within SUMMARY_LIMIT characters: errors and targets are
-    cut first, then keys (said so); imagePythonPath (at most 1000 characters) survives
-    both, and is left out only when the summary would not be whole JSON otherwise."""
+    cut first, then keys (said so), then unstablePrograms; imagePythonPath (at most 1000
+    characters) survives them, and is left out only when the summary would not be whole
+    JSON otherwise."""
     text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     if len(text) > SUMMARY_LIMIT:
         summary = {**summary, "errors": [e[:200] for e in summary.get("errors", [])[:3]], "targets": []}
@@ -549,6 +927,9 @@ def write_summary(summary: dict[str, Any]) -> None:
         # Fewer keys, said so: the operator checks those reported, and knows the count.
         keys = keys[: len(keys) * 3 // 4]
         summary = {**summary, "keys": keys, "keysTruncated": True}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    while len(text) > SUMMARY_LIMIT and summary.get("unstablePrograms"):
+        summary = {**summary, "unstablePrograms": summary["unstablePrograms"][:-1]}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     if len(text) > SUMMARY_LIMIT and "imagePythonPath" in summary:
         # Only here (e.g. a non-ASCII path, which JSON escapes to several times its length):
@@ -615,6 +996,40 @@ def shutdown_distributed() -> None:
         log("Could not shut down the JAX distributed runtime cleanly", error=repr(exc))
 
 
+def check_unstable(manifest: str, fp: Mapping[str, Any], cache_url: str, used: set[str], written: set[str],
+                   processes: list[tuple[Mapping[str, Any], set[str]]]) -> dict[str, Any]:
+    """The summary's unstablePrograms (and unstableRemoved, unstableError): unstable_programs
+    against the pool's previous manifest (`manifest`: this Job's, "" for none), then the
+    older entries removed (remove_stale). {} when no program is unstable."""
+    unstable, stale = unstable_programs(previous_manifest(manifest) if manifest else None, fp, used, written,
+                                        processes)
+    if not unstable:
+        return {}
+    for item in unstable:
+        log("A program got a new key with the same fingerprint", program=item["program"], seen=item["seen"],
+            keys=",".join(item["keys"]))
+    return {"unstablePrograms": unstable, **(remove_stale(cache_url, stale) if stale else {})}
+
+
+def run_counted(command: list[str]) -> tuple[int, list[dict[str, Any]]]:
+    """run_command with child processes counted (ChildHook): its exit status and the
+    children's records. Without a private directory (no writable temporary directory) the
+    children run uncounted, as before issue 30."""
+    try:
+        hook = ChildHook()
+    except OSError as exc:
+        log("Could not prepare counting child processes; they run uncounted", error=repr(exc))
+        return run_command(command), []
+    try:
+        code = run_command(command, hook.env(os.environ))
+        records = hook.records_read()
+    finally:
+        hook.close()
+    if records:
+        log("Counted child processes", processes=len(records), programs=sum(r["requests"] for r in records))
+    return code, records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cachewarm warm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -641,7 +1056,9 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     results: list[dict[str, Any]] = []
     code = 0
-    counted = True  # whether JAX's counters saw the compiles
+    counted = True  # whether JAX's counters saw the compiles (here, or in children's records)
+    own_counted = True  # whether they were this process's (then its fingerprint is the warm's)
+    records: list[dict[str, Any]] = []
     index = process_index()
     distributed = False
     if lacking:
@@ -660,32 +1077,38 @@ def main(argv: list[str] | None = None) -> int:
                 results, errors = run_targets(args.targets, args.parallel)
             else:
                 command = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
-                code = run_command(command)
-                counted = in_process(command)
+                own_counted = in_process(command)
+                code, records = run_counted(command)
+                counted = own_counted or bool(records)
                 if code != 0:
                     errors.append(f"entrypoint exited with status {code}")
     except Exception as exc:  # noqa: BLE001
         errors.append(f"{type(exc).__name__}: {exc}")
         traceback.print_exc(file=sys.stderr)
     # While the runtime is up (a multi-host warmer's devices are the whole slice's).
-    fp = fingerprint() if index == 0 and counted and not lacking else None
+    # A child's entrypoint leaves this process's jax without devices: asking for them here
+    # would take an accelerator a later child needs.
+    fp = merge_fingerprints(fingerprint() if own_counted else {}, records) if index == 0 and counted \
+        and not lacking else None
     if distributed or distributed_by_entrypoint():
         shutdown_distributed()
     after = cache.entries() if not lacking else {}
     # Only process 0 writes cache entries; what another process sees appear in a shared
     # cache directory is process 0's work, so it is not counted twice.
     written = {k: v for k, v in after.items() if k not in before} if index == 0 else {}
-    found = counters.hits
+    requests = counters.requests + sum(r["requests"] for r in records)
+    found = counters.hits + sum(r["hits"] for r in records)
+    looked_up = used.keys | {k for r in records for k in r["keys"]}
     summary = {
         "mode": args.mode,
         "processIndex": index,
         "cacheDir": cache.url,
-        "programs": counters.requests,
+        "programs": requests,
         "entriesFound": found if counted else len(before),
         "entriesWritten": len(written),
         "bytesWritten": sum(written.values()),
         # Process 0 alone (every host finds the same keys): N hosts would PATCH each object N times.
-        **(refresh_last_use(cache.url, used.keys | {n.removesuffix("-cache") for n in written}) if index == 0
+        **(refresh_last_use(cache.url, looked_up | {n.removesuffix("-cache") for n in written}) if index == 0
            else {"entriesRefreshed": 0, "refreshFailed": 0}),
         "compileSeconds": round(sum(r["seconds"] for r in results), 3) if results else round(time.monotonic() - started, 3),
         "errors": errors,
@@ -698,22 +1121,23 @@ def main(argv: list[str] | None = None) -> int:
     if index != 0:
         # Processes other than 0 never write: they succeed when they compiled everything
         # they were given without error (their part of the collective program).
-        cached = max(cached, counters.requests if counted else 1)
+        cached = max(cached, requests if counted else 1)
     failed = bool(errors)
     if not failed and cached == 0:
-        if counters.requests and cache.url:
+        if requests and cache.url:
             errors.append(
-                f"{counters.requests} programs compiled but none was written to or found in the cache; "
+                f"{requests} programs compiled but none was written to or found in the cache; "
                 "check JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and ..._MIN_ENTRY_SIZE_BYTES"
             )
         else:
             errors.append("nothing was compiled or found in the cache")
-    summary["notCached"] = max(0, counters.requests - found - len(written)) if counted and index == 0 else 0
+    summary["notCached"] = max(0, requests - found - len(written)) if counted and index == 0 else 0
     # The entries this warm relies on (what it found or wrote, and is in the cache now):
     # the operator checks that they are in the bucket before it calls the cache Warmed.
-    # Only when JAX's lookups were seen (targets, or a python entrypoint run in process):
-    # an entrypoint in a child process finds entries this process cannot name, so no
-    # `keys` at all then (the operator falls back to "the bucket holds entries").
+    # Only when JAX's lookups were seen (targets, a python entrypoint run in process, or
+    # children that left records): an entrypoint in an uncounted child process finds entries
+    # this process cannot name, so no `keys` at all then (the operator falls back to "the
+    # bucket holds entries").
     # The same entries go to the pool's manifest (CACHEWARM_MANIFEST, which the operator
     # sets), for pods' local copies; when this process cannot name them, an older manifest
     # would name another program's entries, so it is removed (pods then copy the prefix).
@@ -721,9 +1145,13 @@ def main(argv: list[str] | None = None) -> int:
     manifest = os.environ.get(ENV_MANIFEST, "")
     if index == 0 and counted:
         present = {n.removesuffix("-cache") for n in after if n.endswith("-cache")}
-        relied = (used.keys | {n.removesuffix("-cache") for n in written}) & present
+        relied = (looked_up | {n.removesuffix("-cache") for n in written}) & present
         summary["keys"] = sorted({key_hash(k) for k in relied})
         summary["keyCount"] = len(summary["keys"])
+        summary.update(check_unstable(manifest if not errors else "", fp or {}, cache.url, relied,
+                                      {n.removesuffix("-cache") for n in written},
+                                      ([(fp or {}, used.keys)] if own_counted else [])
+                                      + [(r["fingerprint"], set(r["keys"])) for r in records]))
         # A warm that failed or relied on nothing leaves the manifest as it was: an empty or
         # partial one would have pods copy less than the cache holds for them.
         if manifest and relied and not errors:
@@ -732,7 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.update(remove_manifest(manifest))
     summary["errors"] = errors
     write_summary(summary)
-    log("Finished", programs=counters.requests, found=found, written=len(written), errors=len(errors))
+    log("Finished", programs=requests, found=found, written=len(written), errors=len(errors))
     if failed:
         return 1
     return 2 if cached == 0 else 0

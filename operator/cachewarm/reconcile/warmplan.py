@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -138,6 +138,16 @@ MAX_SECONDS = 10.0**7  # compileSeconds: about 115 days
 Text = Annotated[str, Field(max_length=4096)]  # a termination message holds at most 4096 bytes
 
 
+class UnstableProgram(BaseModel):
+    """A program the warmer saw get a new key with the same fingerprint (warmer.unstable_programs)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    program: Annotated[str, Field(min_length=1, max_length=100)]
+    keys: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=4)
+    seen: Literal["runs", "processes"]
+
+
 class WarmerSummary(BaseModel):
     """A warmer's summary (its termination message) as the operator reads it. The warmer
     runs the user's image and code, so nothing in it is trusted to be tidy: each field is
@@ -160,6 +170,9 @@ class WarmerSummary(BaseModel):
     manifestGeneration: str | None = Field(None, pattern=r"^[0-9]{1,20}$")
     fingerprint: dict[Annotated[str, Field(max_length=100)], Any] | None = Field(None, max_length=64)
     imagePythonPath: Annotated[str, Field(max_length=IMAGE_PYTHONPATH_LIMIT)] | None = None
+    unstablePrograms: list[UnstableProgram] | None = Field(None, max_length=5)
+    unstableRemoved: int = Field(0, ge=0, le=MAX_COUNT)
+    unstableError: Text = ""
     errors: list[Text] = Field(default_factory=list, max_length=100)
 
 
@@ -331,6 +344,8 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
     if reported is not None and reported.keys is not None:
         out["keys"] = sorted(set(reported.keys))[:MAX_KEYS]
         out["keyCount"] = reported.keyCount if reported.keyCount is not None else len(out["keys"])
+    # Programs whose key changed with the same fingerprint: pods miss them however warm.
+    out.update(_unstable_status(writers))
     # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
     generation = next((w.manifestGeneration for w in writers if w.manifestGeneration is not None), None)
     if generation is not None:
@@ -352,6 +367,22 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
     dropped = sorted({name for _, bad in parsed for name in bad})
     if dropped:
         out["message"] = f"Ignored invalid fields of the warmer's summary: {', '.join(dropped)}"[:1000]
+    return out
+
+
+def _unstable_status(writers: Sequence[WarmerSummary]) -> dict[str, Any]:
+    """unstablePrograms (with unstableRemoved, unstableError) of a pool's status entry, from
+    process 0's summary: each {program, keys, seen}."""
+    out: dict[str, Any] = {}
+    unstable = next((w.unstablePrograms for w in writers if w.unstablePrograms), None)
+    if unstable:
+        out["unstablePrograms"] = [p.model_dump() for p in unstable]
+    removed = max(w.unstableRemoved for w in writers)
+    if removed:
+        out["unstableRemoved"] = removed
+    error = next((w.unstableError for w in writers if w.unstableError), "")
+    if error:
+        out["unstableError"] = error[:1000]
     return out
 
 
