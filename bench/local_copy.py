@@ -233,6 +233,8 @@ class Bench:
         """One fresh pod of `kind` for `workload`, timed; stops the bench unless it read where
         its kind says and (b), (c), (d) hit every program, (a) compiled every one. `source`:
         what a copy must have copied from (the warmers' manifests, or a warmless cache's prefix)."""
+        if kind == "copy+reporter":  # its cache (-copy-reported) has no warm-up: it copies the prefix
+            source = "prefix"
         name = f"{workload}-{kind.replace('+', '-')}-{uuid.uuid4().hex[:6]}"
         obj = self.pod(workload, kind, name)
         t0 = time.time()

@@ -31,9 +31,14 @@ program's first step done (time.time() in the pod, same host clock). Reported pe
 median (min-max) of each kind, the per-round paired ratios (c)/(d), (b)/(d) and (b)/(c),
 and the copier's own seconds and MB/s (copied bytes over the copier's time, in the pod).
 
+`--with-warmed` adds, before the sizes, the warmed cache `w` itself (its real entry only):
+(c) there copies from the warmer's pinned manifest, so beside e1 it shows what a copy
+from the prefix costs against one from a manifest. `--only` runs some sizes only.
+
 Needs root and `make node-deps`. Serialize with the real-node e2e tests:
 
-  flock /tmp/cachewarm-e2e.lock .venv/bin/python bench/start_vs_size.py [--rounds 5] [--big-rounds 3] [--json F]
+  flock /tmp/cachewarm-e2e.lock .venv/bin/python bench/start_vs_size.py [--rounds 5] [--big-rounds 3]
+      [--only e1 ...] [--with-warmed] [--json F]
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ SIZES = [("e1", 1, 0), ("e10-10mb", 10, 10 * MB), ("e100-10mb", 100, 10 * MB), (
          ("e100-2gb", 100, 2000 * MB)]
 BIG = 1000 * MB  # sizes from this many bytes run --big-rounds rounds
 KINDS = ("gs", "copy", "disk")
+WARMED = "w"  # the warmed cache itself (--with-warmed): its copy from the warmer's manifest
 
 
 def fillers(count: int, total: int) -> Iterator[tuple[str, bytes]]:
@@ -113,7 +119,7 @@ class Sized(lc.Bench):
             self.programs[name] = self.programs["w"]
 
     def measured(self, name: str, kind: str) -> dict[str, Any]:
-        got = self.run(name, kind, source="prefix")
+        got = self.run(name, kind, source="manifest" if name == WARMED else "prefix")
         entries = self.entries[name]
         self.bed.kubectl_run("wait", "--for=delete", f"pod/{got['pod']}", "-n", lc.NS, "--timeout=300s")
         if kind == "copy" and got["copied"] != entries:
@@ -150,6 +156,8 @@ def main() -> None:
     parser.add_argument("--layers", default="12")
     parser.add_argument("--width", default="512")
     parser.add_argument("--only", nargs="*", help="size names to run (default: all)")
+    parser.add_argument("--with-warmed", action="store_true",
+                        help=f"also the warmed cache {WARMED!r} (its real entries only), copied from its manifest")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [s for s in SIZES if not args.only or s[0] in args.only]
@@ -178,6 +186,9 @@ def main() -> None:
                 for b in client.list_blobs(bench.bucket, prefix="w/", match_glob="w/*-cache")]
         lc.say(f"the real entries: {[(n, len(d)) for n, d in real]}")
         bench.sizes(client, real, sizes)
+        if args.with_warmed:  # first: the same entries as e1, from a manifest instead of the prefix
+            bench.entries[WARMED] = len(real)
+            sizes.insert(0, (WARMED, len(real), sum(len(d) for _, d in real)))
         results: dict[str, dict[str, Any]] = {}
         for name, count, total in sizes:
             rounds = args.big_rounds if total >= BIG else args.rounds
