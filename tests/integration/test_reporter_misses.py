@@ -1,6 +1,6 @@
 """Every compile a warm pod still pays, named with its cause, from real JAX compiles on CPU:
 cachewarm's warmer compiles tests/data/miss_kinds.py's targets into a cache directory (with
-warmup.minCompileTimeSecs 0.5); pods, each with its own copy of that directory as the local
+warmup.minCompileTimeSecs 0.3); pods, each with its own copy of that directory as the local
 copy gives them and the reporter on their PYTHONPATH, run every program of the file; the
 operator's store reads their reports and names each program they compiled with its cause.
 
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
 WARMER = REPO / "operator" / "cachewarm" / "agents" / "warmer.py"
 NOW = dt.datetime(2026, 11, 27, 12, tzinfo=dt.timezone.utc)
-THRESHOLD = "0.5"  # the cache's warmup.minCompileTimeSecs
+THRESHOLD = "0.3"  # the cache's warmup.minCompileTimeSecs
 
 
 def clean_env() -> dict[str, str]:
