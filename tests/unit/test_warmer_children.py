@@ -127,6 +127,38 @@ def test_the_summary_gives_up_unstable_programs_before_it_cuts_json(tmp_path: Pa
     assert 0 < len(written["keys"]) < 150 and "unstablePrograms" in written
 
 
+def test_only_entries_named_like_keys_are_removed_and_only_under_the_gs_cache_directory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    removed: list[str] = []
+
+    class Fs:
+        def rm_file(self, path: str) -> None:
+            if path.endswith("-atime"):
+                raise FileNotFoundError(path)  # JAX's LRU is off: no -atime object
+            if "denied" in path:
+                raise PermissionError("Forbidden")
+            removed.append(path)
+
+    monkeypatch.setattr(warmer, "gcs_filesystem", lambda: Fs())
+    good = key("jit_step", 1)
+    bad = {"../jit_step-" + H, "jit_step-" + H + "/x", "jit_step", "a/jit_step-" + H, ""}
+    assert warmer.remove_stale("gs://b/jax/", {good, *bad}) == {"unstableRemoved": 1}
+    assert removed == [f"b/jax/{good}-cache"]
+    assert warmer.remove_stale("/var/cache/jax", {good}) == {"unstableRemoved": 0} and len(removed) == 1
+    out = warmer.remove_stale("gs://b/jax", {key("jit_denied", 2)})
+    assert out["unstableRemoved"] == 0 and out["unstableError"].startswith("could not remove gs://b/jax/jit_denied-")
+
+
+def test_unstable_programs_give_way_before_the_summary_is_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "summary"
+    monkeypatch.setenv(warmer.ENV_SUMMARY_FILE, str(out))
+    programs = [{"program": f"{i}" + "p" * 999, "seen": "runs", "keys": []} for i in range(5)]
+    warmer.write_summary({"errors": [], "unstablePrograms": programs, "imagePythonPath": "/x"})
+    written = json.loads(out.read_text())  # whole JSON
+    assert 0 < len(written["unstablePrograms"]) < 5 and written["imagePythonPath"] == "/x"
+    assert written["unstablePrograms"] == programs[:len(written["unstablePrograms"])]
+
+
 GOOD = {"processIndex": 0, "entriesWritten": 2, "errors": []}
 UNSTABLE = [{"program": "jit_step", "keys": ["aa", "bb"], "seen": "runs"}]
 
