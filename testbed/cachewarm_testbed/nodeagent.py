@@ -42,7 +42,8 @@ missing one made a directory), read-only where the mount is readOnly, so the con
 cannot write there while the pod's other containers can (subPathExpr is refused); a
 projected serviceAccountToken volume gets a token the apiserver issues for the pod
 (TokenRequest with the volume's audience and expiry, bound to the Pod, as a kubelet asks for
-it; never refreshed, since pods here live minutes); the other projected sources (the CA
+it; never refreshed, since pods here live minutes); a configMap volume gets the ConfigMap's
+keys (or its items) as files, once, at the pod's start (project_configmaps); the other projected sources (the CA
 bundle and namespace of the automounted kube-api-access volume) are left out, which no
 test reads; every pod shares the
 host's network (pod IPs are loopback addresses, so two pods cannot listen on one port, and a
@@ -293,6 +294,7 @@ class Agent:
                 return
             try:
                 self.project_tokens(pod, root)
+                self.project_configmaps(pod, root)
             except ContainerConfigError as exc:
                 self.waiting(pod, base, "ContainerCreating", f"MountVolume.SetUp failed: {exc}")
                 return
@@ -376,6 +378,38 @@ class Agent:
         print(f"nodeagent: {pod.metadata.namespace}/{pod.metadata.name} {phase} on {pod.spec.node_name}", flush=True)
 
     # -- one container -------------------------------------------------------------------
+
+    def project_configmaps(self, pod: Any, root: Path) -> None:
+        """Write each configMap volume's keys (data as UTF-8, binaryData as its bytes), or
+        its `items` (key -> path), as files of the volume's directory, as a kubelet does
+        before it starts the containers (read-only to them where their mounts say so; the
+        kubelet's later updates of a changed ConfigMap are not made: pods here live
+        minutes). Raises ContainerConfigError for a ConfigMap missing and not optional, or
+        an item naming a key it lacks (what a kubelet reports as a failed mount)."""
+        for volume in pod.spec.volumes or []:
+            source = volume.config_map
+            if source is None:
+                continue
+            try:
+                cm = self.api.read_namespaced_config_map(source.name, pod.metadata.namespace)
+            except ApiException as exc:
+                if exc.status == 404 and source.optional:
+                    continue
+                raise ContainerConfigError(f'volume {volume.name}: configmap "{source.name}" not found') from exc
+            files = {k: v.encode() for k, v in (cm.data or {}).items()}
+            files |= {k: base64.b64decode(v) for k, v in (cm.binary_data or {}).items()}
+            items = {item.key: item.path for item in source.items or []} or {k: k for k in files}
+            for key, rel in items.items():
+                if key not in files:
+                    if source.optional:
+                        continue
+                    raise ContainerConfigError(f'volume {volume.name}: configmap "{source.name}" has no key {key}')
+                if rel.startswith("/") or ".." in Path(rel).parts:
+                    raise ContainerConfigError(f"volume {volume.name}: item path {rel!r} must be relative")
+                path = root / "volumes" / volume.name / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(files[key])
+                path.chmod(source.default_mode if source.default_mode is not None else 0o644)
 
     def project_tokens(self, pod: Any, root: Path) -> None:
         """Write each projected serviceAccountToken the pod's volumes ask for, from the

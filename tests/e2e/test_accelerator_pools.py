@@ -158,7 +158,10 @@ def test_single_host_pool_warms_on_its_node_and_a_training_pod_there_hits(
     pod = finished(bed, namespace, "trainer")
     assert pod["spec"]["nodeName"] in nodes
     run = report(bed, namespace, pod)
-    assert run["cache_dir"] == f"gs://{bucket}/jax"
+    # The default read path: the pod's local copy (the node agent mounts the pod's volume
+    # at run["cache_dir"]), not the bucket.
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache" and not run["cache_dir"].startswith("gs://")
     assert run["cache_hits"] >= 1 and run["compiled"] == 0, run["log"][-3000:]
 
 

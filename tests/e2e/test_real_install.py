@@ -146,15 +146,20 @@ def test_webhook_is_reached_through_its_service_with_the_operators_certificate(c
     assert hook["clientConfig"]["caBundle"]
 
 
+# demo/train.py at 16 unrolled layers: a compile of a few seconds, so that JAX's own
+# estimate of what a hit saved (whole seconds recorded at write, less the load) is positive.
+MODEL_SIZE = {"name": "DEMO_LAYERS", "value": "16"}
+
+
 def warm_cache(name: str, cluster: Installed) -> dict[str, Any]:
     return {
         "apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": name},
         "spec": {
             "storage": {"gcs": {"bucket": f"real-{uuid.uuid4().hex[:10]}", "prefix": name,
                                 "location": "us-central1", "lifecycle": {"deleteAfterDays": 10}}},
-            "jax": {"minCompileTimeSecs": 0},
+            # No jax settings: the warmer writes every program it compiles by default.
             "warmup": {"image": images.TRAIN_IMAGE, "targets": ["train:targets"], "pools": [{"name": "cpu"}],
-                       "env": cluster.client_env()},
+                       "env": [*cluster.client_env(), MODEL_SIZE]},
             "injection": {"mode": "ReadOnly"},
         },
     }
@@ -187,6 +192,9 @@ def pinned_warmer(cluster: Installed) -> str:
 
 
 def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: Installed, ns: str) -> None:
+    """The default path (issue 30): a cache that sets no read path and no write threshold.
+    Its warmer writes the program; a labelled pod gets a local copy by default, hits
+    every program, compiles none, and status.usage counts 0 misses and positive seconds saved."""
     bed = cluster.bed
     bed.apply(warm_cache("llama", cluster), ns)
     obj = wait_warmed(bed, "llama", ns)
@@ -213,31 +221,34 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
     assert fingerprint["jax"] == summary["fingerprint"]["jax"] and fingerprint["cacheDir"].startswith("gs://")
     assert obj["status"]["cache"]["entries"] >= pool["entriesWritten"]
 
-    # A training pod created through the apiserver: the in-cluster webhook adds the env and
-    # the reporter. From `/`, `python -m train` finds the program only on the image's own
-    # PYTHONPATH (/app), which the pod's (the reporter's) replaced.
+    # The default read path, said in status: a local copy.
+    copy_cond = next(c for c in obj["status"]["conditions"] if c["type"] == "LocalCopyAsSpecified")
+    assert (copy_cond["status"], copy_cond["reason"]) == ("True", "PerPodCopy") and "(the default:" in \
+        copy_cond["message"], copy_cond
+    # A training pod created through the apiserver: the in-cluster webhook adds the env,
+    # the reporter and the local copy. From `/`, `python -m train` finds the program only on
+    # the image's own PYTHONPATH (/app), which the pod's (ours) replaced.
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "train", "labels": {"cachewarm.dev/cache": "llama"}},
            "spec": {"restartPolicy": "Never", "containers": [{
                "name": "train", "image": images.TRAIN_IMAGE, "workingDir": "/",
-               "command": ["python", "-m", "train", "--steps", "2"], "env": cluster.client_env()}]}}
+               "command": ["python", "-m", "train", "--steps", "2"], "env": [*cluster.client_env(), MODEL_SIZE]}]}}
     bed.apply(pod, ns)
     stored = bed.get_json("pod", "train", ns)
     assert stored is not None
     env = {e["name"]: e.get("value") for e in stored["spec"]["containers"][0]["env"]}
-    assert env["JAX_COMPILATION_CACHE_DIR"] == f"gs://{obj['spec']['storage']['gcs']['bucket']}/llama"
-    assert "cachewarm.dev/injected" in stored["metadata"]["annotations"]
-    assert env["PYTHONPATH"] == "/cachewarm-reporter" and env["CACHEWARM_REPORT_URL"].startswith(
-        f"https://{install.REPORT_IP}:9444/")  # the Service's reports port
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache"
+    assert stored["metadata"]["annotations"]["cachewarm.dev/injected"].endswith(", local copy)")
+    assert env["CACHEWARM_REPORT_URL"].startswith(f"https://{install.REPORT_IP}:9444/")  # the Service's reports port
     done = eventually(lambda: finished(bed, "pod", "train", ns), timeout=300, what="the training pod to finish")
     logs = bed.kubectl_run("logs", "train", "-n", ns, "-c", "train")
     assert done["status"]["phase"] == "Succeeded", logs.stdout[-3000:] + logs.stderr[-3000:]
     report = json.loads(logs.stdout.strip().splitlines()[-1])
     assert report["cache_hits"] >= 1 and report["compiled"] == 0, report
-    # The init containers ran as the kubelet runs them: the copy from the warmer image, the
-    # recorder in the training image (its busybox from the copy; the image has no busybox).
-    inits = {s["name"]: s for s in done["status"]["initContainerStatuses"]}
-    assert inits["cachewarm-pythonpath"]["image"].endswith(images.TRAIN_IMAGE)
+    assert report["cache_dir"] == "/cachewarm-cache", report
+    # The init containers that ran did so as the kubelet runs them (the copy may run in
+    # process, with none: the warmer reported the image's PYTHONPATH).
+    inits = {s["name"]: s for s in done["status"].get("initContainerStatuses") or []}
     assert all(s["state"]["terminated"]["exitCode"] == 0 for s in inits.values()), inits
 
     # Its reporter reached the operator (through the Service, with the token the kubelet
@@ -247,6 +258,8 @@ def test_a_cache_warms_on_the_real_node_and_a_labelled_pod_starts_warm(cluster: 
         return got if got.get("pods") else None
     got = eventually(usage, timeout=60, what="status.usage from the training pod's report")
     assert (got["pods"], got["hits"], got["misses"]) == (1, report["cache_hits"], 0), got
+    assert got["compileSecondsSaved"] > 0, got
+    assert (got["localCopy"]["pods"], got["localCopy"]["coldPods"]) == (1, 0), got
     keys = eventually(lambda: next((c for c in (bed.get_json("ccache", "llama", ns) or {})["status"]["conditions"]
                                     if c["type"] == "KeysMatch" and c["status"] != "Unknown"), None),
                       timeout=60, what="KeysMatch decided")
@@ -270,9 +283,26 @@ def test_the_reporters_recorder_runs_in_an_image_without_a_shell_or_a_c_library(
     bed.apply(pod, ns)
     stored = bed.get_json("pod", "bare", ns) or {}
     inits = {c["name"]: c for c in stored["spec"].get("initContainers") or []}
-    assert inits["cachewarm-pythonpath"]["image"] == BARE_IMAGE, inits
+    # The default read path gives it a local copy: the copier's init container, in the
+    # pod's image (it records the PYTHONPATH in the recorder's place), finds no python there
+    # and the pod starts with an empty copy, as it would start without cachewarm.
+    assert inits["cachewarm-copy"]["image"] == BARE_IMAGE, inits
     assert inits["cachewarm-reporter"]["image"] == pinned_warmer(cluster), inits  # by digest
     done = eventually(lambda: finished(bed, "pod", "bare", ns), timeout=120, what="the bare pod to finish")
+    statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
+    assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
+    assert {n: t["exitCode"] for n, t in statuses.items()} == {"cachewarm-reporter": 0, "cachewarm-copy": 0}
+    # With readFrom Bucket, the recorder itself runs there (no copy).
+    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "bare-gs"},
+               "spec": {"storage": {"gcs": {"bucket": f"bare-{uuid.uuid4().hex[:10]}", "prefix": "bare",
+                                            "location": "us-central1"}}, "injection": {"readFrom": "Bucket"}}}, ns)
+    eventually(lambda: bed.get_json("ccache", "bare-gs", ns), what="cache bare-gs")
+    pod["metadata"] = {"name": "bare-gs", "labels": {"cachewarm.dev/cache": "bare-gs"}}
+    bed.apply(pod, ns)
+    stored = bed.get_json("pod", "bare-gs", ns) or {}
+    inits = {c["name"]: c for c in stored["spec"].get("initContainers") or []}
+    assert inits["cachewarm-pythonpath"]["image"] == BARE_IMAGE, inits
+    done = eventually(lambda: finished(bed, "pod", "bare-gs", ns), timeout=120, what="the bare-gs pod to finish")
     statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
     assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
     assert {n: t["exitCode"] for n, t in statuses.items()} == {"cachewarm-reporter": 0, "cachewarm-pythonpath": 0}

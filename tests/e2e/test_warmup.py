@@ -81,7 +81,9 @@ def train_in_pod(bed: Testbed, ns: str, cache: str, name: str = "trainer",
     phase = eventually(done, timeout=180, what=f"pod {name} finished")
     log = (bed.workdir / "pods" / ns / name / "train.log").read_text()
     assert phase == "Succeeded", log[-3000:]
-    return {**json.loads(log.strip().splitlines()[-1]), "log": log}
+    stored = bed.get_json("pod", name, ns) or {}
+    env = {e["name"]: e.get("value") for e in stored["spec"]["containers"][0].get("env") or []}
+    return {**json.loads(log.strip().splitlines()[-1]), "log": log, "env": env}
 
 
 def inspect(bed: Testbed, *args: str) -> dict[str, Any]:
@@ -100,7 +102,9 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     bucket = f"warm-{uuid.uuid4().hex[:8]}"
     warmup = {"targets": ["train:targets"]} if mode == "targets" else {
         "command": ["python", "train.py", "--steps", "1"]}
-    controller_manager.apply(warm_cache("llama", bucket, warmup), namespace)
+    # targets: the default read path (a local copy); command: gs:// directly (readFrom Bucket).
+    read = {"injection": {"readFrom": "Bucket"}} if mode == "command" else {}
+    controller_manager.apply(warm_cache("llama", bucket, warmup, **read), namespace)
     obj = wait_warmed(controller_manager, namespace, "llama")
 
     [pool] = obj["status"]["warmup"]["pools"]
@@ -143,7 +147,10 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     hits_before = scrape(operator.metrics_url, "cachewarm_cache_hits_total", **this)
     run = train_in_pod(controller_manager, namespace, "llama")
     assert scrape(operator.metrics_url, "cachewarm_webhook_admissions_total", outcome="injected") == injected + 1
-    assert run["cache_dir"] == f"gs://{bucket}/jax"
+    if mode == "command":
+        assert run["cache_dir"] == f"gs://{bucket}/jax"
+    else:  # the node agent mounts the pod's copy volume at run["cache_dir"]
+        assert run["env"]["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache" and not run["cache_dir"].startswith("gs://")
     assert run["cache_hits"] >= 1
     assert run["compiled"] == 0, run["log"][-3000:]
     assert "Persistent compilation cache hit for 'jit_train_step'" in run["log"]
