@@ -60,7 +60,8 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.NO_TRUSTED_MANIFEST,
                     f"No pool's warmer has recorded a manifest generation yet ({', '.join(untrusted)}): pods' "
                     "copies are empty and they start cold until a warm of their pool writes one (a warmer whose "
-                    "entrypoint runs in a child process never can: give warmup.targets)"[:1000])
+                    "programs run in a python started with -S, -I or -E, or with a PYTHONPATH of its own, cannot "
+                    "name its entries: give warmup.targets)"[:1000])
     some = (f"; pools without a recorded manifest give nothing ({', '.join(untrusted)}): pods of only those "
             "pools start cold" if untrusted else "")
     default = (f" ({why}; larger where the cache's last listing needs more; operators before this one gave such "
