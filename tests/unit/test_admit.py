@@ -35,8 +35,8 @@ def lookup(entry: dict[str, Any] | None) -> held_pods.CacheLookup:
     return lambda ns, name: entry if (ns, name) == ("ml", "llama") else None
 
 
-def entry(spec: dict[str, Any], warmed: bool = False) -> dict[str, Any]:
-    return admit.index_entry(spec, generation=4, uid="u-1", warmed=warmed)
+def entry(spec: dict[str, Any], warmed: bool = False, **more: Any) -> dict[str, Any]:
+    return admit.index_entry(spec, generation=4, uid="u-1", warmed=warmed, **more)
 
 
 def test_missing_cache_admits_unchanged_with_warning() -> None:
@@ -57,17 +57,17 @@ def test_injection_sets_env_and_annotation_without_gate_by_default() -> None:
     assert answer.injected and "schedulingGates" not in answer.spec
     # A spec without a mode reads only (D6: the CRD's default, and the model's).
     assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadOnly, gs://b-1/p)"}
-    # The default read path is a local copy; without a warmer image (the copier's) none can be made.
-    assert answer.warnings == ["cachewarm: CompilationCache 'llama' gives pods a local copy by default, which this "
-                               "pod cannot get (a Windows pod, a volume of its own named cachewarm-cache, "
-                               "cachewarm-boot, cachewarm-reporter or cachewarm-report-token, or a mount of one, or "
-                               "one mounted at /cachewarm-cache, /cachewarm-boot, /cachewarm-copy, /cachewarm-reporter "
-                               "or /var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket"]
+    # The default read path is a local copy; with no manifest recorded for its pool it would be empty.
+    assert answer.warnings == ["cachewarm: CompilationCache 'llama' gives pods a local copy by default, but this "
+                               "pod reads the bucket: no warmer of its pools (a) has recorded a manifest yet, so its "
+                               "copy would be empty"]
 
 
 def test_a_cache_that_sets_neither_local_copy_nor_read_from_gives_pods_the_default_local_copy() -> None:
     image = {"containers": [{"name": "train", "image": "team/train:1"}]}
-    answer = admit.admit_pod(pod(**image), lookup(entry({**SPEC, "warmup": WARMUP})), warmer_image="w@sha256:" + "a" * 64)
+    recorded = {"manifests": {"a": "p/.cachewarm/pools/ml/llama/a/llama-a-0123456789.json#17"}}
+    answer = admit.admit_pod(pod(**image), lookup(entry({**SPEC, "warmup": WARMUP}, **recorded)),
+                             warmer_image="w@sha256:" + "a" * 64)
     assert answer.annotations == {"cachewarm.dev/injected": "llama (generation 4, ReadOnly, gs://b-1/p, local copy)"}
     env = {e["name"]: e["value"] for e in answer.spec["containers"][0]["env"]}
     assert env["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache" and answer.warnings == []
@@ -77,6 +77,29 @@ def test_a_cache_that_sets_neither_local_copy_nor_read_from_gives_pods_the_defau
                              warmer_image="w@sha256:" + "a" * 64)
     env = {e["name"]: e["value"] for e in bucket.spec["containers"][0]["env"]}
     assert env["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p" and "volumes" not in bucket.spec
+
+
+@pytest.mark.parametrize(("container", "more", "said"), [
+    pytest.param({"env": [{"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": "/k/key.json"}]}, {},
+                 "it sets GOOGLE_APPLICATION_CREDENTIALS, and the copier authenticates only through the metadata "
+                 "server", id="key-file"),
+    pytest.param({}, {"cache_bytes": 51 * 2**30}, "the cache holds 51.0 GiB, over the default copy's 50 GiB",
+                 id="over-the-cap"),
+])
+def test_a_pod_the_default_copy_would_fail_reads_the_bucket_and_is_told_why(
+        container: dict[str, Any], more: dict[str, Any], said: str) -> None:
+    recorded = {"a": "p/.cachewarm/pools/ml/llama/a/llama-a-0123456789.json#17"}
+    spec = {"containers": [{"name": "train", "image": "team/train:1", **container}]}
+    answer = admit.admit_pod(pod(**spec), lookup(entry({**SPEC, "warmup": WARMUP}, manifests=recorded, **more)),
+                             warmer_image="w@sha256:" + "a" * 64)
+    env = {e["name"]: e["value"] for e in answer.spec["containers"][0]["env"]}
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "gs://b-1/p" and "volumes" not in answer.spec
+    assert [w for w in answer.warnings if said in w], answer.warnings
+    # A localCopy the user set is given all the same.
+    copied = admit.admit_pod(pod(**spec), lookup(entry({**SPEC, "warmup": WARMUP, "injection": {"localCopy": {}}},
+                                                       manifests=recorded, **more)), warmer_image="w@sha256:" + "a" * 64)
+    assert {e["name"]: e["value"] for e in copied.spec["containers"][0]["env"]}["JAX_COMPILATION_CACHE_DIR"] == \
+        "/cachewarm-cache"
 
 
 def test_wait_for_warm_gates_only_until_warmed_and_keeps_other_gates() -> None:

@@ -184,16 +184,20 @@ def test_injection_mode_wrong_is_refused() -> None:
 
 def test_local_copy_is_on_by_default_where_the_cache_allows_one_and_reads_the_crd_defaults() -> None:
     gcs = {"bucket": "b-1", "location": "US"}
-    default = parse_spec({"storage": {"gcs": gcs}}).injection
+    warmup = {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}
+    default = parse_spec({"storage": {"gcs": gcs}, "warmup": warmup}).injection
     assert default.local_copy == parse_spec({"storage": {"gcs": gcs}, "injection": {"localCopy": {}}}).injection.local_copy
     assert default.local_copy_by_default
-    # Not where it cannot be: readFrom Bucket, ReadWrite pods, XLA's caches on.
+    # Not where it cannot be: readFrom Bucket, ReadWrite pods, XLA's caches on; nor
+    # without warmers (no manifest names what a copy would take).
+    assert parse_spec({"storage": {"gcs": gcs}}).injection.local_copy is None
     for spec in ({"injection": {"readFrom": "Bucket"}}, {"injection": {"mode": "ReadWrite"}},
                  {"jax": {"enableXlaCaches": "all"}}):
-        cache = parse_spec({"storage": {"gcs": gcs}, **spec})
+        cache = parse_spec({"storage": {"gcs": gcs}, "warmup": warmup, **spec})
         assert cache.injection.local_copy is None and cache.read_path()[0] == "Bucket", spec
     # Named: the same copy, not "by default"; and a user cannot claim the default flag.
-    named = parse_spec({"storage": {"gcs": gcs}, "injection": {"readFrom": "LocalCopy", "localCopyByDefault": True}})
+    named = parse_spec({"storage": {"gcs": gcs}, "warmup": warmup,
+                        "injection": {"readFrom": "LocalCopy", "localCopyByDefault": True}})
     assert named.injection.local_copy == default.local_copy and not named.injection.local_copy_by_default
     cache = parse_spec({"storage": {"gcs": gcs}, "injection": {"mode": "ReadOnly", "localCopy": {}}})
     local = cache.injection.local_copy

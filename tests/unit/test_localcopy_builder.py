@@ -899,10 +899,12 @@ def test_a_default_copy_of_a_large_cache_gets_a_volume_that_holds_it_and_a_set_o
     from cachewarm.admission import admit
     pod = {"metadata": {"name": "t", "namespace": "ml", "labels": {"cachewarm.dev/cache": "c"}},
            "spec": {"containers": [{"name": "train", "image": "team/train:1"}]}}
-    base = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}}}
+    base = {"storage": {"gcs": {"bucket": "b-1", "prefix": "p", "location": "US"}},
+            "warmup": {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}}
 
     def volume(spec: dict[str, Any]) -> dict[str, Any]:
-        entry = admit.index_entry(spec, generation=1, uid="u", warmed=True, cache_bytes=30 * 2**30)
+        entry = admit.index_entry(spec, generation=1, uid="u", warmed=True, cache_bytes=30 * 2**30,
+                                  manifests={"a": "p/.cachewarm/pools/ml/c/a/c-a-0123456789.json#5"})
         answer = admit.admit_pod(pod, lambda ns, n: entry, warmer_image="w@sha256:" + "a" * 64)
         return next(v for v in answer.spec["volumes"] if v["name"] == "cachewarm-cache")
     assert volume(base)["emptyDir"] == {"sizeLimit": "35Gi"}

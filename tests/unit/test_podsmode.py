@@ -13,8 +13,12 @@ from cachewarm.api.model import parse_spec
 from cachewarm.reconcile.podsmode import local_copy_as_specified, pods_read_only, spec_conditions
 
 
+WARMUP = {"image": "i", "targets": ["m:f"], "pools": [{"name": "a"}]}
+
+
 def cache(injection: dict[str, Any]) -> Any:
-    return parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": injection})
+    return parse_spec({"storage": {"gcs": {"bucket": "b-1", "location": "US"}}, "injection": injection,
+                       "warmup": WARMUP})
 
 
 @pytest.mark.parametrize(("injection", "status", "reason"), [
@@ -47,7 +51,7 @@ def test_local_copy_as_specified(local: dict[str, Any] | None, status: bool, rea
     injection: dict[str, Any] = {"mode": "ReadOnly"}
     if local is not None:
         injection["localCopy"] = local
-    cond = local_copy_as_specified(cache(injection))
+    cond = local_copy_as_specified(cache(injection), [{"name": "a", "manifestGeneration": "1"}])
     assert (cond.type, cond.status, cond.reason) == ("LocalCopyAsSpecified", status, reason)
     assert said in cond.message
 
@@ -56,11 +60,19 @@ def test_local_copy_as_specified(local: dict[str, Any] | None, status: bool, rea
     pytest.param({"injection": {"readFrom": "Bucket"}}, "spec.injection.readFrom is Bucket", id="read-from-bucket"),
     pytest.param({"injection": {"mode": "ReadWrite"}}, "mode is ReadWrite", id="read-write"),
     pytest.param({"jax": {"enableXlaCaches": "all"}}, "enableXlaCaches is 'all'", id="xla-caches"),
+    pytest.param({"warmup": None}, "the cache has no spec.warmup", id="no-warmup"),
 ])
 def test_pods_that_read_the_bucket_are_told_why(spec: dict[str, Any], said: str) -> None:
-    cond = local_copy_as_specified(parse_spec({"storage": {"gcs": {"bucket": "b", "location": "US"}}, **spec}))
+    body = {"storage": {"gcs": {"bucket": "b", "location": "US"}}, "warmup": WARMUP, **spec}
+    cond = local_copy_as_specified(parse_spec({k: v for k, v in body.items() if v is not None}))
     assert (cond.status, cond.reason) == (True, "NoLocalCopy")
     assert "Pods read the bucket (gs://b) directly" in cond.message and said in cond.message
+
+
+def test_a_default_copy_without_a_recorded_manifest_says_pods_read_the_bucket() -> None:
+    cond = local_copy_as_specified(cache({}), [])
+    assert (cond.status, cond.reason) == (True, "NoTrustedManifest")
+    assert "no pool's warmer has recorded a manifest yet: pods of those pools read the bucket" in cond.message
 
 
 def test_host_path_message_says_why_and_what_to_do() -> None:

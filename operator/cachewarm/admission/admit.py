@@ -12,7 +12,7 @@ from cachewarm.api import constants as c
 from cachewarm.api.model import CacheSpec, InvalidSpec, LocalCopy, parse_spec
 from cachewarm.builders.injection import inject_pod
 from cachewarm.builders.localcopy import HOST_PATH_WITHDRAWN, add_local_copy, add_local_copy_in_process
-from cachewarm.builders.localcopy import default_copy_size, local_copy_possible, served
+from cachewarm.builders.localcopy import default_copy_refused, default_copy_size, local_copy_possible, served
 from cachewarm.builders.localcopy import in_process as is_in_process
 from cachewarm.builders.reporting import Reporting, add_reporter
 from cachewarm.reconcile.admitted import OPTED_OUT_NOTE
@@ -86,8 +86,8 @@ def _with_local(cache: CacheSpec, local: LocalCopy | None) -> CacheSpec:
 
 
 def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, reporting: Reporting | None,
-            warmer_image: str | None, warnings: list[str], cache_bytes: int = 0
-            ) -> tuple[CacheSpec, Reporting | None, str]:
+            warmer_image: str | None, warnings: list[str], cache_bytes: int = 0,
+            manifests: Mapping[str, str] | None = None) -> tuple[CacheSpec, Reporting | None, str]:
     """(the cache as this pod gets it, the reporting it gets, what its annotation says of
     a token withheld), each difference from what the cache asks for said in `warnings`: a
     HostPath copy is an EmptyDir one (D1); no copy where the pod cannot have one (it reads
@@ -95,6 +95,11 @@ def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, repo
     ServiceAccount tokens (D8), itself or through its ServiceAccount."""
     local = cache.injection.local_copy
     if local is not None and cache.injection.local_copy_by_default:
+        why = default_copy_refused(cache, pod_spec, manifests or {}, cache_bytes)
+        if why:
+            warnings.append(f"cachewarm: CompilationCache {cache_name!r} gives pods a local copy by default, but "
+                            f"this pod reads the bucket: {why}")
+            return _served(_with_local(cache, None), pod_spec, cache_name, reporting, warmer_image, warnings)
         size = default_copy_size(local.size_limit, cache_bytes)
         if size != local.size_limit:
             cache = _with_local(cache, local.model_copy(update={"size_limit": size}))
@@ -177,7 +182,7 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
         return out
     pod_spec = pod.get("spec") or {}
     cache, reports, withheld = _served(cache, pod_spec, cache_name, reporting, warmer_image, out.warnings,
-                                       int(entry.get("cache_bytes") or 0))
+                                       int(entry.get("cache_bytes") or 0), entry.get("manifests"))
     result = inject_pod(pod, cache_name, entry["generation"], cache, entry.get("env_configmap"))
     if result.changed:
         out.spec["containers"] = result.containers

@@ -184,7 +184,9 @@ class CacheSpec(_Model):
     @classmethod
     def _default_read_path(cls, data: Any) -> Any:
         """The read path decided here, once, for every reader of the spec (webhook, status,
-        Jobs): readFrom LocalCopy is a localCopy of LocalCopy's defaults; a ReadOnly cache with XLA's caches off whose spec sets neither
+        Jobs): readFrom LocalCopy is a localCopy of LocalCopy's defaults; a ReadOnly cache
+        with warmers (their manifests name what a copy takes; without them a copy would take
+        the whole prefix, whoever wrote it) and XLA's caches off whose spec sets neither
         injection.localCopy nor injection.readFrom gets the default local copy (an EmptyDir
         of LocalCopy's defaults, `local_copy_by_default`). Not a CRD default: that would be
         written into stored objects as they are read, switching them silently and for good;
@@ -199,7 +201,7 @@ class CacheSpec(_Model):
         injection.pop("local_copy_by_default", None)
         if injection.get("localCopy") is None and injection.get("readFrom") == "LocalCopy":
             injection["localCopy"] = {}  # asked for by name, with LocalCopy's defaults
-        elif injection.get("localCopy") is None and injection.get("readFrom") is None \
+        elif injection.get("localCopy") is None and injection.get("readFrom") is None and data.get("warmup") \
                 and injection.get("mode", "ReadOnly") == "ReadOnly" and jax.get("enableXlaCaches", "none") == "none":
             injection["localCopy"] = {}
             injection["localCopyByDefault"] = True
@@ -215,6 +217,9 @@ class CacheSpec(_Model):
             return "LocalCopy", "spec.injection.localCopy"
         if injection.read_from == "Bucket":
             return "Bucket", "spec.injection.readFrom is Bucket"
+        if self.warmup is None:
+            return "Bucket", ("the cache has no spec.warmup: no warmer's manifest names the entries a default copy "
+                              "would take (set injection.localCopy to copy the whole prefix)")
         if injection.mode != "ReadOnly":
             return "Bucket", ("spec.injection.mode is ReadWrite: a pod's new entries must reach the bucket, so it "
                               "gets no local copy")

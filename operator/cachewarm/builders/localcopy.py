@@ -55,6 +55,38 @@ GENERATION = re.compile(r"[0-9]{1,19}")
 GIB = 2**30
 
 
+# The default copy is given only where the cache's last listing holds at most this much:
+# beyond it each pod would download (and hold on the node's disk) more than reading the
+# few programs it runs from the bucket costs (BENCHMARKS.md: at 2 GB the copy was already
+# slower than gs:// on loopback). A localCopy the user writes has no such cap.
+DEFAULT_COPY_MAX_BYTES = 50 * 2**30
+# A pod that authenticates with a key file or a workload identity federation config reads
+# GCS with it through gcsfs; the copier asks only GKE's metadata server.
+KEY_FILE_ENV = "GOOGLE_APPLICATION_CREDENTIALS"
+
+
+def default_copy_refused(cache: CacheSpec, spec: Mapping[str, Any], manifests: Mapping[str, str],
+                         cache_bytes: int) -> str:
+    """Why a pod that would get the default local copy reads the bucket instead ("" for
+    none): none of its pools has a manifest the operator recorded (the copy would be
+    empty: every program compiled), its main container authenticates with a key file
+    (GOOGLE_APPLICATION_CREDENTIALS in its env; the copier uses the metadata server
+    only), or the cache's last listing is over DEFAULT_COPY_MAX_BYTES."""
+    if cache.warmup is not None:
+        pools = pools_for(spec, cache.warmup.pools)
+        if not any(GENERATION.fullmatch(str(manifests.get(p, "")).rpartition("#")[2]) for p in pools):
+            return ("no warmer of its pools (" + ", ".join(pools) + ") has recorded a manifest yet, so its copy "
+                    "would be empty")
+    if any(e.get("name") == KEY_FILE_ENV for ct in spec.get("containers") or [] for e in ct.get("env") or []):
+        return (f"it sets {KEY_FILE_ENV}, and the copier authenticates only through the metadata server (GKE "
+                "Workload Identity); set injection.localCopy to give it a copy anyway")
+    if cache_bytes > DEFAULT_COPY_MAX_BYTES:
+        return (f"the cache holds {cache_bytes / 2**30:.1f} GiB, over the default copy's "
+                f"{DEFAULT_COPY_MAX_BYTES // 2**30} GiB; set injection.localCopy (with its sizeLimit) to give pods a "
+                "copy anyway")
+    return ""
+
+
 def default_copy_size(size_limit: str, cache_bytes: int) -> str:
     """The default copy's sizeLimit: LocalCopy's default (`size_limit`, 10Gi), or where the
     cache's last listing holds more than the copier takes of that (BUDGET_SHARE of it), as

@@ -56,6 +56,14 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
                     f"pod reads, so pods get an EmptyDir copy of {local.size_limit} instead and hostPath is not "
                     "mounted. Set localCopy.volume to EmptyDir or Ephemeral and remove localCopy.hostPath")
     untrusted = untrusted_pools(cache, pools)
+    if untrusted and cache.warmup is not None and cache.injection.local_copy_by_default:
+        # The webhook gives the default copy only to pods of pools with a manifest
+        # (builders/localcopy.default_copy_refused): the others read the bucket.
+        some = ("no pool's warmer has" if len(untrusted) == len(cache.warmup.pools) else
+                f"pools {', '.join(untrusted)} have no warmer that has")
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.NO_TRUSTED_MANIFEST,
+                    f"Pods get a local copy by default ({why}), but {some} recorded a manifest yet: pods of "
+                    "those pools read the bucket directly until a warm of their pool records one"[:1000])
     if untrusted and cache.warmup is not None and len(untrusted) == len(cache.warmup.pools):
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.NO_TRUSTED_MANIFEST,
                     f"No pool's warmer has recorded a manifest generation yet ({', '.join(untrusted)}): pods' "
