@@ -59,8 +59,7 @@ def test_values_set_through_env_from_win_and_other_containers_get_the_cache_env(
             "injection": {"report": True}}
     bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "llama"},
                "spec": spec}, namespace)
-    # The env ConfigMap serves pods with and without a copy: it names the bucket.
-    ours = {e["name"]: e["value"] for e in cache_env(parse_spec(spec), "pod", local=False)}
+    ours = {e["name"]: e["value"] for e in cache_env(parse_spec(spec), "pod")}
     # Named by its content's hash; the webhook references it once status says it was checked.
     name = eventually(lambda: ((bed.get_json("ccache", "llama", namespace) or {}).get("status") or {})
                       .get("injection", {}).get("configMaps", {}).get("env"), timeout=60,

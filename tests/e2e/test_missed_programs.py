@@ -23,7 +23,8 @@ from cachewarm_testbed.processes import Proc
 
 pytestmark = pytest.mark.e2e
 
-KINDS = {"jit_eval_step": "NotWarmed", "jit_callback_step": "NotCacheable", "jit_unstable_step": "KeyUnstable",
+TWO_DEVICES = {"name": "XLA_FLAGS", "value": "--xla_force_host_platform_device_count=2"}
+KINDS = {"jit_eval_step": "NotWarmed", "jit_callback_step": "NotCacheable", "jit_unstable_step": "NotWarmed",
          "jit_small_step": "BelowWriteThreshold", "jit_train_step": "FingerprintDiffers"}
 
 
@@ -46,18 +47,15 @@ def run_pod(bed: Testbed, ns: str, cache: str, name: str, env: list[dict[str, st
     return {**json.loads(log.strip().splitlines()[-1]), "log": log}
 
 
-# Run at 17:25 UTC: the warm is right (jit_train_step and jit_unstable_step written), but the
-# pod's default local copy (the node agent's mount of /cachewarm-cache) held no entry, so it
-# hit nothing; test_warmup's targets case shows the same 0 hits while the default read path
-# is being finished in the simulated node. Unskip once that case passes.
-@pytest.mark.skip(reason="the simulated node's default local copy is empty (issue 30, in progress): 0 hits")
 def test_each_program_a_warm_pod_compiles_is_named_with_its_cause(
     operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str,
     gcs: storage.Client,
 ) -> None:
     bed, bucket = controller_manager, f"miss-{uuid.uuid4().hex[:8]}"
+    # Two host devices, set in the env as a user would (the warmer imports jax before it loads
+    # the target module, and custom_partitioning's key is stable on one device).
     bed.apply(warm_cache("kinds", bucket, {"image": "test/targets:1", "targets": ["miss_kinds:targets"],
-                                            "minCompileTimeSecs": 0.3}), namespace)
+                                            "minCompileTimeSecs": 0.3, "env": [TWO_DEVICES]}), namespace)
     warmed = wait_warmed(bed, namespace, "kinds")
     written = sorted(b.name.rsplit("/", 1)[-1].rsplit("-", 2)[0] for b in gcs.list_blobs(bucket, prefix="jax/")
                      if b.name.endswith("-cache"))
@@ -66,7 +64,7 @@ def test_each_program_a_warm_pod_compiles_is_named_with_its_cause(
     # What the warmer's threshold and JAX let it write.
     assert written == ["jit_train_step", "jit_unstable_step"], (warmed["status"]["warmup"], logs)
 
-    same = run_pod(bed, namespace, "kinds", "trainer")
+    same = run_pod(bed, namespace, "kinds", "trainer", env=[TWO_DEVICES])
     copied = sorted(p.name for p in Path(same["cache_dir"]).glob("*-cache"))
     assert same["devices"] == 2 and same["hits"] >= 1, (same["cache_dir"], copied)
     other = run_pod(bed, namespace, "kinds", "four-devices",

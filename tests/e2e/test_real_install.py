@@ -283,26 +283,11 @@ def test_the_reporters_recorder_runs_in_an_image_without_a_shell_or_a_c_library(
     bed.apply(pod, ns)
     stored = bed.get_json("pod", "bare", ns) or {}
     inits = {c["name"]: c for c in stored["spec"].get("initContainers") or []}
-    # The default read path gives it a local copy: the copier's init container, in the
-    # pod's image (it records the PYTHONPATH in the recorder's place), finds no python there
-    # and the pod starts with an empty copy, as it would start without cachewarm.
-    assert inits["cachewarm-copy"]["image"] == BARE_IMAGE, inits
+    # A cache without warmup reads the bucket by default (no manifest names what a copy
+    # would take): the recorder itself runs in the bare image.
+    assert inits["cachewarm-pythonpath"]["image"] == BARE_IMAGE, inits
     assert inits["cachewarm-reporter"]["image"] == pinned_warmer(cluster), inits  # by digest
     done = eventually(lambda: finished(bed, "pod", "bare", ns), timeout=120, what="the bare pod to finish")
-    statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
-    assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
-    assert {n: t["exitCode"] for n, t in statuses.items()} == {"cachewarm-reporter": 0, "cachewarm-copy": 0}
-    # With readFrom Bucket, the recorder itself runs there (no copy).
-    bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache", "metadata": {"name": "bare-gs"},
-               "spec": {"storage": {"gcs": {"bucket": f"bare-{uuid.uuid4().hex[:10]}", "prefix": "bare",
-                                            "location": "us-central1"}}, "injection": {"readFrom": "Bucket"}}}, ns)
-    eventually(lambda: bed.get_json("ccache", "bare-gs", ns), what="cache bare-gs")
-    pod["metadata"] = {"name": "bare-gs", "labels": {"cachewarm.dev/cache": "bare-gs"}}
-    bed.apply(pod, ns)
-    stored = bed.get_json("pod", "bare-gs", ns) or {}
-    inits = {c["name"]: c for c in stored["spec"].get("initContainers") or []}
-    assert inits["cachewarm-pythonpath"]["image"] == BARE_IMAGE, inits
-    done = eventually(lambda: finished(bed, "pod", "bare-gs", ns), timeout=120, what="the bare-gs pod to finish")
     statuses = {s["name"]: s["state"]["terminated"] for s in done["status"].get("initContainerStatuses") or []}
     assert done["status"]["phase"] == "Succeeded", (done["status"], statuses)
     assert {n: t["exitCode"] for n, t in statuses.items()} == {"cachewarm-reporter": 0, "cachewarm-pythonpath": 0}

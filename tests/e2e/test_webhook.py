@@ -399,9 +399,7 @@ def test_reinvocation_of_an_injected_pod_changes_nothing(
 ) -> None:
     make_cache(controller_manager, namespace, "llama", report=None)  # the CRD's default: the reporter on
     stored, _ = create_pod(controller_manager, namespace, pod("again", "llama"))
-    # The reporter's copy, and the default local copy's copier (which records the image's
-    # PYTHONPATH in the recorder's place).
-    assert [c["name"] for c in stored["spec"]["initContainers"]] == ["cachewarm-reporter", "cachewarm-copy"]
+    assert [c["name"] for c in stored["spec"]["initContainers"]] == ["cachewarm-reporter", "cachewarm-pythonpath"]
     status, answer = post_webhook(controller_manager, operator,
                                   json.dumps(review(stored, namespace=namespace)).encode())
     assert status == 200

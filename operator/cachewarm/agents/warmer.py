@@ -599,14 +599,13 @@ def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, 
 #   program that this warm did not use, and this warm wrote one of its own;
 # - within a run: two processes that ran the same programs (the same module names, the same
 #   fingerprint, e.g. a launcher's workers) looked the program up under different keys.
-# It says so in the summary (`unstablePrograms`), and across runs it removes the older
-# entries: only those the previous manifest names (the pool's own warm wrote them), only
-# under this cache directory, and only ones this warm did not use. The new entry stays (JAX
-# writes it before the warmer could know), so the bucket holds one warm's entries of the
-# program, not one per warm. The same signs follow a program whose code or shapes changed
-# between warms with the same image fingerprint: its older entry is then unused by this
-# pool's pods too (their local copy follows the new manifest), so removing it is right
-# either way; the status message names both causes.
+# It says so in the summary (`unstablePrograms`). Across runs the same signs follow a program
+# whose code or shapes changed between warms with the same image fingerprint (a new image
+# of the training program): the status says both causes. It deletes nothing (the reviews:
+# a manifest also names entries the warm only found, which may be another cache's on a
+# shared prefix, and pods on the older image still use the older entry): the older entry is
+# no longer refreshed by warmers and expires by the cache's lifecycle rule, so such entries
+# do not pile up past deleteAfterDays.
 MAX_UNSTABLE = 5  # programs named in a summary (write_summary may name fewer)
 MAX_UNSTABLE_KEYS = 4  # key hashes named per program, the newest
 MAX_MANIFEST_READ = 4 << 20
@@ -685,30 +684,6 @@ def unstable_programs(previous: Mapping[str, Any] | None, fp: Mapping[str, Any],
     out = [{**item, "program": item["program"][:100],
             "keys": [key_hash(k) for k in item["keys"]][-MAX_UNSTABLE_KEYS:]} for _, item in sorted(found.items())]
     return out[:MAX_UNSTABLE], stale
-
-
-def remove_stale(cache_url: str, keys: Iterable[str]) -> dict[str, Any]:
-    """Remove the entries `keys` (their -cache and -atime objects) from the gs:// cache
-    directory: older entries of unstable programs (unstable_programs). Never raises:
-    {"unstableRemoved": entries removed} and "unstableError" when one could not be."""
-    out: dict[str, Any] = {"unstableRemoved": 0}
-    base = cache_url[len("gs://"):].rstrip("/") if cache_url.startswith("gs://") else ""
-    for key in sorted(keys):
-        if not base or not KEY_SHAPE.fullmatch(key):
-            continue
-        for suffix in ("-cache", "-atime"):
-            try:
-                gcs_filesystem().rm_file(f"{base}/{key}{suffix}")
-            except FileNotFoundError:
-                continue
-            except Exception as exc:  # noqa: BLE001 - the warm stands; the entry is left
-                log("Could not remove an older entry of an unstable program", entry=f"{key}{suffix}", error=repr(exc))
-                out["unstableError"] = f"could not remove gs://{base}/{key}{suffix}: {type(exc).__name__}: {exc}"[:300]
-                continue
-            if suffix == "-cache":
-                out["unstableRemoved"] += 1
-                log("Removed an older entry of an unstable program", entry=f"{key}{suffix}")
-    return out
 
 
 def remove_manifest(url: str) -> dict[str, Any]:
@@ -998,17 +973,18 @@ def shutdown_distributed() -> None:
 
 def check_unstable(manifest: str, fp: Mapping[str, Any], cache_url: str, used: set[str], written: set[str],
                    processes: list[tuple[Mapping[str, Any], set[str]]]) -> dict[str, Any]:
-    """The summary's unstablePrograms (and unstableRemoved, unstableError): unstable_programs
-    against the pool's previous manifest (`manifest`: this Job's, "" for none), then the
-    older entries removed (remove_stale). {} when no program is unstable."""
-    unstable, stale = unstable_programs(previous_manifest(manifest) if manifest else None, fp, used, written,
-                                        processes)
+    """The summary's unstablePrograms: unstable_programs against the pool's previous
+    manifest (`manifest`: this Job's, "" for none). {} when no program is unstable. Nothing
+    is deleted: an older entry of such a program is no longer refreshed by warmers and
+    expires by the cache's lifecycle rule (deleteAfterDays)."""
+    unstable, _ = unstable_programs(previous_manifest(manifest) if manifest else None, fp, used, written,
+                                    processes)
     if not unstable:
         return {}
     for item in unstable:
         log("A program got a new key with the same fingerprint", program=item["program"], seen=item["seen"],
             keys=",".join(item["keys"]))
-    return {"unstablePrograms": unstable, **(remove_stale(cache_url, stale) if stale else {})}
+    return {"unstablePrograms": unstable}
 
 
 def run_counted(command: list[str]) -> tuple[int, list[dict[str, Any]]]:

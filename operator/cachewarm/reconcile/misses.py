@@ -128,7 +128,16 @@ def classify(missed: Missed, warm: Warmed) -> tuple[str, str]:
             f"({lost}); see KeysMatch")
     written, unwritten = warm.programs.get(name, (frozenset(), False))
     other = (missed.cached or frozenset()) | (written - missed.keys)
-    if other or name in warm.unstable:
+    if other and name not in warm.unstable:
+        # Another key of the program, the same fingerprint: most often other code or shapes
+        # than the warmers' (a new image before its re-warm, another batch size); a
+        # per-process value in the HLO only where a warmer saw it change (unstablePrograms).
+        return NOT_WARMED, (
+            f"{name} was warmed with another key than the pods compute, with the same fingerprint ({lost}): the "
+            "pods run other code or shapes than the warmers compiled (a new image before its re-warm, another "
+            "batch size), or its HLO holds a per-process value (a custom_partitioning primitive: wrap it in "
+            "shard_map), which a warmer that runs it twice names in its pool's unstablePrograms")
+    if name in warm.unstable:
         return KEY_UNSTABLE, (
             f"{name} was warmed with another key than the pods compute, with the same fingerprint ({lost}): its "
             "HLO holds a per-process value, as a custom_partitioning primitive does; JAX's documented workaround "

@@ -171,8 +171,6 @@ class WarmerSummary(BaseModel):
     fingerprint: dict[Annotated[str, Field(max_length=100)], Any] | None = Field(None, max_length=64)
     imagePythonPath: Annotated[str, Field(max_length=IMAGE_PYTHONPATH_LIMIT)] | None = None
     unstablePrograms: list[UnstableProgram] | None = Field(None, max_length=5)
-    unstableRemoved: int = Field(0, ge=0, le=MAX_COUNT)
-    unstableError: Text = ""
     errors: list[Text] = Field(default_factory=list, max_length=100)
 
 
@@ -371,18 +369,12 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
 
 
 def _unstable_status(writers: Sequence[WarmerSummary]) -> dict[str, Any]:
-    """unstablePrograms (with unstableRemoved, unstableError) of a pool's status entry, from
-    process 0's summary: each {program, keys, seen}."""
+    """unstablePrograms of a pool's status entry, from process 0's summary: each
+    {program, keys, seen}."""
     out: dict[str, Any] = {}
     unstable = next((w.unstablePrograms for w in writers if w.unstablePrograms), None)
     if unstable:
         out["unstablePrograms"] = [p.model_dump() for p in unstable]
-    removed = max(w.unstableRemoved for w in writers)
-    if removed:
-        out["unstableRemoved"] = removed
-    error = next((w.unstableError for w in writers if w.unstableError), "")
-    if error:
-        out["unstableError"] = error[:1000]
     return out
 
 

@@ -24,12 +24,13 @@ import binascii
 import collections
 import dataclasses
 import datetime as dt
+import re
 import json
 import threading
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cachewarm.api import timefmt
 from cachewarm.reconcile import misses as causes
@@ -82,6 +83,9 @@ class ProgramKey(_Strict):
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{1,16}$")]
 
 
+PROGRAM_UNSAFE = re.compile(r"[^A-Za-z0-9_.<>()\[\]\-]")
+
+
 class ProgramUse(_Strict):
     """What one program's compile requests did in a process (the reporter's per-program
     tally): hits, misses, the seconds its misses took to compile and its hits to load, the
@@ -97,6 +101,15 @@ class ProgramUse(_Strict):
     cached: list[HexKey] | None = Field(default=None, max_length=4)
     not_written: Literal["hostCallbacks", "belowThreshold"] | None = Field(default=None, alias="notWritten")
     helper: bool = False
+
+    @field_validator("program")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        """A JAX module name as text a terminal shows as it is: any character but a letter,
+        digit or one of `_.-<>()[]` becomes `?`, so a report cannot put terminal escapes or
+        lines into an admin's `cachewarm inspect`, a condition or an Event (attacker review),
+        and a program with an odd name still counts."""
+        return PROGRAM_UNSAFE.sub("?", value)
 
 
 class Counts(_Strict):
