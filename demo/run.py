@@ -43,7 +43,7 @@ NS = "demo"
 GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 # Shorter intervals than a cluster's defaults, so the demo does not wait on them.
 # The model size every pod trains, as the cache's warmer compiles it (demo/compilationcache.yaml).
-MODEL_SIZE = {"name": "DEMO_LAYERS", "value": "64"}
+MODEL_SIZE = {"name": "DEMO_LAYERS", "value": "96"}
 WARM_GOAL = 0.3  # warm pod-to-first-step over cold, at most
 OPERATOR_ENV = {"CACHEWARM_WARM_POLL_SECONDS": "1", "CACHEWARM_RESYNC_SECONDS": "30",
                 "CACHEWARM_USAGE_FLUSH_SECONDS": "2"}

@@ -9,11 +9,12 @@ The step is built so that its compile dominates its first step, as an accelerato
 compile does (minutes for a large model): the layers are a `lax.scan` unrolled into
 straight-line code (as many large-model steps are, to let XLA fuse and schedule across
 layers), so XLA compiles LAYERS residual blocks, forward and backward, while the arrays
-stay small and one step runs in milliseconds. `make demo` runs it at DEMO_LAYERS=64
-(demo/compilationcache.yaml and demo/run.py): on XLA:CPU (this project's 2-core machine,
-busy) that compiled in 12.2 s and loaded from the cache in 0.54 s, its first run 0.24-0.39 s
-either way (compile time grows faster than the layer count: 384 layers took 86 s). The
-default, 4 layers, compiles in well under a second: the test suite's size.
+stay small and one step runs in milliseconds. `make demo` runs it at DEMO_LAYERS=96: on the
+real node of this project's 2-core machine the cold pod's step took 8.9 s (its compile), the
+warm pod's 1.5 s (loading the entry and the first run), 9.9 s and 2.5 s from the pods'
+create requests (64 layers gave 0.338 warm over cold, over the demo's 0.3 goal; compile
+time grows faster than the layer count: 384 layers took 86 s). The default, 4 layers,
+compiles in well under a second: the test suite's size.
 """
 
 from __future__ import annotations
