@@ -105,7 +105,10 @@ def test_each_kind_of_missed_program_is_named_with_its_cause(tmp_path: Path) -> 
         "jit_train_step": misses.FINGERPRINT_DIFFERS,  # only the four-device pod compiled it
         "jit_eval_step": misses.NOT_WARMED,
         "jit_callback_step": misses.NOT_CACHEABLE,
-        "jit_unstable_step": misses.KEY_UNSTABLE,
+        # Another key with the same fingerprint after one warm: NotWarmed, its message naming
+        # both causes (other code or shapes, or a per-process value: shard_map); KeyUnstable
+        # once a warmer names it (tests/integration/test_warmer_children.py).
+        "jit_unstable_step": misses.NOT_WARMED,
         "jit_small_step": misses.BELOW_WRITE_THRESHOLD,
     }, usage["missedPrograms"]
     by_program = {m["program"]: m for m in usage["missedPrograms"]}
