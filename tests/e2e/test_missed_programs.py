@@ -7,16 +7,14 @@ reporter. status.usage.missedPrograms, the ProgramsWarm condition, the metric an
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from google.cloud import storage
 
-from test_warmup import conditions, inspect, wait_warmed, warm_cache
+from test_warmup import conditions, inspect, train_in_pod, wait_warmed, warm_cache
 
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, scrape
 from cachewarm_testbed.processes import Proc
@@ -29,22 +27,10 @@ KINDS = {"jit_eval_step": "NotWarmed", "jit_callback_step": "NotCacheable", "jit
 
 
 def run_pod(bed: Testbed, ns: str, cache: str, name: str, env: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """A labelled pod of the suite's training image running every program of miss_kinds.py;
-    its last log line (JAX's cache counters) and its log."""
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
-           "spec": {"restartPolicy": "Never", "containers": [{
-               "name": "train", "image": "test/targets:1", "command": ["python", "miss_kinds.py"],
-               "env": env or []}]}}
-    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(pod))
-    assert created.returncode == 0, created.stderr
-
-    def done() -> str | None:
-        phase = ((bed.get_json("pod", name, ns) or {}).get("status") or {}).get("phase")
-        return phase if phase in ("Succeeded", "Failed") else None
-    phase = eventually(done, timeout=180, what=f"pod {name} finished")
-    log = (bed.workdir / "pods" / ns / name / "train.log").read_text()
-    assert phase == "Succeeded", log[-3000:]
-    return {**json.loads(log.strip().splitlines()[-1]), "log": log}
+    """A labelled pod of the suite's training image running every program of miss_kinds.py
+    (test_warmup.train_in_pod): its last log line (JAX's cache counters) and its log."""
+    return train_in_pod(bed, ns, cache, name, env, image="test/targets:1", command=["python", "miss_kinds.py"],
+                        log_compiles=False)
 
 
 def test_each_program_a_warm_pod_compiles_is_named_with_its_cause(

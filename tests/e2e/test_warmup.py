@@ -64,14 +64,17 @@ def jobs(bed: Testbed, ns: str, cache: str) -> list[dict[str, Any]]:
 
 
 def train_in_pod(bed: Testbed, ns: str, cache: str, name: str = "trainer",
-                 env: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """Create an ordinary training pod through the webhook, let the node agent run it,
-    and return the training script's report plus its log."""
+                 env: list[dict[str, str]] | None = None, *, image: str = "demo/train:1",
+                 command: list[str] | None = None, log_compiles: bool = True) -> dict[str, Any]:
+    """Create an ordinary training pod through the webhook (demo/train.py for two steps
+    unless `image` and `command` say otherwise; JAX_LOG_COMPILES=1 unless `log_compiles`
+    is false), let the node agent run it, and return the training script's report (its
+    last log line), its log and its env as stored."""
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
            "spec": {"restartPolicy": "Never", "containers": [{
-               "name": "train", "image": "demo/train:1", "command": ["python", "train.py", "--steps", "2"],
-               "env": [{"name": "JAX_LOG_COMPILES", "value": "1"}, *(env or [])]}]}}
+               "name": "train", "image": image, "command": command or ["python", "train.py", "--steps", "2"],
+               "env": [*([{"name": "JAX_LOG_COMPILES", "value": "1"}] if log_compiles else []), *(env or [])]}]}}
     created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(pod))
     assert created.returncode == 0, created.stderr
 

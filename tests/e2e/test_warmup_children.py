@@ -13,10 +13,9 @@ import uuid
 from typing import Any
 
 import pytest
-import yaml
 from google.cloud import storage
 from test_last_use import warmed_by
-from test_warmup import conditions, warm_cache
+from test_warmup import conditions, train_in_pod, warm_cache
 
 from cachewarm_testbed.cluster import OperatorHandle, Testbed, eventually, local_images
 from cachewarm_testbed.nodeagent import DEFAULT_PATH
@@ -44,20 +43,8 @@ def image_path() -> list[dict[str, str]]:
 
 def run_pod(bed: Testbed, ns: str, cache: str, name: str, command: list[str],
             env: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """A training pod of `cache` through the webhook (reporter injected); its last log line."""
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"cachewarm.dev/cache": cache}},
-           "spec": {"restartPolicy": "Never", "containers": [{"name": "train", "image": IMAGE, "command": command,
-                                                              "env": env or []}]}}
-    created = bed.kubectl_run("create", "-n", ns, "-f", "-", input=yaml.safe_dump(pod))
-    assert created.returncode == 0, created.stderr
-
-    def done() -> str | None:
-        phase = ((bed.get_json("pod", name, ns) or {}).get("status") or {}).get("phase")
-        return phase if phase in ("Succeeded", "Failed") else None
-    phase = eventually(done, timeout=180, what=f"pod {name} finished")
-    log = (bed.workdir / "pods" / ns / name / "train.log").read_text()
-    assert phase == "Succeeded", log[-3000:]
-    return {**json.loads(log.strip().splitlines()[-1]), "log": log}
+    """A training pod of `cache` through the webhook (reporter injected; test_warmup.train_in_pod)."""
+    return train_in_pod(bed, ns, cache, name, env, image=IMAGE, command=command, log_compiles=False)
 
 
 def warmed(bed: Testbed, ns: str, not_job: str | None = None) -> dict[str, Any]:
