@@ -108,3 +108,16 @@ def test_pools_without_a_trusted_manifest_are_said(recorded: dict[str, str], sta
     assert said in cond.message
     if recorded == {"cpu": "17", "gpu": "18"}:
         assert "give nothing" not in cond.message
+
+
+@pytest.mark.parametrize(("injection", "status"), [
+    pytest.param({}, True, id="default-copy"),
+    pytest.param({"mode": "ReadOnly", "localCopy": {}}, False, id="asked-for-copy"),
+])
+def test_an_operator_without_a_warmer_image_says_pods_read_the_bucket(injection: dict[str, Any], status: bool) -> None:
+    # The webhook gives no pod a copy without the warmer image (builders/localcopy.local_copy_possible):
+    # the condition must not say PerPodCopy then.
+    cond = local_copy_as_specified(cache(injection), [{"name": "a", "manifestGeneration": "1"}], warmer_image=False)
+    assert (cond.status, cond.reason) == (status, "NoWarmerImage")
+    assert "Pods read the bucket (gs://b-1) directly" in cond.message and "CACHEWARM_WARMER_IMAGE" in cond.message
+    assert [cd.reason for cd in spec_conditions(cache(injection), "x", [], False)][1] == "NoWarmerImage"

@@ -199,6 +199,8 @@ class Reason:
     HOST_PATH_WITHDRAWN: Final = "HostPathWithdrawn"
     # Pools whose warmers recorded no manifest generation: their pods' copies are empty.
     NO_TRUSTED_MANIFEST: Final = "NoTrustedManifest"
+    # The operator runs with no warmer image (CACHEWARM_WARMER_IMAGE empty): no pod can get a copy.
+    NO_WARMER_IMAGE: Final = "NoWarmerImage"
     # A ConfigMap of the cache's name whose content is not what the operator wrote (D4).
     CONFIGMAP_NOT_OURS: Final = "ConfigMapNotOurs"
     # A pod labelled job-name=<warmer Job> that the Job does not own: its results are ignored.

@@ -165,7 +165,7 @@ def _reconcile(one: _Pass) -> Outcome:
     _opted_out(one, seen)
     # After the warm: whether its pools have a manifest generation the copier trusts.
     pools = seen.warmup.pools if seen.warmup is not None else (one.obj.status.get("warmup") or {}).get("pools") or []
-    seen.spec = podsmode.spec_conditions(cache, one.obj.name, pools)
+    seen.spec = podsmode.spec_conditions(cache, one.obj.name, pools, bool(one.wiring.warmer_image))
     return Outcome(assemble(one.obj.status, one.generation, seen, one.injection, cache.warmup is not None, one.now,
                             one.failure is not None),
                    one.events, one.failure, requeue_at=next_scheduled_warm(cache, one.now))

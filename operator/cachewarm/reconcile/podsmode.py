@@ -40,9 +40,11 @@ def untrusted_pools(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]) -> lis
     return [p.name for p in cache.warmup.pools if p.name not in recorded]
 
 
-def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]] = ()) -> Cond:
-    """LocalCopyAsSpecified: False (HostPathWithdrawn) for a cache stored with volume
-    HostPath, whose pods get an EmptyDir copy of the same sizeLimit; False
+def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]] = (), warmer_image: bool = True) -> Cond:
+    """LocalCopyAsSpecified: for a copy while the operator has no warmer image
+    (`warmer_image` False; the webhook then gives no pod a copy): False (NoWarmerImage) where
+    the spec asks for one, True (NoWarmerImage) for the default one; False (HostPathWithdrawn)
+    for a cache stored with volume HostPath, whose pods get an EmptyDir copy of the same sizeLimit; False
     (NoTrustedManifest) while every pool lacks a manifest generation (pods' copies are
     empty: a silent cold start otherwise); True otherwise, naming pools still without one."""
     local = cache.injection.local_copy
@@ -50,6 +52,13 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
     if local is None:
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.NO_LOCAL_COPY,
                     f"Pods read the bucket ({cache.storage.gcs.url}) directly, with no local copy: {why}"[:1000])
+    if not warmer_image:
+        default = cache.injection.local_copy_by_default
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, default, c.Reason.NO_WARMER_IMAGE,
+                    f"Pods read the bucket ({cache.storage.gcs.url}) directly: the cache "
+                    f"{'gives pods a local copy by default' if default else 'asks for a local copy'}, which needs the "
+                    "warmer image, and the operator runs with none (CACHEWARM_WARMER_IMAGE is empty); set it to the "
+                    "warmer image (manifests/ sets it)"[:1000])
     if local.volume == "HostPath":
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.HOST_PATH_WITHDRAWN,
                     f"localCopy.volume HostPath is withdrawn: a copy shared between pods is a writable mount another "
@@ -80,6 +89,8 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
                 "the webhook's warning and the pod's cachewarm.dev/injected annotation say so"[:1000])
 
 
-def spec_conditions(cache: CacheSpec, name: str, pools: Sequence[Mapping[str, Any]] = ()) -> list[Cond]:
-    """The conditions above, for status.assemble's updates (`pools`: status.warmup.pools)."""
-    return [pods_read_only(cache, name), local_copy_as_specified(cache, pools)]
+def spec_conditions(cache: CacheSpec, name: str, pools: Sequence[Mapping[str, Any]] = (),
+                    warmer_image: bool = True) -> list[Cond]:
+    """The conditions above, for status.assemble's updates (`pools`: status.warmup.pools;
+    `warmer_image`: whether the operator has one to give pods the copier with)."""
+    return [pods_read_only(cache, name), local_copy_as_specified(cache, pools, warmer_image)]
