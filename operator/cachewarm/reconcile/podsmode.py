@@ -53,10 +53,10 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
         return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, True, c.Reason.NO_LOCAL_COPY,
                     f"Pods read the bucket ({cache.storage.gcs.url}) directly, with no local copy: {why}"[:1000])
     if not warmer_image:
-        default = cache.injection.local_copy_by_default
-        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, default, c.Reason.NO_WARMER_IMAGE,
+        by_default = cache.injection.local_copy_by_default
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, by_default, c.Reason.NO_WARMER_IMAGE,
                     f"Pods read the bucket ({cache.storage.gcs.url}) directly: the cache "
-                    f"{'gives pods a local copy by default' if default else 'asks for a local copy'}, which needs the "
+                    f"{'gives pods a local copy by default' if by_default else 'asks for a local copy'}, which needs the "
                     "warmer image, and the operator runs with none (CACHEWARM_WARMER_IMAGE is empty); set it to the "
                     "warmer image (manifests/ sets it)"[:1000])
     if local.volume == "HostPath":
