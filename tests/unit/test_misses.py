@@ -199,7 +199,7 @@ def test_usage_names_each_missed_program_with_its_cause_the_costliest_first() ->
     assert all(m["message"] for m in usage["missedPrograms"])
     # Seconds saved as measured: jit_eval compiled in 3 s in the window, and its 2 hits loaded in 0.5 s in all.
     assert usage["hitPrograms"] == [{"program": "jit_eval", "hits": 2, "loadSeconds": 0.25, "helper": False,
-                                     "compileSeconds": 3.0, "secondsSaved": 5.5}]
+                                     "compileSeconds": 3.0, "secondsSaved": 5.5, "compileSecondsFrom": "Pods"}]
     assert usage["measuredSecondsSaved"] == 5.5
     assert (usage["userCompileRequests"], usage["userHits"], usage["userHitRatio"]) == (7, 3, 0.429)
     assert usage["compileSecondsSaved"] == -1.0  # JAX's estimate, as it was

@@ -162,7 +162,8 @@ class _CacheCollector(Collector):
                                  "programs, by cause.", labels=["namespace", "cache", "cause"])
         saved = GaugeMetricFamily("cachewarm_measured_seconds_saved", "Seconds the pods' hits saved in the usage "
                                   "window, measured (status.usage.measuredSecondsSaved): a program's compile seconds "
-                                  "in the window times its hits, less their load seconds.", labels=["namespace", "cache"])
+                                  "(as pods compiled it in the window, else as the cache's warmer did) times its hits, "
+                                  "less their load seconds.", labels=["namespace", "cache"])
         for body in list(self._caches()):
             meta, status = body.get("metadata") or {}, body.get("status") or {}
             cache, usage = status.get("cache") or {}, status.get("usage") or {}

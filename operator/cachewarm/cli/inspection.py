@@ -112,10 +112,24 @@ def _missed_rows(missed: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             for one in missed if isinstance(one, Mapping)]
 
 
+HIT_FIELDS = ("program", "hits", "loadSeconds", "compileSeconds", "compileSecondsFrom", "secondsSaved")
+
+
+def _saved(usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.usage's measured seconds saved (absent: not known) and the programs hit, each
+    with its load seconds against the compile seconds it is measured against and where those
+    come from (Pods: pods that compiled it in the window; Warmer: the cache's warmer)."""
+    usage = usage if isinstance(usage, Mapping) else {}
+    hit = [{name: one.get(name) for name in HIT_FIELDS} for one in usage.get("hitPrograms") or []
+           if isinstance(one, Mapping)]
+    return {"measuredSecondsSaved": usage.get("measuredSecondsSaved"), "hitPrograms": hit}
+
+
 def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = (),
-            missed: Sequence[Mapping[str, Any]] = ()) -> str:
-    """The report for scripts: every entry, each pool's fingerprint, and the programs pods
-    still compiled with their causes."""
+            missed: Sequence[Mapping[str, Any]] = (), usage: Mapping[str, Any] | None = None) -> str:
+    """The report for scripts: every entry, each pool's fingerprint and the compile seconds
+    its warmer measured, the programs pods still compiled with their causes, and the seconds
+    the pods' hits saved."""
     return json.dumps({
         "url": url,
         "programs": [{"name": p.name, "entries": len(p.entries), "bytes": p.size, "written": _iso(p.written),
@@ -124,8 +138,10 @@ def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any
                                 "pools": e.pools, "hitBy": e.hit_by, "hitPods": e.hit_pods}
                                for e in p.entries]} for p in progs],
         "pools": [{"name": pool.get("name"), "state": pool.get("state"), "job": pool.get("job"),
-                   "fingerprint": pool.get("fingerprint") or {}} for pool in pools],
+                   "fingerprint": pool.get("fingerprint") or {},
+                   "compiledPrograms": list(pool.get("compiledPrograms") or [])} for pool in pools],
         "missedPrograms": _missed_rows(missed),
+        **_saved(usage),
     }, indent=2)
 
 
@@ -155,9 +171,10 @@ def _pods(program: Program) -> str:
 
 
 def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = (),
-             missed: Sequence[Mapping[str, Any]] = ()) -> str:
+             missed: Sequence[Mapping[str, Any]] = (), usage: Mapping[str, Any] | None = None) -> str:
     """The report for people: one row per program, the pools' fingerprints, then the
-    programs pods still compiled, each with its cause and what to do."""
+    programs pods still compiled, each with its cause and what to do, then the programs
+    they loaded and the seconds that saved."""
     rows = [("PROGRAM", "ENTRIES", "SIZE", "WRITTEN", "LAST USED", "WARMED BY", "HIT BY (PODS)")]
     rows += [(p.name, str(len(p.entries)), _size(p.size), _iso(p.written) or "-", _iso(p.last_used) or "-",
               ",".join(p.pools) or "-", _pods(p)) for p in progs]
@@ -178,4 +195,11 @@ def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, An
                          f"{one['compileSeconds']}")
             if one["message"]:
                 lines.append(f"  {one['message']}")
+    saved = _saved(usage)
+    if saved["hitPrograms"]:
+        lines += ["", "LOADED BY PODS (WINDOW)  HITS  LOAD S  COMPILE S  MEASURED BY  SAVED S"]
+        lines += ["  ".join(str("-" if one[name] is None else one[name]) for name in HIT_FIELDS)
+                  for one in saved["hitPrograms"]]
+    if saved["measuredSecondsSaved"] is not None:
+        lines.append(f"Seconds saved (measured): {saved['measuredSecondsSaved']}")
     return "\n".join(lines) + "\n"

@@ -89,6 +89,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
     pools: list[dict[str, object]] = []
     hits: list[dict[str, object]] = []
     missed: list[dict[str, object]] = []
+    usage: dict[str, object] = {}
     try:
         if cache:
             namespace, _, name = cache.partition("/")
@@ -102,6 +103,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
             pools = list(((body.get("status") or {}).get("warmup") or {}).get("pools") or [])
             hits = list(((body.get("status") or {}).get("usage") or {}).get("recentHits") or [])
             missed = list(((body.get("status") or {}).get("usage") or {}).get("missedPrograms") or [])
+            usage = dict((body.get("status") or {}).get("usage") or {})
         else:
             assert url is not None
             bucket, prefix = inspection.parse_url(url)
@@ -111,7 +113,7 @@ def inspect_cache(cache: str | None, url: str | None, output: str) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     render = inspection.as_json if output == "json" else inspection.as_table
-    click.echo(render(url, progs, pools, missed), nl=False)
+    click.echo(render(url, progs, pools, missed, usage), nl=False)
 
 
 @cli.command(name="grant")

@@ -21,6 +21,7 @@ The causes, checked in this order (the first that holds is the one said):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,15 @@ BELOW_WRITE_THRESHOLD = "BelowWriteThreshold"
 NOT_WARMED = "NotWarmed"
 UNKNOWN = "Unknown"
 CAUSES = (NOT_CACHEABLE, FINGERPRINT_DIFFERS, KEY_UNSTABLE, BELOW_WRITE_THRESHOLD, NOT_WARMED, UNKNOWN)
+# A program (JAX module) name as text a terminal shows as it is: any character but a letter,
+# digit or one of `_.-<>()[]` becomes `?` (printable), in pods' reports and warmers' summaries
+# alike, so neither can put terminal escapes or lines into `cachewarm inspect`, a condition or
+# an Event (attacker review), and a program with an odd name still counts.
+PROGRAM_UNSAFE = re.compile(r"[^A-Za-z0-9_.<>()\[\]\-]")
+
+
+def printable(program: str) -> str:
+    return PROGRAM_UNSAFE.sub("?", program)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cachewarm.api import constants as c
 from cachewarm.api import timefmt
@@ -32,6 +32,7 @@ from cachewarm.api.model import CacheSpec, Pool, Warmup
 from cachewarm.builders import job as jobs
 from cachewarm.builders.placement import is_pool_manifest, legacy_manifest_object, pool_shape
 from cachewarm.builders.tpu import TpuShapeError
+from cachewarm.reconcile.misses import printable
 
 ACTIVE_STATES = ("Pending", "Running")
 MAX_KEYS = 250  # key hashes kept per pool in status (a termination message holds about 200)
@@ -148,6 +149,28 @@ class UnstableProgram(BaseModel):
     seen: Literal["runs", "processes"]
 
 
+MAX_COMPILED = 16  # compiledPrograms per pool (the warmer's MAX_COMPILED)
+
+
+class CompiledProgram(BaseModel):
+    """What one program the warmer compiled took (warmer.compiled_programs): its compile
+    seconds as JAX measured them around the backend compile, the entry's key hash (absent:
+    not known), and whether JAX went on to write it. The name is kept printable, as pods'
+    program names are (misses.printable)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+    program: Annotated[str, Field(min_length=1, max_length=200)]
+    key: Annotated[str, Field(pattern=r"^[0-9a-f]{1,16}$")] | None = None
+    compileSeconds: float = Field(ge=0.0, le=MAX_SECONDS)
+    written: bool = True
+
+    @field_validator("program")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        return printable(value)
+
+
 class WarmerSummary(BaseModel):
     """A warmer's summary (its termination message) as the operator reads it. The warmer
     runs the user's image and code, so nothing in it is trusted to be tidy: each field is
@@ -171,6 +194,7 @@ class WarmerSummary(BaseModel):
     fingerprint: dict[Annotated[str, Field(max_length=100)], Any] | None = Field(None, max_length=64)
     imagePythonPath: Annotated[str, Field(max_length=IMAGE_PYTHONPATH_LIMIT)] | None = None
     unstablePrograms: list[UnstableProgram] | None = Field(None, max_length=5)
+    compiledPrograms: list[CompiledProgram] | None = Field(None, max_length=MAX_COMPILED)
     errors: list[Text] = Field(default_factory=list, max_length=100)
 
 
@@ -344,6 +368,10 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
         out["keyCount"] = reported.keyCount if reported.keyCount is not None else len(out["keys"])
     # Programs whose key changed with the same fingerprint: pods miss them however warm.
     out.update(_unstable_status(writers))
+    # What the programs process 0 compiled took: pods' hits are measured against it.
+    compiled = next((w.compiledPrograms for w in writers if w.compiledPrograms), None)
+    if compiled:
+        out["compiledPrograms"] = [p.model_dump(exclude_none=True) for p in compiled]
     # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
     generation = next((w.manifestGeneration for w in writers if w.manifestGeneration is not None), None)
     if generation is not None:
@@ -763,6 +791,7 @@ def plan_warmup(ctx: WarmContext, view: WarmView) -> WarmPlan:
         name = str(entry.get("name"))
         _keep_manifest(entry, ctx.previous_of(name),
                        legacy_manifest_object(ctx.cache.storage.gcs, ctx.namespace, ctx.name, name))
+        _keep_compiled(entry, ctx.previous_of(name))
     slot = scheduled_slot(ctx.cache, ctx.now)
     if slot is not None:
         # The slot each pool's current warmer is for (the slot is part of its hash), so the
@@ -785,6 +814,27 @@ def _keep_manifest(entry: dict[str, Any], prev: Mapping[str, Any], legacy: str) 
     if kept is not None and isinstance(kept_object, str) and "manifestGeneration" not in entry:
         entry["manifestObject"] = kept_object
         entry["manifestGeneration"] = kept
+
+
+def _keep_compiled(entry: dict[str, Any], prev: Mapping[str, Any]) -> None:
+    """A pool's compiledPrograms stay through its re-warms: a warm that found its programs
+    in the cache compiles none, and what they took is still what a pod that hits them
+    saves. Kept from the previous entry: all of them while the pool's next warm has not
+    finished (no `keys` yet), then those whose entry that warm relied on (its `keys`: the
+    same key is the same program, versions, devices and flags), behind the ones it reports
+    itself; at most MAX_COMPILED, the slowest. None when the warm cannot name its entries."""
+    before = [p for p in prev.get("compiledPrograms") or [] if isinstance(p, Mapping)]
+    if not before or prev is entry:
+        return
+    own = [p for p in entry.get("compiledPrograms") or [] if isinstance(p, Mapping)]
+    if entry.get("state") in ("Succeeded", "Failed") or "keys" in entry:
+        relied = set(entry.get("keys") or [])
+        before = [p for p in before if p.get("key") in relied]
+    seen = {p.get("key") or f"{p.get('program')}-" for p in own}
+    kept = own + [dict(p) for p in before if (p.get("key") or f"{p.get('program')}-") not in seen]
+    kept.sort(key=lambda p: -float(p.get("compileSeconds") or 0.0))
+    if kept:
+        entry["compiledPrograms"] = kept[:MAX_COMPILED]
 
 
 def job_manifest(ctx: WarmContext, pool: str, job: Mapping[str, Any]) -> str | None:

@@ -24,7 +24,6 @@ import binascii
 import collections
 import dataclasses
 import datetime as dt
-import re
 import json
 import threading
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cachewarm.api import timefmt
 from cachewarm.reconcile import misses as causes
+from cachewarm.reconcile.keysmatch import differences
 
 MAX_BODY_BYTES = 16 * 1024
 AUDIENCE = "cachewarm"
@@ -83,7 +83,7 @@ class ProgramKey(_Strict):
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{1,16}$")]
 
 
-PROGRAM_UNSAFE = re.compile(r"[^A-Za-z0-9_.<>()\[\]\-]")
+PROGRAM_UNSAFE = causes.PROGRAM_UNSAFE  # the warmers' summaries are read with the same rule
 
 
 class ProgramUse(_Strict):
@@ -109,7 +109,7 @@ class ProgramUse(_Strict):
         digit or one of `_.-<>()[]` becomes `?`, so a report cannot put terminal escapes or
         lines into an admin's `cachewarm inspect`, a condition or an Event (attacker review),
         and a program with an odd name still counts."""
-        return PROGRAM_UNSAFE.sub("?", value)
+        return causes.printable(value)
 
 
 class Counts(_Strict):
@@ -510,12 +510,48 @@ class Store:
             return list(self._by_cache)
 
 
+# program -> the compile seconds a pool's warmer measured for it, with that pool's fingerprint
+References = Mapping[str, list[tuple[Mapping[str, Any], float]]]
+
+
+def warmer_references(body: Mapping[str, Any] | None) -> dict[str, list[tuple[Mapping[str, Any], float]]]:
+    """What the cache's warmers measured each program they compiled and wrote took
+    (status.warmup.pools[].compiledPrograms of the pools that succeeded with a fingerprint;
+    a program with several keys: their mean), with the pool's fingerprint. Status is the
+    operator's (the warmers' summaries read from the cache's own warmer Jobs' pods, bounded
+    and typed there); read defensively all the same."""
+    out: dict[str, list[tuple[Mapping[str, Any], float]]] = {}
+    pools = ((body or {}).get("status") or {}).get("warmup") or {}
+    for pool in pools.get("pools") or [] if isinstance(pools, Mapping) else []:
+        fp = pool.get("fingerprint") if isinstance(pool, Mapping) else None
+        if not isinstance(fp, Mapping) or not fp or pool.get("state") != "Succeeded":
+            continue
+        seconds: dict[str, list[float]] = {}
+        for one in pool.get("compiledPrograms") or []:
+            value = one.get("compileSeconds") if isinstance(one, Mapping) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1e7 and \
+                    isinstance(one.get("program"), str) and one.get("written") is not False:
+                seconds.setdefault(one["program"], []).append(float(value))
+        for program, found in seconds.items():
+            out.setdefault(program, []).append((fp, sum(found) / len(found)))
+    return out
+
+
+def _reference(refs: References, program: str, fp: Mapping[str, Any]) -> float | None:
+    """The warmers' compile seconds of `program` for a process of fingerprint `fp`: the mean
+    over the pools warmed with that very fingerprint (keysmatch's fields); None when none
+    was (a pool warmed on other hardware or versions is no reference)."""
+    found = [seconds for pool, seconds in refs.get(program) or [] if fp and not differences(pool, fp)]
+    return sum(found) / len(found) if found else None
+
+
 def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
     """The per-program part of status.usage: the user's requests and hits apart from JAX's
     helper programs (from the processes that counted them), the programs missed (top
     MISSED_PROGRAMS by compile seconds, each with its cause when `body` is given) and hit
     (top HIT_PROGRAMS by hits, with their load seconds against the seconds a compile of them
-    took where a pod in the window compiled one), and the seconds those hits saved."""
+    took: where a pod in the window compiled one, else as the cache's warmer measured it,
+    warmer_references), and the seconds those hits saved."""
     out: dict[str, Any] = {}
     counted = [p.report.counts for p in processes if p.report.counts.user_requests is not None]
     if counted:
@@ -524,13 +560,18 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
         if requests:
             out["userHitRatio"] = round(hits / requests, 3)
     per: dict[str, dict[str, Any]] = {}
+    refs = warmer_references(body)
     for latest in processes:
         for one in latest.report.counts.programs:
             seen = per.setdefault(one.program, {"hits": 0, "misses": 0, "compile": 0.0, "load": 0.0, "pods": set(),
                                                 "keys": set(), "cached": None, "notWritten": None, "fps": [],
-                                                "helper": one.helper, "held": False})
+                                                "helper": one.helper, "held": False, "warmer": [0, 0.0, 0.0]})
             seen["hits"] += one.hits
             seen["load"] += one.load_seconds
+            reference = _reference(refs, one.program, latest.report.fingerprint.as_status()) if one.hits else None
+            if reference is not None:  # hits, what they would have cost compiled, their load seconds
+                seen["warmer"] = [seen["warmer"][0] + one.hits, seen["warmer"][1] + one.hits * reference,
+                                  seen["warmer"][2] + one.load_seconds]
             if one.misses:
                 seen["misses"] += one.misses
                 seen["compile"] += one.compile_seconds
@@ -552,36 +593,46 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
     known = [one["secondsSaved"] for one in saved if "secondsSaved" in one]
     if known:
         out["measuredSecondsSaved"] = round(sum(known), 3)
-    starts = _pod_starts(processes, per)
+    starts = _pod_starts(processes, per, refs)
     if starts:
         out["podStarts"] = starts
     return out
 
 
-def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]],
+                refs: References | None = None) -> list[dict[str, Any]]:
     """Per pod that hit something, the seconds its compile requests took (compiling what
     missed, loading what hit) against what they would have taken all compiled (each
-    program's compile seconds as measured in the window): where both are known, that is
-    where every request of its processes is in their program lists and every program it
-    hit was compiled by some pod in the window. The POD_STARTS that saved most."""
+    program's compile seconds as measured in the window by the pods that compiled it, else
+    by a warmer of the pod's fingerprint, _reference): where both are known, that is where
+    every request of its processes is in their program lists and every program it hit has
+    such a reference. The POD_STARTS that saved most."""
     pods: dict[str, list[_Latest]] = {}
     for latest in processes:
         pods.setdefault(latest.report.pod.uid, []).append(latest)
     out: list[dict[str, Any]] = []
     for mine in pods.values():
-        listed = [one for latest in mine for one in latest.report.counts.programs]
+        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, latest.report.fingerprint.as_status()))
+                  for latest in mine for one in latest.report.counts.programs]
         complete = all(sum(one.hits + one.misses for one in latest.report.counts.programs)
                        == latest.report.counts.requests for latest in mine)
-        measured = all(one.hits == 0 or per[one.program]["misses"] for one in listed)
-        if not listed or not complete or not measured or not any(one.hits for one in listed):
+        measured = all(one.hits == 0 or once is not None for one, once in listed)
+        if not listed or not complete or not measured or not any(one.hits for one, _ in listed):
             continue
-        warm = sum(one.compile_seconds + one.load_seconds for one in listed)
-        cold = sum(one.compile_seconds + (one.hits * per[one.program]["compile"] / per[one.program]["misses"]
-                                          if one.hits else 0.0) for one in listed)
+        warm = sum(one.compile_seconds + one.load_seconds for one, _ in listed)
+        cold = sum(one.compile_seconds + one.hits * (once or 0.0) for one, once in listed)
         out.append({"pod": mine[0].report.pod.name, "compileSeconds": round(warm, 3),
                     "coldCompileSeconds": round(cold, 3)})
     out.sort(key=lambda one: (float(one["compileSeconds"]) - float(one["coldCompileSeconds"]), str(one["pod"])))
     return out[:POD_STARTS]
+
+
+def _cold_once(seen: Mapping[str, Any], refs: References, program: str, fp: Mapping[str, Any]) -> float | None:
+    """What one compile of `program` takes, for a process of fingerprint `fp`: as the pods
+    that compiled it in the window measured it, else as a warmer of that fingerprint did."""
+    if seen["misses"]:
+        return float(seen["compile"]) / int(seen["misses"])
+    return _reference(refs, program, fp)
 
 
 def _missed(name: str, seen: Mapping[str, Any], warm: causes.Warmed | None) -> dict[str, Any]:
@@ -597,14 +648,24 @@ def _missed(name: str, seen: Mapping[str, Any], warm: causes.Warmed | None) -> d
 
 
 def _hit(name: str, seen: Mapping[str, Any]) -> dict[str, Any]:
-    """A program hit: its load seconds per hit against what a compile of it took in the
-    window (measured by the pods that missed it), and the seconds its hits saved."""
+    """A program hit: its load seconds per hit against what a compile of it took (measured
+    in the window by the pods that missed it, compileSecondsFrom Pods; else by the cache's
+    warmer, for the hits of processes of that warmer's fingerprint: Warmer), and the seconds
+    those hits saved."""
     one: dict[str, Any] = {"program": name, "hits": seen["hits"], "loadSeconds": round(seen["load"] / seen["hits"], 3),
                            "helper": seen["helper"]}
+    hits, compiled, loaded = seen.get("warmer") or (0, 0.0, 0.0)
     if seen["misses"]:
         compile_once = seen["compile"] / seen["misses"]
         one["compileSeconds"] = round(compile_once, 3)
         one["secondsSaved"] = round(seen["hits"] * compile_once - seen["load"], 3)
+        one["compileSecondsFrom"] = "Pods"
+    elif hits:
+        one["compileSeconds"] = round(compiled / hits, 3)
+        one["secondsSaved"] = round(compiled - loaded, 3)
+        one["compileSecondsFrom"] = "Warmer"
+        if hits < seen["hits"]:
+            one["hitsMeasured"] = hits  # the others' processes had another fingerprint than every warmer's
     return one
 
 
