@@ -15,7 +15,10 @@ round back to back (bench/rounds.py `order`):
   (c) local copy  a ReadOnly cache of that prefix that sets neither localCopy nor readFrom
                   (the default read path): the copier, in process, copies the whole prefix
                   (these caches have no warm-up, so no manifest: every entry under the
-                  prefix, checked against the listing's MD5) before `import jax` returns
+                  prefix, checked against the listing's MD5); JAX's read of the one entry
+                  the pod needs waits for that entry only, which the copier fetches first
+                  when asked (sitecustomize's hook on JAX's cache read), not for the whole
+                  copy, which ends in the background
   (d) local disk  an unlabelled pod whose JAX_COMPILATION_CACHE_DIR is a hostPath holding
                   the same files: the floor
 
@@ -23,13 +26,17 @@ A warmed cache copies what its warmers' manifests name instead of the prefix: th
 downloads, plus the manifest's metadata and body (two requests), so a warmed cache of these
 sizes costs what (c) does here plus those. Every measured pod must hit its program and
 compile nothing, and every (c) pod must have copied every entry: the run stops otherwise
-(bench/local_copy.py's checks). After each pod the bench waits until the pod is deleted (its
+(bench/local_copy.py's checks). The copy may end after the program's first step, so a (c)
+pod's program runs under a shell that, once it exits, waits for the copier to end (its
+summary, which the check reads) before it prints the program's output (pod_command): the
+time measured ends at the first step, before that wait. After each pod the bench waits until the pod is deleted (its
 emptyDir removed), so a 2 GB copy's removal does not overlap the next pod.
 
 The time is bench/local_copy.py's: from just before `kubectl apply` of the pod to the
 program's first step done (time.time() in the pod, same host clock). Reported per size:
 median (min-max) of each kind, the per-round paired ratios (c)/(d), (b)/(d) and (b)/(c),
-and the copier's own seconds and MB/s (copied bytes over the copier's time, in the pod).
+and the copier's own seconds and MB/s (copied bytes over the copier's time, in the pod),
+and how many entries the copier fetched first because the pod asked (`onDemand`).
 
 `--with-warmed` adds, before the sizes, the warmed cache `w` itself (its real entry only):
 (c) there copies from the warmer's pinned manifest, so beside e1 it shows what a copy
@@ -86,8 +93,30 @@ def fillers(count: int, total: int) -> Iterator[tuple[str, bytes]]:
         yield f"jit_filler_{i:03d}-{hashlib.sha256(data).hexdigest()}-cache", data
 
 
+# A (c) pod's command: the program (its output kept aside), then, once it exits, a wait for
+# the copier child to end (no process left whose command line names it: the pattern's [c]
+# keeps grep from matching itself), then the program's output and exit status, so that its
+# report is the log's last line and the copier's summary is in the log.
+WAIT_FOR_COPY = ('out="$(dirname "$CACHEWARM_COPY_SUMMARY")/bench-train.out"; "$@" > "$out"; rc=$?; '
+                 'while grep -qs "cachewarm_[c]opier" /proc/[0-9]*/cmdline; do sleep 0.05; done; '
+                 'cat "$out"; exit $rc')
+
+
+def on_demand(logs: str) -> int:
+    """The copier summary's onDemand, from a (c) pod's log (0 when none was asked for)."""
+    line = next((x for x in logs.splitlines() if x.startswith('{"cachewarm-copier"')), "")
+    return int(json.loads(line)["cachewarm-copier"].get("onDemand", 0)) if line else 0
+
+
 class Sized(lc.Bench):
     entries: dict[str, int]  # size -> the entries its prefix holds
+
+    def pod(self, workload: str, kind: str, name: str) -> dict[str, Any]:
+        obj = super().pod(workload, kind, name)
+        if kind == "copy":
+            [container] = obj["spec"]["containers"]
+            container["command"] = ["sh", "-c", WAIT_FOR_COPY, "sh", *container["command"]]
+        return obj
 
     def sizes(self, client: storage.Client, real: list[tuple[str, bytes]], sizes: list[tuple[str, int, int]]) -> None:
         """For each size: its prefix filled (the real entries and the fillers), its two caches,
@@ -124,13 +153,16 @@ class Sized(lc.Bench):
         self.bed.kubectl_run("wait", "--for=delete", f"pod/{got['pod']}", "-n", lc.NS, "--timeout=300s")
         if kind == "copy" and got["copied"] != entries:
             raise SystemExit(f"pod {got['pod']} copied {got['copied']} of the {entries} entries: {got}")
+        if kind == "copy":
+            got["onDemand"] = on_demand(self.last_logs)
         return got
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = ["| cache | entries | MB | rounds | (b) `gs://` direct | (c) local copy (default) | (d) local disk (floor) "
-             "| (c)/(d) paired | (b)/(d) paired | (b)/(c) paired | (c) − (d), median | copier's own time, MB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| (c)/(d) paired | (b)/(d) paired | (b)/(c) paired | (c) − (d), median | copier's own time, MB/s "
+             "| (c) pods with the entry fetched on ask |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         def cell(kind: str) -> str:
             s = [x["seconds"] for x in r["runs"][kind]]
@@ -145,7 +177,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {name} | {r['entries']} | {r['bytes'] / MB:.1f} | {r['rounds']} | {cell('gs')} | "
                      f"{cell('copy')} | {cell('disk')} | {ratio(r['paired']['(c)/(d)'])} | "
                      f"{ratio(r['paired']['(b)/(d)'])} | {ratio(r['paired']['(b)/(c)'])} | {over['median']:.2f} s | "
-                     f"{secs:.3f} s, {rate:.0f} MB/s |")
+                     f"{secs:.3f} s, {rate:.0f} MB/s | "
+                     f"{sum(1 for x in copies if x.get('onDemand'))} of {len(copies)} |")
     return "\n".join(lines)
 
 
@@ -198,7 +231,8 @@ def main() -> None:
                     got = bench.measured(name, kind)
                     runs[kind].append(got)
                     lc.say(f"{name} round {i + 1} {kind}: {got['seconds']} s, {got['hits']} hits / "
-                           f"{got['compiled']} compiled, copy {got.get('copySeconds')} s {got.get('copyBytes')} B")
+                           f"{got['compiled']} compiled, copy {got.get('copySeconds')} s {got.get('copyBytes')} B"
+                           f"{', on demand ' + str(got['onDemand']) if 'onDemand' in got else ''}")
             secs = {k: [x["seconds"] for x in v] for k, v in runs.items()}
             results[name] = {
                 "entries": bench.entries[name], "bytes": runs["copy"][-1]["copyBytes"], "rounds": rounds, "runs": runs,

@@ -1,18 +1,21 @@
 """The local copy in process: no init container; cachewarm's sitecustomize.py, first on the
 pod's PYTHONPATH (a ConfigMap volume of four files, built here from the package under their
 shipped names), starts the copy at the start of a python process, in a child process that
-holds the pod's lock, and the process waits for it when its `import jax` (the real one)
-returns, against the GCS emulator behind its fidelity proxy. The process's own code runs
-while the copy is under way, and after `import jax` it sees the whole copy; of three
-processes started at once one copies and the others wait for it, each entry downloaded
-once; a bucket out of reach, or one that never answers, costs the process a cold start,
-never its run, and never more than the deadline and grace; nothing reaches its stdout;
-the image's own sitecustomize runs exactly once, with or without the reporter; where no
-child can hold the pod's lock, the copy runs in the process, before its first line."""
+holds the pod's lock, against the GCS emulator behind its fidelity proxy. The process's own
+code runs while the copy is under way; once its `import jax` (the real one) returns, JAX's
+file cache read (the real LRUCache.get, as JAX's compile calls it) of an entry the copy
+plans waits for that entry alone, which the copier fetches first when asked (before a
+large filler set); of three processes started at once one copies and the others wait for
+it, each entry downloaded once; a bucket out of reach, or one that never answers, costs
+the process a cold start, never its run, and never more than the deadline and grace;
+nothing reaches its stdout; the image's own sitecustomize runs exactly once, with or
+without the reporter; where no child can hold the pod's lock, the copy runs in the
+process, before its first line."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import queue
@@ -27,7 +30,7 @@ from typing import IO, Any
 
 import pytest
 from google.cloud import storage
-from test_copier import base, downloads, env_for, fill, manifest, process_env
+from test_copier import base, downloads, entry, env_for, fill, manifest, process_env
 
 from cachewarm.reconcile import configmaps
 from cachewarm.builders import localcopy as lc
@@ -37,8 +40,15 @@ from cachewarm_testbed.processes import free_port
 
 pytestmark = pytest.mark.integration
 
-# A training program that imports jax, then lists the cache directory (argv[1]).
-LISTS = "import json, os, sys, jax; print(json.dumps(sorted(os.listdir(sys.argv[1]))))"
+# One that imports jax, then reads keys (argv[2:]) through JAX's file cache of the copy's
+# directory (argv[1]) as JAX's compile does (jax._src.compilation_cache makes the same
+# LRUCache of the cache dir, max_size -1 by default, and calls its get): each key's MD5
+# (hex), or None for a miss.
+READS = ("import hashlib, json, sys, jax\n"
+         "from jax._src.lru_cache import LRUCache\n"
+         "_c = LRUCache(sys.argv[1], max_size=-1)\n"
+         "print(json.dumps([(lambda v: v and hashlib.md5(v).hexdigest())(_c.get(k)) for k in sys.argv[2:]]),"
+         " flush=True)\n")
 # The same at its first line, before any import of jax.
 LISTS_FIRST = "import json, os, sys; print(json.dumps(sorted(os.listdir(sys.argv[1]))))"
 STOPPED = "still running past the deadline: stopped"
@@ -121,22 +131,32 @@ class Lines:
 
 
 # Started at a program's first line: a thread that prints "waiting" once the main thread is
-# inside sitecustomize's wait for the pod's copy (`_wait`, which the hook on jax's loader
-# calls once jax's own module has run), and nothing when it never gets there. The test
-# holds the copy's download at the proxy until it reads this line, so `import jax`
-# returning only after the copy is shown by the order of events, not by a hang that must
-# outlast jax's import.
+# inside sitecustomize's wait for an entry (`_until`, as _OnDemand.before, the hook on JAX's
+# cache read, calls it for a planned entry not there yet), and nothing when it never gets
+# there. The test holds the entry's download at the proxy until it reads this line, so a
+# read returning only once its entry is there is shown by the order of events, not by a
+# hang that must outlast anything.
 WATCH = ("import sys as _s, threading as _t, time as _tm\n"
          "def _watch(main):\n"
          "    while main in _s._current_frames():\n"
          "        f = _s._current_frames().get(main)\n"
          "        while f is not None:\n"
-         "            if f.f_code.co_name == '_wait' and f.f_code.co_filename.endswith('sitecustomize.py'):\n"
+         "            if f.f_code.co_name == '_until' and f.f_code.co_filename.endswith('sitecustomize.py') \\\n"
+         "                    and f.f_back is not None and f.f_back.f_code.co_name == 'before':\n"
          "                print('waiting', flush=True)\n"
          "                return\n"
          "            f = f.f_back\n"
          "        _tm.sleep(0.005)\n"
          "_t.Thread(target=_watch, args=(_t.get_ident(),), daemon=True).start()\n")
+
+
+def key(name: str) -> str:
+    """The key JAX reads an entry by (its file name without `-cache`)."""
+    return base(name).removesuffix("-cache")
+
+
+def md5_hex(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()  # noqa: S324 - what READS prints
 
 
 def printed(stderr: str) -> list[dict[str, Any]]:
@@ -145,16 +165,21 @@ def printed(stderr: str) -> list[dict[str, Any]]:
             if line.startswith('{"cachewarm-copier": ')]
 
 
-def test_jax_imported_sees_the_whole_copy_and_the_processs_stdout_is_its_own(
+def test_jaxs_reads_get_every_planned_entry_and_the_processs_stdout_is_its_own(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """Right after `import jax`, JAX's reads of the copy's directory get every entry the
+    manifests name (waited for one by one where the copy is still under way) and miss one
+    the bucket holds but no manifest names; once over, beside the summary only the lock is
+    left (the plan and the asks removed)."""
     bucket, objects = fill(storage_only)
-    p0, p1, _, p3, _ = sorted(objects)
+    p0, p1, p2, p3, _ = sorted(objects)
     pool = manifest(storage_only, bucket, "h100", [p0, p1, p3])
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
     out = run(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, manifests=pool,
-                                                   summary=str(summary_file)), LISTS, str(dest))
-    wanted = sorted(base(n) for n in (p0, p1, p3))
-    assert out.stdout == json.dumps(wanted) + "\n"  # the program's line, nothing of ours
+                                                   summary=str(summary_file)),
+              READS, str(dest), *(key(n) for n in (p3, p0, p2, p1)))
+    # the program's line, nothing of ours
+    assert out.stdout == json.dumps([md5_hex(objects[p3]), md5_hex(objects[p0]), None, md5_hex(objects[p1])]) + "\n"
     [summary] = printed(out.stderr)
     assert {k: summary[k] for k in ("source", "wanted", "copied", "failed", "cold", "errors")} == {
         "source": "manifest", "wanted": 3, "copied": 3, "failed": 0, "cold": False, "errors": []}
@@ -167,94 +192,148 @@ def test_jax_imported_sees_the_whole_copy_and_the_processs_stdout_is_its_own(
 
 # The program's first line: is jax installed (a find_spec that imports nothing, as
 # libraries check), is the copy done (printed at once); then, right after `import jax`, is
-# it done.
+# it done; then JAX's read of the key argv[3] (its MD5).
 AROUND_JAX = WATCH + (
     "import importlib.util, json, os, sys; s = sys.argv[2]\n"
     "print(json.dumps([importlib.util.find_spec('jax') is not None, os.path.exists(s)]), flush=True)\n"
-    "import jax; after = os.path.exists(s); import jax._src.monitoring as m\n"
-    "print(json.dumps({'after': after, 'listed': sorted(os.listdir(sys.argv[1])), "
+    "import jax; after = os.path.exists(s); import jax._src.monitoring as m, hashlib\n"
+    "print(json.dumps({'after': after, "
     "'loaders': [type(jax.__loader__).__name__, type(jax.__spec__.loader).__name__], "
     "'hooks': [type(f).__name__ for f in sys.meta_path], "
     "'reporting': any(getattr(f, '__qualname__', '') == 'Tally.on_event' for f in m.get_event_listeners())}), "
-    "flush=True)")
+    "flush=True)\n"
+    "from jax._src.lru_cache import LRUCache\n"
+    "print(hashlib.md5(LRUCache(sys.argv[1], max_size=-1).get(sys.argv[3])).hexdigest(), flush=True)\n")
 HELD = "download"  # the proxy's hold on the copy's first download
 
 
 @pytest.mark.parametrize("report", [False, True], ids=["without-reporter", "with-reporter"])
-def test_the_program_starts_while_the_copy_runs_and_jax_returns_after_it(
+def test_the_program_starts_while_the_copy_runs_and_jax_reads_an_entry_once_it_is_there(
         report: bool, tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
-    """The copy overlaps the process's start: its first download is held at the proxy, and
-    the program's first line runs meanwhile (no summary yet), asking first whether jax is
-    installed (a find_spec that must not take the wait away); once jax's own module has
-    run, the process waits for the copy inside `import jax` (seen from within it), and the
-    download is let go only then; `import jax` returns with the copy done. With the
-    reporter, its own hook on jax's import runs too (both wrap jax's loader), and jax keeps
-    its own loader."""
+    """The copy overlaps the process's start: the download of one entry is held at the
+    proxy, and the program's first line runs meanwhile (no summary yet), asking first
+    whether jax is installed (a find_spec that must not take the hook away); `import jax`
+    returns while the copy still runs (no summary: that entry is held), and JAX's read of
+    that entry waits for it (seen from within it), let go only then, and gets its bytes.
+    With the reporter, its own hook on jax's import runs too (both wrap jax's loader), and
+    jax keeps its own loader."""
     bucket, objects = fill(storage_only)
+    held = sorted(objects)[4]
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
     settings = env_for(storage_bed, bucket, dest, summary=str(summary_file))
     if report:
         settings["CACHEWARM_REPORT_URL"] = f"http://127.0.0.1:{free_port()}/report"
-    command, env = python(boot_dir(tmp_path / "boot"), settings, AROUND_JAX, str(dest), str(summary_file))
+    command, env = python(boot_dir(tmp_path / "boot"), settings, AROUND_JAX, str(dest), str(summary_file), key(held))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
-    proxy.faults([{"method": "GET", "path": "/download/", "hold": HELD, "times": 1}])
-    with (tmp_path / "stderr").open("w+") as stderr:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        try:
-            out = Lines(process.stdout)
-            # installed; the first line ran before the copy's end
-            assert json.loads(out.next("the program's first line")) == [True, False]
-            assert out.next("the process waiting for the copy at `import jax`") == "waiting"
-            proxy.wait_held(HELD)  # the copy is under way: listed, its first download held
-            assert not summary_file.exists()
-            proxy.release(HELD)
-            line = json.loads(out.next("the program's line after `import jax`"))
-            assert out.rest() == [] and process.wait(timeout=60) == 0
-        finally:
-            proxy.clear_faults()
-            process.kill()
-        stderr.seek(0)
-        [summary] = printed(stderr.read())
-    assert line["after"] is True and summary["copied"] == 5
-    assert line["listed"] == sorted(base(n) for n in objects)
+    proxy.faults([{"method": "GET", "path": f"/download/.*{base(held)}", "hold": HELD, "times": 1}])
+    # stderr read to its end: the copier child's too (it may end after the program).
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(process.stdout)
+        # installed; the first line ran before the copy's end
+        assert json.loads(out.next("the program's first line")) == [True, False]
+        line = json.loads(out.next("the program's line after `import jax`"))
+        assert out.next("the process waiting for the entry in JAX's read") == "waiting"
+        proxy.wait_held(HELD)  # the copy is under way: planned, that download held
+        assert not summary_file.exists()
+        proxy.release(HELD)
+        assert out.next("JAX's read of the entry") == md5_hex(objects[held])
+        assert out.rest() == [] and process.wait(timeout=60) == 0
+        assert process.stderr is not None
+        [summary] = printed(process.stderr.read())
+    finally:
+        proxy.clear_faults()
+        process.kill()
+    assert line["after"] is False and summary["copied"] == 5
     assert line["loaders"] == ["SourceFileLoader", "SourceFileLoader"]
     assert not {"_WaitForCopy", "_JaxWatch"} & set(line["hooks"]), line["hooks"]
     assert line["reporting"] is report
 
 
-def test_a_process_forked_before_jax_waits_for_the_copy_too(
+def test_a_process_forked_before_jax_waits_for_the_entry_too(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     """A process that forks (a data loader, a multiprocessing worker) while the copy runs:
-    the fork inherits the wait at `import jax` (the copier is not its child: it waits on
-    the pod's lock): both are seen waiting there while the copy's first download is held,
-    and both find the copy done right after it."""
+    the fork inherits the hook at `import jax` (the copier is not its child: it reads the
+    plan and asks as its parent does): both are seen waiting in JAX's read of an entry
+    whose download is held, and both get it right after."""
     bucket, objects = fill(storage_only)
+    held = sorted(objects)[4]
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
     program = ("import json, os, sys; pid = os.fork()\n" + WATCH +
-               "import jax; print(json.dumps({'fork': pid == 0, 'done': os.path.exists(sys.argv[2]), "
-               "'listed': sorted(os.listdir(sys.argv[1]))}), flush=True); pid and os.waitpid(pid, 0)")
+               "import jax, hashlib; from jax._src.lru_cache import LRUCache\n"
+               "got = hashlib.md5(LRUCache(sys.argv[1], max_size=-1).get(sys.argv[2])).hexdigest()\n"
+               "print(json.dumps({'fork': pid == 0, 'got': got}), flush=True); pid and os.waitpid(pid, 0)")
     command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
-                          program, str(dest), str(summary_file))
+                          program, str(dest), key(held))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
-    proxy.faults([{"method": "GET", "path": "/download/", "hold": HELD, "times": 1}])
-    with (tmp_path / "stderr").open("w+") as stderr:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        try:
-            out = Lines(process.stdout)
-            assert [out.next("both processes waiting at `import jax`") for _ in range(2)] == ["waiting"] * 2
-            proxy.wait_held(HELD)
-            assert not summary_file.exists()
-            proxy.release(HELD)
-            rest = out.rest()
-            assert process.wait(timeout=60) == 0
-        finally:
-            proxy.clear_faults()
-            process.kill()
-        stderr.seek(0)
-        err = stderr.read()
+    proxy.faults([{"method": "GET", "path": f"/download/.*{base(held)}", "hold": HELD, "times": 1}])
+    # stderr read to its end: the copier child's too (it may end after the program).
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(process.stdout)
+        assert [out.next("both processes waiting in JAX's read") for _ in range(2)] == ["waiting"] * 2
+        proxy.wait_held(HELD)
+        assert not summary_file.exists()
+        proxy.release(HELD)
+        rest = out.rest()
+        assert process.wait(timeout=60) == 0
+        assert process.stderr is not None
+        err = process.stderr.read()
+    finally:
+        proxy.clear_faults()
+        process.kill()
     lines = sorted((json.loads(line) for line in rest), key=lambda line: line["fork"])
-    assert lines == [{"fork": f, "done": True, "listed": sorted(base(n) for n in objects)} for f in (False, True)]
+    assert lines == [{"fork": f, "got": md5_hex(objects[held])} for f in (False, True)]
     assert len(printed(err)) == 1
+
+
+def test_the_entry_jax_reads_is_fetched_first_before_a_large_filler_set(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """The plan holds the pod's one program's entry and 40 others (the programs a warmer
+    wrote that this pod does not run), each smaller than it, so that the plan's order
+    (smallest first) puts it last; one download at a time, and every filler's download held
+    at the proxy. JAX's read of the pod's entry, right after `import jax`, gets it while
+    the copier's one worker is still held in its first filler: asked for, it was fetched in
+    a thread of its own, once, answered before any filler; the summary counts it on demand
+    (`onDemand`, `onDemandEntries`), and the copy then ends whole."""
+    import uuid
+
+    bucket = f"copy-{uuid.uuid4().hex[:8]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    step = f"jax/{entry('jit_train_step', 'step')}"
+    fillers = {f"jax/{entry(f'jit_filler{i}', str(i))}": os.urandom(1024) for i in range(40)}
+    objects = {step: os.urandom(64 << 10), **fillers}
+    for name, data in objects.items():
+        storage_only.bucket(bucket).blob(name).upload_from_string(data)
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    settings = env_for(storage_bed, bucket, dest, summary=str(summary_file), workers="1")
+    command, env = python(boot_dir(tmp_path / "boot"), settings, READS, str(dest), key(step))
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.clear_log()
+    proxy.faults([{"method": "GET", "path": "/download/.*jit_filler", "hold": "fillers", "times": len(fillers),
+                   "forward": True}])
+    # The program ends once it has read its entry; the copier child goes on (stderr is read
+    # to its end: the child's too, its summary last).
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(process.stdout)
+        assert json.loads(out.next("JAX's read of the pod's entry")) == [md5_hex(objects[step])]
+        proxy.wait_held("fillers")  # the worker is in its first filler, held
+        assert proxy.holds()["fillers"]["arrived"] == 1 and not summary_file.exists()
+        proxy.release("fillers")
+        assert out.rest() == [] and process.wait(timeout=120) == 0
+        assert process.stderr is not None
+        [summary] = printed(process.stderr.read())
+    finally:
+        proxy.clear_faults()
+        process.kill()
+    assert (summary["onDemand"], summary["onDemandEntries"]) == (1, [base(step)]), summary
+    assert (summary["copied"], summary["failed"], summary["cold"]) == (41, 0, False), summary
+    answered = [r["path"].rsplit("/", 1)[-1] for r in proxy.log()
+                if r["method"] == "GET" and r["path"].startswith("/download/") and r["status"] == 200]
+    assert answered[0] == base(step) and answered.count(base(step)) == 1, answered
+    for name, data in objects.items():
+        assert (dest / base(name)).read_bytes() == data
 
 
 def copier_child(parent: int) -> int:
@@ -328,14 +407,14 @@ def test_where_no_child_can_hold_the_pods_lock_the_copy_runs_before_the_first_li
 def test_processes_started_at_once_copy_once_and_each_starts_on_the_whole_copy(
         tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
     """Three processes of one pod (containers, or torchrun's workers) start at once: one
-    copies, the others wait on the pod's lock, then find the summary and copy nothing. The
-    copy's first download is held at the proxy until all three are seen waiting at their
-    `import jax`, then answers a 503 (tried again), so that a process not held by the lock
-    would copy meanwhile, and download that entry too, or list the copy half done."""
+    copies, the others read its plan and ask it, and copy nothing. The copy's first
+    download is held at the proxy until all three are seen waiting in JAX's reads, then
+    answers a 503 (tried again), so that a process not held by the lock would copy
+    meanwhile, and download that entry too, or read it half done."""
     bucket, objects = fill(storage_only)
     dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
     command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
-                          WATCH + LISTS, str(dest))
+                          WATCH + READS, str(dest), *(key(n) for n in sorted(objects)))
     proxy = ProxyControl(storage_bed.storage_emulator_host)
     proxy.clear_log()
     proxy.faults([{"method": "GET", "path": "/download/", "status": 503, "hold": HELD, "times": 1}])
@@ -354,7 +433,7 @@ def test_processes_started_at_once_copy_once_and_each_starts_on_the_whole_copy(
         for p in started:
             p.kill()
     assert [p.returncode for p in started] == [0, 0, 0], results
-    wanted = sorted(base(n) for n in objects)
+    wanted = [md5_hex(objects[n]) for n in sorted(objects)]
     assert [json.loads(out) for out, _ in results] == [wanted] * 3
     assert [downloads(proxy, name) for name in sorted(objects)] == [1] * 5
     summaries = [s for _, err in results for s in printed(err)]

@@ -14,11 +14,16 @@ only the standard library and the image needs no GCS library; in one of two ways
   `<CACHEWARM_COPY_SUMMARY>.lock` (beside the summary, in the pod's emptyDir), and if the
   summary file is not there yet it starts this file as its child (child(): `python -s -S -P`,
   the locked descriptor inherited, so the lock is held until the child exits; its stdout
-  /dev/null, its summary on stderr) and goes on with its own code. Every process of the
-  pod that started before the copy was done (this one, the pod's other python processes:
-  other containers, subprocesses, torchrun's workers) waits for the lock when its `import
-  jax` returns, at most the deadline plus the grace, so JAX, which reads its cache only
-  when it compiles, never reads a copy half done; a process that never imports jax never
+  /dev/null, its summary on stderr) and goes on with its own code. The child writes its
+  plan (the entry names it keeps, `<CACHEWARM_COPY_SUMMARY>.plan`) once the destination is
+  swept, before any download, and fetches first any planned entry a process of the pod
+  asks for (a file of its name in `<CACHEWARM_COPY_SUMMARY>.want/`: Downloads). Every
+  process of the pod that started before the copy was done (this one, the pod's other
+  python processes: other containers, subprocesses, torchrun's workers), once its `import
+  jax` returns, has JAX's read of a planned entry wait for that entry's file (asked for),
+  at most the deadline plus the grace, so JAX, which reads its cache only when it
+  compiles, never reads an entry half done nor waits for entries it does not read (with
+  another jax, it waits for the whole copy there); a process that never imports jax never
   waits. The child stops itself the grace after its deadline (as main(), the summary
   says so). Where no child can be started (no lock file can be opened, no python to
   spawn), copy_in_process() copies in the process itself, before its own code, and where
@@ -64,6 +69,16 @@ a refused connection (GKE's refuses a new pod's first requests for a few seconds
   the prefix, with the listing's size, MD5 and generation (the trust is the bucket's IAM);
   a listed object without them is skipped (`unverifiable`). Never a fallback from the
   manifests to the prefix: whoever could break a manifest could write the prefix too.
+  Packs (issue 30): a manifest may name a pack (`"pack": {"name", "size", "md5",
+  "generation"}`, an object `<job>.cachewarm-pack` in the manifest's own folder, written by
+  the same warmer) and mark entries `"packed": true`; the entries to download that one pack
+  holds (two or more) come from it in one request, read at that generation and checked
+  against its size and MD5, in a thread beside the other downloads; each member is taken
+  only under a planned entry's name and only if its bytes are that entry's size and MD5 as
+  the manifest records them (names never come from the pack: one that is not such an
+  entry's, a path included, is ignored, `packIgnored`), then renamed into place as a
+  download is. Whatever a pack does not give (404, corrupt, not a pack, a member missing or
+  wrong) is downloaded one by one (`packFallback`, and an error says which pack).
   At most `max_bytes` in all: the entries already in the destination first (not downloaded
   again, counted `present`: only a regular file, opened without following links, whose
   size and MD5 are the entry's; anything else under an entry's name, a symlink included,
@@ -143,7 +158,13 @@ stderr, and in CACHEWARM_COPY_SUMMARY):
   manifestsMissing (the names that were 404 at their generation, at most 5) and
   manifestError (the first other failure); destWorldWritable when so; auth "metadata" |
   "none" and, with "metadata", tokens (fetched from the metadata server) and tokensRefused
-  (GCS's 401s that dropped a token). Manifests are read with the same retries as entries.
+  (GCS's 401s that dropped a token); onDemand, onDemandEntries (in process, when a process
+  asked for entries not yet taken: how many were fetched first on ask, the first 5 names).
+  Manifests are read with the same retries as entries. In process, the summary may be
+  written after the pod's first compiles (those waited only for their own entries): until
+  then there is none (the reporter says nothing of the copy, neither cold nor failed).
+  With packs: packs (read and checked), packBytes, fromPack (of the copied, those written
+  from a pack), packFallback, packIgnored.
 """
 
 from __future__ import annotations
@@ -163,7 +184,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 if TYPE_CHECKING:
     import ssl
     import urllib.error
-    from collections.abc import Callable, Collection, Iterable, Mapping
+    from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
     from typing import TextIO
 
 ENTRY = re.compile(r"^[^/]+-(?P<hash>[0-9a-f]{64})-cache$")
@@ -285,6 +306,81 @@ def _entry(size: Any, md5: Any, generation: Any) -> Entry | None:
     if not isinstance(generation, str) or GENERATION.match(generation) is None:
         return None
     return Entry(size, md5, generation)
+
+
+class Pack(NamedTuple):
+    """A manifest's pack (issue 30; the warmer's write_pack): one object holding the
+    manifest's small entries back to back, read in one request instead of one per entry."""
+    name: str  # the object's name, in the folder of the manifest that names it
+    entry: Entry  # what the object must be: its size, MD5 and generation, as the manifest says
+
+
+class Manifest(NamedTuple):
+    entries: dict[str, Entry]  # name -> what the entry must be
+    pack: Pack | None  # the pack the manifest names, None without one (or one refused: `pack_error`)
+    packed: frozenset[str]  # the entries the manifest says are in the pack
+    pack_error: str = ""
+
+
+PACK_SUFFIX = ".cachewarm-pack"  # the warmer's PACK_SUFFIX
+PACK_MAGIC = b"cachewarm-pack 1\n"  # the warmer's PACK_MAGIC
+MAX_PACK_BYTES = 64 << 20  # the warmer's PACK_BYTES: a pack is read into memory whole
+MAX_PACK_HEADER = 512  # a member's "<name> <size>\n" line, at most
+
+
+def manifest_pack(doc: Mapping[str, Any], manifest: str) -> tuple[Pack | None, str]:
+    """The pack a parsed manifest `doc` (the object `manifest`) names, and '' ; or None and
+    why it is refused (a pack that is not an object of the manifest's own folder named
+    *.cachewarm-pack, no valid size, MD5 and generation, or over MAX_PACK_BYTES); (None, '')
+    without one. Pure."""
+    item = doc.get("pack")
+    if item is None:
+        return None, ""
+    folder = manifest.rsplit("/", 1)[0] + "/" if "/" in manifest else ""
+    name = item.get("name") if isinstance(item, dict) else None
+    if not isinstance(name, str) or not name.startswith(folder) or "/" in name[len(folder):] \
+            or not name.endswith(PACK_SUFFIX) or name == folder + PACK_SUFFIX:
+        return None, f"the pack {str(name)[:100]!r} is not a pack in the manifest's folder"
+    entry = _entry(item.get("size"), item.get("md5"), item.get("generation"))
+    if entry is None:
+        return None, f"the pack {name[:100]}: no valid size, md5 and generation"
+    if entry.size > MAX_PACK_BYTES:
+        return None, f"the pack {name[:100]}: larger than {MAX_PACK_BYTES} bytes"
+    return Pack(name, entry), ""
+
+
+def parse_manifest(data: bytes, manifest: str = "") -> Manifest:
+    """A manifest's entries (manifest_entries) and the pack it names (manifest_pack: one
+    refused leaves the entries to be read one by one, `pack_error` says why; `manifest` is
+    the manifest's object name, whose folder the pack must be in). Raises ValueError as
+    manifest_entries. Pure."""
+    entries = manifest_entries(data)
+    doc = json.loads(data)
+    pack, error = manifest_pack(doc, manifest)
+    packed = frozenset(str(e.get("name")) for e in doc["entries"] if e.get("packed") is True) if pack else frozenset()
+    return Manifest(entries, pack, packed, error)
+
+
+def pack_members(data: bytes) -> Iterator[tuple[str, memoryview]]:
+    """The members of a pack, in order: (the name its header line gives, its bytes). The
+    names are the pack's word only: a reader takes a member only under a name its trusted
+    manifest gives, with that entry's size and MD5 (unpack). Raises ValueError where the
+    bytes are not a pack (another start, a header line over MAX_PACK_HEADER bytes or not
+    "<name> <decimal size>", a member past the end); the members before it stand. Pure."""
+    if not data.startswith(PACK_MAGIC):
+        raise ValueError("not a cachewarm pack")
+    view = memoryview(data)
+    at = len(PACK_MAGIC)
+    while at < len(data):
+        end = data.find(b"\n", at, at + MAX_PACK_HEADER)
+        name, _, size = data[at:max(end, at)].decode("utf-8", "replace").rpartition(" ")
+        if end < 0 or not name or not (size.isascii() and size.isdigit()):
+            raise ValueError(f"a member's header at byte {at} is not '<name> <size>'")
+        start = end + 1
+        if start + int(size) > len(data):
+            raise ValueError(f"the member {name[:100]!r} runs past the pack's end")
+        yield name, view[start:start + int(size)]
+        at = start + int(size)
 
 
 def manifest_entries(data: bytes) -> dict[str, Entry]:
@@ -1031,17 +1127,25 @@ def add_error(summary: dict[str, Any], message: str) -> None:
         summary["errors"].append(message[:MAX_ERROR_CHARS])
 
 
-def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) -> dict[str, Entry]:
+def read_manifests(settings: Settings, client: Client, summary: dict[str, Any],
+                   packed: dict[str, Pack] | None = None) -> dict[str, Entry]:
     """The union of the trusted manifests' entries, each read at its generation (see the
     module's doc); one missing (404), unreadable or refused adds nothing, which the
-    summary says. An entry two manifests list differently is taken from neither."""
+    summary says. An entry two manifests list differently is taken from neither. Into
+    `packed`: each entry a manifest says is in its pack -> that pack (the first manifest's)."""
     names: dict[str, Entry] = {}
     clashes: set[str] = set()
     missing: list[str] = []
     summary.update(trusted=0, manifestsUntrusted=settings.untrusted, manifestsRefused=0)
     for manifest, generation in settings.manifests:
         try:
-            entries = manifest_entries(client.read_pinned(settings.bucket, manifest, generation))
+            parsed = parse_manifest(client.read_pinned(settings.bucket, manifest, generation), manifest)
+            entries = parsed.entries
+            if parsed.pack_error:
+                add_error(summary, f"{manifest}#{generation}: {parsed.pack_error}; its entries are read one by one")
+            for name in parsed.packed:
+                if packed is not None and parsed.pack is not None:
+                    packed.setdefault(name, parsed.pack)
         except CopyError as exc:
             if exc.status == 404:
                 missing.append(f"{manifest}#{generation}")
@@ -1066,6 +1170,108 @@ def read_manifests(settings: Settings, client: Client, summary: dict[str, Any]) 
     return {n: e for n, e in names.items() if n not in clashes}
 
 
+def by_pack(packed: Mapping[str, Pack], download: Iterable[Wanted]) -> tuple[dict[Pack, list[Wanted]], list[Wanted]]:
+    """The downloads a pack can serve, by pack (a pack for at least two of them: for one, the
+    entry alone is fewer bytes and as many requests), and the rest, in their order. Pure."""
+    groups: dict[Pack, list[Wanted]] = {}
+    for wanted in download:
+        pack = packed.get(wanted.base)
+        if pack is not None:
+            groups.setdefault(pack, []).append(wanted)
+    served = {p: ws for p, ws in groups.items() if len(ws) >= 2}
+    taken = {w.base for ws in served.values() for w in ws}
+    return served, [w for w in download if w.base not in taken]
+
+
+def write_entry(client: Client, dest: str, wanted: Wanted, data: memoryview) -> bool:
+    """`data` (checked already: the entry's size and MD5) into `dest`/<the entry's name in the
+    manifest>, through a partial file of its own renamed into place, as a download is.
+    Returns whether it replaced something of that name. Raises CopyError for the disk's errors."""
+    final = os.path.join(dest, wanted.base)
+    partial = os.path.join(dest, client.partial_name())
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        replaced = os.path.lexists(final)
+        os.replace(partial, final)  # a symlink there is replaced, not followed
+    except OSError as exc:
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise CopyError(f"{wanted.name}: {exc}") from None
+    return replaced
+
+
+def unpack(client: Client, bucket: str, dest: str, pack: Pack, members: list[Wanted], summary: dict[str, Any],
+           done: Callable[[Wanted, int, bool], None], lock: threading.Lock) -> list[Wanted]:
+    """The entries `members` from `pack`: read in one request at the manifest's generation,
+    exactly its size and MD5 (Client.read, retried as a download is), then each member the
+    pack holds under a wanted entry's name whose bytes are that entry's size and MD5 (the
+    manifest's: the trust root) written into place (write_entry) and passed to done(wanted,
+    size, replaced). A member under any other name (not a wanted entry of a trusted
+    manifest: a path, "..", another program's) is ignored and counted `packIgnored`; the
+    name a file gets is always the manifest's. Returns the members not written (the pack
+    unreadable, not a pack, without them, or their bytes not the manifest's): the caller
+    downloads them one by one, counted `packFallback`. Never raises."""
+    import base64  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+
+    left = {w.base: w for w in members}
+    try:
+        data = client.read(bucket, pack.name, pack.entry.size, pack.entry.generation, pack.entry.md5)
+        with lock:
+            summary["packs"] += 1
+            summary["packBytes"] += len(data)
+        for name, body in pack_members(data):
+            wanted = left.get(name)
+            if wanted is None:
+                with lock:
+                    summary["packIgnored"] += 1
+                continue
+            if len(body) != wanted.entry.size or \
+                    base64.b64encode(hashlib.md5(body).digest()).decode() != wanted.entry.md5:  # noqa: S324
+                continue  # left: downloaded on its own, checked again there
+            replaced = write_entry(client, dest, wanted, body)
+            del left[name]
+            with lock:
+                summary["fromPack"] += 1
+            done(wanted, len(body), replaced)
+    except Exception as exc:  # noqa: BLE001 - CopyError, ValueError (not a pack), or else: read one by one
+        with lock:
+            add_error(summary, f"the pack {pack.name}: {exc}")
+    if left:
+        with lock:
+            summary["packFallback"] += len(left)
+            add_error(summary, f"the pack {pack.name} did not give {len(left)} of its entries; read one by one")
+    return [w for w in members if w.base in left]
+
+
+def unpack_behind(client: Client, bucket: str, dest: str, groups: Mapping[Pack, list[Wanted]],
+                  summary: dict[str, Any], done: Callable[[Wanted, int, bool], None],
+                  lock: threading.Lock) -> Callable[[], list[Wanted]]:
+    """unpack() each pack of `groups` (by_pack's) in a thread of its own, beside the other
+    downloads; returns the function that waits for it and gives the entries to download one
+    by one after all. With no pack: nothing started, nothing to wait for."""
+    if not groups:
+        return list
+    summary.update(packs=0, packBytes=0, fromPack=0, packFallback=0, packIgnored=0)
+    rest: list[Wanted] = []
+
+    def work() -> None:
+        for pack, members in groups.items():
+            rest.extend(unpack(client, bucket, dest, pack, members, summary, done, lock))
+
+    thread = threading.Thread(target=work, name="cachewarm-packs", daemon=True)
+    thread.start()
+
+    def wait() -> list[Wanted]:
+        thread.join()
+        return rest
+    return wait
+
+
 def dest_note(dest: str, summary: dict[str, Any]) -> None:
     """Say in `summary` when the destination's root may be written by others: world-
     writable without the sticky bit and not ours (an emptyDir's root is: 0777, root's; it is
@@ -1077,11 +1283,155 @@ def dest_note(dest: str, summary: dict[str, Any]) -> None:
         summary["destWorldWritable"] = True
 
 
-def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Copy what `plan` picks, counting into `summary` (a new_summary; main's watchdog
-    reads the same one). Never raises: the summary says what happened."""
-    import concurrent.futures  # noqa: PLC0415
+# In process (child()), beside the summary, in the pod's own emptyDir (see Downloads):
+PLAN_SUFFIX = ".plan"  # the names the copy keeps, one a line, once the destination is swept
+WANT_SUFFIX = ".want"  # a directory: a file named as a planned entry asks for it first
+WATCH_SECONDS = 0.003  # how often the copier looks for a new ask
 
+
+def plan_path(summary_path: str) -> str:
+    return summary_path + PLAN_SUFFIX
+
+
+def want_dir(summary_path: str) -> str:
+    return summary_path + WANT_SUFFIX
+
+
+def write_plan(summary_path: str, names: Iterable[str]) -> None:
+    """The plan's entry names at `<summary>.plan`, whole or not at all (a temp file renamed
+    over it), after `<summary>.want/` is made: a process that reads the plan can ask."""
+    os.makedirs(want_dir(summary_path), exist_ok=True)
+    path = plan_path(summary_path)
+    temp = f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
+    try:
+        with open(temp, "x") as out:
+            out.write("".join(f"{name}\n" for name in names))
+        os.replace(temp, path)
+    except Exception:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+
+
+def drop_plan(summary_path: str) -> None:
+    """The plan and the asks gone (the copy is over: the summary says so next)."""
+    import shutil  # noqa: PLC0415
+
+    try:
+        os.unlink(plan_path(summary_path))
+    except OSError:
+        pass
+    shutil.rmtree(want_dir(summary_path), ignore_errors=True)
+
+
+class Downloads:
+    """A copy's downloads, each taken once: `workers` threads take them in the plan's order
+    (smallest first), and an entry a process of the pod asks for (a file of its name in
+    the want directory, which a thread looks for every WATCH_SECONDS: sitecustomize's hook
+    on JAX's cache read asks for the key JAX reads) is started at once in a thread of its
+    own, beside those, so that it does not wait for a worker to finish another download
+    (an entry asked for that is already taken, in flight or done, is not fetched again).
+    Only the plan's entries can be asked for: an ask is a name, the entry its plan's (its
+    generation, size and MD5), checked as any other. `asked` lists those fetched on ask."""
+
+    def __init__(self, download: list[Wanted]) -> None:
+        import collections  # noqa: PLC0415
+
+        self._order = collections.deque(download)
+        self._pending = {w.base: w for w in download}
+        self._lock = threading.Lock()
+        self.asked: list[str] = []
+
+    def _take(self, base: str | None = None) -> Wanted | None:
+        with self._lock:
+            if base is not None:
+                wanted = self._pending.pop(base, None)
+                if wanted is not None:
+                    self.asked.append(base)
+                return wanted
+            while self._order:
+                wanted = self._pending.pop(self._order.popleft().base, None)
+                if wanted is not None:
+                    return wanted
+            return None
+
+    def _watch(self, directory: str, start: Callable[[Wanted], None], stop: threading.Event) -> None:
+        seen: set[str] = set()
+        while True:
+            try:
+                names = os.listdir(directory)
+            except OSError:
+                names = []
+            for name in names:
+                if name not in seen:
+                    seen.add(name)
+                    wanted = self._take(name)
+                    if wanted is not None:
+                        start(wanted)
+            with self._lock:
+                if not self._pending:
+                    return
+            if stop.wait(WATCH_SECONDS):
+                return
+
+    def serve(self, one: Callable[[Wanted], None], workers: int, asks: str = "") -> None:
+        """Every download through `one` (which never raises), `workers` at once plus those
+        asked for in the directory `asks` ('' for none); returns once all are done."""
+        threads: list[threading.Thread] = []
+        lock = threading.Lock()
+
+        def start(wanted: Wanted) -> None:
+            thread = threading.Thread(target=one, args=(wanted,), name="cachewarm-asked", daemon=True)
+            with lock:
+                threads.append(thread)
+            thread.start()
+
+        def work() -> None:
+            while (wanted := self._take()) is not None:
+                one(wanted)
+
+        stop = threading.Event()
+        watcher = None
+        if asks and self._pending:
+            self._watch_once(asks, start)
+            watcher = threading.Thread(target=self._watch, args=(asks, start, stop), name="cachewarm-asks",
+                                       daemon=True)
+            watcher.start()
+        pool = [threading.Thread(target=work, name="cachewarm-copy", daemon=True)
+                for _ in range(min(workers, len(self._pending)))]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+        with lock:
+            asked = list(threads)
+        for thread in asked:
+            thread.join()
+
+    def _watch_once(self, directory: str, start: Callable[[Wanted], None]) -> None:
+        """The asks made before the downloads start, taken before any worker's first."""
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            return
+        for name in names:
+            wanted = self._take(name)
+            if wanted is not None:
+                start(wanted)
+
+
+def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None, on_demand: str = ""
+        ) -> dict[str, Any]:
+    """Copy what `plan` picks, counting into `summary` (a new_summary; main's watchdog
+    reads the same one). With `on_demand` (the summary's path, in process: child()), the
+    plan's names go to `<on_demand>.plan` once the destination is swept and before any
+    download, and the entries the pod's processes ask for in `<on_demand>.want/` jump the
+    queue (Downloads). Never raises: the summary says what happened."""
     started = time.monotonic()
     client.deadline = started + settings.deadline_seconds
     summary = new_summary("prefix") if summary is None else summary
@@ -1092,7 +1442,8 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
     try:
         os.makedirs(settings.dest, mode=0o755, exist_ok=True)
         dest_note(settings.dest, summary)
-        names = read_manifests(settings, client, summary) if settings.pinned else None
+        packed: dict[str, Pack] = {}  # entries a trusted manifest's pack holds (unpack)
+        names = read_manifests(settings, client, summary, packed) if settings.pinned else None
         if names is not None and not summary["trusted"]:
             listed = True  # nothing to list for: the pod starts with nothing of ours, and says why
             if settings.manifests or settings.untrusted:  # some were given, none trusted: that went wrong
@@ -1116,9 +1467,18 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
         lock = threading.Lock()
 
         def one(wanted: Wanted) -> None:
-            if time.monotonic() > deadline:
-                raise CopyError("deadline passed before it started")
-            size, replaced = client.download(settings.bucket, wanted, settings.dest)
+            try:
+                if time.monotonic() > deadline:
+                    raise CopyError("deadline passed before it started")
+                size, replaced = client.download(settings.bucket, wanted, settings.dest)
+            except Exception as exc:  # noqa: BLE001 - counted; the others go on
+                with lock:
+                    summary["failed"] += 1
+                    add_error(summary, str(exc))
+                return
+            done(wanted, size, replaced)
+
+        def done(wanted: Wanted, size: int, replaced: bool) -> None:  # a download's or a pack's entry in place
             with lock:
                 kept.add(wanted.base)
                 summary["copied"] += 1
@@ -1128,18 +1488,30 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
                     summary["removedForeign"] -= 1
                 summary["replaced"] += int(replaced)
 
-        with concurrent.futures.ThreadPoolExecutor(settings.workers) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(one, w) for w in picked.download]):
-                error = future.exception()
-                if error is not None:
-                    summary["failed"] += 1
-                    add_error(summary, str(error))
+        groups, alone = by_pack(packed, picked.download)  # a pack's entries come in one request (issue 30)
+        queue = Downloads(alone)
+        asks = ""
+        if on_demand:  # the pod's processes may read every planned entry from now on (the sweep is done)
+            try:
+                write_plan(on_demand, [w.base for w in picked.present] + [w.base for w in picked.download])
+                asks = want_dir(on_demand)
+            except OSError as exc:  # then they wait for the whole copy, as without a plan
+                add_error(summary, f"plan file: {exc}")
+        unpacked = unpack_behind(client, settings.bucket, settings.dest, groups, summary, done, lock)
+        queue.serve(one, settings.workers, asks)
+        rest = Downloads(unpacked())
+        rest.serve(one, settings.workers, asks)  # what the packs did not give
+        if queue.asked or rest.asked:
+            summary["onDemand"] = len(queue.asked) + len(rest.asked)
+            summary["onDemandEntries"] = (queue.asked + rest.asked)[:MAX_ERRORS]
     except Exception as exc:  # noqa: BLE001 - the pod starts anyway, cold
         add_error(summary, f"{type(exc).__name__}: {exc}")
     try:  # again: what a failed download left under an entry's name, or a copy that failed before its plan
         sweep(settings.dest, kept, settings.summary_path, summary, note_dirs=displaced is None)
     except Exception as exc:  # noqa: BLE001 - said; the pod starts anyway
         add_error(summary, f"removing what is not an entry: {type(exc).__name__}: {exc}")
+    if on_demand:
+        drop_plan(on_demand)
     summary["cold"] = not listed or (summary["copied"] + summary["present"] == 0
                                      and bool(summary["errors"] or summary["failed"]))
     summary["seconds"] = round(time.monotonic() - started, 3)
@@ -1184,10 +1556,11 @@ def bound_seconds(env: Mapping[str, str]) -> float:
             + max(_seconds(env, ENV_COPY_GRACE_SECONDS, HARD_STOP_GRACE_SECONDS), 0.0))
 
 
-def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
+def copy(env: Mapping[str, str], live: dict[str, Any], on_demand: bool = False) -> dict[str, Any]:
     """The copy `env`'s settings ask for (its CAs, GCS's token or the emulator), counted
     into `live` (a new_summary, which may be read meanwhile): its summary, `live` or, for
-    bad settings, a cold one. Never raises. What main and copy_in_process both run."""
+    bad settings, a cold one; `on_demand`: its plan and asks beside the summary file (run).
+    Never raises. What main and copy_in_process both run."""
     try:
         settings = Settings.from_env(env)
         context, error = ssl_context(settings.ca_bundle, settings.endpoint.lower().startswith("https:"))
@@ -1196,7 +1569,7 @@ def copy(env: Mapping[str, str], live: dict[str, Any]) -> dict[str, Any]:
         token = metadata_token(settings.token_url) if settings.token_url else None
         client = Client(settings.endpoint, token or (lambda: None), context)
         live["auth"] = "metadata" if token is not None else "none"
-        summary = run(settings, client, live)
+        summary = run(settings, client, live, settings.summary_path if on_demand else "")
         if token is not None:
             summary.update(tokens=token.fetched, tokensRefused=token.refusals)
         return summary
@@ -1238,23 +1611,26 @@ def _hard_stop(live: dict[str, Any], started: float, stream: TextIO | None) -> N
     os._exit(0)
 
 
-def main(stream: TextIO | None = None) -> None:
+def main(stream: TextIO | None = None, on_demand: bool = False) -> None:
     """The init container: the copy, its summary on `stream` (stdout unless given) and in its
-    file, exit 0; stopped (os._exit) when it still runs the grace after its deadline."""
+    file, exit 0; stopped (os._exit) when it still runs the grace after its deadline.
+    `on_demand` (child()): the pod's processes read entries as they come (run)."""
     out = sys.stdout if stream is None else stream
     live = new_summary("prefix")
     watchdog = threading.Timer(bound_seconds(os.environ), _hard_stop, args=(live, time.monotonic(), out))
     watchdog.daemon = True
     watchdog.start()
-    finish(copy(os.environ, live), os.environ.get(ENV_COPY_SUMMARY, ""), out)
+    finish(copy(os.environ, live, on_demand), os.environ.get(ENV_COPY_SUMMARY, ""), out)
     sys.exit(0)
 
 
 def child() -> None:
     """The copier child of a pod's python process (sitecustomize starts it, `python -s -S -P`,
     holding the pod's lock for it): main, its summary on stderr, the process's; its stdout
-    is /dev/null, the process's own is the program's."""
-    main(sys.stderr)
+    is /dev/null, the process's own is the program's. On demand: its plan and the pod's asks
+    beside the summary (run), so that a process reads an entry once it is there, not once
+    the whole copy is."""
+    main(sys.stderr, on_demand=True)
 
 
 def pod_lock(path: str, summary: str, until: float) -> int | None:

@@ -269,23 +269,31 @@ class Tally:
             one["cached"] = list(self.cached.get(found["program"], []))
         return one
 
-    def list_cache(self, directory: str) -> None:
+    def list_cache(self, directory: str, plan: str = "") -> None:
         """Reads the names of the entries in the local cache directory (`<program>-<sha256>-cache`)
         once, before any compile of this process: the entries the pod's copy brought (a
-        reader writes none). Not a directory (a gs:// path, none): left unknown."""
+        reader writes none), and those its copy still brings (`plan`: the copier's plan
+        file, one name a line, while a copy serves entries on demand). Not a directory (a
+        gs:// path, none): left unknown."""
         if not directory or "://" in directory or not os.path.isdir(directory):
             return
+        with os.scandir(directory) as listing:
+            names = {entry.name for _, entry in zip(range(MAX_LISTED + 1), listing)}
+        try:
+            with open(plan) as planned:
+                names.update(planned.read(MAX_LISTED * 400).split()[:MAX_LISTED + 1])
+        except OSError:
+            pass  # none (no copy, or over: its entries are listed above)
+        if len(names) > MAX_LISTED:
+            return  # too many to say which programs it lacks: unknown
         found: dict[str, list[str]] = {}
-        with os.scandir(directory) as names:
-            for number, entry in enumerate(names):
-                if number >= MAX_LISTED:
-                    return  # too many to say which programs it lacks: unknown
-                program, digest = entry.name[:-len("-cache")].rpartition("-")[0], _digest(entry.name[:-len("-cache")])
-                if not entry.name.endswith("-cache") or not program or not digest:
-                    continue  # not an entry's name
-                keys = found.setdefault(program[:200], [])
-                if len(keys) < MAX_PROGRAM_KEYS:
-                    keys.append(digest)
+        for name in sorted(names):
+            program, digest = name[:-len("-cache")].rpartition("-")[0], _digest(name[:-len("-cache")])
+            if not name.endswith("-cache") or not program or not digest:
+                continue  # not an entry's name
+            keys = found.setdefault(program[:200], [])
+            if len(keys) < MAX_PROGRAM_KEYS:
+                keys.append(digest)
         self.cached = found
 
 
@@ -321,8 +329,9 @@ class Reporter:
                     "uid": env.get(ENV_POD_UID, "")}
         self.cache = env.get(ENV_CACHE, "")
         self.local_copy_file = env.get(ENV_LOCAL_COPY, "")
-        self.local_copy: dict[str, Any] | None = None  # read once, at the first report
-        self._local_copy_read = False
+        # Read at each report until there is a summary, then kept: the copy may end after the
+        # first compiles (entries served on demand), and until then there is none to report.
+        self.local_copy: dict[str, Any] | None = None
         self.here = here
         self.sequence = 0
         self.failures = 0
@@ -355,8 +364,7 @@ class Reporter:
             process["index"] = int(jax.process_index()) if jax is not None else 0
         except Exception:  # noqa: BLE001
             process["index"] = 0
-        if not self._local_copy_read:
-            self._local_copy_read = True
+        if self.local_copy is None:
             self.local_copy = local_copy(self.local_copy_file)
         report: dict[str, Any] = {
             "version": REPORT_VERSION, "pod": self.pod, "cache": self.cache, "process": process,
@@ -524,7 +532,8 @@ def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
             logger.addFilter(tally)
             tally.reading_logs = True
         try:
-            tally.list_cache(os.environ.get(ENV_CACHE_DIR, ""))
+            summary = os.environ.get(ENV_LOCAL_COPY, "")
+            tally.list_cache(os.environ.get(ENV_CACHE_DIR, ""), f"{summary}.plan" if summary else "")
         except OSError:
             pass  # unreadable: which programs the cache held stays unknown
         tally.primitives = _primitives() or PRIMITIVES_FALLBACK

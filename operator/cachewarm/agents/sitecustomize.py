@@ -9,19 +9,29 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
 2. With CACHEWARM_COPY_IN_PROCESS=1, the pod's local copy, once per pod: the first process
    (the one that takes the pod's lock, `<CACHEWARM_COPY_SUMMARY>.lock`, and finds no
    summary) starts the copier as a child process (`python -s -S -P`, the lock handed to it,
-   released when it exits), and every process of the pod that started while no summary was
-   there waits for the copy when its `import jax` returns (a meta path hook wraps jax's
-   loader), polling the summary and the lock for at most the copy's deadline and grace,
-   before JAX can read the cache. The copy overlaps the program's own start and imports,
-   and none of the copier's modules or objects stay in the process (a copy in process left
-   them behind, which in the benchmark's program moved a full garbage collection of ~40 ms
-   into its first step): what stays is this module, the hook until jax is imported, and
-   the child's pid until it is reaped (after the wait; a process that never imports jax
-   keeps it a zombie). Where the child cannot be started (no lock file, no python to
-   spawn), the copy runs in process before the program's own code
-   (cachewarm_copier.copy_in_process); where the wait finds the lock free and no summary
-   (the copier died), at `import jax` (another deadline and grace at most). A process
-   whose jax was imported before this file ran (a .pth file) waits here, at once.
+   released when it exits). Every process of the pod that started while no summary was
+   there is held, once its `import jax` returns (a meta path hook wraps jax's loader), only
+   for the entries JAX reads, not for the whole copy: the hook wraps JAX's file cache read
+   of the copy's directory (jax._src.lru_cache.LRUCache.get; _OnDemand) until the copy is
+   over, so that a key whose file is not there yet waits for the copier's plan (the names
+   it keeps, written once the directory holds only verified entries; `import jax` waits for
+   it too, so that what reads the directory next, the reporter, knows them) and, when
+   planned, asks the copier for it (a file of its name in `<summary>.want/`, the pod's own
+   emptyDir; the copier fetches it before the rest) and waits until its file is there; a
+   key not planned is read as it would be without a copy. Where this jax has no such read
+   (another layout), the process waits there for the whole copy instead. Every wait polls
+   (the file, the summary, the lock) for at most the copy's deadline and grace. The copy
+   overlaps the program's own start, imports and first steps, and none of the copier's
+   modules or objects stay in the process (a copy in process left them behind, which in
+   the benchmark's program moved a full garbage collection of ~40 ms into its first step):
+   what stays is this module, the hooks until jax is imported and the copy is over, and
+   the child's pid until it is reaped (when a wait sees the copy over; a process that
+   never imports jax, or reads nothing after the copy ended, keeps it a zombie). Where the
+   child cannot be started (no lock file, no python to spawn), the copy runs in process
+   before the program's own code (cachewarm_copier.copy_in_process); where a wait finds the
+   lock free and no summary (the copier died), in process then (another deadline and grace
+   at most). A process whose jax was imported before this file ran (a .pth file) is hooked
+   here, at once.
 3. The image's own sitecustomize (the one this file shadows), exactly once.
 4. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
    reports it to cachewarm (loaded only then: every process pays for what it loads, and
@@ -39,6 +49,7 @@ not this package's modules, nor third-party packages."""
 ENV_RESTORE_IMAGE_PYTHONPATH = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
 ENV_COPY_IN_PROCESS = "CACHEWARM_COPY_IN_PROCESS"
 ENV_COPY_SUMMARY = "CACHEWARM_COPY_SUMMARY"
+ENV_COPY_DEST = "CACHEWARM_COPY_DEST"
 ENV_COPY_DEADLINE_SECONDS = "CACHEWARM_COPY_DEADLINE_SECONDS"
 ENV_COPY_GRACE_SECONDS = "CACHEWARM_COPY_GRACE_SECONDS"
 ENV_REPORT_URL = "CACHEWARM_REPORT_URL"
@@ -101,23 +112,33 @@ def _copy_done(lock_path, summary):  # type: (str, str) -> bool
         os.close(fd)  # and the lock with it: this process never keeps it
 
 
-def _wait(lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
-    """Wait for the pod's copy, at most _bound(): polled (the summary, then the lock taken
-    and let go at once), so that a wait that gives up leaves nothing behind that could take
-    the lock later. A copy that ended without a summary (its copier died) is done here, in
-    process."""
+def _until(lock_path, summary, deadline, ready=None):  # type: (str, str, float, Any) -> bool
+    """Polls until `ready()` (when given) or the pod's copy is over (_copy_done), at most
+    until `deadline` (time.monotonic()); whether the copy is over. Polled (the summary, then
+    the lock taken and let go at once), so that a wait that gives up leaves nothing behind
+    that could take the lock later."""
     import time
 
     start = time.monotonic()
-    deadline = start + _bound()
     pause = 0.002
-    done = _copy_done(lock_path, summary)
-    while not done and time.monotonic() < deadline:
+    while True:
+        if ready is not None and ready():
+            return False
+        if _copy_done(lock_path, summary):
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(pause)  # 10 ms at most while a copy is likely (5 s), then 50 ms
         pause = min(pause * 2, 0.01 if time.monotonic() - start < 5 else 0.05)
-        done = _copy_done(lock_path, summary)
+
+
+def _over(summary, child, done):  # type: (str, Optional[int], bool) -> None
+    """After a wait for the copy: the copier child reaped (once done, it is exiting: the
+    summary is its last act; 1 s at most), and a copy that ended without a summary (its
+    copier died) done here, in process."""
+    import time
+
     if child is not None:
-        # Reaped: once done, it is exiting (the summary is its last act); 1 s at most.
         for tries_left in range(99 if done else 0, -1, -1):
             try:
                 if os.waitpid(child, os.WNOHANG)[0]:
@@ -130,10 +151,115 @@ def _wait(lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
         _copy_in_process()
 
 
+def _wait(lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
+    """Wait for the whole copy, at most _bound() (where _OnDemand cannot serve the process)."""
+    import time
+
+    _over(summary, child, _until(lock_path, summary, time.monotonic() + _bound()))
+
+
+class _OnDemand(object):
+    """JAX's file cache read (jax._src.lru_cache.LRUCache.get, wrapped while the copy runs)
+    of the copy's directory, entry by entry: a key whose file is not there yet waits for
+    the copier's plan (`<summary>.plan`, the names it keeps, written once the directory is
+    swept: before it, nothing there is read while the copy runs); a planned one is asked
+    for (a file of its name in `<summary>.want/`, the pod's own emptyDir, which the copier
+    looks for every few ms and downloads first) and waited for, until its file is there
+    (renamed into place once checked) or the copy is over; one not planned is read as
+    without a copy (a miss). Every wait ends at the copy's deadline and grace (from
+    `import jax`); once the copy is over (or that bound passed) JAX's own read is put back,
+    a child reaped, and a copy that ended without a summary done in process (_over)."""
+
+    def __init__(self, lock_path, summary, child, dest, cache_class):  # type: (str, str, Optional[int], str, Any) -> None
+        import threading
+        import time
+
+        self.lock_path, self.summary, self.child, self.cache_class = lock_path, summary, child, cache_class
+        self.dest = os.path.realpath(dest)
+        self.deadline = time.monotonic() + _bound()
+        self.plan = None  # type: Any
+        self.over = False
+        self.ending = threading.Lock()
+        self.original = cache_class.__dict__["get"]
+        hook = self
+
+        def get(cache, key):  # type: (Any, Any) -> Any
+            if not hook.over:
+                try:
+                    hook.before(cache, key)
+                except Exception:  # noqa: BLE001 - JAX reads as it would have
+                    pass
+            return hook.original(cache, key)
+
+        get.__wrapped__ = self.original  # type: ignore[attr-defined]
+        self.get = get
+
+    def before(self, cache, key):  # type: (Any, Any) -> None
+        if not isinstance(key, str) or not key or os.path.realpath(str(cache.path)) != self.dest:
+            return
+        name = key + "-cache"
+        path = os.path.join(self.dest, name)
+        if self.plan is None:
+            self.load_plan()
+        if self.over or name not in self.plan or os.path.exists(path):
+            return
+        try:
+            os.close(os.open(os.path.join(self.summary + ".want", name), os.O_WRONLY | os.O_CREAT, 0o644))
+        except OSError:
+            pass  # no want directory: the copy is ending; its file or its end is waited for
+        done = _until(self.lock_path, self.summary, self.deadline, lambda: os.path.exists(path))
+        if done or not os.path.exists(path):
+            self.end(done)
+
+    def load_plan(self):  # type: () -> None
+        """The copier's plan, waited for (or the copy's end, or the bound: then over)."""
+        plan_file = self.summary + ".plan"
+        if _until(self.lock_path, self.summary, self.deadline, lambda: os.path.exists(plan_file)):
+            return self.end(True)
+        try:
+            with open(plan_file) as f:
+                self.plan = frozenset(f.read().split())
+        except OSError:  # none by the bound, or gone: the copy is ending (its summary next)
+            self.end(_until(self.lock_path, self.summary, self.deadline))
+
+    def end(self, done):  # type: (bool) -> None
+        """The copy is over (`done`) or its bound passed: JAX's read as it was, once."""
+        with self.ending:
+            if self.over:
+                return
+            self.over = True
+            if self.cache_class.__dict__.get("get") is self.get:
+                self.cache_class.get = self.original
+            _over(self.summary, self.child, done)
+
+
+def _on_demand(lock_path, summary, child):  # type: (str, str, Optional[int]) -> bool
+    """Whether _OnDemand could wrap this jax's file cache read (the layout of jax 0.4.36
+    and later: jax._src.lru_cache.LRUCache.get(self, key), entries `<key>-cache`, a module
+    `import jax` loads), so the process need not wait for the whole copy now; False for
+    anything else (nothing is imported here: a jax that has not loaded it is another)."""
+    dest = os.environ.get(ENV_COPY_DEST, "")
+    module = sys.modules.get("jax._src.lru_cache")
+    if not dest or module is None:
+        return False
+    cache_class = getattr(module, "LRUCache", None)
+    code = getattr(getattr(cache_class, "__dict__", {}).get("get"), "__code__", None)
+    if cache_class is None or getattr(module, "_CACHE_SUFFIX", None) != "-cache" or code is None or \
+            code.co_argcount != 2 or code.co_varnames[:2] != ("self", "key"):
+        return False
+    hook = _OnDemand(lock_path, summary, child, dest, cache_class)
+    cache_class.get = hook.get
+    try:  # now, so that what reads the directory next (the reporter) can read the plan too
+        hook.load_plan()
+    except Exception:  # noqa: BLE001 - then at the first read
+        pass
+    return True
+
+
 class _WaitForCopy(object):
     """A meta path finder, first on sys.meta_path, for `jax` only: it gives jax's own spec
-    with a loader that, once jax's __init__ has run, waits for the pod's copy, then takes
-    this finder out. JAX reads its persistent cache only when it compiles, which needs
+    with a loader that, once jax's __init__ has run, hooks JAX's reads of the copy
+    (_OnDemand) or else waits for the whole copy, then takes this finder out. JAX reads its persistent cache only when it compiles, which needs
     `jax` imported. A find_spec that imports nothing (an "is jax installed" check) leaves
     it in place."""
 
@@ -160,6 +286,11 @@ class _WaitForCopy(object):
         try:
             sys.meta_path.remove(self)
         except ValueError:
+            pass
+        try:
+            if not _copy_done(self.lock_path, self.summary) and _on_demand(self.lock_path, self.summary, self.child):
+                return
+        except Exception:  # noqa: BLE001 - another jax: wait for the whole copy
             pass
         _wait(self.lock_path, self.summary, self.child)
 

@@ -1,0 +1,123 @@
+"""The copy on demand (issue 30): the copier's download queue (Downloads), from which an
+entry a process of the pod asks for (a file of its name in the want directory) is started at
+once in a thread of its own, each entry taken once; its plan file; and what the reporter
+makes of a copy still under way (its plan's entries are the pod's cache, its summary comes
+later). Real files and threads; the copier child against the GCS emulator and JAX's real
+read are tests/integration/test_copy_in_process.py's."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+from cachewarm.agents import copier, reporter
+
+GUARD_SECONDS = 30.0  # a failure guard only: a wait that never ends fails instead of hanging
+
+
+def wanted(name: str, size: int) -> copier.Wanted:
+    base = f"jit_{name}-{name[0] * 64}-cache"
+    return copier.Wanted(f"jax/{base}", copier.Entry(size, "A" * 22 + "==", "1"))
+
+
+def test_an_entry_asked_for_before_the_downloads_start_is_started_in_a_thread_of_its_own_once(tmp_path: Path) -> None:
+    small, medium, large = wanted("a", 1), wanted("b", 2), wanted("c", 3)
+    asks = tmp_path / "want"
+    asks.mkdir()
+    (asks / large.base).touch()
+    (asks / f"jit_z-{'z' * 64}-cache").touch()  # not planned: nothing to fetch
+    ran: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def one(w: copier.Wanted) -> None:
+        with lock:
+            ran.append((w.base, threading.current_thread().name))
+
+    queue = copier.Downloads([small, medium, large])
+    queue.serve(one, 1, str(asks))
+    assert Counter(base for base, _ in ran) == {small.base: 1, medium.base: 1, large.base: 1}
+    assert dict(ran)[large.base] == "cachewarm-asked" and dict(ran)[small.base] == "cachewarm-copy"
+    assert queue.asked == [large.base]
+
+
+def test_an_entry_asked_for_while_every_worker_is_busy_does_not_wait_for_them(tmp_path: Path) -> None:
+    """The one worker is held in its first download until the asked entry has run: with the
+    ask served only by the worker (a queue jump without a thread of its own), it would
+    never be. An ask for the entry the worker holds, and one for a name asked twice, fetch
+    nothing again."""
+    first, other, asked = wanted("a", 1), wanted("b", 2), wanted("c", 3)
+    asks = tmp_path / "want"
+    asks.mkdir()
+    in_first, asked_ran = threading.Event(), threading.Event()
+    served_while_held: list[bool] = []
+    ran: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def one(w: copier.Wanted) -> None:
+        with lock:
+            ran[w.base] += 1
+        if w is first:
+            in_first.set()
+            served_while_held.append(asked_ran.wait(GUARD_SECONDS))
+        elif w is asked:
+            asked_ran.set()
+
+    def ask() -> None:
+        assert in_first.wait(GUARD_SECONDS)
+        (asks / first.base).touch()  # in flight already
+        (asks / asked.base).touch()
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    queue = copier.Downloads([first, other, asked])
+    queue.serve(one, 1, str(asks))
+    asking.join()
+    assert served_while_held == [True]
+    assert ran == {first.base: 1, other.base: 1, asked.base: 1}
+    assert queue.asked == [asked.base]
+
+
+def test_without_a_want_directory_every_download_runs_in_the_plans_order() -> None:
+    entries = [wanted(n, i) for i, n in enumerate("abcde")]
+    order: list[str] = []
+    queue = copier.Downloads(entries)
+    queue.serve(lambda w: order.append(w.base), 1)
+    assert order == [w.base for w in entries] and queue.asked == []
+
+
+def test_the_plan_is_written_whole_with_its_want_directory_and_dropped_with_it(tmp_path: Path) -> None:
+    summary = str(tmp_path / "local-copy.json")
+    copier.write_plan(summary, ["jit_a-x-cache", "jit_b-y-cache"])
+    assert Path(copier.plan_path(summary)).read_text() == "jit_a-x-cache\njit_b-y-cache\n"
+    assert Path(copier.want_dir(summary)).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local-copy.json.plan", "local-copy.json.want"]
+    (Path(copier.want_dir(summary)) / "jit_a-x-cache").touch()
+    copier.drop_plan(summary)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reporter_counts_the_entries_a_copy_still_brings_as_the_pods_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"jit_step-{'a' * 64}-cache").write_bytes(b"")
+    plan = tmp_path / "local-copy.json.plan"
+    plan.write_text(f"jit_step-{'a' * 64}-cache\njit_step-{'b' * 64}-cache\njit_eval-{'c' * 64}-cache\n")
+    tally = reporter.Tally()
+    tally.list_cache(str(cache), str(plan))
+    assert tally.cached == {"jit_step": ["a" * 16, "b" * 16], "jit_eval": ["c" * 16]}
+    tally.list_cache(str(cache), str(tmp_path / "none.plan"))  # over: the plan is gone, the directory is it
+    assert tally.cached == {"jit_step": ["a" * 16]}
+
+
+def test_a_report_sent_while_the_copy_runs_says_nothing_of_it_and_a_later_one_its_summary(tmp_path: Path) -> None:
+    """No summary yet (the copy serves entries on demand and ends after the first compiles):
+    no localCopy in the report, so neither cold nor failed; once the summary is there, the
+    next report carries it."""
+    summary = tmp_path / "local-copy.json"
+    sender = reporter.Reporter(reporter.Tally(), {reporter.ENV_LOCAL_COPY: str(summary)}, tmp_path)
+    assert "localCopy" not in sender.report()
+    summary.write_text('{"copied": 2, "present": 0, "bytes": 10, "failed": 0, "cold": false, "seconds": 1.5, '
+                       '"source": "manifest", "onDemand": 1}')
+    assert sender.report()["localCopy"] == {"copied": 2, "present": 0, "bytes": 10, "failed": 0, "cold": False,
+                                            "seconds": 1.5, "source": "manifest"}
