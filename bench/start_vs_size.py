@@ -12,10 +12,12 @@ round back to back (bench/rounds.py `order`):
 
   (b) gs://       a ReadOnly cache of that prefix with `injection.readFrom: Bucket`: JAX
                   reads its one entry through gcsfs
-  (c) local copy  a ReadOnly cache of that prefix that sets neither localCopy nor readFrom
-                  (the default read path): the copier, in process, copies the whole prefix
-                  (these caches have no warm-up, so no manifest: every entry under the
-                  prefix, checked against the listing's MD5); JAX's read of the one entry
+  (c) local copy  a ReadOnly cache of that prefix with `injection.localCopy: {}` (the
+                  default copy's settings; these caches have no warm-up, and a cache
+                  without one now reads the bucket by default, so they ask for the copy):
+                  the copier, in process as on the default path, copies the whole prefix
+                  (no manifest: every entry under the prefix, checked against the
+                  listing's MD5); JAX's read of the one entry
                   the pod needs waits for that entry only, which the copier fetches first
                   when asked (sitecustomize's hook on JAX's cache read), not for the whole
                   copy, which ends in the background
@@ -110,6 +112,34 @@ def on_demand(logs: str) -> int:
 
 class Sized(lc.Bench):
     entries: dict[str, int]  # size -> the entries its prefix holds
+
+    def cache(self, name: str, prefix: str, *, bucket: bool, report: bool, warm: dict[str, Any] | None) -> None:
+        """bench/local_copy.py's caches, but a (c) cache without warm-up asks for the copy
+        (`localCopy: {}`): without warm-up the default is the bucket (no manifest to copy)."""
+        if bucket or warm is not None:
+            super().cache(name, prefix, bucket=bucket, report=report, warm=warm)
+            return
+        spec: dict[str, Any] = {
+            "storage": {"gcs": {"bucket": self.bucket, "prefix": prefix, "location": "us-central1"}},
+            "jax": {"minCompileTimeSecs": 0},
+            "injection": {"mode": "ReadOnly", "report": report, "localCopy": {}}}
+        self.bed.apply({"apiVersion": "cachewarm.dev/v1alpha1", "kind": "CompilationCache",
+                        "metadata": {"name": name}, "spec": spec}, lc.NS)
+
+    def read_path(self, name: str, *, copy: bool) -> None:
+        """As bench/local_copy.py's, but a size's (c) cache says PerPodCopy as asked for (not
+        "the default")."""
+        if not copy or name == f"{WARMED}-copy":
+            super().read_path(name, copy=copy)
+            return
+
+        def said() -> dict[str, Any] | None:
+            obj = self.bed.get_json("ccache", name, lc.NS) or {}
+            conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+            return conds.get("LocalCopyAsSpecified")
+        cond = eventually(said, timeout=120, what=f"cache {name} LocalCopyAsSpecified")
+        if cond.get("reason") != "PerPodCopy":
+            raise SystemExit(f"cache {name}: LocalCopyAsSpecified is not PerPodCopy: {cond}")
 
     def pod(self, workload: str, kind: str, name: str) -> dict[str, Any]:
         obj = super().pod(workload, kind, name)

@@ -7,6 +7,7 @@ read are tests/integration/test_copy_in_process.py's."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -22,23 +23,28 @@ def wanted(name: str, size: int) -> copier.Wanted:
 
 
 def test_an_entry_asked_for_before_the_downloads_start_is_started_in_a_thread_of_its_own_once(tmp_path: Path) -> None:
+    """... at the process's priority, while the workers run at nice BACKGROUND_NICE (the
+    rest of the copy yields the CPUs to the pod's start; Linux's nice value is a thread's)."""
     small, medium, large = wanted("a", 1), wanted("b", 2), wanted("c", 3)
     asks = tmp_path / "want"
     asks.mkdir()
     (asks / large.base).touch()
     (asks / f"jit_z-{'z' * 64}-cache").touch()  # not planned: nothing to fetch
-    ran: list[tuple[str, str]] = []
+    ran: list[tuple[str, tuple[str, int]]] = []
     lock = threading.Lock()
 
     def one(w: copier.Wanted) -> None:
         with lock:
-            ran.append((w.base, threading.current_thread().name))
+            ran.append((w.base, (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, 0))))
 
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert ours < copier.BACKGROUND_NICE
     queue = copier.Downloads([small, medium, large])
     queue.serve(one, 1, str(asks))
     assert Counter(base for base, _ in ran) == {small.base: 1, medium.base: 1, large.base: 1}
-    assert dict(ran)[large.base] == "cachewarm-asked" and dict(ran)[small.base] == "cachewarm-copy"
-    assert queue.asked == [large.base]
+    assert dict(ran)[large.base] == ("cachewarm-asked", ours)
+    assert dict(ran)[small.base] == dict(ran)[medium.base] == ("cachewarm-copy", copier.BACKGROUND_NICE)
+    assert queue.asked == [large.base] and os.getpriority(os.PRIO_PROCESS, 0) == ours
 
 
 def test_an_entry_asked_for_while_every_worker_is_busy_does_not_wait_for_them(tmp_path: Path) -> None:
@@ -78,12 +84,14 @@ def test_an_entry_asked_for_while_every_worker_is_busy_does_not_wait_for_them(tm
     assert queue.asked == [asked.base]
 
 
-def test_without_a_want_directory_every_download_runs_in_the_plans_order() -> None:
+def test_without_a_want_directory_every_download_runs_in_the_plans_order_at_the_processs_priority() -> None:
+    """(The init container's copy: nothing of the pod runs beside it.)"""
     entries = [wanted(n, i) for i, n in enumerate("abcde")]
-    order: list[str] = []
+    order: list[tuple[str, int]] = []
     queue = copier.Downloads(entries)
-    queue.serve(lambda w: order.append(w.base), 1)
-    assert order == [w.base for w in entries] and queue.asked == []
+    queue.serve(lambda w: order.append((w.base, os.getpriority(os.PRIO_PROCESS, 0))), 1)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert order == [(w.base, ours) for w in entries] and queue.asked == []
 
 
 def test_the_plan_is_written_whole_with_its_want_directory_and_dropped_with_it(tmp_path: Path) -> None:

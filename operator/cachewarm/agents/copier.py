@@ -1287,6 +1287,7 @@ def dest_note(dest: str, summary: dict[str, Any]) -> None:
 PLAN_SUFFIX = ".plan"  # the names the copy keeps, one a line, once the destination is swept
 WANT_SUFFIX = ".want"  # a directory: a file named as a planned entry asks for it first
 WATCH_SECONDS = 0.003  # how often the copier looks for a new ask
+BACKGROUND_NICE = 10  # the nice value of a copy's workers while the pod's processes start (Downloads)
 
 
 def plan_path(summary_path: str) -> str:
@@ -1326,6 +1327,16 @@ def drop_plan(summary_path: str) -> None:
     shutil.rmtree(want_dir(summary_path), ignore_errors=True)
 
 
+def background() -> None:
+    """The calling thread at nice BACKGROUND_NICE at least (on Linux, setpriority(PRIO_PROCESS,
+    0) sets the calling thread's); where it cannot be (another OS), as it is."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) < BACKGROUND_NICE:
+            os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class Downloads:
     """A copy's downloads, each taken once: `workers` threads take them in the plan's order
     (smallest first), and an entry a process of the pod asks for (a file of its name in
@@ -1334,7 +1345,11 @@ class Downloads:
     own, beside those, so that it does not wait for a worker to finish another download
     (an entry asked for that is already taken, in flight or done, is not fetched again).
     Only the plan's entries can be asked for: an ask is a name, the entry its plan's (its
-    generation, size and MD5), checked as any other. `asked` lists those fetched on ask."""
+    generation, size and MD5), checked as any other. `asked` lists those fetched on ask.
+    With asks (in process), the workers' threads run at nice BACKGROUND_NICE (Linux's nice
+    value is a thread's): the rest of the copy runs beside the pod's own start on the same
+    CPUs and must not take them from it (measured: bench/start_vs_size.py, BENCHMARKS.md),
+    while an asked entry's thread, which a process waits for, keeps the process's."""
 
     def __init__(self, download: list[Wanted]) -> None:
         import collections  # noqa: PLC0415
@@ -1389,6 +1404,8 @@ class Downloads:
             thread.start()
 
         def work() -> None:
+            if asks:
+                background()
             while (wanted := self._take()) is not None:
                 one(wanted)
 
