@@ -12,6 +12,12 @@ by one start of each reader:
           mode: every entry under the prefix) into a fresh directory; asserted to copy
           every entry the warmer wrote. Manifest mode adds two requests (the manifest's
           metadata at its generation and its media) per trusted manifest.
+  manifest  the copier in manifest mode (what the default local copy runs), pinned to a
+          manifest of every entry as a warmer before packs wrote it (no pack)
+  packed  the copier pinned to the manifest the warmer writes now (issue 30): the
+          warmer's own write_manifest, run in this process against the emulator after the
+          warm, writes the pack of the small entries (each at most 1 MiB) and the manifest
+          naming it; asserted to copy every entry, those of the pack from it
 
 Every request of a start goes through a counting relay of this file (between the reader
 and the proxy: method, path, query, status, bytes of the answer's body), which classifies
@@ -20,6 +26,7 @@ other. The warmer's own requests are not counted. Real GCS latency is not modell
 counts are what matter, the seconds beside them are loopback seconds on this machine.
 
 Run: .venv/bin/python bench/requests_per_start.py [--programs 10,100,1000] [--json out.json]
+     [--readers gs,copier,manifest,packed]
 """
 
 from __future__ import annotations
@@ -166,8 +173,40 @@ def jax_env(base: dict[str, str], host: str, cache: str) -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu"}
 
 
+def copier_start(relay: Relay, base: dict[str, str], bucket: str, dest: Path, entries: int,
+                 manifests: str | None = None) -> dict[str, Any]:
+    """One start of the copier through the relay (listing mode, or pinned to `manifests`):
+    its requests, bytes and seconds; asserted to copy every one of `entries`."""
+    env = {**{k: v for k, v in base.items() if not k.startswith(("CACHEWARM_", "STORAGE_EMULATOR_HOST"))},
+           "STORAGE_EMULATOR_HOST": relay.url, "CACHEWARM_COPY_BUCKET": bucket, "CACHEWARM_COPY_PREFIX": "jax",
+           "CACHEWARM_COPY_DEST": str(dest), **({"CACHEWARM_COPY_MANIFESTS": manifests} if manifests else {})}
+    relay.take()
+    out, seconds = run([sys.executable, "-I", "-S", str(COPIER)], env)
+    summary = json.loads(out.strip().splitlines()[-1])["cachewarm-copier"]
+    assert (summary["copied"], summary["failed"], summary["errors"]) == (entries, 0, []), summary
+    return {**summarize(relay.take()), "seconds": round(seconds, 2), "copierSeconds": summary["seconds"],
+            **{k: summary[k] for k in ("fromPack", "packBytes", "packFallback") if k in summary}}
+
+
+def manifests_of(gcs: Any, bucket: str, names: list[str]) -> tuple[str, str, dict[str, Any]]:
+    """The warmer's manifest of `names` (with its pack), written by the warmer's own
+    write_manifest in this process, and the same manifest as a warmer before packs wrote it:
+    both as `<object>#<generation>`, and write_manifest's answer."""
+    from cachewarm.agents import warmer as agent  # noqa: PLC0415 - the shipped file itself
+
+    name = "jax/.cachewarm/pools/bench/rps/cpu/rps-cpu-0.json"
+    out = agent.write_manifest(f"gs://{bucket}/{name}", names, {"bench": True}, f"gs://{bucket}/jax")
+    assert "manifestGeneration" in out, out
+    doc = json.loads(gcs.bucket(bucket).blob(name).download_as_bytes())
+    doc.pop("pack", None)
+    doc["entries"] = [{k: v for k, v in e.items() if k != "packed"} for e in doc["entries"]]
+    old = gcs.bucket(bucket).blob("jax/.cachewarm/pools/bench/rps/cpu/rps-cpu-old.json")
+    old.upload_from_string(json.dumps(doc))
+    return f"{name}#{out['manifestGeneration']}", f"{old.name}#{old.generation}", out
+
+
 def one_size(programs: int, bed_host: str, relay: Relay, base: dict[str, str], work: Path,
-             dump: Path | None) -> dict[str, Any]:
+             dump: Path | None, readers: set[str]) -> dict[str, Any]:
     from conftest import storage_client  # noqa: PLC0415 - the tests' own helper
 
     gcs = storage_client(bed_host)
@@ -181,6 +220,19 @@ def one_size(programs: int, bed_host: str, relay: Relay, base: dict[str, str], w
     row: dict[str, Any] = {"programs": programs, "entries": len(entries),
                            "entryBytes": sum(b.size or 0 for b in entries), "warmerSeconds": round(warm_seconds, 2),
                            "warmerEvents": warmer["events"]}
+    if "manifest" in readers or "packed" in readers:
+        started = time.perf_counter()
+        packed, unpacked, written = manifests_of(gcs, bucket, [b.name.rsplit("/", 1)[1] for b in entries])
+        row["manifestSeconds"] = round(time.perf_counter() - started, 2)
+        row["pack"] = {k: written.get(k) for k in ("manifestEntries", "packEntries", "packBytes", "packError")}
+        if "manifest" in readers:
+            row["manifest"] = copier_start(relay, base, bucket, work / f"manifest-{programs}", len(entries), unpacked)
+        if "packed" in readers:
+            row["packed"] = copier_start(relay, base, bucket, work / f"packed-{programs}", len(entries), packed)
+    if "copier" in readers:
+        row["copier"] = copier_start(relay, base, bucket, work / f"copy-{programs}", len(entries))
+    if "gs" not in readers:
+        return row
     # gs:// direct: one start, through the relay.
     relay.take()
     out, seconds = run([sys.executable, "-c", PROGRAMS, str(programs)], jax_env(base, relay.url, cache))
@@ -192,15 +244,6 @@ def one_size(programs: int, bed_host: str, relay: Relay, base: dict[str, str], w
         (dump / f"gs-{programs}.json").write_text(json.dumps(records, indent=0))
     row["gs"] = {**summarize(records), "seconds": round(seconds, 2), "hits": hits,
                  "misses": reader["events"].get("/jax/compilation_cache/cache_misses", 0)}
-    # The copier: one start, listing mode, through the relay.
-    dest = work / f"copy-{programs}"
-    env = {**{k: v for k, v in base.items() if not k.startswith(("CACHEWARM_", "STORAGE_EMULATOR_HOST"))},
-           "STORAGE_EMULATOR_HOST": relay.url, "CACHEWARM_COPY_BUCKET": bucket, "CACHEWARM_COPY_PREFIX": "jax",
-           "CACHEWARM_COPY_DEST": str(dest)}
-    out, seconds = run([sys.executable, "-I", "-S", str(COPIER)], env)
-    summary = json.loads(out.strip().splitlines()[-1])["cachewarm-copier"]
-    assert (summary["copied"], summary["failed"]) == (len(entries), 0), summary
-    row["copier"] = {**summarize(relay.take()), "seconds": round(seconds, 2), "copierSeconds": summary["seconds"]}
     return row
 
 
@@ -209,10 +252,14 @@ def main() -> None:
     parser.add_argument("--programs", default="10,100,1000")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--records", help="a directory to write the gs:// reader's requests to (gs-N.json)")
+    parser.add_argument("--readers", default="gs,copier,manifest,packed", help="which starts to measure")
     args = parser.parse_args()
+    readers = set(args.readers.split(","))
     from cachewarm_testbed.cluster import Testbed  # noqa: PLC0415
 
     bed = Testbed().start_gcs()
+    # The warmer's write_manifest, in this process: its gcsfs against the emulator.
+    os.environ.update({k: v for k, v in bed.env().items() if k != "KUBECONFIG"})
     work = Path(tempfile.mkdtemp(prefix="requests-per-start-"))
     base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     rows = []
@@ -220,21 +267,24 @@ def main() -> None:
         with Relay(bed.storage_emulator_host).serving() as relay:
             for programs in (int(p) for p in args.programs.split(",")):
                 row = one_size(programs, bed.storage_emulator_host, relay, base, work,
-                               Path(args.records) if args.records else None)
+                               Path(args.records) if args.records else None, readers)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
         bed.stop()
-    print("\n| programs | entries (bytes) | gs:// requests per start: list / metadata / media / other | "
-          "gs:// bytes | copier requests: list / metadata / media | copier bytes |")
+    print("\n| programs | entries (bytes) | reader | requests per start: list / metadata / media / other | bytes | "
+          "seconds (whole process) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        g, c = r["gs"]["byKind"], r["copier"]["byKind"]
-        other = sum(v for k, v in g.items() if k.startswith("other"))
-        print(f"| {r['programs']} | {r['entries']} ({r['entryBytes']:,}) | {r['gs']['requests']}: "
-              f"{g.get('list', 0)} / {g.get('metadata', 0)} / {g.get('media', 0)} / {other} | {r['gs']['bytes']:,} | "
-              f"{r['copier']['requests']}: {c.get('list', 0)} / {c.get('metadata', 0)} / {c.get('media', 0)} | "
-              f"{r['copier']['bytes']:,} |")
+        for reader in ("gs", "copier", "manifest", "packed"):
+            if reader not in r:
+                continue
+            got = r[reader]
+            k = got["byKind"]
+            other = sum(v for key, v in k.items() if key.startswith("other"))
+            print(f"| {r['programs']} | {r['entries']} ({r['entryBytes']:,}) | {reader} | {got['requests']:,}: "
+                  f"{k.get('list', 0)} / {k.get('metadata', 0)} / {k.get('media', 0)} / {other} | {got['bytes']:,} | "
+                  f"{got['seconds']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
