@@ -189,7 +189,7 @@ class Sized(lc.Bench):
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| cache | entries | MB | rounds | (b) `gs://` direct | (c) local copy (default) | (d) local disk (floor) "
+    lines = ["| cache | entries | MB | rounds | (b) `gs://` direct | (c) local copy (in process) | (d) local disk (floor) "
              "| (c)/(d) paired | (b)/(d) paired | (b)/(c) paired | (c) − (d), median | copier's own time, MB/s "
              "| (c) pods with the entry fetched on ask |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
