@@ -168,6 +168,24 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
     assert (got["pods"], got["hits"], got["misses"]) == (1, run["cache_hits"], 0)
     assert got["compileRequests"] == run["cache_hits"] and got["hitRatio"] == 1.0
     assert scrape(operator.metrics_url, "cachewarm_cache_hits_total", **this) == hits_before + run["cache_hits"]
+    # Seconds saved in steady state (every pod hits, none compiles): each program hit is
+    # measured against what the cache's warmer measured compiling it (its pool's
+    # compiledPrograms, the warmer's fingerprint being the pod's).
+    compiled = {p["program"]: p for p in pool["compiledPrograms"]}
+    assert compiled["jit_train_step"]["written"] and compiled["jit_train_step"]["key"] in pool["keys"]
+    [step] = [h for h in got["hitPrograms"] if h["program"] == "jit_train_step"]
+    assert step["compileSecondsFrom"] == "Warmer"
+    assert step["compileSeconds"] == compiled["jit_train_step"]["compileSeconds"] > step["loadSeconds"] > 0
+    assert step["secondsSaved"] > 0 and "measuredSecondsSaved" in got
+    if mode == "targets":  # the local copy: loading every program costs less than compiling it
+        assert got["measuredSecondsSaved"] > 0
+        [start] = [p for p in got["podStarts"] if p["pod"] == "trainer"]
+        assert start["coldCompileSeconds"] > start["compileSeconds"]
+    assert eventually(lambda: scrape(operator.metrics_url, "cachewarm_measured_seconds_saved", **this)
+                      == got["measuredSecondsSaved"], timeout=30, what="the measured seconds saved metric")
+    shown = inspect(controller_manager, f"{namespace}/llama")
+    assert shown["measuredSecondsSaved"] == got["measuredSecondsSaved"]
+    assert any(h["program"] == "jit_train_step" and h["compileSecondsFrom"] == "Warmer" for h in shown["hitPrograms"])
     matched = eventually(lambda: conditions(controller_manager.get_json("ccache", "llama", namespace)).get(
         "KeysMatch", {}).get("status") == "True", timeout=60, what="KeysMatch True")
     assert matched
@@ -196,6 +214,39 @@ def test_warmed_cache_is_hit_by_an_ordinary_training_pod(
                       what="status.usage counting both pods")
     assert last["misses"] >= 1
     assert any(m["pod"] == "two-devices" and m["program"] == "jit_train_step" for m in last["lastMisses"])
+
+
+def test_the_default_copy_takes_a_warms_small_entries_from_its_pack(
+    operator: OperatorHandle, node_agent: Proc, controller_manager: Testbed, namespace: str, gcs: storage.Client,
+) -> None:
+    """Issue 30: the warmer Job of a warm that wrote several programs (a training script run
+    once: its step, its evaluation, its init's random programs) also writes the pack of their
+    entries beside its manifest, which names it; a labelled pod's copy (the default read
+    path) takes them from the pack in one request, checked each, downloads none on its own,
+    and the pod hits every program."""
+    bucket = f"pack-{uuid.uuid4().hex[:8]}"
+    program = ["python", "jax_train.py", "--extra", "--steps"]
+    controller_manager.apply(warm_cache("packed", bucket, {"image": "test/targets:1", "command": [*program, "1"]}),
+                             namespace)
+    obj = wait_warmed(controller_manager, namespace, "packed")
+    [pool] = obj["status"]["warmup"]["pools"]
+    manifest = json.loads(gcs.bucket(bucket).blob(pool["manifestObject"]).download_as_bytes())
+    pack = gcs.bucket(bucket).get_blob(manifest["pack"]["name"])
+    assert pack is not None and pack.name == pool["manifestObject"].removesuffix(".json") + ".cachewarm-pack"
+    assert manifest["pack"] == {"name": pack.name, "size": pack.size, "md5": pack.md5_hash,
+                                "generation": str(pack.generation)} and pack.custom_time is not None
+    packed = sorted(e["name"] for e in manifest["entries"] if e.get("packed"))
+    assert len(packed) == len(manifest["entries"]) >= 2, manifest
+    # Not an entry to the operator: the cache counts only JAX's entries.
+    assert obj["status"]["cache"]["entries"] == len(packed)
+
+    run = train_in_pod(controller_manager, namespace, "packed", image="test/targets:1", command=[*program, "2"])
+    assert run["env"]["JAX_COMPILATION_CACHE_DIR"] == "/cachewarm-cache" and not run["cache_dir"].startswith("gs://")
+    assert run["compiled"] == 0 and run["hits"] == len(packed), run["log"][-3000:]
+    [copy] = [json.loads(line)["cachewarm-copier"] for line in run["log"].splitlines()
+              if line.startswith('{"cachewarm-copier"')]
+    assert (copy["copied"], copy["fromPack"], copy["packs"], copy["packBytes"], copy["packFallback"],
+            copy["failed"]) == (len(packed), len(packed), 1, pack.size, 0, 0), copy
 
 
 def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
@@ -228,6 +279,8 @@ def test_warmed_means_the_entries_the_warmer_reported_are_in_the_bucket(
     assert pool["manifestGeneration"] == str(blob.generation)
     manifest = json.loads(blob.download_as_bytes())
     assert manifest["pool"] == "cpu" and manifest["fingerprint"] == pool["fingerprint"]
+    # One entry: no pack (issue 30; a pack of one saves no request), as before packs.
+    assert "pack" not in manifest and len(written) == 1
     assert manifest["entries"] == sorted(({"name": b.name.removeprefix("jax/"), "size": b.size, "md5": b.md5_hash,
                                            "generation": str(b.generation)} for b in written),
                                          key=lambda e: e["name"])

@@ -82,6 +82,9 @@ def test_a_warmup_command_in_a_child_process_has_a_fingerprint_and_keys_match(
     entries = [b.name for b in gcs.list_blobs(bucket, prefix="jax/") if b.name.endswith("-cache")]
     assert any("jit_train_step" in n for n in entries)
     assert pool["entriesWritten"] == len(entries) == pool["keyCount"] and pool.get("manifestGeneration")
+    # What the child's compile of the step took, by the key it wrote (pods' hits are measured against it).
+    [step] = [p for p in pool["compiledPrograms"] if p["program"] == "jit_train_step"]
+    assert step["written"] and step["compileSeconds"] > 0 and step["key"] in pool["keys"]
     run = run_pod(controller_manager, namespace, "llama", "trainer", ["python", "jax_train.py", "--steps", "2"])
     assert run["hits"] >= 1 and run["compiled"] == 0, run["log"][-3000:]
     cond = keys_match(controller_manager, namespace, "True")

@@ -232,7 +232,9 @@ def test_a_targets_warm_writes_the_entries_it_relied_on_to_the_pools_manifest(
         # GCS's own values, read here through another client (the emulator gives md5Hash and
         # generation as GCS does: base64, and a decimal string in JSON).
         assert manifest["entries"] == [{"name": n, "size": relied[n].size, "md5": relied[n].md5_hash,
-                                        "generation": str(relied[n].generation)} for n in sorted(relied)]
+                                        "generation": str(relied[n].generation), "packed": True} for n in sorted(relied)]
+        # Both small: in the Job's pack too (issue 30; tests/integration/test_copier_packs.py).
+        assert manifest["pack"]["name"] == name.removesuffix(".json") + ".cachewarm-pack" and summary["packEntries"] == 2
         assert all(b.size > 0 and b.md5_hash for b in relied.values())
         assert (manifest["version"], manifest["pool"]) == (2, "cpu")
         written_blob = storage_only.bucket(bucket).get_blob(name)

@@ -63,8 +63,12 @@ def test_an_entrypoint_in_any_form_is_counted_fingerprinted_and_named_in_the_man
         assert summary["programs"] >= 1
         if expected == "writes":
             assert summary["entriesWritten"] == summary["programs"] and summary["entriesFound"] == 0
+            # What each program took to compile, in the child too, by the key it was written under.
+            [step] = [p for p in summary["compiledPrograms"] if p["program"] == "jit__lambda"]
+            assert step["written"] and step["compileSeconds"] > 0 and step["key"] in summary["keys"]
         else:
             assert summary["entriesWritten"] == 0 and summary["entriesFound"] == summary["programs"]
+            assert summary["compiledPrograms"] == []  # nothing compiled: the pool's status keeps the first's
         fp = summary["fingerprint"]
         assert (fp["platform"], fp["devices"], fp["cacheDir"]) == ("cpu", 1, f"gs://{bucket}/jax")
         on_gcs = entries(storage_only, bucket)

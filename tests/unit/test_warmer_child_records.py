@@ -50,13 +50,15 @@ def test_the_warms_fingerprint_is_its_own_else_the_busiest_childs_and_others_are
 
 def test_child_records_are_read_and_bad_ones_skipped(tmp_path: Path) -> None:
     suffix = warmer.CHILD_RECORD_SUFFIX
+    compiled = [{"program": "a", "key": "a-1", "seconds": 2.5, "written": True},
+                {"program": "b", "key": "b-2", "seconds": "slow", "written": True}]  # not a number: left out
     (tmp_path / f"1-1{suffix}").write_text(json.dumps({"pid": 1, "requests": 3, "hits": 1, "keys": ["a-1"],
-                                                       "fingerprint": FP}))
+                                                       "fingerprint": FP, "compiled": compiled}))
     (tmp_path / f"2-2{suffix}").write_text("{not json")
     (tmp_path / f"3-3{suffix}").write_text(json.dumps({"pid": 3, "requests": "many", "hits": 0, "keys": []}))
     (tmp_path / f"4-4{suffix}.tmp").write_text("{}")  # not renamed yet: not a record
     assert warmer.read_child_records(str(tmp_path)) == [
-        {"pid": 1, "requests": 3, "hits": 1, "keys": ["a-1"], "fingerprint": FP}]
+        {"pid": 1, "requests": 3, "hits": 1, "keys": ["a-1"], "fingerprint": FP, "compiled": compiled[:1]}]
     assert warmer.read_child_records(str(tmp_path / "gone")) == []
 
 

@@ -17,7 +17,9 @@ their own JAX cache use through a start-up hook the warmer gives them (ChildHook
 leave it for the warmer to merge: fingerprint, counts, keys, as for a program run here.
 
 A JSON summary goes to the termination message ($CACHEWARM_SUMMARY_FILE, default
-/dev/termination-log) so the operator reads it from the pod. Exit status: 0 when every
+/dev/termination-log) so the operator reads it from the pod; its `compiledPrograms` says what
+each program the warm compiled took (JAX's own measure of the backend compile, children's
+included), which pods' hits are measured against once no pod compiles. Exit status: 0 when every
 target compiled and at least one program was compiled or found in the cache; 1 when a
 target failed; 2 when nothing ended up in the cache (nothing compiled, or every program
 below the cache's size/time thresholds, or no cache directory).
@@ -191,15 +193,30 @@ class UsedKeys(logging.Filter):
     """The cache keys this process looked up (hits and misses), read from jax's own log
     records ("Persistent compilation cache hit for %r with key %r" and the MISS one, on
     logger jax._src.compiler at DEBUG). jax's monitoring events carry no key. Records below
-    the level the logger had before still go nowhere, so the warmer's log stays as it was."""
+    the level the logger had before still go nowhere, so the warmer's log stays as it was.
+
+    Also what each program it compiled took (`compiled`, by key): JAX's record of the
+    compile's own seconds (compiler._cache_write: "'%s' took at least %.2f seconds to
+    compile (%.2fs)" before it writes the entry, "Not writing persistent cache entry for
+    '%s' because it took < %.2f seconds to compile (%.2fs)" when under the threshold; the
+    module name first, the seconds last), measured around the backend compile alone (not
+    the key, the lookup or the write), after the MISS record of the same thread named the
+    key. The reporter reads the same records for its notWritten (COMPILE_TOOK_WORDS)."""
 
     LOGGER = "jax._src.compiler"
     PREFIXES = ("Persistent compilation cache hit for", "PERSISTENT COMPILATION CACHE MISS for")
+    MISS = PREFIXES[1]
+    COMPILE_TOOK = "seconds to compile"  # the reporter's COMPILE_TOOK_WORDS
+    NOT_WRITTEN = "Not writing persistent cache entry for"
 
     def __init__(self) -> None:
         super().__init__()
         self.keys: set[str] = set()
         self.quiet_below = logging.WARNING
+        # key -> {"program", "key", "seconds", "written"}; a compile whose key is not known
+        # (no MISS record on its thread) under "<program>-" alone.
+        self.compiled: dict[str, dict[str, Any]] = {}
+        self.current = threading.local()  # the key this thread's MISS record named
 
     def install(self) -> None:
         logger = logging.getLogger(self.LOGGER)
@@ -209,9 +226,25 @@ class UsedKeys(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        if str(record.msg).startswith(self.PREFIXES) and len(args) >= 2:
+        message = str(record.msg)
+        if message.startswith(self.PREFIXES) and len(args) >= 2:
             self.keys.add(str(args[1]))
+            self.current.key = str(args[1]) if message.startswith(self.MISS) else None
+        elif self.COMPILE_TOOK in message and len(args) >= 3:
+            self.took(str(args[0]), args[-1], written=not message.startswith(self.NOT_WRITTEN))
         return record.levelno >= self.quiet_below
+
+    def took(self, program: str, seconds: Any, written: bool) -> None:
+        """A compile of `program` took `seconds` (JAX's record); its key is the one this
+        thread's last MISS record named, when that is the same program's. Bounded: past
+        MAX_COMPILED_KEPT keys, further compiles are not kept."""
+        key = getattr(self.current, "key", None)
+        self.current.key = None
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e7:
+            return
+        key = key if isinstance(key, str) and program_of(key) == program else f"{program}-"
+        if key in self.compiled or len(self.compiled) < MAX_COMPILED_KEPT:
+            self.compiled[key] = {"program": program, "key": key, "seconds": float(seconds), "written": written}
 
 
 # Child processes (issue 30). An entrypoint the warmer runs as a child (python -c, a shell
@@ -228,6 +261,10 @@ ENV_CHILD_RECORDS = "CACHEWARM_CHILD_RECORDS"
 CHILD_RECORD_SUFFIX = ".cachewarm-child.json"
 MAX_CHILD_RECORDS = 1000  # records read; more processes than that are not counted
 MAX_CHILD_RECORD_BYTES = 1 << 20
+# What programs took to compile (UsedKeys.compiled): keys kept per process, and named in the
+# summary's compiledPrograms (the slowest; write_summary may name fewer).
+MAX_COMPILED_KEPT = 1000
+MAX_COMPILED = 16
 CHILD_SITECUSTOMIZE = '''\
 """Written by cachewarm's warmer for its child processes: count this process's JAX cache use
 (warm.py's child_hook), then run the image's own sitecustomize, which this file shadows."""
@@ -328,6 +365,7 @@ def child_hook() -> None:
     def fresh() -> None:  # after fork: the parent's counts are the parent's
         state["counters"].events.clear()
         state["used"].keys.clear()
+        state["used"].compiled.clear()
         state["pid"] = os.getpid()
 
     def write() -> None:
@@ -336,6 +374,7 @@ def child_hook() -> None:
         counters, used = state["counters"], state["used"]
         record = {"pid": os.getpid(), "argv": [str(a)[:200] for a in sys.argv[:8]], "requests": counters.requests,
                   "hits": counters.hits, "keys": sorted(used.keys),
+                  "compiled": [used.compiled[k] for k in sorted(used.compiled)],
                   "fingerprint": fingerprint() if counters.requests else {}}
         path = os.path.join(records, f"{os.getpid()}-{time.monotonic_ns()}{CHILD_RECORD_SUFFIX}")
         try:
@@ -405,12 +444,43 @@ def read_child_records(folder: str) -> list[dict[str, Any]]:
                 raw = json.loads(f.read(MAX_CHILD_RECORD_BYTES))
             record = {"requests": int(raw["requests"]), "hits": int(raw["hits"]),
                       "keys": [str(k) for k in raw["keys"]], "fingerprint": dict(raw.get("fingerprint") or {}),
-                      "pid": int(raw.get("pid") or 0)}
+                      "pid": int(raw.get("pid") or 0), "compiled": _compiled_records(raw.get("compiled"))}
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log("Skipped a child process's record", file=name, error=repr(exc))
             continue
         out.append(record)
     return out
+
+
+def _compiled_records(raw: Any) -> list[dict[str, Any]]:
+    """A child record's `compiled` (UsedKeys.compiled's values), each checked; [] when it
+    has none (a record of an older warmer) or is not a list."""
+    out: list[dict[str, Any]] = []
+    for one in raw[:MAX_COMPILED_KEPT] if isinstance(raw, list) else []:
+        if isinstance(one, dict) and isinstance(one.get("program"), str) and isinstance(one.get("key"), str) and \
+                isinstance(one.get("seconds"), (int, float)) and not isinstance(one.get("seconds"), bool):
+            out.append({"program": one["program"], "key": one["key"], "seconds": float(one["seconds"]),
+                        "written": one.get("written") is not False})
+    return out
+
+
+def compiled_programs(own: Iterable[Mapping[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The summary's compiledPrograms: what each program this warm compiled took (this
+    process's, `own`, and its children's records), each {"program" (at most 200 characters),
+    "key" (the key's hash as `keys` names it; absent when not known), "compileSeconds",
+    "written": whether JAX went on to write it}; one per key (a key compiled twice: the
+    slower), the MAX_COMPILED slowest first."""
+    by_key: dict[str, dict[str, Any]] = {}
+    for one in [*own, *(c for r in records for c in r.get("compiled") or [])]:
+        item = {"program": str(one["program"])[:200], "compileSeconds": round(float(one["seconds"]), 3),
+                "written": bool(one["written"])}
+        digest = key_hash(str(one["key"])) if not str(one["key"]).endswith("-") else ""
+        if digest:
+            item["key"] = digest
+        name = digest or f"{item['program']}-"
+        if name not in by_key or by_key[name]["compileSeconds"] < item["compileSeconds"]:
+            by_key[name] = item
+    return sorted(by_key.values(), key=lambda i: (-i["compileSeconds"], i["program"], i.get("key", "")))[:MAX_COMPILED]
 
 
 def merge_fingerprints(own: Mapping[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -557,35 +627,163 @@ def written_generation(path: str, data: bytes) -> str:
     return generation
 
 
+# Packs (issue 30): a pod's copy reads each entry its pools' manifests name, one GET per
+# entry per pod start; a warm that caches every program can name hundreds of small entries
+# (JAX's helper programs, small jitted functions: 2-100 KB each), so requests per start, times a
+# fleet, grew with the program count (BENCHMARKS.md, requests per start). Process 0 therefore
+# also writes ONE pack per manifest: the manifest's small entries (each at most
+# PACK_ENTRY_BYTES, the smallest first, at most PACK_BYTES in all), back to back, read back
+# from the bucket and kept only where their bytes are the MD5 the manifest records. The
+# manifest names the pack (object, size, md5, generation) and marks its members
+# (`"packed": true`); every entry is still an object of its own, which gs:// readers and
+# copiers before packs read. A copier trusts no byte of the pack that the manifest's MD5 of
+# the entry does not vouch for, and names come from the manifest, never from the pack.
+# Format (stdlib reads it): PACK_MAGIC, then per member the line "<entry name> <size>\n" and
+# its size bytes. JAX entries are already compressed, so the pack is not.
+# Name: the manifest's, `.json` replaced by PACK_SUFFIX, in the pool's manifest folder: not a
+# JAX entry (JAX reads `<key>-cache` directly under the prefix; this is in a sub-folder and
+# does not end in -cache, so neither the operator's entry listing, nor a recursive listing for
+# `-cache`, nor the copier's matchGlob listing takes it), nor a manifest (those end in .json).
+# A retry of the same Job replaces it (as it does the manifest); packs of earlier Jobs stay
+# for pods pinned to those manifests, written with a customTime so that a lifecycle rule
+# naming PACK_SUFFIX expires them as it does entries (deleteAfterDays after the warm).
+# Why 1 MiB: below it an entry costs its request more than its bytes (GCS's first byte takes
+# ~30-50 ms, 1 MiB at ~100 MB/s per stream 10 ms); above it entries are accelerator
+# executables of tens to hundreds of MB, which the copier fetches 16 at once at the floor's
+# rate (bench/copier_floor.py), and a pack, one stream held in the copier's memory, would
+# only serialise them. 64 MiB bounds what a copier holds in memory for a pack.
+PACK_SUFFIX = ".cachewarm-pack"
+PACK_MAGIC = b"cachewarm-pack 1\n"
+PACK_ENTRY_BYTES = 1 << 20
+PACK_BYTES = 64 << 20
+PACK_MIN_ENTRIES = 2  # one entry in a pack saves no request
+PACK_READ_THREADS = 16
+PACK_MEMBER = re.compile(r"[A-Za-z0-9_.\-]{1,300}-[0-9a-f]{64}-cache")  # a JAX entry's name: no "/", no space
+
+
+def pack_object(manifest: str) -> str:
+    """The pack's object path (bucket/name) for the manifest at `manifest` (bucket/…/<job>.json)."""
+    return (manifest[:-len(".json")] if manifest.endswith(".json") else manifest) + PACK_SUFFIX
+
+
+def pack_bytes(members: Iterable[tuple[str, bytes]]) -> bytes:
+    """The pack of these (entry name, bytes) members (see above). Raises ValueError for a
+    name that is not a JAX entry's (a path separator, "..", a space: a reader must never be
+    handed one)."""
+    parts = [PACK_MAGIC]
+    for name, data in members:
+        if PACK_MEMBER.fullmatch(name) is None:
+            raise ValueError(f"not an entry name for a pack: {name[:100]!r}")
+        parts += [f"{name} {len(data)}\n".encode(), data]
+    return b"".join(parts)
+
+
+def pack_candidates(recorded: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The manifest entries a pack takes: each at most PACK_ENTRY_BYTES, the smallest first
+    (by size, then name), at most PACK_BYTES in all. Pure."""
+    out: list[Mapping[str, Any]] = []
+    total = 0
+    for item in sorted(recorded, key=lambda e: (int(e["size"]), str(e["name"]))):
+        if int(item["size"]) > PACK_ENTRY_BYTES or total + int(item["size"]) > PACK_BYTES:
+            continue
+        out.append(item)
+        total += int(item["size"])
+    return out
+
+
+def put_object(path: str, data: bytes, content_type: str, custom_time: bool = False) -> str:
+    """Write `data` at `path` (bucket/name), with customTime now when asked (in the upload
+    itself where gcsfs can, so only create rights are needed), and return its generation,
+    read back (written_generation). Raises what gcsfs raises, or ValueError."""
+    fs = gcs_filesystem()
+    if not custom_time:
+        fs.pipe_file(path, data, content_type=content_type)
+    else:
+        t = time.time()
+        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+        try:
+            fs.pipe_file(path, data, content_type=content_type, fixed_key_metadata={"custom_time": now})
+        except TypeError:  # a gcsfs older than fixed_key_metadata on uploads
+            fs.pipe_file(path, data, content_type=content_type)
+            fs.setxattrs(path, fixed_key_metadata={"custom_time": now})
+    return written_generation(path, data)
+
+
+def write_pack(manifest: str, recorded: list[dict[str, Any]], cache_url: str) -> dict[str, Any]:
+    """Write the pack of manifest `manifest` (bucket/…/<job>.json) holding its small entries
+    `recorded` (entry_digests', under the gs:// `cache_url`), each read from the bucket and
+    taken only when its bytes have the recorded size and MD5 (rewritten since: left out,
+    still listed alone). Returns the manifest's "pack" ({"name", "size", "md5",
+    "generation"}) and the members' names under "members", or {} when fewer than
+    PACK_MIN_ENTRIES would go in. Raises what reading or writing raises."""
+    chosen = pack_candidates(recorded)
+    if len(chosen) < PACK_MIN_ENTRIES:
+        return {}
+    base = cache_url[len("gs://"):].rstrip("/")
+    fs = gcs_filesystem()
+
+    def read(item: Mapping[str, Any]) -> tuple[str, bytes] | None:
+        data = fs.cat_file(f"{base}/{item['name']}")
+        if len(data) != int(item["size"]) or _md5_base64(data) != item["md5"]:
+            log("Left an entry out of the pack: it changed since it was listed", entry=item["name"])
+            return None
+        return str(item["name"]), data
+
+    with concurrent.futures.ThreadPoolExecutor(PACK_READ_THREADS) as pool:
+        members = [m for m in pool.map(read, chosen) if m is not None]
+    if len(members) < PACK_MIN_ENTRIES:
+        return {}
+    data = pack_bytes(members)
+    path = pack_object(manifest)
+    generation = put_object(path, data, "application/octet-stream", custom_time=True)
+    return {"name": path.split("/", 1)[1], "size": len(data), "md5": _md5_base64(data), "generation": generation,
+            "members": [name for name, _ in members]}
+
+
 def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, cache_url: str = "") -> dict[str, Any]:
     """Write the pool's manifest: the entries (names ending in -cache, under the gs:// cache
     directory `cache_url`) this warm relied on, with GCS's size, md5Hash and generation of
-    each, so a pod's local copy takes only those and checks each. gs:// only. Never raises:
-    returns {"manifestEntries": n, "manifestGeneration": g[, "manifestLeftOut": k]}, or
-    {"manifestError": why} (the warm stands either way)."""
+    each, so a pod's local copy takes only those and checks each; and, first, the pack of its
+    small entries (write_pack), which the manifest names. gs:// only. Never raises:
+    returns {"manifestEntries": n, "manifestGeneration": g[, "manifestLeftOut": k]
+    [, "packEntries": m, "packBytes": b | , "packError": why]}, or {"manifestError": why}
+    (the warm stands either way; a manifest without its pack too: pods then read each
+    entry on its own)."""
+    out: dict[str, Any] = {}
     try:
         if not url.startswith("gs://") or not cache_url.startswith("gs://"):
             raise ValueError(f"{ENV_MANIFEST} and the cache directory must be gs:// URLs")
         recorded, left_out = entry_digests(cache_url, entries)
+        path = url[len("gs://"):]
+        try:
+            pack = write_pack(path, recorded, cache_url)
+        except Exception as exc:  # noqa: BLE001 - without a pack pods read each entry on its own
+            log("Could not write the pack", url=url, error=repr(exc))
+            out["packError"] = f"could not write the pack of {url}: {type(exc).__name__}: {exc}"[:300]
+            pack = {}
+        members = set(pack.pop("members", ()))
         manifest: dict[str, Any] = {
             "version": MANIFEST_VERSION,
             "pool": manifest_pool(url),
-            "entries": recorded,
+            "entries": [{**e, "packed": True} if e["name"] in members else e for e in recorded],
             "writtenTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        if pack:
+            manifest["pack"] = pack
         if fp:
             manifest["fingerprint"] = fp
         data = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
-        path = url[len("gs://"):]
-        gcs_filesystem().pipe_file(path, data, content_type="application/json")
-        generation = written_generation(path, data)
+        generation = put_object(path, data, "application/json")
     except Exception as exc:  # noqa: BLE001 - the manifest helps pods copy less; never fatal
         log("Could not write the manifest", url=url, error=repr(exc))
         return {"manifestError": f"could not write the manifest {url}: {type(exc).__name__}: {exc}"[:300]}
-    log("Wrote the manifest", url=url, entries=len(recorded), generation=generation, leftOut=left_out)
-    out: dict[str, Any] = {"manifestEntries": len(recorded), "manifestGeneration": generation}
+    log("Wrote the manifest", url=url, entries=len(recorded), generation=generation, leftOut=left_out,
+        packed=len(members), packBytes=pack.get("size", 0))
+    out.update(manifestEntries=len(recorded), manifestGeneration=generation)
     if left_out:
         out["manifestLeftOut"] = left_out
+    if pack:
+        out.update(packEntries=len(members), packBytes=pack["size"])
     return out
 
 
@@ -888,9 +1086,14 @@ def image_pythonpath(environ: Mapping[str, str]) -> dict[str, str]:
     return {"imagePythonPath": value} if len(value) <= IMAGE_PYTHONPATH_LIMIT else {}
 
 
+COMPILED_KEPT_BEFORE_KEYS = 4  # compiledPrograms kept while keys are cut (the slowest compiles)
+
+
 def write_summary(summary: dict[str, Any]) -> None:
     """Write the summary as JSON within SUMMARY_LIMIT characters: errors and targets are
-    cut first, then keys (said so), then unstablePrograms; imagePythonPath (at most 1000
+    cut first, then compiledPrograms down to COMPILED_KEPT_BEFORE_KEYS (the fastest
+    compiles first), then keys (said so), then the rest of compiledPrograms, then
+    unstablePrograms; imagePythonPath (at most 1000
     characters) survives them, and is left out only when the summary would not be whole
     JSON otherwise."""
     text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
@@ -898,10 +1101,18 @@ def write_summary(summary: dict[str, Any]) -> None:
         summary = {**summary, "errors": [e[:200] for e in summary.get("errors", [])[:3]], "targets": []}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     keys = list(summary.get("keys") or [])
+    compiled = list(summary.get("compiledPrograms") or [])
+    while len(text) > SUMMARY_LIMIT and len(compiled) > COMPILED_KEPT_BEFORE_KEYS:
+        compiled = compiled[:-1]  # the fastest compiles go first (the list is slowest first)
+        summary = {**summary, "compiledPrograms": compiled}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     while len(text) > SUMMARY_LIMIT and keys:
         # Fewer keys, said so: the operator checks those reported, and knows the count.
         keys = keys[: len(keys) * 3 // 4]
         summary = {**summary, "keys": keys, "keysTruncated": True}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    while len(text) > SUMMARY_LIMIT and summary.get("compiledPrograms"):
+        summary = {**summary, "compiledPrograms": summary["compiledPrograms"][:-1]}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     while len(text) > SUMMARY_LIMIT and summary.get("unstablePrograms"):
         summary = {**summary, "unstablePrograms": summary["unstablePrograms"][:-1]}
@@ -1091,6 +1302,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets": results,
         **pythonpath,  # every process reports it, process 0 included
     }
+    if counted:  # what each program this warm compiled took, for pods' seconds saved
+        summary["compiledPrograms"] = compiled_programs(used.compiled.values() if own_counted else (), records)
     if fp is not None:
         summary["fingerprint"] = fp
     cached = (found + len(written)) if counted else len(after)

@@ -1,0 +1,292 @@
+"""Seconds saved in steady state (issue 30): the warmer measures what each program it
+compiled took (JAX's own record of the backend compile, children included) and says so in
+its summary (compiledPrograms); the pool's status keeps it, through re-warms that compile
+nothing; status.usage measures pods' hits against it where no pod compiled the program in
+the window (compileSecondsFrom Warmer), for pods of the pool's fingerprint only; the
+metric and `cachewarm inspect` show it. Pure, apart from one real JAX compile in a
+subprocess."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cachewarm.agents import warmer
+from cachewarm.api.metrics import Metrics
+from cachewarm.api.model import parse_spec
+from cachewarm.cli import inspection
+from cachewarm.reconcile import warmplan
+from cachewarm.reconcile.warmplan import parse_summary, pool_status
+from cachewarm.reports.store import Store, parse
+
+NOW = dt.datetime(2026, 11, 27, 12, tzinfo=dt.timezone.utc)
+FP = {"jax": "0.10.2", "platform": "cpu", "devices": 1, "flagsHash": "f1", "versions": {"jaxlib": "0.10.2"}}
+H = "0123456789abcdef" * 4
+
+
+def record(msg: str, *args: Any) -> logging.LogRecord:
+    return logging.LogRecord("jax._src.compiler", logging.DEBUG, "compiler.py", 1, msg, args, None)
+
+
+MISS = "PERSISTENT COMPILATION CACHE MISS for '%s' with key %r"
+TOOK = "'%s' took at least %.2f seconds to compile (%.2fs)"
+UNDER = "Not writing persistent cache entry for '%s' because it took < %.2f seconds to compile (%.2fs)"
+
+
+def test_the_warmer_reads_each_compiles_seconds_and_key_from_jaxs_records() -> None:
+    used = warmer.UsedKeys()
+    used.filter(record(MISS, "jit_step", f"jit_step-{H}"))
+    used.filter(record(TOOK, "jit_step", 0.0, 2.345678))
+    used.filter(record(MISS, "jit_small", f"jit_small-{'f' * 64}"))
+    used.filter(record(UNDER, "jit_small", 1.0, 0.25))
+    # No MISS record of its own on this thread (another program's): its key is not known.
+    used.filter(record(MISS, "jit_a", f"jit_a-{'a' * 64}"))
+    used.filter(record(TOOK, "jit_b", 0.0, 1.5))
+    used.filter(record(TOOK, "jit_c", 0.0, "slow"))  # not a number: not counted
+    used.filter(record("Not writing persistent cache entry for '%s' because it uses host callbacks", "jit_cb"))
+    assert used.compiled == {
+        f"jit_step-{H}": {"program": "jit_step", "key": f"jit_step-{H}", "seconds": 2.345678, "written": True},
+        f"jit_small-{'f' * 64}": {"program": "jit_small", "key": f"jit_small-{'f' * 64}", "seconds": 0.25,
+                                  "written": False},
+        "jit_b-": {"program": "jit_b", "key": "jit_b-", "seconds": 1.5, "written": True}}
+    assert f"jit_step-{H}" in used.keys
+    child = {"compiled": [{"program": "jit_step", "key": f"jit_step-{H}", "seconds": 3.0, "written": True},
+                          {"program": "jit_child", "key": f"jit_child-{'c' * 64}", "seconds": 0.5, "written": True}]}
+    assert warmer.compiled_programs(used.compiled.values(), [child]) == [
+        {"program": "jit_step", "key": H[:16], "compileSeconds": 3.0, "written": True},  # the slower of the two
+        {"program": "jit_b", "compileSeconds": 1.5, "written": True},
+        {"program": "jit_child", "key": "c" * 16, "compileSeconds": 0.5, "written": True},
+        {"program": "jit_small", "key": "f" * 16, "compileSeconds": 0.25, "written": False}]
+
+
+def test_the_summary_names_the_slowest_compiles_and_gives_them_up_before_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    many = [{"program": f"jit_p{i}", "key": f"{i:016x}", "seconds": float(i), "written": True} for i in range(40)]
+    compiled = warmer.compiled_programs(many, [])
+    assert len(compiled) == warmer.MAX_COMPILED and compiled[0]["program"] == "jit_p39"
+    out = tmp_path / "summary"
+    monkeypatch.setenv(warmer.ENV_SUMMARY_FILE, str(out))
+    warmer.write_summary({"errors": [], "keys": ["a" * 16] * 250, "compiledPrograms": compiled})
+    written = json.loads(out.read_text())  # whole JSON
+    assert len(out.read_text()) <= warmer.SUMMARY_LIMIT
+    assert written["compiledPrograms"] == compiled[:warmer.COMPILED_KEPT_BEFORE_KEYS]  # the slowest stay
+    assert written["keysTruncated"] and 0 < len(written["keys"]) < 250
+    # Where the keys fit, the cheapest compiles go first and only as far as needed.
+    warmer.write_summary({"errors": [], "keys": ["a" * 16] * 120, "compiledPrograms": compiled})
+    written = json.loads(out.read_text())
+    assert len(written["keys"]) == 120 and 0 < len(written["compiledPrograms"]) <= warmer.MAX_COMPILED
+    assert written["compiledPrograms"] == compiled[:len(written["compiledPrograms"])]
+
+
+def test_a_real_compile_is_measured_with_its_key(tmp_path: Path) -> None:
+    """JAX 0.10's records as they are (the warmer's UsedKeys, one process, a local cache)."""
+    code = f"""
+import json, os, sys
+os.environ.update(JAX_COMPILATION_CACHE_DIR={str(tmp_path)!r}, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+sys.path.insert(0, {str(Path(warmer.__file__).parent)!r})
+import warmer
+used = warmer.UsedKeys(); used.install()
+import jax, jax.numpy as jnp
+jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((32, 32))).block_until_ready()
+print(json.dumps(warmer.compiled_programs(used.compiled.values(), [])))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = {one["program"]: one for one in json.loads(done.stdout.strip().splitlines()[-1])}
+    entries = {tuple(p.name.removesuffix("-cache").rsplit("-", 1)) for p in tmp_path.iterdir()
+               if p.name.endswith("-cache")}
+    one = got["jit__lambda"]
+    assert one["written"] and 0 < one["compileSeconds"] < 60
+    assert ("jit__lambda", one["key"]) in {(program, digest[:16]) for program, digest in entries}
+
+
+GOOD = {"processIndex": 0, "entriesWritten": 2, "errors": [], "keys": ["a" * 16], "fingerprint": FP}
+COMPILED = [{"program": "jit_step", "key": "a" * 16, "compileSeconds": 4.0, "written": True}]
+
+
+def pool_entry(*summaries: dict[str, Any]) -> dict[str, Any]:
+    warmup = parse_spec({"storage": {"gcs": {"bucket": "b", "location": "US"}},
+                         "warmup": {"image": "i", "command": ["python", "t.py"], "pools": [{"name": "cpu"}]}}).warmup
+    assert warmup is not None
+    job = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    return pool_status("j", warmup.pools[0], "h", job, list(summaries))
+
+
+def test_the_pool_status_keeps_process_0s_compiled_programs() -> None:
+    other = {**GOOD, "processIndex": 1, "compiledPrograms": [{**COMPILED[0], "compileSeconds": 9.0}]}
+    assert pool_entry(other, {**GOOD, "compiledPrograms": COMPILED})["compiledPrograms"] == COMPILED
+    unknown = [{"program": "jit_x", "compileSeconds": 1.0, "written": False}]  # no key: kept without one
+    assert pool_entry({**GOOD, "compiledPrograms": unknown})["compiledPrograms"] == unknown
+    assert "compiledPrograms" not in pool_entry(GOOD)
+
+
+@pytest.mark.parametrize("value", [
+    [{**COMPILED[0], "compileSeconds": -1.0}],
+    [{**COMPILED[0], "compileSeconds": float("nan")}],
+    [{**COMPILED[0], "compileSeconds": 1e12}],
+    [{**COMPILED[0], "compileSeconds": "4"}],
+    [{**COMPILED[0], "compileSeconds": True}],
+    [{**COMPILED[0], "key": "A" * 16}],
+    [{**COMPILED[0], "key": "a" * 17}],
+    [{**COMPILED[0], "program": ""}],
+    [{**COMPILED[0], "program": "p" * 201}],
+    [{**COMPILED[0], "written": "yes"}],
+    [{"program": "jit_step"}],
+    COMPILED * (warmplan.MAX_COMPILED + 1),
+    "jit_step",
+])
+def test_a_bad_compiled_programs_field_is_dropped_alone_and_said(value: Any) -> None:
+    _, dropped = parse_summary({**GOOD, "compiledPrograms": value})
+    assert dropped == ("compiledPrograms",)
+    out = pool_entry({**GOOD, "compiledPrograms": value})
+    assert "compiledPrograms" not in out and out["entriesWritten"] == 2
+    assert out["message"] == "Ignored invalid fields of the warmer's summary: compiledPrograms"
+
+
+def test_a_compiled_programs_name_is_kept_as_plain_text() -> None:
+    out = pool_entry({**GOOD, "compiledPrograms": [{**COMPILED[0], "program": "jit_\x1b[2Jstep\n"}]})
+    assert out["compiledPrograms"][0]["program"] == "jit_?[2Jstep?"
+
+
+def test_compiled_programs_stay_through_a_rewarm_that_compiles_nothing() -> None:
+    prev = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "b" * 16], "compiledPrograms": [
+        *COMPILED, {"program": "jit_gone", "key": "b" * 16, "compileSeconds": 2.0, "written": True},
+        {"program": "jit_nokey", "compileSeconds": 1.0, "written": True}]}
+    # While the re-warm runs: all of them.
+    pending = {"name": "cpu", "state": "Pending"}
+    warmplan._keep_compiled(pending, prev)
+    assert pending["compiledPrograms"] == prev["compiledPrograms"]
+    # It finished relying on a's entry only, and compiled one program of its own.
+    done = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "c" * 16],
+            "compiledPrograms": [{"program": "jit_new", "key": "c" * 16, "compileSeconds": 1.5, "written": True}]}
+    warmplan._keep_compiled(done, pending)
+    assert [p["program"] for p in done["compiledPrograms"]] == ["jit_step", "jit_new"]
+    # A warm that could not name its entries keeps none of the earlier ones.
+    blind = {"name": "cpu", "state": "Succeeded"}
+    warmplan._keep_compiled(blind, prev)
+    assert "compiledPrograms" not in blind
+
+
+def report(pod: str, programs: list[dict[str, Any]], fingerprint: dict[str, Any] = FP,
+           cache: str = "llama") -> bytes:
+    hits = sum(p["hits"] for p in programs)
+    requests = sum(p["hits"] + p["misses"] for p in programs)
+    counts = {"requests": requests, "hits": hits, "misses": requests - hits, "compileSecondsSaved": -0.5,
+              "compileSecondsSpent": 0.0, "programs": programs, "userRequests": requests, "userHits": hits}
+    return json.dumps({"version": 1, "pod": {"namespace": "ml", "name": pod, "uid": f"uid-{pod}"}, "cache": cache,
+                       "process": {"pid": 1, "started": 1}, "sequence": 1, "counts": counts,
+                       "fingerprint": fingerprint}).encode()
+
+
+def program(name: str, hits: int = 0, load: float = 0.0, misses: int = 0, compile_: float = 0.0) -> dict[str, Any]:
+    return {"program": name, "hits": hits, "misses": misses, "compileSeconds": compile_, "loadSeconds": load,
+            "keys": []}
+
+
+def body(*pools: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"namespace": "ml", "name": "llama"}, "spec": {},
+            "status": {"warmup": {"pools": list(pools)}}}
+
+
+POOL = {"name": "cpu", "state": "Succeeded", "fingerprint": FP, "compiledPrograms": [
+    {"program": "jit_step", "key": "a" * 16, "compileSeconds": 4.0, "written": True},
+    {"program": "jit_step", "key": "b" * 16, "compileSeconds": 2.0, "written": True},  # a second shape: the mean
+    {"program": "jit_eval", "key": "c" * 16, "compileSeconds": 1.0, "written": True}]}
+
+
+def test_in_steady_state_hits_are_measured_against_the_warmers_compile() -> None:
+    store = Store()
+    store.record(parse(report("warm", [program("jit_step", hits=2, load=0.5), program("jit_eval", hits=1, load=0.1)])),
+                 NOW)
+    usage = store.usage("ml", "llama", NOW, body(POOL))
+    assert usage is not None and usage["misses"] == 0
+    assert usage["hitPrograms"] == [
+        {"program": "jit_step", "hits": 2, "loadSeconds": 0.25, "helper": False, "compileSeconds": 3.0,
+         "secondsSaved": 5.5, "compileSecondsFrom": "Warmer"},
+        {"program": "jit_eval", "hits": 1, "loadSeconds": 0.1, "helper": False, "compileSeconds": 1.0,
+         "secondsSaved": 0.9, "compileSecondsFrom": "Warmer"}]
+    assert usage["measuredSecondsSaved"] == 6.4
+    assert usage["podStarts"] == [{"pod": "warm", "compileSeconds": 0.6, "coldCompileSeconds": 7.0}]
+    # Without the warmer's measure (an older warmer, or none of this cache): not known, as before.
+    bare = store.usage("ml", "llama", NOW, body({**POOL, "compiledPrograms": []}))
+    assert bare is not None and "measuredSecondsSaved" not in bare and "podStarts" not in bare
+    assert "compileSecondsFrom" not in bare["hitPrograms"][0]
+
+
+def test_pods_that_compiled_the_program_in_the_window_are_the_reference_first() -> None:
+    store = Store()
+    store.record(parse(report("cold", [program("jit_step", misses=1, compile_=5.0)])), NOW)
+    store.record(parse(report("warm", [program("jit_step", hits=1, load=0.5)])), NOW)
+    usage = store.usage("ml", "llama", NOW, body(POOL))
+    assert usage is not None
+    [hit] = usage["hitPrograms"]
+    assert (hit["compileSeconds"], hit["compileSecondsFrom"], hit["secondsSaved"]) == (5.0, "Pods", 4.5)
+
+
+@pytest.mark.parametrize("pool", [
+    {**POOL, "fingerprint": {**FP, "devices": 8}},  # warmed on other hardware: no reference
+    {**POOL, "fingerprint": {**FP, "versions": {"jaxlib": "0.9.0"}}},
+    {**POOL, "state": "Failed"},
+    {**POOL, "fingerprint": {}},
+    {k: v for k, v in POOL.items() if k != "fingerprint"},
+    {**POOL, "compiledPrograms": [{"program": "jit_step", "compileSeconds": "4"},
+                                  {"program": "jit_step", "compileSeconds": True},
+                                  {"program": "jit_step", "compileSeconds": -4.0},
+                                  {"program": "jit_step", "compileSeconds": 4.0, "written": False},
+                                  {"program": ["jit_step"], "compileSeconds": 4.0}, "jit_step"]},
+    {**POOL, "compiledPrograms": "jit_step"},
+])
+def test_what_is_no_reference(pool: dict[str, Any]) -> None:
+    store = Store()
+    store.record(parse(report("warm", [program("jit_step", hits=2, load=0.5)])), NOW)
+    usage = store.usage("ml", "llama", NOW, body(pool))
+    assert usage is not None and "measuredSecondsSaved" not in usage and "podStarts" not in usage
+    assert "secondsSaved" not in usage["hitPrograms"][0]
+
+
+def test_only_hits_of_the_warmers_fingerprint_are_measured() -> None:
+    store = Store()
+    store.record(parse(report("same", [program("jit_step", hits=2, load=0.5)])), NOW)
+    store.record(parse(report("other", [program("jit_step", hits=3, load=0.3)], {**FP, "devices": 4})), NOW)
+    usage = store.usage("ml", "llama", NOW, body(POOL))
+    assert usage is not None
+    [hit] = usage["hitPrograms"]
+    assert (hit["hits"], hit["hitsMeasured"], hit["secondsSaved"]) == (5, 2, 5.5)
+    assert [p["pod"] for p in usage["podStarts"]] == ["same"]
+
+
+def test_a_pod_of_another_cache_gets_nothing_from_this_caches_warmer() -> None:
+    """Trust: the reference is the cache's own status (its own warmers'); a report counts
+    for the cache its pod is labelled for, so another cache's pods cannot borrow it, and a
+    pod's hits add at most what they did before times this cache's warmer's seconds."""
+    store = Store()
+    store.record(parse(report("warm", [program("jit_step", hits=2, load=0.5)], cache="other")), NOW)
+    usage = store.usage("ml", "other", NOW, body())
+    assert usage is not None and "measuredSecondsSaved" not in usage
+    assert store.usage("ml", "llama", NOW, body(POOL)) is None
+
+
+def test_the_metric_and_inspect_show_it() -> None:
+    store = Store()
+    store.record(parse(report("warm", [program("jit_step", hits=2, load=0.5)])), NOW)
+    usage = store.usage("ml", "llama", NOW, body(POOL))
+    assert usage is not None
+    cache = {**body(POOL), "status": {**body(POOL)["status"], "usage": usage}}
+    registry: CollectorRegistry = Metrics(lambda: [cache]).registry
+    assert registry.get_sample_value("cachewarm_measured_seconds_saved", {"namespace": "ml", "cache": "llama"}) == 5.5
+    got = json.loads(inspection.as_json("gs://b/p", [], [POOL], [], usage))
+    assert got["measuredSecondsSaved"] == 5.5
+    assert got["hitPrograms"] == [{"program": "jit_step", "hits": 2, "loadSeconds": 0.25, "compileSeconds": 3.0,
+                                   "compileSecondsFrom": "Warmer", "secondsSaved": 5.5}]
+    assert got["pools"][0]["compiledPrograms"] == POOL["compiledPrograms"]
+    table = inspection.as_table("gs://b/p", [], [POOL], [], usage)
+    assert "jit_step  2  0.25  3.0  Warmer  5.5" in table and "Seconds saved (measured): 5.5" in table
