@@ -125,6 +125,12 @@ def test_sample_creates_configured_bucket_and_reaches_ready(
     assert bucket.iam_configuration.public_access_prevention == "enforced"
     assert bucket.soft_delete_policy.retention_duration_seconds == 7 * DAY
     assert [dict(r) for r in bucket.lifecycle_rules] == [ours(10, "llama-8b/")]
+    # The rule GCS holds expires the entries and the warmers' packs under the prefix (issue 30), nothing else.
+    [rule] = [dict(r) for r in bucket.lifecycle_rules]
+    pack = f"llama-8b/.cachewarm/pools/{namespace}/llama-8b/cpu/llama-8b-cpu-1.cachewarm-pack"
+    assert ev.name_conditions_met(rule, pack) and ev.name_conditions_met(rule, f"llama-8b/{ENTRY}")
+    assert not ev.name_conditions_met(rule, pack.removesuffix(".cachewarm-pack") + ".json")
+    assert not ev.name_conditions_met(rule, f"other/{ENTRY}")
     assert bucket.labels["managed-by"] == "cachewarm"
     assert bucket.labels[b.rule_label(ours(10, "llama-8b/"))] == "default"
 
@@ -305,7 +311,10 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
     # This cache's manifests: one per warmer Job, and the pool's from before per-Job ones.
     _put(gcs, made, [f"c/{ENTRY}", "c/notes.txt", "other/data.bin", f"{manifests}/shared/cpu.json",
                      f"{manifests}/shared/cpu/shared-cpu-0123456789.json", f"{manifests}/other/cpu.json",
-                     f"{manifests}/other/cpu/other-cpu-0123456789.json"])
+                     f"{manifests}/other/cpu/other-cpu-0123456789.json",
+                     # Packs beside the manifests (issue 30): this cache's goes, another's stays.
+                     f"{manifests}/shared/cpu/shared-cpu-0123456789.cachewarm-pack",
+                     f"{manifests}/other/cpu/other-cpu-0123456789.cachewarm-pack"])
     # An adopted bucket: entries under the prefix go, the bucket and other data stay.
     adopted = unique_bucket("adopt-del")
     gcs.create_bucket(adopted, location="us-central1")
@@ -318,11 +327,12 @@ def test_delete_never_touches_what_cachewarm_did_not_create(
     for n in ("shared", "adopted"):
         assert installed.kubectl_run("delete", "ccache", n, "-n", namespace, "--timeout=60s").returncode == 0
     assert _names(gcs, made) == {"c/notes.txt", "other/data.bin", f"{manifests}/other/cpu.json",
-                                 f"{manifests}/other/cpu/other-cpu-0123456789.json"}
+                                 f"{manifests}/other/cpu/other-cpu-0123456789.json",
+                                 f"{manifests}/other/cpu/other-cpu-0123456789.cachewarm-pack"}
     assert _names(gcs, adopted) == {f"elsewhere/{ENTRY}", "c/sub/" + ENTRY, f"{manifests}/shared/cpu.json"}
     reasons = event_reasons(installed, namespace, "adopted")
     assert "BucketKept" in reasons
-    said = f"Deleted 1 cache objects and 2 warmer manifests under gs://{made}/c"
+    said = f"Deleted 1 cache objects and 2 warmer manifests and 1 warmer packs under gs://{made}/c"
     assert any(e["reason"] == "DataDeleted" and e["message"] == said for e in installed.events_for("shared", namespace))
 
 

@@ -49,7 +49,7 @@ def ours(days: int, *prefixes: str) -> dict[str, Any]:
     cond: dict[str, Any] = {"daysSinceCustomTime": days}
     if prefixes:
         cond["matchesPrefix"] = sorted(prefixes)
-    cond["matchesSuffix"] = ["-cache", "-atime"]
+    cond["matchesSuffix"] = ["-cache", "-atime", ".cachewarm-pack"]
     return {"action": {"type": "Delete"}, "condition": cond}
 
 
@@ -228,7 +228,7 @@ def test_foreign_rules_are_kept_as_gcs_returned_them() -> None:
 
 def test_string_ages_from_gcs_compare_equal() -> None:
     as_returned = {"action": {"type": "Delete"}, "condition": {
-        "daysSinceCustomTime": "10", "matchesPrefix": ["llama/"], "matchesSuffix": ["-cache", "-atime"]}}
+        "daysSinceCustomTime": "10", "matchesPrefix": ["llama/"], "matchesSuffix": ["-cache", "-atime", ".cachewarm-pack"]}}
     bucket = info(lifecycle_rules=[as_returned], labels=labelled(ours(10, "llama/")))
     assert b.lifecycle_patch(bucket, plan(claim("a1", "llama", 10))) == {}
     assert b.observed_delete_after_days(bucket, claim("a1", "llama", 10)) == 10
@@ -369,6 +369,15 @@ POOL_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
     ("llama/.cachewarm/pools/ns/c.json", False),
     ("llama/.cachewarm/pools/ns/c", False),
     ("llama/h100.json", False),
+    # The pack a warmer Job writes beside its manifest (issue 30): its own, not another's.
+    ("llama/.cachewarm/pools/ns/c/h100/c-h100-1.cachewarm-pack", True),
+    ("llama/.cachewarm/pools/ns/other/h100/c-h100-1.cachewarm-pack", False),
+    ("llama/.cachewarm/pools/ns/c/h100.cachewarm-pack", False),  # no legacy pack per pool
+    ("llama/.cachewarm/pools/ns/c/h100/C-1.cachewarm-pack", False),
+    ("llama/.cachewarm/pools/ns/c/h100/.cachewarm-pack", False),
+    ("llama/.cachewarm/pools/ns/c/h100/j.cachewarm-pack.tmp", False),
+    ("llama/.cachewarm/pools/ns/c/h100/x/j.cachewarm-pack", False),
+    ("llama/j.cachewarm-pack", False),
 ])
 def test_a_deletion_removes_this_caches_manifests_and_no_other_object(object_name: str, deleted: bool) -> None:
     assert b.is_own_manifest(object_name, spec(prefix="llama"), "ns", "c") is deleted
@@ -398,14 +407,19 @@ def test_property_a_deletion_never_matches_another_caches_manifest(
     prefix, namespace, name = mine
     theirs = placement.manifest_object(spec(prefix=other[0]), other[1], other[2], pool, job)
     assert theirs == manifest_folder(*other) + f"{pool}/{job}.json"  # the documented layout
+    pack = placement.pack_object(spec(prefix=other[0]), other[1], other[2], pool, job)
+    assert pack == manifest_folder(*other) + f"{pool}/{job}.cachewarm-pack"
     own = other == mine and all(POOL_LABEL.fullmatch(n) is not None and len(n) <= 63 for n in (pool, job))
-    assert b.is_own_manifest(theirs, spec(prefix=prefix), namespace, name) is own
-    assert deletes(theirs, spec(prefix=prefix), namespace, name) is own
+    for one in (theirs, pack):
+        assert b.is_own_manifest(one, spec(prefix=prefix), namespace, name) is own
+        assert deletes(one, spec(prefix=prefix), namespace, name) is own
 
 
 MANIFEST_TAILS = st.sampled_from(["", ".json", "cpu.json", "a-1.json", "cpu", "cpu.json.tmp", "cpu/x.json", "Cpu.json", "cpu/j-1.json", "cpu/x/j.json", "cpu/J.json", "cpu/.json",
                                   "-cpu.json", "cpu-.json", "c.p.json", "cpu.json/", f"jit_x-{HASH}-cache",
-                                  f"jit_x-{HASH}-atime", f"sub/jit_x-{HASH}-cache", "x"])
+                                  f"jit_x-{HASH}-atime", f"sub/jit_x-{HASH}-cache", "x", "cpu/j-1.cachewarm-pack",
+                                  "cpu.cachewarm-pack", "cpu/J.cachewarm-pack", "cpu/x/j.cachewarm-pack",
+                                  ".cachewarm-pack", "cpu/.cachewarm-pack"])
 
 
 @settings(max_examples=1000, deadline=None)
@@ -430,6 +444,10 @@ def test_property_a_deletion_matches_only_entries_and_this_caches_manifests(
     tail = object_name[len(folder):] if object_name.startswith(folder) else None
     parts = tail.removesuffix(".json").split("/") if tail is not None and tail.endswith(".json") else []
     manifest = 1 <= len(parts) <= 2 and all(POOL_LABEL.fullmatch(n) is not None and len(n) <= 63 for n in parts)
+    packed = tail.removesuffix(".cachewarm-pack").split("/") if tail is not None and tail.endswith(".cachewarm-pack") \
+        else []  # a pack: exactly <folder>/<pool>/<job>.cachewarm-pack
+    manifest = manifest or (len(packed) == 2 and all(POOL_LABEL.fullmatch(n) is not None and len(n) <= 63
+                                                     for n in packed))
     entry = object_name.startswith(gcs.object_prefix) and "/" not in object_name[len(gcs.object_prefix):] and \
         object_name.endswith(("-cache", "-atime")) and re.search(r"-[0-9a-f]{64}-(cache|atime)$", object_name)
     assert manifest or entry, object_name
@@ -447,6 +465,7 @@ def test_property_every_manifest_a_warmer_writes_is_removed_with_its_cache(cache
     gcs = spec(prefix=prefix)
     assert deletes(placement.manifest_object(gcs, namespace, name, pool, job), gcs, namespace, name)
     assert deletes(placement.legacy_manifest_object(gcs, namespace, name, pool), gcs, namespace, name)
+    assert deletes(placement.pack_object(gcs, namespace, name, pool, job), gcs, namespace, name)
 
 
 # --- two operator instances on one bucket ----------------------------------------------------

@@ -41,7 +41,7 @@ def rule(days: int, *prefixes: str) -> dict[str, Any]:
     cond: dict[str, Any] = {"daysSinceCustomTime": days}
     if prefixes:
         cond["matchesPrefix"] = sorted(prefixes)
-    cond["matchesSuffix"] = ["-cache", "-atime"]
+    cond["matchesSuffix"] = ["-cache", "-atime", ".cachewarm-pack"]
     return {"action": {"type": "Delete"}, "condition": cond}
 
 

@@ -234,6 +234,14 @@ def test_a_deletion_removes_this_caches_manifests_counts_them_apart_and_keeps_ot
     assert sorted(gcs.objects) == sorted(others)
     assert events[0].reason == "DataDeleted"
     assert events[0].message == "Deleted 1 cache objects and 2 warmer manifests under gs://bk/jax"
+    # A warmer Job's pack beside its manifest (issue 30) goes with it, counted apart; another cache's stays.
+    packs = ["jax/.cachewarm/pools/ns/c/cpu/c-cpu-1.json", "jax/.cachewarm/pools/ns/c/cpu/c-cpu-1.cachewarm-pack"]
+    theirs = "jax/.cachewarm/pools/ns/c2/cpu/c2-cpu-1.cachewarm-pack"
+    gcs = FakeGcs(b.BucketInfo(name="bk", location="US", storage_class="STANDARD"),
+                  [ObjectInfo(n, 1, generation=1) for n in [entry(1), *packs, theirs]])
+    events = r.delete_cache_data(gcs, spec(), namespace="ns", name="c")  # type: ignore[arg-type]
+    assert sorted(gcs.objects) == [theirs]
+    assert events[0].message == "Deleted 1 cache objects and 1 warmer manifests and 1 warmer packs under gs://bk/jax"
     # Nothing to say about manifests where there were none.
     again = r.delete_cache_data(deletable(), spec(), namespace="ns", name="c")  # type: ignore[arg-type]
     assert again[0].message == "Deleted 1 cache objects under gs://bk/jax"

@@ -183,3 +183,12 @@ def test_what_a_shipped_file_imports_by_name_is_shipped_beside_it_or_standard(na
     assert wrong == [], f"{name} imports by name what no pod has: {wrong}"
     if name == payload.SITECUSTOMIZE:  # the start-up hook reaches the copier and reporter this way
         assert {"cachewarm_copier", "cachewarm_reporter"} <= set(named)
+
+
+def test_the_pack_suffix_is_spelled_alike_by_the_warmer_the_copier_and_the_operator() -> None:
+    # The operator's lifecycle rule and deletion recognise packs by the suffix the warmer
+    # writes and the copier checks (issue 30); the agents cannot import the operator's.
+    from cachewarm.builders import placement  # noqa: PLC0415
+
+    spelled = {f: _string_assignments(AGENTS / f, "PACK_SUFFIX").get("PACK_SUFFIX") for f in ("warmer.py", "copier.py")}
+    assert spelled == {"warmer.py": placement.PACK_SUFFIX, "copier.py": placement.PACK_SUFFIX}

@@ -1,9 +1,9 @@
 """What a cache's bucket should look like, and the smallest patch that gets it there.
 
 Lifecycle: cachewarm's Delete rules match only names that end in `-cache` or `-atime`
-(the two endings of JAX's entries) under the prefixes of the caches on the bucket, and
-expire an entry `deleteAfterDays` after its customTime (set by the warmer that last wrote
-or found it). Caches with the same deleteAfterDays share one rule, so many caches on one
+(the two endings of JAX's entries), or in `.cachewarm-pack` (the packs warmers write beside
+their manifests), under the prefixes of the caches on the bucket, and expire an entry or a
+pack `deleteAfterDays` after its customTime (set by the warmer that last wrote or found it). Caches with the same deleteAfterDays share one rule, so many caches on one
 bucket stay under GCS's rule limit.
 
 Ownership: a rule is this operator's only when the bucket carries the label
@@ -30,7 +30,7 @@ from typing import Any
 
 from cachewarm.api import constants as c
 from cachewarm.api.bucket import BucketInfo
-from cachewarm.builders.placement import is_pool_manifest, manifest_folder
+from cachewarm.builders.placement import PACK_SUFFIX, is_pool_manifest, is_pool_pack, manifest_folder
 from cachewarm.api.model import GcsStorage
 
 DAY = 86_400
@@ -39,6 +39,9 @@ DAY = 86_400
 # to delete.
 ENTRY_NAME = re.compile(r"^[^/]+-[0-9a-f]{64}-(cache|atime)$")
 ENTRY_SUFFIXES = ("-cache", "-atime")
+# What cachewarm's rules expire: entries, and the warmers' packs (each written with the warm's
+# customTime; a pack only cachewarm's warmers name so, under `<prefix>.cachewarm/pools/`).
+RULE_SUFFIXES = (*ENTRY_SUFFIXES, PACK_SUFFIX)
 # A pool's name (the CRD's pattern; a DNS label), as the last part of a manifest's name.
 POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 # GCS limits (https://cloud.google.com/storage/docs/lifecycle, .../docs/tags-and-labels).
@@ -215,10 +218,10 @@ def settings_owner(claims: Iterable[Claim], bucket: BucketInfo, instance: str = 
 
 
 def last_use_rule(days: int, object_prefixes: Sequence[str]) -> dict[str, Any]:
-    """Delete JAX entries under these prefixes `days` after their customTime.
+    """Delete JAX entries and warmers' packs under these prefixes `days` after their customTime.
 
     matchesPrefix and matchesSuffix in one rule must both hold (GCS: all conditions of a
-    rule), so the rule matches `<one of the prefixes>...(-cache|-atime)` and nothing else.
+    rule), so the rule matches `<one of the prefixes>...(-cache|-atime|.cachewarm-pack)` and nothing else.
     A rule for the bucket root has no matchesPrefix (it then matches those endings anywhere).
     """
     condition: dict[str, Any] = {"daysSinceCustomTime": days}
@@ -227,7 +230,7 @@ def last_use_rule(days: int, object_prefixes: Sequence[str]) -> dict[str, Any]:
         if "" in prefixes:
             raise ValueError("the bucket root cannot share a rule with a prefix")
         condition["matchesPrefix"] = prefixes
-    condition["matchesSuffix"] = list(ENTRY_SUFFIXES)
+    condition["matchesSuffix"] = list(RULE_SUFFIXES)
     return {"action": {"type": "Delete"}, "condition": condition}
 
 
@@ -525,12 +528,13 @@ def is_cache_entry(object_name: str, gcs: GcsStorage) -> bool:
 
 
 def is_own_manifest(object_name: str, gcs: GcsStorage, namespace: str, name: str) -> bool:
-    """True for a manifest of one of this cache's pools: exactly a name its warmers write
-    (builders/placement.manifest_object, one per Job, or the legacy one per pool), for pool
-    and Job names that can be ones. Never another cache's (its namespace and name are in the
-    name), nor anything else in the folder."""
+    """True for a manifest of one of this cache's pools, or its pack: exactly a name its
+    warmers write (builders/placement.manifest_object, one per Job, or the legacy one per
+    pool; placement.pack_object), for pool and Job names that can be ones. Never another
+    cache's (its namespace and name are in the name), nor anything else in the folder."""
     folder = manifest_folder(gcs, namespace, name)
-    if not object_name.startswith(folder) or not object_name.endswith(".json"):
+    if not object_name.startswith(folder) or not object_name.endswith((".json", PACK_SUFFIX)):
         return False
     pool = object_name[len(folder):].removesuffix(".json").split("/", 1)[0]
-    return POOL_NAME.fullmatch(pool) is not None and is_pool_manifest(object_name, gcs, namespace, name, pool)
+    return POOL_NAME.fullmatch(pool) is not None and (is_pool_manifest(object_name, gcs, namespace, name, pool)
+                                                     or is_pool_pack(object_name, gcs, namespace, name, pool))

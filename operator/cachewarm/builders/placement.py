@@ -74,6 +74,18 @@ def manifest_object(storage: GcsStorage, namespace: str, cache_name: str, pool: 
     return f"{manifest_folder(storage, namespace, cache_name)}{pool}/{job}.json"
 
 
+# The pack a warmer Job writes beside its manifest (the manifest's name, `.json` replaced by
+# this): the manifest's small entries in one object, so a pod's copy takes them in one
+# request (agents/warmer.py's and agents/copier.py's PACK_SUFFIX; tests/unit/test_layout.py
+# checks the three spellings agree). Expired by the cache's lifecycle rule as entries are.
+PACK_SUFFIX = ".cachewarm-pack"
+
+
+def pack_object(storage: GcsStorage, namespace: str, cache_name: str, pool: str, job: str) -> str:
+    """The object name of the pack warmer Job `job` of `pool` writes beside its manifest."""
+    return manifest_object(storage, namespace, cache_name, pool, job).removesuffix(".json") + PACK_SUFFIX
+
+
 def manifest_folder(storage: GcsStorage, namespace: str, cache_name: str) -> str:
     """The folder (ends in /) of one cache's manifests: `<pool>/<job>.json` under it, and
     `<pool>.json` as warmers before per-Job manifests wrote them (legacy_manifest_object)."""
@@ -102,6 +114,16 @@ def is_pool_manifest(object_name: str, storage: GcsStorage, namespace: str, cach
         return False
     job = object_name[len(folder):].removesuffix(".json")
     return DNS_LABEL.fullmatch(job) is not None and manifest_object(storage, namespace, cache_name, pool, job) == object_name
+
+
+def is_pool_pack(object_name: str, storage: GcsStorage, namespace: str, cache_name: str, pool: str) -> bool:
+    """True for exactly a name a warmer Job of this cache's `pool` writes its pack at
+    (pack_object, for a Job name that can be one); nothing else, nor another cache's."""
+    folder = f"{manifest_folder(storage, namespace, cache_name)}{pool}/"
+    if not object_name.startswith(folder) or not object_name.endswith(PACK_SUFFIX):
+        return False
+    job = object_name[len(folder):].removesuffix(PACK_SUFFIX)
+    return DNS_LABEL.fullmatch(job) is not None and pack_object(storage, namespace, cache_name, pool, job) == object_name
 
 
 def manifest_url(storage: GcsStorage, namespace: str, cache_name: str, pool: str, job: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from cachewarm.api import constants as c
 from cachewarm.api.bucket import BucketInfo
 from cachewarm.builders import bucket as b
+from cachewarm.builders.placement import PACK_SUFFIX
 from cachewarm.clients.gcs import GcsClient, GcsConflict, GcsForbidden, GcsPreconditionFailed
 from cachewarm.api.conditions import Cond
 from cachewarm.api.events import Event
@@ -572,6 +573,7 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
                       "names the same prefix, so a cache of that operator uses it")]
     deleted = 0
     manifests = 0
+    packs = 0
     kept = 0
     for obj in gcs.list_objects(spec.bucket, spec.object_prefix):
         if b.is_cache_entry(obj.name, spec):
@@ -579,10 +581,11 @@ def delete_cache_data(gcs: GcsClient, spec: GcsStorage, *, namespace: str, name:
             deleted += 1
         elif b.is_own_manifest(obj.name, spec, namespace, name):
             gcs.delete_object(spec.bucket, obj)
-            manifests += 1
+            packs += obj.name.endswith(PACK_SUFFIX)
+            manifests += not obj.name.endswith(PACK_SUFFIX)
         else:
             kept += 1
-    also = f" and {manifests} warmer manifests" if manifests else ""
+    also = (f" and {manifests} warmer manifests" if manifests else "") + (f" and {packs} warmer packs" if packs else "")
     events.append(Event("Normal", c.Reason.DATA_DELETED,
                         f"Deleted {deleted} cache objects{also} under {spec.url}"))
     if not b.created_by(bucket, namespace, name, instance):
