@@ -1318,17 +1318,7 @@ def write_plan(summary_path: str, names: Iterable[str]) -> None:
     over it), after `<summary>.want/` is made: a process that reads the plan can ask."""
     os.makedirs(want_dir(summary_path), exist_ok=True)
     path = plan_path(summary_path)
-    temp = f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
-    try:
-        with open(temp, "x") as out:
-            out.write("".join(f"{name}\n" for name in names))
-        os.replace(temp, path)
-    except Exception:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
+    write_whole(path, f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp", "".join(f"{name}\n" for name in names))
 
 
 def drop_plan(summary_path: str) -> None:
@@ -1556,9 +1546,14 @@ def write_summary(path: str, summary: Mapping[str, Any]) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     temp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    write_whole(path, temp, json.dumps(summary, sort_keys=True))
+
+
+def write_whole(path: str, temp: str, text: str) -> None:
+    """`text` at `path`, whole or not at all: written to `temp` (a new file), renamed over it."""
     try:
         with open(temp, "x") as out:
-            json.dump(summary, out, sort_keys=True)
+            out.write(text)
         os.replace(temp, path)
     except Exception:
         try:
