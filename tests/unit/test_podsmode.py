@@ -111,7 +111,7 @@ def test_pools_without_a_trusted_manifest_are_said(recorded: dict[str, str], sta
 
 
 @pytest.mark.parametrize(("injection", "status"), [
-    pytest.param({}, True, id="default-copy"),
+    pytest.param({}, False, id="default-copy"),
     pytest.param({"mode": "ReadOnly", "localCopy": {}}, False, id="asked-for-copy"),
 ])
 def test_an_operator_without_a_warmer_image_says_pods_read_the_bucket(injection: dict[str, Any], status: bool) -> None:

@@ -422,9 +422,10 @@ def _lifecycle_condition(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, pl
     if mine.key in plan.root_not_allowed:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_ROOT_NOT_ALLOWED,
                     f"This cache is at the root of bucket {spec.bucket}, where GCS lifecycle conditions cannot tell "
-                    "JAX's entries from any other object whose name ends in -cache or -atime, in any folder; "
-                    "cachewarm wrote no lifecycle rule and nothing expires. Give the cache a prefix, or set "
-                    "lifecycle.allowBucketRoot: true if no other object in the bucket ends in -cache or -atime")
+                    "JAX's entries from any other object whose name ends in -cache or -atime (or .cachewarm-pack, "
+                    "cachewarm's warmers' packs), in any folder; cachewarm wrote no lifecycle rule and nothing "
+                    "expires. Give the cache a prefix, or set lifecycle.allowBucketRoot: true if no other object in "
+                    "the bucket ends in -cache, -atime or .cachewarm-pack")
     if mine.key in plan.over_namespace_limit:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.RULE_LIMIT_REACHED,
                     f"The caches of namespace {mine.namespace} on bucket {spec.bucket} already use "
@@ -453,7 +454,8 @@ def _lifecycle_condition(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, pl
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_BUSY,
                     f"cachewarm's lifecycle rule for {spec.url} is not on the bucket yet; retrying")
     message = (f"JAX entries under {spec.url} are deleted {days} days after their customTime, which warmers "
-               "move forward on every entry they write or find; other objects never match cachewarm's rules")
+               "move forward on every entry they write or find, and so are the warmers' packs (*.cachewarm-pack); "
+               "other objects never match cachewarm's rules")
     others = b.other_instances(bucket, instance)
     if others:
         return Cond(c.Condition.LIFECYCLE_READY, True, c.Reason.SHARED_WITH_OTHER_OPERATOR,

@@ -42,8 +42,9 @@ def untrusted_pools(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]) -> lis
 
 def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]] = (), warmer_image: bool = True) -> Cond:
     """LocalCopyAsSpecified: for a copy while the operator has no warmer image
-    (`warmer_image` False; the webhook then gives no pod a copy): False (NoWarmerImage) where
-    the spec asks for one, True (NoWarmerImage) for the default one; False (HostPathWithdrawn)
+    (`warmer_image` False; the webhook then gives no pod a copy): False (NoWarmerImage),
+    for the default copy too (an operator-wide misconfiguration puts every such cache's pods
+    on the slow path: a signal a team alerting on False sees); False (HostPathWithdrawn)
     for a cache stored with volume HostPath, whose pods get an EmptyDir copy of the same sizeLimit; False
     (NoTrustedManifest) while every pool lacks a manifest generation (pods' copies are
     empty: a silent cold start otherwise); True otherwise, naming pools still without one."""
@@ -54,7 +55,7 @@ def local_copy_as_specified(cache: CacheSpec, pools: Sequence[Mapping[str, Any]]
                     f"Pods read the bucket ({cache.storage.gcs.url}) directly, with no local copy: {why}"[:1000])
     if not warmer_image:
         by_default = cache.injection.local_copy_by_default
-        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, by_default, c.Reason.NO_WARMER_IMAGE,
+        return Cond(c.Condition.LOCAL_COPY_AS_SPECIFIED, False, c.Reason.NO_WARMER_IMAGE,
                     f"Pods read the bucket ({cache.storage.gcs.url}) directly: the cache "
                     f"{'gives pods a local copy by default' if by_default else 'asks for a local copy'}, which needs the "
                     "warmer image, and the operator runs with none (CACHEWARM_WARMER_IMAGE is empty); set it to the "
