@@ -7,10 +7,16 @@ read are tests/integration/test_copy_in_process.py's."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
+import queue
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from cachewarm.agents import copier, reporter
 
@@ -129,3 +135,41 @@ def test_a_report_sent_while_the_copy_runs_says_nothing_of_it_and_a_later_one_it
                        '"source": "manifest", "onDemand": 1}')
     assert sender.report()["localCopy"] == {"copied": 2, "present": 0, "bytes": 10, "failed": 0, "cold": False,
                                             "seconds": 1.5, "source": "manifest"}
+
+
+def test_a_copy_that_ends_after_the_first_report_is_reported_as_soon_as_its_summary_appears(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the report thread's loop, to a real HTTP endpoint: the first report goes
+    without localCopy; no compile follows (the steps run from the cache), yet the summary's
+    arrival alone sends the next report, with it (before: the loop waited for a compile)."""
+    monkeypatch.setattr(reporter, "FIRST_REPORT_SECONDS", 0.0)
+    monkeypatch.setattr(reporter, "COPY_POLL_SECONDS", 0.05)
+    got: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            got.put(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        summary = tmp_path / "local-copy.json"
+        tally = reporter.Tally()
+        sender = reporter.Reporter(tally, {reporter.ENV_LOCAL_COPY: str(summary), reporter.ENV_REPORT_SECONDS: "1",
+                                           reporter.ENV_REPORT_URL: f"http://127.0.0.1:{server.server_address[1]}/r"},
+                                   tmp_path)
+        tally.first.set()
+        threading.Thread(target=sender.loop, daemon=True).start()
+        first = got.get(timeout=GUARD_SECONDS)
+        assert "localCopy" not in first
+        summary.write_text('{"copied": 2, "present": 0, "bytes": 10, "failed": 0, "cold": false, "seconds": 1.5}')
+        second = got.get(timeout=GUARD_SECONDS)
+        assert second["localCopy"]["copied"] == 2 and second["sequence"] == first["sequence"] + 1
+        assert not tally.changed.is_set()  # no compile since: the summary alone sent it
+    finally:
+        server.shutdown()

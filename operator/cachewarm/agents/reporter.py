@@ -103,6 +103,7 @@ KEY_HASH_CHARS = 16  # as the warmer names an entry: the first 16 hex digits of 
 MAX_LISTED = 20000  # names read from the local cache directory at jax import
 MAX_BODY_BYTES = 15000  # under the operator's cap (16 KiB): hit keys, then misses, give way first
 FIRST_REPORT_SECONDS = 5.0  # after the first compile: the first steps' compiles are in it
+COPY_POLL_SECONDS = 1.0  # while the copy's summary is missing: how often the reporter looks for it
 DEFAULT_PERIOD_SECONDS = 60.0
 SEND_TIMEOUT_SECONDS = 5.0
 EXIT_SECONDS = 2.0  # the most the process waits at exit for the last report
@@ -410,10 +411,25 @@ class Reporter:
             time.sleep(FIRST_REPORT_SECONDS)
             while True:
                 self.send()
-                time.sleep(self.period)
-                self.tally.changed.wait()
+                self._wait_for_news()
         except Exception:  # noqa: BLE001
             pass
+
+    def _wait_for_news(self) -> None:
+        """Until the next report is due: a period has passed and a compile changed the counts,
+        or, while the copy's summary is missing, at once when it appears (a copy that serves
+        entries on demand often ends after the first report, and compiles may then be over:
+        without this the pod's localCopy waits for the process's exit, which SIGTERM skips)."""
+        due = time.monotonic() + self.period
+        while self.local_copy is None and self.local_copy_file:
+            self.local_copy = local_copy(self.local_copy_file)
+            if self.local_copy is not None:
+                return
+            if time.monotonic() >= due and self.tally.changed.is_set():
+                return
+            time.sleep(COPY_POLL_SECONDS)
+        time.sleep(max(due - time.monotonic(), 0.0))
+        self.tally.changed.wait()
 
     def at_exit(self) -> None:
         """The last report, waited for at most EXIT_SECONDS (from a thread: a hung
