@@ -158,15 +158,15 @@ def test_a_compiled_programs_name_is_kept_as_plain_text() -> None:
 
 
 def test_compiled_programs_stay_through_a_rewarm_that_compiles_nothing() -> None:
-    prev = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "b" * 16], "compiledPrograms": [
+    prev = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "b" * 16], "fingerprint": FP, "compiledPrograms": [
         *COMPILED, {"program": "jit_gone", "key": "b" * 16, "compileSeconds": 2.0, "written": True},
         {"program": "jit_nokey", "compileSeconds": 1.0, "written": True}]}
     # While the re-warm runs: all of them.
     pending = {"name": "cpu", "state": "Pending"}
     warmplan._keep_compiled(pending, prev)
-    assert pending["compiledPrograms"] == prev["compiledPrograms"]
+    assert pending["compiledPrograms"] == prev["compiledPrograms"] and pending["compiledFingerprint"] == FP
     # It finished relying on a's entry only, and compiled one program of its own.
-    done = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "c" * 16],
+    done = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "c" * 16], "fingerprint": FP,
             "compiledPrograms": [{"program": "jit_new", "key": "c" * 16, "compileSeconds": 1.5, "written": True}]}
     warmplan._keep_compiled(done, pending)
     assert [p["program"] for p in done["compiledPrograms"]] == ["jit_step", "jit_new"]
@@ -174,6 +174,34 @@ def test_compiled_programs_stay_through_a_rewarm_that_compiles_nothing() -> None
     blind = {"name": "cpu", "state": "Succeeded"}
     warmplan._keep_compiled(blind, prev)
     assert "compiledPrograms" not in blind
+    # A warm of other versions reports its own programs: the earlier ones are not theirs.
+    other = {"name": "cpu", "state": "Succeeded", "keys": ["a" * 16, "c" * 16],
+             "fingerprint": {**FP, "versions": {"jaxlib": "0.9.0"}},
+             "compiledPrograms": [{"program": "jit_new", "key": "c" * 16, "compileSeconds": 1.5, "written": True}]}
+    warmplan._keep_compiled(other, prev)
+    assert [p["program"] for p in other["compiledPrograms"]] == ["jit_new"] and "compiledFingerprint" not in other
+
+
+def test_seconds_saved_stay_while_the_pool_rewarms_and_after_a_failed_rewarm() -> None:
+    """The kept programs count whatever the pool's state, with the fingerprint they were
+    compiled with; a failed re-warm's keys (what it got to) do not thin them out."""
+    store = Store()
+    store.record(parse(report("warm", [program("jit_step", hits=2, load=0.5), program("jit_eval", hits=1, load=0.1)])),
+                 NOW)
+    before = store.usage("ml", "llama", NOW, body(POOL))
+    assert before is not None and before["measuredSecondsSaved"] == 6.4 and before["podStarts"]
+    for state in ("Pending", "Running"):
+        entry: dict[str, Any] = {"name": "cpu", "state": state}
+        warmplan._keep_compiled(entry, POOL)
+        usage = store.usage("ml", "llama", NOW, body(entry))
+        assert usage is not None
+        assert (usage["measuredSecondsSaved"], usage["podStarts"]) == (6.4, before["podStarts"]), state
+    failed = {"name": "cpu", "state": "Failed", "keys": ["c" * 16], "fingerprint": FP}
+    warmplan._keep_compiled(failed, POOL)
+    usage = store.usage("ml", "llama", NOW, body(failed))
+    assert usage is not None and (usage["measuredSecondsSaved"], usage["podStarts"]) == (6.4, before["podStarts"])
+    # A pool that failed with no programs kept names no fingerprint to measure against.
+    assert "measuredSecondsSaved" not in (store.usage("ml", "llama", NOW, body({**POOL, "state": "Failed"})) or {})
 
 
 def report(pod: str, programs: list[dict[str, Any]], fingerprint: dict[str, Any] = FP,

@@ -32,6 +32,7 @@ from cachewarm.api.model import CacheSpec, Pool, Warmup
 from cachewarm.builders import job as jobs
 from cachewarm.builders.placement import is_pool_manifest, legacy_manifest_object, pool_shape
 from cachewarm.builders.tpu import TpuShapeError
+from cachewarm.reconcile.keysmatch import differences
 from cachewarm.reconcile.misses import printable
 
 ACTIVE_STATES = ("Pending", "Running")
@@ -819,22 +820,42 @@ def _keep_manifest(entry: dict[str, Any], prev: Mapping[str, Any], legacy: str) 
 def _keep_compiled(entry: dict[str, Any], prev: Mapping[str, Any]) -> None:
     """A pool's compiledPrograms stay through its re-warms: a warm that found its programs
     in the cache compiles none, and what they took is still what a pod that hits them
-    saves. Kept from the previous entry: all of them while the pool's next warm has not
-    finished (no `keys` yet), then those whose entry that warm relied on (its `keys`: the
-    same key is the same program, versions, devices and flags), behind the ones it reports
-    itself; at most MAX_COMPILED, the slowest. None when the warm cannot name its entries."""
+    saves. Kept from the previous entry: all of them while the pool's next warm runs or
+    after it failed (a failed warm's keys say nothing of the entries that were there),
+    those whose entry a succeeded warm relied on (its `keys`: the same key is the same
+    program, versions, devices and flags), behind the ones it reports itself; none when
+    the new warm reports programs of another fingerprint; at most MAX_COMPILED, the
+    slowest. None when a succeeded warm cannot name its entries. compiledFingerprint names
+    the fingerprint the kept programs were compiled with (the pool's own fingerprint is
+    the running or failed warm's, or absent)."""
     before = [p for p in prev.get("compiledPrograms") or [] if isinstance(p, Mapping)]
     if not before or prev is entry:
         return
+    kept_fp = compiled_fingerprint(prev)
     own = [p for p in entry.get("compiledPrograms") or [] if isinstance(p, Mapping)]
-    if entry.get("state") in ("Succeeded", "Failed") or "keys" in entry:
+    own_fp = entry.get("fingerprint") if own and isinstance(entry.get("fingerprint"), Mapping) else None
+    if own and (own_fp is None or kept_fp is None or differences(own_fp, kept_fp)):
+        before = []  # compiled with other versions, devices or flags (or not known with what)
+    if entry.get("state") == "Succeeded":
         relied = set(entry.get("keys") or [])
         before = [p for p in before if p.get("key") in relied]
     seen = {p.get("key") or f"{p.get('program')}-" for p in own}
     kept = own + [dict(p) for p in before if (p.get("key") or f"{p.get('program')}-") not in seen]
     kept.sort(key=lambda p: -float(p.get("compileSeconds") or 0.0))
-    if kept:
+    fp = own_fp if own else kept_fp
+    if kept and before and fp:
         entry["compiledPrograms"] = kept[:MAX_COMPILED]
+        entry["compiledFingerprint"] = dict(fp)
+
+
+def compiled_fingerprint(pool: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The fingerprint a pool entry's compiledPrograms were compiled with: its
+    compiledFingerprint when they were kept from an earlier warm, else its own fingerprint
+    when its warm succeeded (None: not known)."""
+    fp = pool.get("compiledFingerprint")
+    if not (isinstance(fp, Mapping) and fp):
+        fp = pool.get("fingerprint") if pool.get("state") == "Succeeded" else None
+    return fp if isinstance(fp, Mapping) and fp else None
 
 
 def job_manifest(ctx: WarmContext, pool: str, job: Mapping[str, Any]) -> str | None:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cachewarm.api import timefmt
 from cachewarm.reconcile import misses as causes
 from cachewarm.reconcile.keysmatch import differences
+from cachewarm.reconcile.warmplan import compiled_fingerprint
 
 MAX_BODY_BYTES = 16 * 1024
 AUDIENCE = "cachewarm"
@@ -516,15 +517,16 @@ References = Mapping[str, list[tuple[Mapping[str, Any], float]]]
 
 def warmer_references(body: Mapping[str, Any] | None) -> dict[str, list[tuple[Mapping[str, Any], float]]]:
     """What the cache's warmers measured each program they compiled and wrote took
-    (status.warmup.pools[].compiledPrograms of the pools that succeeded with a fingerprint;
-    a program with several keys: their mean), with the pool's fingerprint. Status is the
+    (status.warmup.pools[].compiledPrograms, whatever the pool's state, with the
+    fingerprint they were compiled with, warmplan.compiled_fingerprint: kept through a
+    re-warm, running or failed, they still count; a program with several keys: their mean). Status is the
     operator's (the warmers' summaries read from the cache's own warmer Jobs' pods, bounded
     and typed there); read defensively all the same."""
     out: dict[str, list[tuple[Mapping[str, Any], float]]] = {}
     pools = ((body or {}).get("status") or {}).get("warmup") or {}
     for pool in pools.get("pools") or [] if isinstance(pools, Mapping) else []:
-        fp = pool.get("fingerprint") if isinstance(pool, Mapping) else None
-        if not isinstance(fp, Mapping) or not fp or pool.get("state") != "Succeeded":
+        fp = compiled_fingerprint(pool) if isinstance(pool, Mapping) else None
+        if fp is None:
             continue
         seconds: dict[str, list[float]] = {}
         for one in pool.get("compiledPrograms") or []:
