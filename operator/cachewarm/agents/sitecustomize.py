@@ -70,7 +70,7 @@ except Exception:  # noqa: BLE001 - no file (nothing recorded) or anything else:
 
 MYPY = False
 if MYPY:  # the annotations are comments: this file is read by any Python 3
-    from typing import Any, List, Optional
+    from typing import Any, Dict, List, Optional
 
 
 def _copy_in_process():  # type: () -> None
@@ -176,6 +176,7 @@ class _OnDemand(object):
 
         self.lock_path, self.summary, self.child, self.cache_class = lock_path, summary, child, cache_class
         self.dest = os.path.realpath(dest)
+        self.same = {}  # type: Dict[str, bool]
         self.deadline = time.monotonic() + _bound()
         self.plan = None  # type: Any
         self.over = False
@@ -195,7 +196,7 @@ class _OnDemand(object):
         self.get = get
 
     def before(self, cache, key):  # type: (Any, Any) -> None
-        if not isinstance(key, str) or not key or os.path.realpath(str(cache.path)) != self.dest:
+        if not isinstance(key, str) or not key or not self.reads_copy(cache):
             return
         name = key + "-cache"
         path = os.path.join(self.dest, name)
@@ -210,6 +211,21 @@ class _OnDemand(object):
         done = _until(self.lock_path, self.summary, self.deadline, lambda: os.path.exists(path))
         if done or not os.path.exists(path):
             self.end(done)
+
+    def reads_copy(self, cache):  # type: (Any) -> bool
+        """Whether this JAX cache reads the copy's directory: the same directory by identity
+        (device and inode), not by path, since pods read it through another mount of the
+        same volume (/cachewarm-cache, read-only) than the copier writes (/cachewarm-copy).
+        Remembered per directory path."""
+        where = str(cache.path)
+        same = self.same.get(where)
+        if same is None:
+            try:
+                same = os.path.samefile(where, self.dest)
+            except OSError:  # not there (yet): not the copy's
+                return False
+            self.same[where] = same
+        return same
 
     def load_plan(self):  # type: () -> None
         """The copier's plan, waited for (or the copy's end, or the bound: then over)."""
