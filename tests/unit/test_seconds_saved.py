@@ -318,3 +318,55 @@ def test_the_metric_and_inspect_show_it() -> None:
     assert got["pools"][0]["compiledPrograms"] == POOL["compiledPrograms"]
     table = inspection.as_table("gs://b/p", [], [POOL], [], usage)
     assert "jit_step  2  0.25  3.0  Warmer  5.5" in table and "Seconds saved (measured): 5.5" in table
+
+
+def test_a_warm_of_more_programs_than_it_names_counts_the_rest_with_a_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caching every program means dozens of jit_<primitive> helpers: past MAX_COMPILED the
+    warmer says how many more it compiled and the longest of them (compiledRest), and a pod
+    that hits them all still gets podStarts and measuredSecondsSaved, with those hits said
+    unmeasured and bounded."""
+    n = warmplan.MAX_COMPILED + 8
+    many = [{"program": f"jit_p{i}", "key": f"jit_p{i}-{i + 1:016x}{0:048x}", "seconds": float(i + 1), "written": True}
+            for i in range(n)]
+    every = warmer.compiled_programs(many, [], limit=None)
+    assert len(every) == n
+    rest = warmer.compiled_rest(every[warmplan.MAX_COMPILED:])
+    assert rest == {"programs": 8, "maxSeconds": 8.0}
+    # Cut for size: those given up are counted in the rest.
+    out = tmp_path / "summary"
+    monkeypatch.setenv(warmer.ENV_SUMMARY_FILE, str(out))
+    warmer.write_summary({"errors": [], "keys": ["a" * 16] * 250, "compiledPrograms": every[:warmplan.MAX_COMPILED],
+                          "compiledRest": rest})
+    written = json.loads(out.read_text())
+    assert len(written["compiledPrograms"]) + written["compiledRest"]["programs"] == n
+    assert written["compiledRest"]["maxSeconds"] == written["compiledPrograms"][-1]["compileSeconds"] - 1
+    # The operator keeps it beside compiledPrograms, and through a re-warm.
+    entry = pool_entry({**GOOD, "compiledPrograms": written["compiledPrograms"], "compiledRest": written["compiledRest"]})
+    assert entry["compiledRest"] == written["compiledRest"]
+    running = {"name": "cpu", "state": "Running"}
+    warmplan._keep_compiled(running, {**entry, "state": "Succeeded", "fingerprint": FP})
+    assert running["compiledRest"] == written["compiledRest"]
+    # A pod that hit every program: its start is measured, the rest's hits at 0 seconds cold.
+    store = Store()
+    store.record(parse(report("warm", [program(f"jit_p{i}", hits=1, load=0.01) for i in range(n)])), NOW)
+    usage = store.usage("ml", "llama", NOW, body(running))
+    assert usage is not None
+    named = len(written["compiledPrograms"])
+    [start] = usage["podStarts"]
+    assert start["coldCompileSeconds"] == sum(float(i + 1) for i in range(n - named, n))
+    assert (start["unmeasuredHits"], start["unmeasuredAtMostSeconds"]) == (n - named, (n - named) * (n - named))
+    assert usage["measuredSecondsSaved"] == round(sum(float(i + 1) - 0.01 for i in range(n - named, n)), 3)
+    # Without compiledRest, the same pod's start is not known (a hit with no reference).
+    bare = store.usage("ml", "llama", NOW, body({k: v for k, v in running.items() if k != "compiledRest"}))
+    assert bare is not None and "podStarts" not in bare
+
+
+@pytest.mark.parametrize("value", [
+    {"programs": 0, "maxSeconds": 1.0}, {"programs": "3", "maxSeconds": 1.0}, {"programs": 3, "maxSeconds": -1.0},
+    {"programs": 3, "maxSeconds": float("inf")}, {"programs": 3}, [3, 1.0], {"programs": True, "maxSeconds": 1.0},
+])
+def test_a_bad_compiled_rest_is_dropped_alone_and_said(value: Any) -> None:
+    out = pool_entry({**GOOD, "compiledPrograms": COMPILED, "compiledRest": value})
+    assert "compiledRest" not in out and out["compiledPrograms"] == COMPILED
+    assert out["message"] == "Ignored invalid fields of the warmer's summary: compiledRest"

@@ -65,7 +65,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 KEY_HASH_CHARS = 16
@@ -464,12 +464,14 @@ def _compiled_records(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
-def compiled_programs(own: Iterable[Mapping[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def compiled_programs(own: Iterable[Mapping[str, Any]], records: list[dict[str, Any]],
+                      limit: int | None = MAX_COMPILED) -> list[dict[str, Any]]:
     """The summary's compiledPrograms: what each program this warm compiled took (this
     process's, `own`, and its children's records), each {"program" (at most 200 characters),
     "key" (the key's hash as `keys` names it; absent when not known), "compileSeconds",
     "written": whether JAX went on to write it}; one per key (a key compiled twice: the
-    slower), the MAX_COMPILED slowest first."""
+    slower), the `limit` slowest first (None: all; those past MAX_COMPILED go to
+    compiledRest, compiled_rest)."""
     by_key: dict[str, dict[str, Any]] = {}
     for one in [*own, *(c for r in records for c in r.get("compiled") or [])]:
         item = {"program": str(one["program"])[:200], "compileSeconds": round(float(one["seconds"]), 3),
@@ -480,7 +482,17 @@ def compiled_programs(own: Iterable[Mapping[str, Any]], records: list[dict[str, 
         name = digest or f"{item['program']}-"
         if name not in by_key or by_key[name]["compileSeconds"] < item["compileSeconds"]:
             by_key[name] = item
-    return sorted(by_key.values(), key=lambda i: (-i["compileSeconds"], i["program"], i.get("key", "")))[:MAX_COMPILED]
+    return sorted(by_key.values(), key=lambda i: (-i["compileSeconds"], i["program"], i.get("key", "")))[:limit]
+
+
+def compiled_rest(left_out: Sequence[Mapping[str, Any]], rest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The summary's compiledRest: the programs this warm compiled that compiledPrograms does
+    not name (past its MAX_COMPILED slowest, or cut for the summary's size), added to an
+    earlier `rest`: {"programs": how many, "maxSeconds": the longest any of them took}.
+    Pods' hits of them are counted, as unmeasured, with that bound."""
+    programs = int((rest or {}).get("programs") or 0) + len(left_out)
+    longest = max([float((rest or {}).get("maxSeconds") or 0.0), *(float(p["compileSeconds"]) for p in left_out)])
+    return {"programs": programs, "maxSeconds": round(longest, 3)} if programs else {}
 
 
 def merge_fingerprints(own: Mapping[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1092,7 +1104,7 @@ COMPILED_KEPT_BEFORE_KEYS = 4  # compiledPrograms kept while keys are cut (the s
 def write_summary(summary: dict[str, Any]) -> None:
     """Write the summary as JSON within SUMMARY_LIMIT characters: errors and targets are
     cut first, then compiledPrograms down to COMPILED_KEPT_BEFORE_KEYS (the fastest
-    compiles first), then keys (said so), then the rest of compiledPrograms, then
+    compiles first, counted in compiledRest), then keys (said so), then the rest of compiledPrograms, then
     unstablePrograms; imagePythonPath (at most 1000
     characters) survives them, and is left out only when the summary would not be whole
     JSON otherwise."""
@@ -1104,7 +1116,8 @@ def write_summary(summary: dict[str, Any]) -> None:
     compiled = list(summary.get("compiledPrograms") or [])
     while len(text) > SUMMARY_LIMIT and len(compiled) > COMPILED_KEPT_BEFORE_KEYS:
         compiled = compiled[:-1]  # the fastest compiles go first (the list is slowest first)
-        summary = {**summary, "compiledPrograms": compiled}
+        summary = {**summary, "compiledPrograms": compiled,
+                   "compiledRest": compiled_rest(summary["compiledPrograms"][-1:], summary.get("compiledRest"))}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     while len(text) > SUMMARY_LIMIT and keys:
         # Fewer keys, said so: the operator checks those reported, and knows the count.
@@ -1112,7 +1125,8 @@ def write_summary(summary: dict[str, Any]) -> None:
         summary = {**summary, "keys": keys, "keysTruncated": True}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     while len(text) > SUMMARY_LIMIT and summary.get("compiledPrograms"):
-        summary = {**summary, "compiledPrograms": summary["compiledPrograms"][:-1]}
+        summary = {**summary, "compiledPrograms": summary["compiledPrograms"][:-1],
+                   "compiledRest": compiled_rest(summary["compiledPrograms"][-1:], summary.get("compiledRest"))}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     while len(text) > SUMMARY_LIMIT and summary.get("unstablePrograms"):
         summary = {**summary, "unstablePrograms": summary["unstablePrograms"][:-1]}
@@ -1303,7 +1317,10 @@ def main(argv: list[str] | None = None) -> int:
         **pythonpath,  # every process reports it, process 0 included
     }
     if counted:  # what each program this warm compiled took, for pods' seconds saved
-        summary["compiledPrograms"] = compiled_programs(used.compiled.values() if own_counted else (), records)
+        every = compiled_programs(used.compiled.values() if own_counted else (), records, limit=None)
+        summary["compiledPrograms"] = every[:MAX_COMPILED]
+        if len(every) > MAX_COMPILED:
+            summary["compiledRest"] = compiled_rest(every[MAX_COMPILED:])
     if fp is not None:
         summary["fingerprint"] = fp
     cached = (found + len(written)) if counted else len(after)

@@ -172,6 +172,16 @@ class CompiledProgram(BaseModel):
         return printable(value)
 
 
+class CompiledRest(BaseModel):
+    """The programs a warmer compiled beyond those compiledPrograms names (warmer.compiled_rest):
+    at least `programs` of them, each took at most `maxSeconds`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+    programs: int = Field(ge=1, le=MAX_COUNT)
+    maxSeconds: float = Field(ge=0.0, le=MAX_SECONDS)
+
+
 class WarmerSummary(BaseModel):
     """A warmer's summary (its termination message) as the operator reads it. The warmer
     runs the user's image and code, so nothing in it is trusted to be tidy: each field is
@@ -196,6 +206,7 @@ class WarmerSummary(BaseModel):
     imagePythonPath: Annotated[str, Field(max_length=IMAGE_PYTHONPATH_LIMIT)] | None = None
     unstablePrograms: list[UnstableProgram] | None = Field(None, max_length=5)
     compiledPrograms: list[CompiledProgram] | None = Field(None, max_length=MAX_COMPILED)
+    compiledRest: CompiledRest | None = None
     errors: list[Text] = Field(default_factory=list, max_length=100)
 
 
@@ -370,9 +381,11 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
     # Programs whose key changed with the same fingerprint: pods miss them however warm.
     out.update(_unstable_status(writers))
     # What the programs process 0 compiled took: pods' hits are measured against it.
-    compiled = next((w.compiledPrograms for w in writers if w.compiledPrograms), None)
-    if compiled:
-        out["compiledPrograms"] = [p.model_dump(exclude_none=True) for p in compiled]
+    compiler = next((w for w in writers if w.compiledPrograms), None)
+    if compiler is not None and compiler.compiledPrograms:
+        out["compiledPrograms"] = [p.model_dump(exclude_none=True) for p in compiler.compiledPrograms]
+        if compiler.compiledRest is not None:  # more than it could name: counted with a bound
+            out["compiledRest"] = compiler.compiledRest.model_dump()
     # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
     generation = next((w.manifestGeneration for w in writers if w.manifestGeneration is not None), None)
     if generation is not None:
@@ -846,6 +859,20 @@ def _keep_compiled(entry: dict[str, Any], prev: Mapping[str, Any]) -> None:
     if kept and before and fp:
         entry["compiledPrograms"] = kept[:MAX_COMPILED]
         entry["compiledFingerprint"] = dict(fp)
+        rest = _kept_rest(entry.get("compiledRest"), prev.get("compiledRest"), kept[MAX_COMPILED:])
+        if rest:
+            entry["compiledRest"] = rest
+
+
+def _kept_rest(own: Any, prev: Any, cut: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """compiledRest of a pool entry that keeps earlier programs: at least as many as its own
+    warm's, the earlier entry's, or those cut here (the largest: the same entry is kept again
+    at each reconcile, so nothing is added up), each at most the longest any of them took."""
+    rests = [r for r in (own, prev) if isinstance(r, Mapping) and isinstance(r.get("programs"), int)]
+    programs = max([len(cut), *(int(r["programs"]) for r in rests)])
+    longest = max([0.0, *(float(p.get("compileSeconds") or 0.0) for p in cut),
+                   *(float(r.get("maxSeconds") or 0.0) for r in rests)])
+    return {"programs": programs, "maxSeconds": round(longest, 3)} if programs > 0 else {}
 
 
 def compiled_fingerprint(pool: Mapping[str, Any]) -> Mapping[str, Any] | None:

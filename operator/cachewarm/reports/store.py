@@ -26,7 +26,7 @@ import dataclasses
 import datetime as dt
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -539,6 +539,23 @@ def warmer_references(body: Mapping[str, Any] | None) -> dict[str, list[tuple[Ma
     return out
 
 
+def warmer_rests(body: Mapping[str, Any] | None) -> list[tuple[Mapping[str, Any], float]]:
+    """(fingerprint, maxSeconds) of each pool whose warmer compiled more programs than its
+    compiledPrograms name (status.warmup.pools[].compiledRest): a hit of a program no
+    reference names, by a pod of that fingerprint, may be one of them."""
+    out: list[tuple[Mapping[str, Any], float]] = []
+    pools = ((body or {}).get("status") or {}).get("warmup") or {}
+    for pool in pools.get("pools") or [] if isinstance(pools, Mapping) else []:
+        rest = pool.get("compiledRest") if isinstance(pool, Mapping) else None
+        if not isinstance(rest, Mapping):
+            continue
+        fp, longest, programs = compiled_fingerprint(pool), rest.get("maxSeconds"), rest.get("programs")
+        if fp is not None and isinstance(longest, (int, float)) and not isinstance(longest, bool) and \
+                0 <= longest <= 1e7 and isinstance(programs, int) and programs > 0:
+            out.append((fp, float(longest)))
+    return out
+
+
 def _reference(refs: References, program: str, fp: Mapping[str, Any]) -> float | None:
     """The warmers' compile seconds of `program` for a process of fingerprint `fp`: the mean
     over the pools warmed with that very fingerprint (keysmatch's fields); None when none
@@ -595,38 +612,56 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
     known = [one["secondsSaved"] for one in saved if "secondsSaved" in one]
     if known:
         out["measuredSecondsSaved"] = round(sum(known), 3)
-    starts = _pod_starts(processes, per, refs)
+    starts = _pod_starts(processes, per, refs, warmer_rests(body))
     if starts:
         out["podStarts"] = starts
     return out
 
 
 def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]],
-                refs: References | None = None) -> list[dict[str, Any]]:
+                refs: References | None = None,
+                rests: Sequence[tuple[Mapping[str, Any], float]] = ()) -> list[dict[str, Any]]:
     """Per pod that hit something, the seconds its compile requests took (compiling what
     missed, loading what hit) against what they would have taken all compiled (each
     program's compile seconds as measured in the window by the pods that compiled it, else
     by a warmer of the pod's fingerprint, _reference): where both are known, that is where
     every request of its processes is in their program lists and every program it hit has
-    such a reference. The POD_STARTS that saved most."""
+    such a reference, or may be one of the programs a warmer of its fingerprint compiled
+    past those it named (warmer_rests): those hits count 0 seconds cold (coldCompileSeconds
+    is then a lower bound, the saving not overstated), and unmeasuredHits with
+    unmeasuredAtMostSeconds (each at most the warmer's maxSeconds) say so. The POD_STARTS
+    that saved most."""
     pods: dict[str, list[_Latest]] = {}
     for latest in processes:
         pods.setdefault(latest.report.pod.uid, []).append(latest)
     out: list[dict[str, Any]] = []
     for mine in pods.values():
-        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, latest.report.fingerprint.as_status()))
+        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, latest.report.fingerprint.as_status()),
+                   _bound(rests, latest.report.fingerprint.as_status()))
                   for latest in mine for one in latest.report.counts.programs]
         complete = all(sum(one.hits + one.misses for one in latest.report.counts.programs)
                        == latest.report.counts.requests for latest in mine)
-        measured = all(one.hits == 0 or once is not None for one, once in listed)
-        if not listed or not complete or not measured or not any(one.hits for one, _ in listed):
+        measured = all(one.hits == 0 or once is not None or bound is not None for one, once, bound in listed)
+        if not listed or not complete or not measured or not any(one.hits for one, _, _ in listed):
             continue
-        warm = sum(one.compile_seconds + one.load_seconds for one, _ in listed)
-        cold = sum(one.compile_seconds + one.hits * (once or 0.0) for one, once in listed)
-        out.append({"pod": mine[0].report.pod.name, "compileSeconds": round(warm, 3),
-                    "coldCompileSeconds": round(cold, 3)})
+        warm = sum(one.compile_seconds + one.load_seconds for one, _, _ in listed)
+        cold = sum(one.compile_seconds + one.hits * (once or 0.0) for one, once, _ in listed)
+        start: dict[str, Any] = {"pod": mine[0].report.pod.name, "compileSeconds": round(warm, 3),
+                                 "coldCompileSeconds": round(cold, 3)}
+        unmeasured = [(one.hits, bound or 0.0) for one, once, bound in listed if one.hits and once is None]
+        if unmeasured:
+            start["unmeasuredHits"] = sum(hits for hits, _ in unmeasured)
+            start["unmeasuredAtMostSeconds"] = round(sum(hits * bound for hits, bound in unmeasured), 3)
+        out.append(start)
     out.sort(key=lambda one: (float(one["compileSeconds"]) - float(one["coldCompileSeconds"]), str(one["pod"])))
     return out[:POD_STARTS]
+
+
+def _bound(rests: Sequence[tuple[Mapping[str, Any], float]], fp: Mapping[str, Any]) -> float | None:
+    """The longest compile among the programs warmers of fingerprint `fp` compiled but did
+    not name (None: none of them left any out)."""
+    found = [longest for pool, longest in rests if fp and not differences(pool, fp)]
+    return max(found) if found else None
 
 
 def _cold_once(seen: Mapping[str, Any], refs: References, program: str, fp: Mapping[str, Any]) -> float | None:
