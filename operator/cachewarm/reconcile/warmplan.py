@@ -207,6 +207,9 @@ class WarmerSummary(BaseModel):
     unstablePrograms: list[UnstableProgram] | None = Field(None, max_length=5)
     compiledPrograms: list[CompiledProgram] | None = Field(None, max_length=MAX_COMPILED)
     compiledRest: CompiledRest | None = None
+    packEntries: int | None = Field(None, ge=0, le=MAX_COUNT)
+    packBytes: int | None = Field(None, ge=0, le=MAX_BYTES)
+    packError: Text | None = None
     errors: list[Text] = Field(default_factory=list, max_length=100)
 
 
@@ -346,6 +349,8 @@ def pool_status(name: str, pool: Pool, digest: str, job: Mapping[str, Any] | Non
         generation = out.pop("manifestGeneration", None)
         if generation is not None and manifest is not None:
             out.update(manifestObject=manifest, manifestGeneration=generation)
+        else:  # a pack is part of the manifest it is recorded with
+            out = {k: v for k, v in out.items() if k not in PACK_FIELDS}
     errors = [e for one, _ in parsed for e in one.errors]
     if state == "Failed":
         out["lastError"] = "; ".join(errors)[:1000] or _job_failure(job or {}) or "warmer failed"
@@ -390,6 +395,7 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
     generation = next((w.manifestGeneration for w in writers if w.manifestGeneration is not None), None)
     if generation is not None:
         out["manifestGeneration"] = generation
+        out.update(_pack_status(writers))
     # What the keys were computed with (process 0's view), and the image by digest.
     found = next((w.fingerprint for w in writers if w.fingerprint), None)
     if found is not None:
@@ -406,8 +412,27 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
             out["imagePythonPath"] = {"image": image[:1000], "value": path}
     dropped = sorted({name for _, bad in parsed for name in bad})
     if dropped:
-        out["message"] = f"Ignored invalid fields of the warmer's summary: {', '.join(dropped)}"[:1000]
+        said = f"Ignored invalid fields of the warmer's summary: {', '.join(dropped)}"
+        out["message"] = "; ".join(m for m in (said, out.get("message")) if m)[:1000]
     return out
+
+
+PACK_FIELDS = ("packEntries", "packBytes", "packError")
+
+
+def _pack_status(writers: Sequence[WarmerSummary]) -> dict[str, Any]:
+    """The pack process 0 wrote beside its manifest (packEntries, packBytes), or why it
+    wrote none (packError, printable, at most 300 characters; said in the pool's message
+    too: pods then read each entry with a request of its own, every start)."""
+    writer = next((w for w in writers if w.manifestGeneration is not None), None)
+    if writer is None:
+        return {}
+    if writer.packError:
+        error = re.sub(r"[^\x20-\x7e]", "?", writer.packError)[:300]
+        return {"packError": error, "message": f"No pack written (pods read each entry on its own): {error}"}
+    if writer.packEntries is not None and writer.packBytes is not None:
+        return {"packEntries": writer.packEntries, "packBytes": writer.packBytes}
+    return {}
 
 
 def _unstable_status(writers: Sequence[WarmerSummary]) -> dict[str, Any]:
@@ -828,6 +853,7 @@ def _keep_manifest(entry: dict[str, Any], prev: Mapping[str, Any], legacy: str) 
     if kept is not None and isinstance(kept_object, str) and "manifestGeneration" not in entry:
         entry["manifestObject"] = kept_object
         entry["manifestGeneration"] = kept
+        entry.update({k: prev[k] for k in PACK_FIELDS if k in prev})  # the kept manifest's pack
 
 
 def _keep_compiled(entry: dict[str, Any], prev: Mapping[str, Any]) -> None:
