@@ -317,7 +317,21 @@ def test_the_metric_and_inspect_show_it() -> None:
                                    "compileSecondsFrom": "Warmer", "secondsSaved": 5.5}]
     assert got["pools"][0]["compiledPrograms"] == POOL["compiledPrograms"]
     table = inspection.as_table("gs://b/p", [], [POOL], [], usage)
-    assert "jit_step  2  0.25  3.0  Warmer  5.5" in table and "Seconds saved (measured): 5.5" in table
+    assert "Seconds saved (measured): 5.5" in table
+    lines = table.splitlines()
+    at = lines.index("LOADED BY PODS (WINDOW)")
+    head, row = lines[at + 1], lines[at + 2]
+    assert [c.strip() for c in head.split("  ") if c.strip()] == [
+        "PROGRAM", "HITS", "LOAD S/HIT", "COMPILE S (ONCE)", "FROM", "HITS MEASURED", "SAVED S (TOTAL)"]
+    # Each value starts under its header (aligned columns), hits measured shown.
+    cells = {name: row[head.index(name):].split("  ")[0].strip()
+             for name in ("HITS", "LOAD S/HIT", "COMPILE S (ONCE)", "FROM", "HITS MEASURED", "SAVED S (TOTAL)")}
+    assert cells == {"HITS": "2", "LOAD S/HIT": "0.25", "COMPILE S (ONCE)": "3.0", "FROM": "Warmer",
+                     "HITS MEASURED": "2", "SAVED S (TOTAL)": "5.5"}
+    some = {**usage, "hitPrograms": [{**usage["hitPrograms"][0], "hits": 5, "hitsMeasured": 2}]}
+    row = inspection.as_table("gs://b/p", [], [POOL], [], some).splitlines()[at + 2]
+    assert row[head.index("HITS MEASURED"):].split("  ")[0].strip() == "2"
+    assert row[head.index("HITS"):].split("  ")[0].strip() == "5"
 
 
 def test_a_warm_of_more_programs_than_it_names_counts_the_rest_with_a_bound(

@@ -170,6 +170,27 @@ def _pods(program: Program) -> str:
     return (",".join(shown) + (f" +{more}" if more > 0 else "")) if names else "-"
 
 
+def _aligned(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as lines of columns padded to their widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _hit_rows(usage: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """status.usage.hitPrograms as table rows: load seconds per hit against the seconds one
+    compile took (FROM: Pods, pods that compiled it in the window; Warmer, the cache's
+    warmer), the hits that had such a measure, and what all of them saved."""
+    def cell(value: Any) -> str:
+        return "-" if value is None else str(value)
+    rows: list[tuple[str, ...]] = [
+        ("PROGRAM", "HITS", "LOAD S/HIT", "COMPILE S (ONCE)", "FROM", "HITS MEASURED", "SAVED S (TOTAL)")]
+    for one in (h for h in usage.get("hitPrograms") or [] if isinstance(h, Mapping)):
+        # hitsMeasured is there only where some hits had no measure: else all or none did.
+        measured = one.get("hitsMeasured", one.get("hits") if one.get("secondsSaved") is not None else 0)
+        rows.append((*(cell(one.get(name)) for name in HIT_FIELDS[:5]), cell(measured), cell(one.get("secondsSaved"))))
+    return rows
+
+
 def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any]] = (),
              missed: Sequence[Mapping[str, Any]] = (), usage: Mapping[str, Any] | None = None) -> str:
     """The report for people: one row per program, the pools' fingerprints, then the
@@ -178,8 +199,7 @@ def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, An
     rows = [("PROGRAM", "ENTRIES", "SIZE", "WRITTEN", "LAST USED", "WARMED BY", "HIT BY (PODS)")]
     rows += [(p.name, str(len(p.entries)), _size(p.size), _iso(p.written) or "-", _iso(p.last_used) or "-",
               ",".join(p.pools) or "-", _pods(p)) for p in progs]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [url, ""] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = [url, "", *_aligned(rows)]
     if not progs:
         lines.append("(no JAX cache entries)")
     if pools:
@@ -197,9 +217,7 @@ def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, An
                 lines.append(f"  {one['message']}")
     saved = _saved(usage)
     if saved["hitPrograms"]:
-        lines += ["", "LOADED BY PODS (WINDOW)  HITS  LOAD S  COMPILE S  MEASURED BY  SAVED S"]
-        lines += ["  ".join(str("-" if one[name] is None else one[name]) for name in HIT_FIELDS)
-                  for one in saved["hitPrograms"]]
+        lines += ["", "LOADED BY PODS (WINDOW)", *_aligned(_hit_rows(usage or {}))]
     if saved["measuredSecondsSaved"] is not None:
         lines.append(f"Seconds saved (measured): {saved['measuredSecondsSaved']}")
     return "\n".join(lines) + "\n"
