@@ -388,6 +388,8 @@ def test_a_copier_killed_midway_is_followed_by_a_copy_in_the_process(
     assert line == {"done": True, "listed": sorted(base(n) for n in objects)}
     [summary] = printed(err)  # the process's own; the killed child wrote none
     assert summary["copied"] == 5 and json.loads(summary_file.read_text()) == summary
+    # The killed child's plan and asks removed by the copy in process (it took the lock).
+    assert sorted(p.name for p in summary_file.parent.iterdir()) == ["local-copy.json", "local-copy.json.lock"]
 
 
 def test_where_no_child_can_hold_the_pods_lock_the_copy_runs_before_the_first_line(
@@ -627,3 +629,53 @@ def test_the_boot_code_runs_from_the_shipped_bytecode_and_an_edited_source_from_
     assert "bad magic number in 'cachewarm_reporter'" in out.stderr
     assert not from_bytecode("cachewarm_reporter.py", out.stderr) and from_bytecode("sitecustomize.py", out.stderr)
     assert f"code object from {boot}/cachewarm_reporter.py\n" in out.stderr
+
+
+# Started at a program's first line: prints "waiting" once the main thread waits in
+# sitecustomize's load_plan for the copier's plan (`_until` called from it), as WATCH does
+# for an entry.
+WATCH_PLAN = WATCH.replace("f.f_back.f_code.co_name == 'before'", "f.f_back.f_code.co_name == 'load_plan'")
+
+
+def test_a_plan_left_by_a_killed_copier_is_not_read_before_the_new_copiers_sweep(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """A container restart after its copier was killed (the pod's emptyDir kept): the old
+    plan and asks are still beside the summary, and the directory holds a file under a
+    planned entry's name whose bytes are not the bucket's (the new copy's sweep removes it).
+    The process that takes the pod's lock removes them before its copier starts, so JAX's
+    read waits for the new plan (seen from within it, while the copier's listing is held at
+    the proxy) and then gets the bucket's bytes; before, it read the old file at once."""
+    bucket, objects = fill(storage_only)
+    held = sorted(objects)[0]
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    dest.mkdir()
+    (dest / base(held)).write_bytes(b"not the bucket's bytes")
+    summary_file.parent.mkdir()
+    Path(f"{summary_file}.plan").write_text(f"{base(held)}\n")
+    Path(f"{summary_file}.want").mkdir()
+    Path(f"{summary_file}.want", base(held)).touch()
+    go = tmp_path / "go"
+    program = WATCH_PLAN + (
+        "import hashlib, os, sys, time; print('started', flush=True)\n"
+        "while not os.path.exists(sys.argv[3]): time.sleep(0.01)\n"
+        "import jax\n"
+        "from jax._src.lru_cache import LRUCache\n"
+        "print(hashlib.md5(LRUCache(sys.argv[1], max_size=-1).get(sys.argv[2])).hexdigest(), flush=True)\n")
+    command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+                          program, str(dest), key(held), str(go))
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": f"/b/{bucket}/o$", "hold": "listing", "times": 1, "forward": True}])
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(process.stdout)
+        assert out.next("the program's first line") == "started"
+        proxy.wait_held("listing")  # the new copier is listing: its sweep and plan to come
+        assert not Path(f"{summary_file}.plan").exists() and not Path(f"{summary_file}.want").exists()
+        go.touch()
+        assert out.next("the process waiting for the new plan in `import jax`") == "waiting"
+        proxy.release("listing")
+        assert out.next("JAX's read of the entry") == md5_hex(objects[held])
+        assert out.rest() == [] and process.wait(timeout=60) == 0
+    finally:
+        proxy.clear_faults()
+        process.kill()

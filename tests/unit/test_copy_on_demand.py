@@ -173,3 +173,21 @@ def test_a_copy_that_ends_after_the_first_report_is_reported_as_soon_as_its_summ
         assert not tally.changed.is_set()  # no compile since: the summary alone sent it
     finally:
         server.shutdown()
+
+
+def test_a_copier_stopped_at_its_deadline_leaves_no_plan_nor_asks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """The watchdog's hard stop (os._exit): the plan and the asks go before the summary, as
+    at a copy's end (else a container restart's processes would read by the old plan)."""
+    summary = tmp_path / "local-copy.json"
+    monkeypatch.setenv(copier.ENV_COPY_SUMMARY, str(summary))
+    copier.write_plan(str(summary), [f"jit_a-{'a' * 64}-cache"])
+    (tmp_path / "local-copy.json.want" / f"jit_a-{'a' * 64}-cache").touch()
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    with pytest.raises(SystemExit):
+        copier._hard_stop(copier.new_summary("prefix"), 0.0, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local-copy.json"]

@@ -1635,7 +1635,10 @@ def finish(summary: dict[str, Any], path: str, stream: TextIO | None) -> None:
 
 
 def _hard_stop(live: dict[str, Any], started: float, stream: TextIO | None) -> None:
-    finish(left_behind(live, started, "stopped"), os.environ.get(ENV_COPY_SUMMARY, ""), stream)
+    path = os.environ.get(ENV_COPY_SUMMARY, "")
+    if path:  # the plan and the asks go before the summary, as at run's end
+        drop_plan(path)
+    finish(left_behind(live, started, "stopped"), path, stream)
     os._exit(0)
 
 
@@ -1715,6 +1718,8 @@ def copy_in_process() -> None:
         try:
             if path and os.path.exists(path):
                 return  # another process of the pod copied (or its copy is cold: no better now)
+            if path:  # a killed copier child's plan and asks: no process reads by them now
+                drop_plan(path)
             live = new_summary("prefix")
             started = time.monotonic()
             done: list[dict[str, Any]] = []

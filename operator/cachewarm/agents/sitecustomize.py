@@ -370,6 +370,31 @@ def _spawn_copier(fd):  # type: (int) -> int
         os.close(high)
 
 
+def _drop_stale_plan(summary):  # type: (str) -> None
+    """A plan and asks a copier left when it was killed (a container restart keeps the pod's
+    emptyDir), removed by the lock holder before its copier starts: else a process would read
+    the directory by the old plan before the new copier's sweep (cachewarm_copier.drop_plan,
+    which the process does not import)."""
+    want = summary + ".want"
+    try:
+        os.unlink(summary + ".plan")
+    except OSError:
+        pass
+    try:
+        names = os.listdir(want)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(want, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(want)
+    except OSError:
+        pass
+
+
 def _start_copy():  # type: () -> bool
     """The copy started by a child process, or waited for; False where neither can be (the
     caller then copies in process)."""
@@ -402,6 +427,7 @@ def _start_copy():  # type: () -> bool
         else:
             if os.path.exists(summary):
                 return True  # copied meanwhile
+            _drop_stale_plan(summary)
             hook = _WaitForCopy(lock_path, summary, _spawn_copier(fd))
     except Exception:  # noqa: BLE001 - no child: the caller copies in process
         return False
