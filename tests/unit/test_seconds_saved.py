@@ -205,11 +205,12 @@ def test_seconds_saved_stay_while_the_pool_rewarms_and_after_a_failed_rewarm() -
 
 
 def report(pod: str, programs: list[dict[str, Any]], fingerprint: dict[str, Any] = FP,
-           cache: str = "llama") -> bytes:
+           cache: str = "llama", hit_keys: list[dict[str, str]] | None = None) -> bytes:
     hits = sum(p["hits"] for p in programs)
     requests = sum(p["hits"] + p["misses"] for p in programs)
     counts = {"requests": requests, "hits": hits, "misses": requests - hits, "compileSecondsSaved": -0.5,
-              "compileSecondsSpent": 0.0, "programs": programs, "userRequests": requests, "userHits": hits}
+              "compileSecondsSpent": 0.0, "programs": programs, "userRequests": requests, "userHits": hits,
+              "hitKeys": hit_keys or []}
     return json.dumps({"version": 1, "pod": {"namespace": "ml", "name": pod, "uid": f"uid-{pod}"}, "cache": cache,
                        "process": {"pid": 1, "started": 1}, "sequence": 1, "counts": counts,
                        "fingerprint": fingerprint}).encode()
@@ -248,6 +249,25 @@ def test_in_steady_state_hits_are_measured_against_the_warmers_compile() -> None
     bare = store.usage("ml", "llama", NOW, body({**POOL, "compiledPrograms": []}))
     assert bare is not None and "measuredSecondsSaved" not in bare and "podStarts" not in bare
     assert "compileSecondsFrom" not in bare["hitPrograms"][0]
+
+
+def test_a_pod_that_names_the_key_it_hit_is_measured_against_that_keys_compile() -> None:
+    """jit_step has two entries (two shapes): 4 s and 2 s to compile. A pod that says it hit
+    the 2 s one saved 2 s a hit, not the mean's 3; one that names a key no warmer measured
+    gets the mean."""
+    store = Store()
+    store.record(parse(report("small", [program("jit_step", hits=2, load=0.5)],
+                              hit_keys=[{"program": "jit_step", "key": "jit_step-" + "b" * 64}])), NOW)
+    usage = store.usage("ml", "llama", NOW, body(POOL))
+    assert usage is not None
+    [hit] = usage["hitPrograms"]
+    assert (hit["compileSeconds"], hit["secondsSaved"]) == (2.0, 3.5)
+    assert usage["podStarts"] == [{"pod": "small", "compileSeconds": 0.5, "coldCompileSeconds": 4.0}]
+    other = Store()
+    other.record(parse(report("new", [program("jit_step", hits=2, load=0.5)],
+                              hit_keys=[{"program": "jit_step", "key": "jit_step-" + "e" * 64}])), NOW)
+    usage = other.usage("ml", "llama", NOW, body(POOL))
+    assert usage is not None and usage["hitPrograms"][0]["compileSeconds"] == 3.0
 
 
 def test_pods_that_compiled_the_program_in_the_window_are_the_reference_first() -> None:

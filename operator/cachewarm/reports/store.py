@@ -511,31 +511,37 @@ class Store:
             return list(self._by_cache)
 
 
-# program -> the compile seconds a pool's warmer measured for it, with that pool's fingerprint
-References = Mapping[str, list[tuple[Mapping[str, Any], float]]]
+# program -> the compile seconds a pool's warmer measured for it (the mean over its keys, and
+# per key hash where known), with that pool's fingerprint
+References = Mapping[str, list[tuple[Mapping[str, Any], float, Mapping[str, float]]]]
 
 
-def warmer_references(body: Mapping[str, Any] | None) -> dict[str, list[tuple[Mapping[str, Any], float]]]:
+def warmer_references(body: Mapping[str, Any] | None
+                      ) -> dict[str, list[tuple[Mapping[str, Any], float, Mapping[str, float]]]]:
     """What the cache's warmers measured each program they compiled and wrote took
     (status.warmup.pools[].compiledPrograms, whatever the pool's state, with the
     fingerprint they were compiled with, warmplan.compiled_fingerprint: kept through a
-    re-warm, running or failed, they still count; a program with several keys: their mean). Status is the
+    re-warm, running or failed, they still count; a program with several keys: their mean,
+    and each key's own seconds, for pods that say which key they hit). Status is the
     operator's (the warmers' summaries read from the cache's own warmer Jobs' pods, bounded
     and typed there); read defensively all the same."""
-    out: dict[str, list[tuple[Mapping[str, Any], float]]] = {}
+    out: dict[str, list[tuple[Mapping[str, Any], float, Mapping[str, float]]]] = {}
     pools = ((body or {}).get("status") or {}).get("warmup") or {}
     for pool in pools.get("pools") or [] if isinstance(pools, Mapping) else []:
         fp = compiled_fingerprint(pool) if isinstance(pool, Mapping) else None
         if fp is None:
             continue
         seconds: dict[str, list[float]] = {}
+        by_key: dict[str, dict[str, float]] = {}
         for one in pool.get("compiledPrograms") or []:
             value = one.get("compileSeconds") if isinstance(one, Mapping) else None
             if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1e7 and \
                     isinstance(one.get("program"), str) and one.get("written") is not False:
                 seconds.setdefault(one["program"], []).append(float(value))
+                if isinstance(one.get("key"), str):
+                    by_key.setdefault(one["program"], {})[one["key"]] = float(value)
         for program, found in seconds.items():
-            out.setdefault(program, []).append((fp, sum(found) / len(found)))
+            out.setdefault(program, []).append((fp, sum(found) / len(found), by_key.get(program) or {}))
     return out
 
 
@@ -556,12 +562,23 @@ def warmer_rests(body: Mapping[str, Any] | None) -> list[tuple[Mapping[str, Any]
     return out
 
 
-def _reference(refs: References, program: str, fp: Mapping[str, Any]) -> float | None:
+def _reference(refs: References, program: str, fp: Mapping[str, Any],
+               keys: frozenset[str] = frozenset()) -> float | None:
     """The warmers' compile seconds of `program` for a process of fingerprint `fp`: the mean
-    over the pools warmed with that very fingerprint (keysmatch's fields); None when none
-    was (a pool warmed on other hardware or versions is no reference)."""
-    found = [seconds for pool, seconds in refs.get(program) or [] if fp and not differences(pool, fp)]
+    over the pools warmed with that very fingerprint (keysmatch's fields), of the entries
+    the process hit where it named them (`keys`, key hashes) and a warmer measured them,
+    else of all the program's; None when no pool of that fingerprint compiled it (a pool
+    warmed on other hardware or versions is no reference)."""
+    pools = [(mean, by_key) for pool, mean, by_key in refs.get(program) or [] if fp and not differences(pool, fp)]
+    found = [by_key[k] for _, by_key in pools for k in sorted(keys) if k in by_key] or [mean for mean, _ in pools]
     return sum(found) / len(found) if found else None
+
+
+def _hit_hashes(latest: _Latest, program: str) -> frozenset[str]:
+    """The key hashes (as warmers name them) of the entries of `program` the process said
+    it hit (its report's hitKeys, the latest ones)."""
+    return frozenset(one.key.rsplit("-", 1)[-1][:16] for one in latest.report.counts.hit_keys
+                     if one.program == program)
 
 
 def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -587,7 +604,8 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
                                                 "helper": one.helper, "held": False, "warmer": [0, 0.0, 0.0]})
             seen["hits"] += one.hits
             seen["load"] += one.load_seconds
-            reference = _reference(refs, one.program, latest.report.fingerprint.as_status()) if one.hits else None
+            reference = _reference(refs, one.program, latest.report.fingerprint.as_status(),
+                                   _hit_hashes(latest, one.program)) if one.hits else None
             if reference is not None:  # hits, what they would have cost compiled, their load seconds
                 seen["warmer"] = [seen["warmer"][0] + one.hits, seen["warmer"][1] + one.hits * reference,
                                   seen["warmer"][2] + one.load_seconds]
@@ -636,7 +654,8 @@ def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]],
         pods.setdefault(latest.report.pod.uid, []).append(latest)
     out: list[dict[str, Any]] = []
     for mine in pods.values():
-        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, latest.report.fingerprint.as_status()),
+        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, latest.report.fingerprint.as_status(),
+                                   _hit_hashes(latest, one.program)),
                    _bound(rests, latest.report.fingerprint.as_status()))
                   for latest in mine for one in latest.report.counts.programs]
         complete = all(sum(one.hits + one.misses for one in latest.report.counts.programs)
@@ -664,12 +683,13 @@ def _bound(rests: Sequence[tuple[Mapping[str, Any], float]], fp: Mapping[str, An
     return max(found) if found else None
 
 
-def _cold_once(seen: Mapping[str, Any], refs: References, program: str, fp: Mapping[str, Any]) -> float | None:
+def _cold_once(seen: Mapping[str, Any], refs: References, program: str, fp: Mapping[str, Any],
+               keys: frozenset[str] = frozenset()) -> float | None:
     """What one compile of `program` takes, for a process of fingerprint `fp`: as the pods
     that compiled it in the window measured it, else as a warmer of that fingerprint did."""
     if seen["misses"]:
         return float(seen["compile"]) / int(seen["misses"])
-    return _reference(refs, program, fp)
+    return _reference(refs, program, fp, keys)
 
 
 def _missed(name: str, seen: Mapping[str, Any], warm: causes.Warmed | None) -> dict[str, Any]:
