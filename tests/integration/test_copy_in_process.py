@@ -679,3 +679,59 @@ def test_a_plan_left_by_a_killed_copier_is_not_read_before_the_new_copiers_sweep
     finally:
         proxy.clear_faults()
         process.kill()
+
+
+# Prints "waiting" once the main thread waits for the whole copy (`_until` called from
+# sitecustomize's `_wait`, the fallback where the hook cannot serve this jax).
+WATCH_WHOLE = WATCH.replace("f.f_back.f_code.co_name == 'before'", "f.f_back.f_code.co_name == '_wait'")
+
+
+def another_jax(where: Path) -> Path:
+    """A `jax` of another layout: jax._src.lru_cache.LRUCache.get(self, key) and "-cache" as
+    the hook knows them, but its compile reads the cache through a class of its own (a
+    future jax that kept the module for something else). Not real JAX: no real version has
+    this layout, and the real one's check is the other tests'."""
+    src = where / "jax" / "_src"
+    src.mkdir(parents=True)
+    (where / "jax" / "__init__.py").write_text("from jax._src import compilation_cache, lru_cache\n")
+    (src / "__init__.py").write_text("")
+    (src / "lru_cache.py").write_text("_CACHE_SUFFIX = '-cache'\n"
+                                      "class LRUCache:\n"
+                                      "    def get(self, key):\n"
+                                      "        return None\n")
+    (src / "compilation_cache.py").write_text("class LRUCache:  # its own: the hook's wrap would never run\n"
+                                              "    def get(self, key):\n"
+                                              "        return None\n")
+    return where
+
+
+def test_a_jax_whose_compile_reads_through_another_class_waits_for_the_whole_copy(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """The hook wraps jax._src.lru_cache.LRUCache.get only where jax._src.compilation_cache
+    reads through that class; elsewhere `import jax` waits for the whole copy (seen from
+    within the wait while the downloads are held), as for any layout it does not know."""
+    bucket, objects = fill(storage_only)
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    go = tmp_path / "go"
+    program = WATCH_WHOLE + (
+        "import json, os, sys, time; print('started', flush=True)\n"
+        "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+        "import jax; print(json.dumps(os.path.exists(sys.argv[1])), flush=True)\n")
+    command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+                          program, str(summary_file), str(go), path=(another_jax(tmp_path / "image"),))
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": "/download/", "hold": HELD, "times": len(objects), "forward": True}])
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(process.stdout)
+        assert out.next("the program's first line") == "started"
+        proxy.wait_held(HELD)  # planned (the plan is written before any download), downloads held
+        assert Path(f"{summary_file}.plan").exists()
+        go.touch()
+        assert out.next("the process waiting for the whole copy at `import jax`") == "waiting"
+        proxy.release(HELD)
+        assert out.next("the program's line after `import jax`") == "true"
+        assert out.rest() == [] and process.wait(timeout=60) == 0
+    finally:
+        proxy.clear_faults()
+        process.kill()

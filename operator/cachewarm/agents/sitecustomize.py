@@ -252,14 +252,19 @@ class _OnDemand(object):
 def _on_demand(lock_path, summary, child):  # type: (str, str, Optional[int]) -> bool
     """Whether _OnDemand could wrap this jax's file cache read (the layout of jax 0.4.36
     and later: jax._src.lru_cache.LRUCache.get(self, key), entries `<key>-cache`, a module
-    `import jax` loads), so the process need not wait for the whole copy now; False for
-    anything else (nothing is imported here: a jax that has not loaded it is another)."""
+    `import jax` loads, the class jax._src.compilation_cache reads through), so the process
+    need not wait for the whole copy now; False for anything else (nothing is imported
+    here: a jax that has not loaded them is another)."""
     dest = os.environ.get(ENV_COPY_DEST, "")
     module = sys.modules.get("jax._src.lru_cache")
     if not dest or module is None:
         return False
     cache_class = getattr(module, "LRUCache", None)
     code = getattr(getattr(cache_class, "__dict__", {}).get("get"), "__code__", None)
+    # JAX's compile reads through that class (its compilation_cache module makes its cache of
+    # it): else the hook would wrap a read JAX never makes, and nothing would wait.
+    if getattr(sys.modules.get("jax._src.compilation_cache"), "LRUCache", None) is not cache_class:
+        return False
     if cache_class is None or getattr(module, "_CACHE_SUFFIX", None) != "-cache" or code is None or \
             code.co_argcount != 2 or code.co_varnames[:2] != ("self", "key"):
         return False
