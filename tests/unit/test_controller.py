@@ -313,3 +313,38 @@ def test_usage_goes_when_its_window_emptied_and_stays_while_a_new_leader_has_not
     assert written.keys() == {"stale", "llama"}  # "recent": its pods have 55 minutes left to report again
     assert written["stale"] is None
     assert written["llama"]["hits"] == 2
+
+
+def test_the_timers_usage_flush_computes_usage_off_the_loop_and_writes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Attacker review: a usage pass over many processes took seconds on the loop that also
+    # serves admission and reports; the timer's flush computes it in a reconcile thread.
+    import datetime as dt
+    import threading
+
+    from reportdata import GOOD
+
+    from cachewarm.reports.store import parse
+
+    controller = _controller(monkeypatch, lambda key: Result())
+    now = dt.datetime.now(dt.timezone.utc)
+    controller.store[("ml", "llama")] = {"metadata": {"namespace": "ml", "name": "llama"}, "status": {}}
+    controller.reports.record(parse(GOOD), now)
+    computed_in: list[threading.Thread] = []
+    usage = controller.reports.usage
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        computed_in.append(threading.current_thread())
+        return usage(*args, **kwargs)
+
+    monkeypatch.setattr(controller.reports, "usage", recording)
+
+    async def flush() -> threading.Thread:
+        controller._loop = asyncio.get_running_loop()
+        await controller._flush_usage_computed_aside()
+        await asyncio.to_thread(controller._executor.shutdown, True)
+        return threading.current_thread()
+    loop_thread = asyncio.run(flush())
+    assert computed_in and all(t is not loop_thread for t in computed_in), computed_in
+    kube: MemoryKube = controller.kube  # type: ignore[assignment]
+    [(_, name, status)] = kube.status_patches
+    assert name == "llama" and status["usage"]["hits"] == 2

@@ -238,3 +238,11 @@ def test_the_leader_posts_local_copy_cold_once_and_removes_a_local_copy_no_pod_r
     asyncio.run(flush())
     assert kube.events == [("Warning", "LocalCopyCold", cold_message([("trainer", str(COLD["error"]))]))]
     assert kube.status_patches[-1][2]["usage"]["localCopy"]["coldPods"] == 1
+
+
+def test_a_copy_error_with_control_characters_reaches_status_and_events_as_one_plain_line() -> None:
+    # Attacker review: the pod writes this text; a terminal escape or a newline in it would
+    # reach the LocalCopyCold Event and `kubectl describe` as such.
+    parsed = parse(raw(report(localCopy={**COLD, "error": "HTTP 403\x1b[2J\nforged line\x07"})))
+    assert parsed.local_copy is not None and parsed.local_copy.error == "HTTP 403?[2J?forged line?"
+    assert "\n" not in cold_message([("trainer", parsed.local_copy.error)])

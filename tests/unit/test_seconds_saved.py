@@ -404,3 +404,42 @@ def test_a_bad_compiled_rest_is_dropped_alone_and_said(value: Any) -> None:
     out = pool_entry({**GOOD, "compiledPrograms": COMPILED, "compiledRest": value})
     assert "compiledRest" not in out and out["compiledPrograms"] == COMPILED
     assert out["message"] == "Ignored invalid fields of the warmer's summary: compiledRest"
+
+
+def test_a_usage_pass_compares_each_pool_with_each_distinct_fingerprint_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Attacker review: every (process, program hit) was compared with every pool's
+    # fingerprint, twice; a namespace's pods made that seconds on the operator's loop.
+    import datetime as dt
+    import json as json_module
+
+    from cachewarm.reports import store as store_module
+
+    now = dt.datetime(2026, 11, 27, 12, tzinfo=dt.timezone.utc)
+    fp = {"jax": "0.10.2", "platform": "cpu", "devices": 1}
+    programs = [f"jit_p{i}" for i in range(20)]
+
+    def report(pod: int, pid: int) -> bytes:
+        uses = [{"program": p, "hits": 1, "misses": 0, "compileSeconds": 0.0, "loadSeconds": 0.01, "keys": []}
+                for p in programs]
+        counts = {"requests": len(programs), "hits": len(programs), "misses": 0, "compileSecondsSaved": 0.0,
+                  "compileSecondsSpent": 0.0, "programs": uses, "userRequests": len(programs),
+                  "userHits": len(programs)}
+        return json_module.dumps({"version": 1, "pod": {"namespace": "ml", "name": f"p{pod}", "uid": f"u{pod}"},
+                                  "cache": "llama", "process": {"pid": pid, "started": 1}, "sequence": 1,
+                                  "counts": counts, "fingerprint": fp}).encode()
+
+    store = store_module.Store()
+    for i in range(60):
+        store.record(store_module.parse(report(i // 6, 100 + i)), now)
+    pools = [{"name": f"p{j}", "state": "Succeeded", "fingerprint": {**fp, "devices": 1 + j},
+              "compiledPrograms": [{"program": p, "key": f"{k:016x}", "compileSeconds": 2.0, "written": True}
+                                   for k, p in enumerate(programs[:16])]} for j in range(4)]
+    body = {"metadata": {"namespace": "ml", "name": "llama"}, "spec": {}, "status": {"warmup": {"pools": pools}}}
+    compared = []
+    differences = store_module.differences
+    monkeypatch.setattr(store_module, "differences", lambda a, b: compared.append(1) or differences(a, b))
+    usage = store.usage("ml", "llama", now, body)
+    assert usage is not None and usage["processes"] == 60
+    # 4 pools, 1 distinct fingerprint among the 60 processes: 4 comparisons (60 x 20 x 4 x 2 before).
+    assert len(compared) <= 4, len(compared)
+    assert usage["hitPrograms"][0]["compileSecondsFrom"] == "Warmer"  # the pool of the pods' fingerprint (devices 1)

@@ -148,6 +148,13 @@ class LocalCopy(_Strict):
     source: Literal["manifest", "prefix"] | None = None
     error: str | None = Field(default=None, max_length=200)  # the first error, when cold
 
+    @field_validator("error")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        """The pod's text reaches a LocalCopyCold Event and status as one line of plain
+        text: control characters (terminal escapes, newlines) become `?` (attacker review)."""
+        return None if value is None else "".join(ch if ch.isprintable() else "?" for ch in value)
+
 
 class Fingerprint(_Strict):
     """What a process's cache keys depend on (agents/warmer.fingerprint), as KeysMatch
@@ -302,7 +309,7 @@ class LabelledPods:
                               f"{found[1]!r}, not {report.cache!r}", 403)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Latest:
     report: Report
     at: dt.datetime
@@ -421,54 +428,58 @@ class Store:
         (pod, program, key) and the entries hit (program, key, the pods that hit it); with
         the cache's object (`body`: its spec and status), the programs missed with their
         causes (programs_usage). None when no pod reported in the window."""
-        with self._lock:
+        with self._lock:  # a snapshot: what follows reads immutable reports, outside the lock every intake takes
             processes = [latest for latest in (self._by_cache.get((namespace, cache)) or {}).values()
                          if now - latest.at <= self.window]
-            if not processes:
-                return None
-            requests = sum(p.report.counts.requests for p in processes)
-            hits = sum(p.report.counts.hits for p in processes)
-            misses: list[tuple[dt.datetime, dict[str, str]]] = []
-            for latest in processes:
-                for miss in latest.report.counts.last_misses:
-                    misses.append((latest.at, {"pod": latest.report.pod.name, "program": miss.program,
-                                               "key": miss.key}))
-            misses.sort(key=lambda m: m[0], reverse=True)
-            hit: dict[str, tuple[dt.datetime, str, set[str]]] = {}  # key -> (latest, program, pods)
-            for latest in processes:
-                for one in latest.report.counts.hit_keys:
-                    when, program, pods = hit.get(one.key, (latest.at, one.program, set()))
-                    pods.add(latest.report.pod.name)
-                    hit[one.key] = (max(when, latest.at), program, pods)
-            recent = sorted(hit.items(), key=lambda h: (h[1][0], h[0]), reverse=True)[:RECENT_HITS]
-            usage: dict[str, Any] = {
-                "windowSeconds": int(self.window.total_seconds()),
-                "pods": len({p.report.pod.uid for p in processes}),
-                "processes": len(processes),
-                "compileRequests": requests,
-                "hits": hits,
-                "misses": sum(p.report.counts.misses for p in processes),
-                "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes), 3),
-                "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
-                "lastReportTime": timefmt.rfc3339(max(p.at for p in processes)),
-                "lastMisses": [m for _, m in misses[:LAST_MISSES]],
-                "recentHits": [{"program": program, "key": key, "pods": sorted(pods)[:HIT_PODS], "podCount": len(pods)}
-                               for key, (_, program, pods) in recent],
+        if not processes:
+            return None
+        return self._usage(processes, body)
+
+    def _usage(self, processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
+        """usage's figures from its snapshot of the window's processes."""
+        requests = sum(p.report.counts.requests for p in processes)
+        hits = sum(p.report.counts.hits for p in processes)
+        misses: list[tuple[dt.datetime, dict[str, str]]] = []
+        for latest in processes:
+            for miss in latest.report.counts.last_misses:
+                misses.append((latest.at, {"pod": latest.report.pod.name, "program": miss.program,
+                                           "key": miss.key}))
+        misses.sort(key=lambda m: m[0], reverse=True)
+        hit: dict[str, tuple[dt.datetime, str, set[str]]] = {}  # key -> (latest, program, pods)
+        for latest in processes:
+            for one in latest.report.counts.hit_keys:
+                when, program, pods = hit.get(one.key, (latest.at, one.program, set()))
+                pods.add(latest.report.pod.name)
+                hit[one.key] = (max(when, latest.at), program, pods)
+        recent = sorted(hit.items(), key=lambda h: (h[1][0], h[0]), reverse=True)[:RECENT_HITS]
+        usage: dict[str, Any] = {
+            "windowSeconds": int(self.window.total_seconds()),
+            "pods": len({p.report.pod.uid for p in processes}),
+            "processes": len(processes),
+            "compileRequests": requests,
+            "hits": hits,
+            "misses": sum(p.report.counts.misses for p in processes),
+            "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes), 3),
+            "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
+            "lastReportTime": timefmt.rfc3339(max(p.at for p in processes)),
+            "lastMisses": [m for _, m in misses[:LAST_MISSES]],
+            "recentHits": [{"program": program, "key": key, "pods": sorted(pods)[:HIT_PODS], "podCount": len(pods)}
+                           for key, (_, program, pods) in recent],
+        }
+        if requests:  # absent rather than null: a merge patch would remove a null again and again
+            usage["hitRatio"] = round(hits / requests, 3)
+        copies = self._local_copies(processes)
+        if copies:
+            usage["localCopy"] = {
+                "pods": len(copies),
+                "coldPods": sum(1 for _, local in copies.values() if local.cold),
+                "entriesCopied": sum(local.copied for _, local in copies.values()),
+                "entriesPresent": sum(local.present for _, local in copies.values()),
+                "bytesCopied": sum(local.bytes_copied for _, local in copies.values()),
+                "maxSeconds": round(max(local.seconds for _, local in copies.values()), 3),
             }
-            if requests:  # absent rather than null: a merge patch would remove a null again and again
-                usage["hitRatio"] = round(hits / requests, 3)
-            copies = self._local_copies(processes)
-            if copies:
-                usage["localCopy"] = {
-                    "pods": len(copies),
-                    "coldPods": sum(1 for _, local in copies.values() if local.cold),
-                    "entriesCopied": sum(local.copied for _, local in copies.values()),
-                    "entriesPresent": sum(local.present for _, local in copies.values()),
-                    "bytesCopied": sum(local.bytes_copied for _, local in copies.values()),
-                    "maxSeconds": round(max(local.seconds for _, local in copies.values()), 3),
-                }
-            usage.update(programs_usage(processes, body))
-            return usage
+        usage.update(programs_usage(processes, body))
+        return usage
 
     @staticmethod
     def _local_copies(processes: list[_Latest]) -> dict[str, tuple[str, LocalCopy]]:
@@ -562,14 +573,43 @@ def warmer_rests(body: Mapping[str, Any] | None) -> list[tuple[Mapping[str, Any]
     return out
 
 
+class _Same:
+    """Whether a warmer's fingerprint is a process's (keysmatch.differences finds none),
+    each distinct pair compared once per usage pass: a pass compares every program each
+    process hit against every pool, and a namespace can make those many (32 pools, 64
+    processes a pod, 50 programs each) on the operator's one loop (attacker review). The
+    processes' fingerprints are told apart by their canonical JSON (_fingerprint)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, str], bool] = {}
+
+    def __call__(self, pool: Mapping[str, Any], fp: Mapping[str, Any], fp_key: str) -> bool:
+        key = (id(pool), fp_key)
+        same = self.seen.get(key)
+        if same is None:
+            same = self.seen[key] = bool(fp) and not differences(pool, fp)
+        return same
+
+
+def _fingerprint(latest: _Latest, memo: dict[int, tuple[dict[str, Any], str]]) -> tuple[dict[str, Any], str]:
+    """A process's fingerprint as status says it, and its canonical JSON, once per process."""
+    found = memo.get(id(latest))
+    if found is None:
+        fp = latest.report.fingerprint.as_status()
+        found = memo[id(latest)] = (fp, json.dumps(fp, sort_keys=True, default=str))
+    return found
+
+
 def _reference(refs: References, program: str, fp: Mapping[str, Any],
-               keys: frozenset[str] = frozenset()) -> float | None:
+               keys: frozenset[str] = frozenset(), same: _Same | None = None, fp_key: str = "") -> float | None:
     """The warmers' compile seconds of `program` for a process of fingerprint `fp`: the mean
     over the pools warmed with that very fingerprint (keysmatch's fields), of the entries
     the process hit where it named them (`keys`, key hashes) and a warmer measured them,
     else of all the program's; None when no pool of that fingerprint compiled it (a pool
     warmed on other hardware or versions is no reference)."""
-    pools = [(mean, by_key) for pool, mean, by_key in refs.get(program) or [] if fp and not differences(pool, fp)]
+    match = same or _Same()
+    key = fp_key or json.dumps(fp, sort_keys=True, default=str)
+    pools = [(mean, by_key) for pool, mean, by_key in refs.get(program) or [] if match(pool, fp, key)]
     found = [by_key[k] for _, by_key in pools for k in sorted(keys) if k in by_key] or [mean for mean, _ in pools]
     return sum(found) / len(found) if found else None
 
@@ -597,15 +637,17 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
             out["userHitRatio"] = round(hits / requests, 3)
     per: dict[str, dict[str, Any]] = {}
     refs = warmer_references(body)
+    same, fps = _Same(), dict[int, tuple[dict[str, Any], str]]()
     for latest in processes:
+        fp, fp_key = _fingerprint(latest, fps)
         for one in latest.report.counts.programs:
             seen = per.setdefault(one.program, {"hits": 0, "misses": 0, "compile": 0.0, "load": 0.0, "pods": set(),
                                                 "keys": set(), "cached": None, "notWritten": None, "fps": [],
                                                 "helper": one.helper, "held": False, "warmer": [0, 0.0, 0.0]})
             seen["hits"] += one.hits
             seen["load"] += one.load_seconds
-            reference = _reference(refs, one.program, latest.report.fingerprint.as_status(),
-                                   _hit_hashes(latest, one.program)) if one.hits else None
+            reference = _reference(refs, one.program, fp, _hit_hashes(latest, one.program), same,
+                                   fp_key) if one.hits else None
             if reference is not None:  # hits, what they would have cost compiled, their load seconds
                 seen["warmer"] = [seen["warmer"][0] + one.hits, seen["warmer"][1] + one.hits * reference,
                                   seen["warmer"][2] + one.load_seconds]
@@ -614,7 +656,7 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
                 seen["compile"] += one.compile_seconds
                 seen["pods"].add(latest.report.pod.name)
                 seen["keys"] |= set(one.keys)
-                seen["fps"].append(latest.report.fingerprint.as_status())
+                seen["fps"].append(fp)
                 seen["notWritten"] = seen["notWritten"] or one.not_written
                 if one.cached is not None:  # other keys than its own miss's, and whether it held that one
                     seen["cached"] = (seen["cached"] or set()) | (set(one.cached) - set(one.keys))
@@ -630,7 +672,7 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
     known = [one["secondsSaved"] for one in saved if "secondsSaved" in one]
     if known:
         out["measuredSecondsSaved"] = round(sum(known), 3)
-    starts = _pod_starts(processes, per, refs, warmer_rests(body))
+    starts = _pod_starts(processes, per, refs, warmer_rests(body), same, fps)
     if starts:
         out["podStarts"] = starts
     return out
@@ -638,7 +680,8 @@ def programs_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> 
 
 def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]],
                 refs: References | None = None,
-                rests: Sequence[tuple[Mapping[str, Any], float]] = ()) -> list[dict[str, Any]]:
+                rests: Sequence[tuple[Mapping[str, Any], float]] = (), same: _Same | None = None,
+                fps: dict[int, tuple[dict[str, Any], str]] | None = None) -> list[dict[str, Any]]:
     """Per pod that hit something, the seconds its compile requests took (compiling what
     missed, loading what hit) against what they would have taken all compiled (each
     program's compile seconds as measured in the window by the pods that compiled it, else
@@ -653,10 +696,11 @@ def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]],
     for latest in processes:
         pods.setdefault(latest.report.pod.uid, []).append(latest)
     out: list[dict[str, Any]] = []
+    same, fps = same or _Same(), {} if fps is None else fps
     for mine in pods.values():
-        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, latest.report.fingerprint.as_status(),
-                                   _hit_hashes(latest, one.program)),
-                   _bound(rests, latest.report.fingerprint.as_status()))
+        listed = [(one, _cold_once(per[one.program], refs or {}, one.program, *_fingerprint(latest, fps),
+                                   _hit_hashes(latest, one.program), same),
+                   _bound(rests, *_fingerprint(latest, fps), same))
                   for latest in mine for one in latest.report.counts.programs]
         complete = all(sum(one.hits + one.misses for one in latest.report.counts.programs)
                        == latest.report.counts.requests for latest in mine)
@@ -676,20 +720,22 @@ def _pod_starts(processes: list[_Latest], per: Mapping[str, Mapping[str, Any]],
     return out[:POD_STARTS]
 
 
-def _bound(rests: Sequence[tuple[Mapping[str, Any], float]], fp: Mapping[str, Any]) -> float | None:
+def _bound(rests: Sequence[tuple[Mapping[str, Any], float]], fp: Mapping[str, Any], fp_key: str = "",
+           same: _Same | None = None) -> float | None:
     """The longest compile among the programs warmers of fingerprint `fp` compiled but did
     not name (None: none of them left any out)."""
-    found = [longest for pool, longest in rests if fp and not differences(pool, fp)]
+    match, key = same or _Same(), fp_key or json.dumps(fp, sort_keys=True, default=str)
+    found = [longest for pool, longest in rests if match(pool, fp, key)]
     return max(found) if found else None
 
 
-def _cold_once(seen: Mapping[str, Any], refs: References, program: str, fp: Mapping[str, Any],
-               keys: frozenset[str] = frozenset()) -> float | None:
+def _cold_once(seen: Mapping[str, Any], refs: References, program: str, fp: Mapping[str, Any], fp_key: str = "",
+               keys: frozenset[str] = frozenset(), same: _Same | None = None) -> float | None:
     """What one compile of `program` takes, for a process of fingerprint `fp`: as the pods
     that compiled it in the window measured it, else as a warmer of that fingerprint did."""
     if seen["misses"]:
         return float(seen["compile"]) / int(seen["misses"])
-    return _reference(refs, program, fp, keys)
+    return _reference(refs, program, fp, keys, same, fp_key)
 
 
 def _missed(name: str, seen: Mapping[str, Any], warm: causes.Warmed | None) -> dict[str, Any]:

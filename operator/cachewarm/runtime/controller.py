@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime as dt
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -262,7 +263,8 @@ class Controller:
         self._tasks = [
             asyncio.create_task(self._every(self.settings.resync_seconds, self._resync), name="resync"),
             asyncio.create_task(self._every(self.settings.warm_poll_seconds, self._poll), name="poll"),
-            asyncio.create_task(self._every(self.settings.usage_flush_seconds, self._flush_usage), name="usage"),
+            asyncio.create_task(self._every(self.settings.usage_flush_seconds, self._flush_usage_computed_aside),
+                                name="usage"),
         ]
         if self.leader.is_leader:
             self._on_lead()
@@ -278,7 +280,9 @@ class Controller:
         while True:
             await asyncio.sleep(seconds)
             try:
-                fn()
+                done = fn()
+                if inspect.isawaitable(done):
+                    await done
             except Exception:  # noqa: BLE001 - a bug in one tick must not stop the timers
                 log.exception("Periodic %s failed", getattr(fn, "__name__", "task"))
 
@@ -296,7 +300,23 @@ class Controller:
     def has_cache(self, namespace: str, name: str) -> bool:
         return (namespace, name) in self.store
 
-    def _flush_usage(self) -> None:
+    async def _flush_usage_computed_aside(self) -> None:
+        """_flush_usage with each reported cache's usage computed in a reconcile thread, not
+        on this loop, which serves admission and reports too: a usage pass over many
+        processes takes long (attacker review: a namespace can make it seconds)."""
+        if not self.leader.is_leader or self._loop is None:
+            return
+        now = dt.datetime.now(dt.timezone.utc)
+        reported = set(self.reports.caches())
+        bodies = [(key, body) for key, body in list(self.store.items()) if key in reported]
+
+        def compute() -> dict[Key, dict[str, Any] | None]:
+            return {key: self.reports.usage(*key, now, body) for key, body in bodies}
+
+        self._flush_usage(now, await self._loop.run_in_executor(self._executor, compute))
+
+    def _flush_usage(self, now: dt.datetime | None = None, computed: Mapping[Key, dict[str, Any] | None] | None = None
+                     ) -> None:
         """Leader only: write status.usage of each cache pods reported for, when it differs
         from what status holds, and remove it where its window emptied (the last report
         older than the window; a usage this leader has not heard of yet, after a leader
@@ -305,13 +325,13 @@ class Controller:
         LocalCopyCold Warning on the cache."""
         if not self.leader.is_leader or self._loop is None:
             return
-        now = dt.datetime.now(dt.timezone.utc)
+        now = now or dt.datetime.now(dt.timezone.utc)
         self.reports.prune(now, set(self.store))
         reported = set(self.reports.caches())
         for key, body in list(self.store.items()):
             written = (body.get("status") or {}).get("usage")
             if key in reported:
-                usage = self.reports.usage(*key, now, body)
+                usage = computed[key] if computed is not None and key in computed else self.reports.usage(*key, now, body)
             elif written and _older_than(written.get("lastReportTime"), now - self.reports.window):
                 usage = None
             else:
