@@ -3,7 +3,8 @@ calls (in this process, as test_warmer's manifest test) write the pack of a mani
 small entries and the manifest naming it; the copier, run as the init container runs it,
 reads the pack in one request and the large entry alone, each entry checked against the
 manifest. A pack rewritten or gone since the manifest: every entry is downloaded on its own
-and the summary says so. A manifest from before packs reads as it did."""
+and the summary says so; a pack gone with its entries (both expired): one listing, the
+missing entries notInBucket, not a cold start. A manifest from before packs reads as it did."""
 
 from __future__ import annotations
 
@@ -127,7 +128,11 @@ def test_a_pack_rewritten_or_gone_since_its_manifest_leaves_each_entry_to_be_dow
     summary = run_copier(env_for(storage_bed, bucket, tmp_path, manifests=pinned))
     assert (summary["copied"], summary["failed"], summary["cold"], summary["fromPack"], summary["packFallback"],
             summary["packs"]) == (7, 0, False, 0, 6, 0)
-    assert any(pack.name in e for e in summary["errors"]) and any("read one by one" in e for e in summary["errors"])
+    if how == "deleted":  # expired as its entries do: said, not an error (the start is not the worse for it)
+        assert summary["packsGone"] == 1 and summary["errors"] == []
+    else:
+        assert any(pack.name in e for e in summary["errors"]) and any("read one by one" in e for e in summary["errors"])
+        assert summary["packsGone"] == 0
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == objects
 
 
@@ -149,3 +154,37 @@ def test_an_entry_changed_since_it_was_listed_stays_out_of_the_pack_and_a_failed
     assert out["manifestEntries"] == 7 and "packEntries" not in out and "Forbidden" in str(out["packError"])
     doc = json.loads(storage_only.bucket(bucket).blob(f"{FOLDER}/job-3.json").download_as_bytes())
     assert "pack" not in doc and not any("packed" in e for e in doc["entries"])
+
+
+def test_a_pack_gone_with_its_entries_is_one_listing_and_not_a_cold_start(
+        storage_bed: Testbed, storage_only: storage.Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every entry in the pack (no listing needed while it is there), then the pack and two
+    of its three entries expire (the lifecycle rule's deleteAfterDays; the manifest does not
+    expire): the pack's 404 is counted packsGone, not an error; the bucket is listed once,
+    the two it lacks are notInBucket and not asked for (before: a 404 per entry, each a
+    failure, the start cold), and the one it holds is downloaded."""
+    for key, value in storage_bed.env().items():
+        if key != "KUBECONFIG":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
+    bucket = f"gone-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    objects = {entry(i): os.urandom(1000 * (i + 1)) for i in range(3)}
+    for name, data in objects.items():
+        storage_only.bucket(bucket).blob(f"jax/{name}").upload_from_string(data)
+    manifest = f"{FOLDER}/llama-h100-0123456789.json"
+    out = warmer.write_manifest(f"gs://{bucket}/{manifest}", list(objects), {"jaxlib": "0.0"}, f"gs://{bucket}/jax")
+    assert out["packEntries"] == 3
+    storage_only.bucket(bucket).blob(manifest.removesuffix(".json") + ".cachewarm-pack").delete()
+    for name in (entry(0), entry(1)):
+        storage_only.bucket(bucket).blob(f"jax/{name}").delete()
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.clear_log()
+    summary = run_copier(env_for(storage_bed, bucket, tmp_path / "cache",
+                                 manifests=f"{manifest}#{out['manifestGeneration']}"))
+    assert {k: summary[k] for k in ("copied", "failed", "cold", "errors", "packsGone", "packFallback", "wanted")} == {
+        "copied": 1, "failed": 0, "cold": False, "errors": [], "packsGone": 1, "packFallback": 3, "wanted": 1}
+    assert summary["leftOut"]["notInBucket"] == 2
+    listings = [r for r in proxy.log() if r["method"] == "GET" and r["path"].endswith(f"/b/{bucket}/o")]
+    assert len(listings) == 1 and media_gets(proxy) == [manifest.rsplit("/", 1)[1], entry(2)]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == {entry(2): objects[entry(2)]}

@@ -1185,6 +1185,19 @@ def packed_listing(names: Mapping[str, Entry] | None, packed: Mapping[str, Pack]
     return [{"name": f"{prefix}{name}"} for name in sorted(names)]
 
 
+def in_listing(objects: Iterable[Mapping[str, Any]], leftovers: list[Wanted], summary: dict[str, Any]
+               ) -> list[Wanted]:
+    """The entries a pack did not give, where packed_listing stood in for the bucket's
+    listing: those `objects` (the listing, made now, once) hold; the others are not fetched,
+    counted `notInBucket` (and no longer `wanted`), as a listed copy counts them (a pack
+    that expired with its entries: one listing, not a 404 per entry, and not cold)."""
+    names = {str(obj.get("name") or "") for obj in objects}
+    there = [w for w in leftovers if w.name in names]
+    summary["leftOut"]["notInBucket"] = summary["leftOut"].get("notInBucket", 0) + len(leftovers) - len(there)
+    summary["wanted"] -= len(leftovers) - len(there)
+    return there
+
+
 def by_pack(packed: Mapping[str, Pack], download: Iterable[Wanted]) -> tuple[dict[Pack, list[Wanted]], list[Wanted]]:
     """The downloads a pack can serve, by pack (a pack for at least two of them: for one, the
     entry alone is fewer bytes and as many requests), and the rest, in their order. Pure."""
@@ -1234,6 +1247,7 @@ def unpack(client: Client, bucket: str, dest: str, pack: Pack, members: list[Wan
     import hashlib  # noqa: PLC0415
 
     left = {w.base: w for w in members}
+    gone = False
     try:
         data = client.read(bucket, pack.name, pack.entry.size, pack.entry.generation, pack.entry.md5)
         with lock:
@@ -1254,12 +1268,19 @@ def unpack(client: Client, bucket: str, dest: str, pack: Pack, members: list[Wan
                 summary["fromPack"] += 1
             done(wanted, len(body), replaced)
     except Exception as exc:  # noqa: BLE001 - CopyError, ValueError (not a pack), or else: read one by one
+        # Gone (404): expired deleteAfterDays after its warm, as its entries do (the manifest
+        # does not expire): not an error; its members are looked for in the bucket (run).
+        gone = isinstance(exc, CopyError) and exc.status == 404
         with lock:
-            add_error(summary, f"the pack {pack.name}: {exc}")
+            if gone:
+                summary["packsGone"] += 1
+            else:
+                add_error(summary, f"the pack {pack.name}: {exc}")
     if left:
         with lock:
             summary["packFallback"] += len(left)
-            add_error(summary, f"the pack {pack.name} did not give {len(left)} of its entries; read one by one")
+            if not gone:
+                add_error(summary, f"the pack {pack.name} did not give {len(left)} of its entries; read one by one")
     return [w for w in members if w.base in left]
 
 
@@ -1271,7 +1292,7 @@ def unpack_behind(client: Client, bucket: str, dest: str, groups: Mapping[Pack, 
     by one after all. With no pack: nothing started, nothing to wait for."""
     if not groups:
         return list
-    summary.update(packs=0, packBytes=0, fromPack=0, packFallback=0, packIgnored=0)
+    summary.update(packs=0, packBytes=0, fromPack=0, packFallback=0, packIgnored=0, packsGone=0)
     rest: list[Wanted] = []
 
     def work() -> None:
@@ -1458,7 +1479,7 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
     client.deadline = started + settings.deadline_seconds
     summary = new_summary("prefix") if summary is None else summary
     summary["source"] = "manifest" if settings.pinned else "prefix"
-    listed = False
+    listed = stood_in = False
     kept: set[str] = set()  # the verified entries in the destination: present, then copied too
     displaced: set[str] | None = None  # what the first sweep removed
     try:
@@ -1473,7 +1494,9 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
             objects: list[dict[str, Any]] = []
         else:
             # Every entry in a pack: no listing (issue 30; packed_listing).
-            objects = packed_listing(names, packed, settings.prefix) or client.list(settings.bucket, settings.prefix)
+            objects = packed_listing(names, packed, settings.prefix)
+            stood_in = bool(objects)
+            objects = objects or client.list(settings.bucket, settings.prefix)
             listed = True
         wanted, _ = wanted_entries(objects, settings.prefix, names)
         picked = plan(objects, settings.prefix, names, settings.max_bytes,
@@ -1522,7 +1545,10 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
                 add_error(summary, f"plan file: {exc}")
         unpacked = unpack_behind(client, settings.bucket, settings.dest, groups, summary, done, lock)
         queue.serve(one, settings.workers, asks)
-        rest = Downloads(unpacked())
+        leftovers = unpacked()
+        if stood_in and leftovers:  # a pack that did not give them: those the bucket lacks are not fetched
+            leftovers = in_listing(client.list(settings.bucket, settings.prefix), leftovers, summary)
+        rest = Downloads(leftovers)
         rest.serve(one, settings.workers, asks)  # what the packs did not give
         if queue.asked or rest.asked:
             summary["onDemand"] = len(queue.asked) + len(rest.asked)
