@@ -735,3 +735,34 @@ def test_a_jax_whose_compile_reads_through_another_class_waits_for_the_whole_cop
     finally:
         proxy.clear_faults()
         process.kill()
+
+
+def test_a_planned_entry_whose_download_fails_is_a_miss_at_once_not_at_the_copys_end(
+        tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """One planned entry's download fails (404: gone since the listing) while the rest of
+    the copy is held at the proxy: the copier marks it failed beside the asks, and JAX's read
+    of it returns a miss while the copy still runs (before: it waited for the copy's end)."""
+    bucket, objects = fill(storage_only)
+    *rest, failing = sorted(objects)
+    dest, summary_file = tmp_path / "cache", tmp_path / "pod" / "local-copy.json"
+    command, env = python(boot_dir(tmp_path / "boot"), env_for(storage_bed, bucket, dest, summary=str(summary_file)),
+                          READS, str(dest), key(failing))
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    # The others held until released, their retries too (a request the copier gives up on
+    # after its timeout is tried again, and held again): the copy cannot end meanwhile.
+    proxy.faults([{"method": "GET", "path": f"/download/.*{base(failing)}", "status": 404, "times": 1},
+                  *({"method": "GET", "path": f"/download/.*{base(n)}", "hold": HELD, "times": 8, "forward": True}
+                    for n in rest)])
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(process.stdout)
+        assert out.next("JAX's read of the failed entry") == "[null]"
+        assert not summary_file.exists()  # the copy still runs: its other downloads are held
+        proxy.release(HELD)
+        assert out.rest() == [] and process.wait(timeout=60) == 0
+        assert process.stderr is not None
+        [summary] = printed(process.stderr.read())
+    finally:
+        proxy.clear_faults()
+        process.kill()
+    assert summary["failed"] == 1 and summary["copied"] == 4

@@ -1322,6 +1322,7 @@ def dest_note(dest: str, summary: dict[str, Any]) -> None:
 # In process (child()), beside the summary, in the pod's own emptyDir (see Downloads):
 PLAN_SUFFIX = ".plan"  # the names the copy keeps, one a line, once the destination is swept
 WANT_SUFFIX = ".want"  # a directory: a file named as a planned entry asks for it first
+FAILED_SUFFIX = ".failed"  # in it, from the copier: `<entry>.failed`, that entry will not come
 WATCH_SECONDS = 0.003  # how often the copier looks for a new ask
 BACKGROUND_NICE = 10  # the nice value of a copy's workers while the pod's processes start (Downloads)
 
@@ -1340,6 +1341,16 @@ def write_plan(summary_path: str, names: Iterable[str]) -> None:
     os.makedirs(want_dir(summary_path), exist_ok=True)
     path = plan_path(summary_path)
     write_whole(path, f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp", "".join(f"{name}\n" for name in names))
+
+
+def mark_failed(asks: str, base: str) -> None:
+    """`<asks>/<base>.failed`: the planned entry `base` will not come (its download failed, or
+    the bucket lacks it), so that a process waiting for it reads a miss now rather than wait
+    for the whole copy's end (sitecustomize's hook looks for it). Best effort."""
+    try:
+        os.close(os.open(os.path.join(asks, base + FAILED_SUFFIX), os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError:
+        pass
 
 
 def drop_plan(summary_path: str) -> None:
@@ -1521,6 +1532,8 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
                 with lock:
                     summary["failed"] += 1
                     add_error(summary, str(exc))
+                if asks:
+                    mark_failed(asks, wanted.base)
                 return
             done(wanted, size, replaced)
 
@@ -1547,7 +1560,10 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
         queue.serve(one, settings.workers, asks)
         leftovers = unpacked()
         if stood_in and leftovers:  # a pack that did not give them: those the bucket lacks are not fetched
-            leftovers = in_listing(client.list(settings.bucket, settings.prefix), leftovers, summary)
+            there = in_listing(client.list(settings.bucket, settings.prefix), leftovers, summary)
+            for gone in {w.base for w in leftovers} - {w.base for w in there} if asks else ():
+                mark_failed(asks, gone)
+            leftovers = there
         rest = Downloads(leftovers)
         rest.serve(one, settings.workers, asks)  # what the packs did not give
         if queue.asked or rest.asked:

@@ -208,8 +208,11 @@ class _OnDemand(object):
             os.close(os.open(os.path.join(self.summary + ".want", name), os.O_WRONLY | os.O_CREAT, 0o644))
         except OSError:
             pass  # no want directory: the copy is ending; its file or its end is waited for
-        done = _until(self.lock_path, self.summary, self.deadline, lambda: os.path.exists(path))
-        if done or not os.path.exists(path):
+        # The copier's `<entry>.failed` beside the ask: it will not come (a miss now, not at the copy's end).
+        failed = os.path.join(self.summary + ".want", name + ".failed")
+        done = _until(self.lock_path, self.summary, self.deadline,
+                      lambda: os.path.exists(path) or os.path.exists(failed))
+        if done or not (os.path.exists(path) or os.path.exists(failed)):
             self.end(done)
 
     def reads_copy(self, cache):  # type: (Any) -> bool
