@@ -11,6 +11,9 @@ import http.server
 import json
 import os
 import queue
+import shutil
+import subprocess
+import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
@@ -191,3 +194,27 @@ def test_a_copier_stopped_at_its_deadline_leaves_no_plan_nor_asks(tmp_path: Path
     with pytest.raises(SystemExit):
         copier._hard_stop(copier.new_summary("prefix"), 0.0, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local-copy.json"]
+
+
+def test_a_process_of_another_user_can_ask(tmp_path: Path) -> None:
+    """The want directory is made 1777 whatever the copier's umask (022 here): a process of
+    another container of the pod, running as another user, can ask (here: nobody, 65534,
+    in a child process; the test needs root to be another user)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    pod = Path(tempfile.mkdtemp())  # pytest's tmp_path is under a 0700 directory nobody cannot enter
+    try:
+        pod.chmod(0o755)
+        summary = str(pod / "local-copy.json")
+        old = os.umask(0o022)
+        try:
+            copier.write_plan(summary, ["jit_a-x-cache"])
+        finally:
+            os.umask(old)
+        ask = Path(copier.want_dir(summary)) / "jit_a-x-cache"
+        # touch, not this venv's python, which nobody may not run; the ask is made as the hook makes it
+        out = subprocess.run(["touch", str(ask)], user=65534, capture_output=True, text=True, check=False)
+        assert out.returncode == 0, out.stderr
+        assert ask.stat().st_uid == 65534
+    finally:
+        shutil.rmtree(pod)

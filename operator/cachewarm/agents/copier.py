@@ -1337,8 +1337,15 @@ def want_dir(summary_path: str) -> str:
 
 def write_plan(summary_path: str, names: Iterable[str]) -> None:
     """The plan's entry names at `<summary>.plan`, whole or not at all (a temp file renamed
-    over it), after `<summary>.want/` is made: a process that reads the plan can ask."""
+    over it), after `<summary>.want/` is made: a process that reads the plan can ask. The
+    want directory is 1777 (as /tmp), whatever the copier's umask: the pod's own emptyDir,
+    where a process of another container, running as another user, asks too (an ask only
+    orders the plan's own entries; the sticky bit keeps one user's files from another)."""
     os.makedirs(want_dir(summary_path), exist_ok=True)
+    try:
+        os.chmod(want_dir(summary_path), 0o1777)
+    except OSError:
+        pass  # another user's (left behind): asks as it allows
     path = plan_path(summary_path)
     write_whole(path, f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp", "".join(f"{name}\n" for name in names))
 
