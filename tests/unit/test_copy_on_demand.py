@@ -218,3 +218,34 @@ def test_a_process_of_another_user_can_ask(tmp_path: Path) -> None:
         assert ask.stat().st_uid == 65534
     finally:
         shutil.rmtree(pod)
+
+
+def test_an_ask_is_never_made_through_a_link_another_container_left_in_the_want_directory(tmp_path: Path) -> None:
+    # Attacker review: the ask was opened with O_CREAT alone, so a link planted in the (pod-wide,
+    # 1777) want directory made the reading process create a file where the link pointed.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cw_site_ask", copier.__file__.replace("copier.py", "sitecustomize.py"))
+    assert spec is not None and spec.loader is not None
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    dest, summary = tmp_path / "copy", tmp_path / "pod" / "local-copy.json"
+    dest.mkdir()
+    summary.parent.mkdir()
+    name = "jit_f-" + "a" * 64 + "-cache"
+    Path(f"{summary}.plan").write_text(name + "\n")
+    Path(f"{summary}.want").mkdir()
+    target = tmp_path / "elsewhere"
+    Path(f"{summary}.want", name).symlink_to(target)
+    summary.write_text("{}")  # the copy is over: the wait ends at once
+
+    class LRUCache:
+        def __init__(self, path: Path) -> None:
+            self.path = path
+
+        def get(self, key: str) -> None:
+            return None
+
+    hook = site._OnDemand(f"{summary}.lock", str(summary), None, str(dest), LRUCache)
+    hook.before(LRUCache(dest), name.removesuffix("-cache"))
+    assert not target.exists() and not os.path.lexists(target)

@@ -204,10 +204,11 @@ class _OnDemand(object):
             self.load_plan()
         if self.over or name not in self.plan or os.path.exists(path):
             return
-        try:
-            os.close(os.open(os.path.join(self.summary + ".want", name), os.O_WRONLY | os.O_CREAT, 0o644))
+        try:  # a new file, never through a link another container of the pod put there (attacker review)
+            os.close(os.open(os.path.join(self.summary + ".want", name),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
         except OSError:
-            pass  # no want directory: the copy is ending; its file or its end is waited for
+            pass  # asked already, or no want directory (the copy is ending): its file or its end is waited for
         # The copier's `<entry>.failed` beside the ask: it will not come (a miss now, not at the copy's end).
         failed = os.path.join(self.summary + ".want", name + ".failed")
         done = _until(self.lock_path, self.summary, self.deadline,
