@@ -188,3 +188,34 @@ def test_a_pack_gone_with_its_entries_is_one_listing_and_not_a_cold_start(
     listings = [r for r in proxy.log() if r["method"] == "GET" and r["path"].endswith(f"/b/{bucket}/o")]
     assert len(listings) == 1 and media_gets(proxy) == [manifest.rsplit("/", 1)[1], entry(2)]
     assert {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == {entry(2): objects[entry(2)]}
+
+
+def test_a_gone_pack_whose_listing_is_refused_leaves_each_entry_to_be_read_on_its_own(
+        storage_bed: Testbed, storage_only: storage.Client, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The pack is gone and the listing that would sort out its expired entries is refused
+    (403: a reader's identity without list rights): every entry is still read on its own, as
+    before packs, and the listing's failure is said (re-review: it skipped them all)."""
+    for key, value in storage_bed.env().items():
+        if key != "KUBECONFIG":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
+    bucket = f"gone-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    objects = {entry(i): os.urandom(1000 * (i + 1)) for i in range(3)}
+    for name, data in objects.items():
+        storage_only.bucket(bucket).blob(f"jax/{name}").upload_from_string(data)
+    manifest = f"{FOLDER}/llama-h100-0123456780.json"
+    out = warmer.write_manifest(f"gs://{bucket}/{manifest}", list(objects), {"jaxlib": "0.0"}, f"gs://{bucket}/jax")
+    assert out["packEntries"] == 3
+    storage_only.bucket(bucket).blob(manifest.removesuffix(".json") + ".cachewarm-pack").delete()
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.clear_log()
+    proxy.faults([{"method": "GET", "path": f"/b/{bucket}/o$", "status": 403, "times": 100}])
+    try:
+        summary = run_copier(env_for(storage_bed, bucket, tmp_path / "cache",
+                                     manifests=f"{manifest}#{out['manifestGeneration']}"))
+    finally:
+        proxy.clear_faults()
+    assert (summary["copied"], summary["failed"], summary["cold"], summary["packsGone"]) == (3, 0, False, 1), summary
+    assert any("listing what the packs did not give" in e for e in summary["errors"]), summary["errors"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == objects

@@ -249,3 +249,49 @@ def test_an_ask_is_never_made_through_a_link_another_container_left_in_the_want_
     hook = site._OnDemand(f"{summary}.lock", str(summary), None, str(dest), LRUCache)
     hook.before(LRUCache(dest), name.removesuffix("-cache"))
     assert not target.exists() and not os.path.lexists(target)
+
+
+def _site_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cw_site_links", copier.__file__.replace("copier.py", "sitecustomize.py"))
+    assert spec is not None and spec.loader is not None
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    return site
+
+
+def test_a_stale_want_directory_that_is_a_link_is_removed_and_its_target_left_whole(tmp_path: Path) -> None:
+    # Re-review: the lock holder emptied `<summary>.want` through a link another container of
+    # the pod put there, deleting the target directory's files (a workspace, checkpoints).
+    summary = tmp_path / "pod" / "local-copy.json"
+    summary.parent.mkdir()
+    theirs = tmp_path / "workspace"
+    theirs.mkdir()
+    (theirs / "checkpoint").write_text("keep")
+    Path(f"{summary}.want").symlink_to(theirs)
+    _site_module()._drop_stale_plan(str(summary))
+    assert (theirs / "checkpoint").read_text() == "keep"
+    assert not os.path.lexists(f"{summary}.want")
+    # A real stale directory is still emptied and removed.
+    Path(f"{summary}.want").mkdir()
+    Path(f"{summary}.want", "jit_f-" + "a" * 64 + "-cache").touch()
+    _site_module()._drop_stale_plan(str(summary))
+    assert not os.path.lexists(f"{summary}.want")
+
+
+def test_the_plans_want_directory_is_never_made_through_a_link(tmp_path: Path) -> None:
+    # Re-review: makedirs(exist_ok) took a linked `.want` and chmod 1777 followed it.
+    summary = tmp_path / "local-copy.json"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    Path(copier.want_dir(str(summary))).symlink_to(theirs)
+    copier.write_plan(str(summary), ["jit_f-" + "a" * 64 + "-cache"])
+    assert oct(theirs.stat().st_mode & 0o7777) == oct(0o700)
+    want = Path(copier.want_dir(str(summary)))
+    assert want.is_dir() and not want.is_symlink() and want.stat().st_mode & 0o7777 == 0o1777
+    # A failed marker is never created through a link either.
+    target = tmp_path / "elsewhere"
+    (want / ("jit_g-" + "b" * 64 + "-cache.failed")).symlink_to(target)
+    copier.mark_failed(str(want), "jit_g-" + "b" * 64 + "-cache")
+    assert not target.exists()

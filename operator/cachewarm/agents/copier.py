@@ -1341,11 +1341,17 @@ def write_plan(summary_path: str, names: Iterable[str]) -> None:
     want directory is 1777 (as /tmp), whatever the copier's umask: the pod's own emptyDir,
     where a process of another container, running as another user, asks too (an ask only
     orders the plan's own entries; the sticky bit keeps one user's files from another)."""
-    os.makedirs(want_dir(summary_path), exist_ok=True)
+    want = want_dir(summary_path)
+    if os.path.islink(want):  # a link another container put there: never made 1777 nor used through it
+        os.unlink(want)
+    os.makedirs(want, exist_ok=True)
+    fd = os.open(want, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.chmod(want_dir(summary_path), 0o1777)
+        os.fchmod(fd, 0o1777)
     except OSError:
         pass  # another user's (left behind): asks as it allows
+    finally:
+        os.close(fd)
     path = plan_path(summary_path)
     write_whole(path, f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp", "".join(f"{name}\n" for name in names))
 
@@ -1355,9 +1361,10 @@ def mark_failed(asks: str, base: str) -> None:
     the bucket lacks it), so that a process waiting for it reads a miss now rather than wait
     for the whole copy's end (sitecustomize's hook looks for it). Best effort."""
     try:
-        os.close(os.open(os.path.join(asks, base + FAILED_SUFFIX), os.O_WRONLY | os.O_CREAT, 0o644))
+        os.close(os.open(os.path.join(asks, base + FAILED_SUFFIX),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     except OSError:
-        pass
+        pass  # marked already (or through a link: never followed), or no directory
 
 
 def drop_plan(summary_path: str) -> None:
@@ -1567,7 +1574,11 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
         queue.serve(one, settings.workers, asks)
         leftovers = unpacked()
         if stood_in and leftovers:  # a pack that did not give them: those the bucket lacks are not fetched
-            there = in_listing(client.list(settings.bucket, settings.prefix), leftovers, summary)
+            try:
+                there = in_listing(client.list(settings.bucket, settings.prefix), leftovers, summary)
+            except Exception as exc:  # noqa: BLE001 - no listing: every leftover is read on its own, as before
+                add_error(summary, f"listing what the packs did not give: {type(exc).__name__}: {exc}")
+                there = leftovers
             for gone in {w.base for w in leftovers} - {w.base for w in there} if asks else ():
                 mark_failed(asks, gone)
             leftovers = there

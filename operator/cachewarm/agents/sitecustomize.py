@@ -389,15 +389,24 @@ def _drop_stale_plan(summary):  # type: (str) -> None
         os.unlink(summary + ".plan")
     except OSError:
         pass
-    try:
-        names = os.listdir(want)
-    except OSError:
-        return
-    for name in names:
+    if os.path.islink(want):  # never listed nor emptied through a link another container put there
         try:
-            os.unlink(os.path.join(want, name))
+            os.unlink(want)
         except OSError:
             pass
+        return
+    try:
+        fd = os.open(want, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return
+    try:
+        for name in os.listdir(fd):
+            try:
+                os.unlink(name, dir_fd=fd)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
     try:
         os.rmdir(want)
     except OSError:
