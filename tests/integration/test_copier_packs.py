@@ -163,19 +163,7 @@ def test_a_pack_gone_with_its_entries_is_one_listing_and_not_a_cold_start(
     expire): the pack's 404 is counted packsGone, not an error; the bucket is listed once,
     the two it lacks are notInBucket and not asked for (before: a 404 per entry, each a
     failure, the start cold), and the one it holds is downloaded."""
-    for key, value in storage_bed.env().items():
-        if key != "KUBECONFIG":
-            monkeypatch.setenv(key, value)
-    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
-    bucket = f"gone-{uuid.uuid4().hex[:10]}"
-    storage_only.create_bucket(bucket, location="us-central1")
-    objects = {entry(i): os.urandom(1000 * (i + 1)) for i in range(3)}
-    for name, data in objects.items():
-        storage_only.bucket(bucket).blob(f"jax/{name}").upload_from_string(data)
-    manifest = f"{FOLDER}/llama-h100-0123456789.json"
-    out = warmer.write_manifest(f"gs://{bucket}/{manifest}", list(objects), {"jaxlib": "0.0"}, f"gs://{bucket}/jax")
-    assert out["packEntries"] == 3
-    storage_only.bucket(bucket).blob(manifest.removesuffix(".json") + ".cachewarm-pack").delete()
+    bucket, objects, manifest, out = packed_then_gone(storage_bed, storage_only, monkeypatch)
     for name in (entry(0), entry(1)):
         storage_only.bucket(bucket).blob(f"jax/{name}").delete()
     proxy = ProxyControl(storage_bed.storage_emulator_host)
@@ -195,19 +183,7 @@ def test_a_gone_pack_whose_listing_is_refused_leaves_each_entry_to_be_read_on_it
     """The pack is gone and the listing that would sort out its expired entries is refused
     (403: a reader's identity without list rights): every entry is still read on its own, as
     before packs, and the listing's failure is said (re-review: it skipped them all)."""
-    for key, value in storage_bed.env().items():
-        if key != "KUBECONFIG":
-            monkeypatch.setenv(key, value)
-    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
-    bucket = f"gone-{uuid.uuid4().hex[:10]}"
-    storage_only.create_bucket(bucket, location="us-central1")
-    objects = {entry(i): os.urandom(1000 * (i + 1)) for i in range(3)}
-    for name, data in objects.items():
-        storage_only.bucket(bucket).blob(f"jax/{name}").upload_from_string(data)
-    manifest = f"{FOLDER}/llama-h100-0123456780.json"
-    out = warmer.write_manifest(f"gs://{bucket}/{manifest}", list(objects), {"jaxlib": "0.0"}, f"gs://{bucket}/jax")
-    assert out["packEntries"] == 3
-    storage_only.bucket(bucket).blob(manifest.removesuffix(".json") + ".cachewarm-pack").delete()
+    bucket, objects, manifest, out = packed_then_gone(storage_bed, storage_only, monkeypatch)
     proxy = ProxyControl(storage_bed.storage_emulator_host)
     proxy.clear_log()
     proxy.faults([{"method": "GET", "path": f"/b/{bucket}/o$", "status": 403, "times": 100}])
@@ -219,3 +195,23 @@ def test_a_gone_pack_whose_listing_is_refused_leaves_each_entry_to_be_read_on_it
     assert (summary["copied"], summary["failed"], summary["cold"], summary["packsGone"]) == (3, 0, False, 1), summary
     assert any("listing what the packs did not give" in e for e in summary["errors"]), summary["errors"]
     assert {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == objects
+
+
+def packed_then_gone(storage_bed: Testbed, storage_only: storage.Client, monkeypatch: pytest.MonkeyPatch,
+                     ) -> tuple[str, dict[str, bytes], str, dict[str, object]]:
+    """A bucket of three small entries, the warmer's manifest and pack of them (as a warm
+    writes them), then the pack deleted (expired): (bucket, entries, manifest, write_manifest's answer)."""
+    for key, value in storage_bed.env().items():
+        if key != "KUBECONFIG":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
+    bucket = f"gone-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    objects = {entry(i): os.urandom(1000 * (i + 1)) for i in range(3)}
+    for name, data in objects.items():
+        storage_only.bucket(bucket).blob(f"jax/{name}").upload_from_string(data)
+    manifest = f"{FOLDER}/llama-h100-0123456789.json"
+    out = warmer.write_manifest(f"gs://{bucket}/{manifest}", list(objects), {"jaxlib": "0.0"}, f"gs://{bucket}/jax")
+    assert out["packEntries"] == 3
+    storage_only.bucket(bucket).blob(manifest.removesuffix(".json") + ".cachewarm-pack").delete()
+    return bucket, objects, manifest, out
