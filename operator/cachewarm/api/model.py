@@ -7,10 +7,12 @@ from __future__ import annotations
 import datetime as dt
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from decimal import Decimal
+from typing import Any, Final, Literal
 
 from croniter import CroniterBadDateError, croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from kubernetes.utils.quantity import parse_quantity
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
 
 # A cron schedule as the CRD's pattern has it: an @alias or exactly five fields.
@@ -64,6 +66,65 @@ class JaxSettings(_Model):
     min_compile_time_secs: float = Field(default=1.0, alias="minCompileTimeSecs", ge=0)
     min_entry_size_bytes: int = Field(default=0, alias="minEntrySizeBytes", ge=0)
     enable_xla_caches: str = Field(default="none", alias="enableXlaCaches")
+
+
+# spec.torch (issue 31). The CRD's rules, to the letter, for objects stored without them.
+TORCH_CACHE_DIR: Final = "/cachewarm-torch"
+TORCH_MAX_ARCHIVE_SIZE: Final = "4Gi"
+TORCH_MAX_ARCHIVE_LIMIT: Final = "64Gi"  # the CRD's maximum of spec.torch.maxArchiveSize
+TORCH_CACHE_DIR_FORM = re.compile(r"^(/[A-Za-z0-9._-]+)+$")
+# cachewarm's own mount paths in warmers and pods (the default cacheDir is the one of
+# them a torch cache's directory may be): no cacheDir may be one of them or below one.
+CACHEWARM_PATH = re.compile(r"^(/cachewarm[^/]*|/opt/cachewarm|/var/run/secrets/cachewarm)(/|$)")
+# A Kubernetes quantity, as the apiserver's isQuantity() reads one (the Kubernetes client's
+# parser alone also takes surrounding blanks).
+QUANTITY_FORM = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))?$")
+
+
+def quantity_bytes(value: int | str) -> int:
+    """The bytes of a Kubernetes quantity (an int, or a string such as "4Gi" or "500M"),
+    rounded down. Raises ValueError for anything that is not one."""
+    if isinstance(value, bool) or not (isinstance(value, int) or QUANTITY_FORM.match(str(value))):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 4Gi, 500Mi or a number of bytes)")
+    parsed: Decimal = parse_quantity(value)  # type: ignore[no-untyped-call]
+    return int(parsed)
+
+
+class TorchSettings(_Model):
+    """spec.torch: present, the cache serves torch.compile's (Inductor's) caches; spec.jax
+    does not apply then."""
+
+    # TORCHINDUCTOR_CACHE_DIR of warmers and pods alike (a writable emptyDir there in both).
+    cache_dir: str = Field(default=TORCH_CACHE_DIR, alias="cacheDir", max_length=200)
+    # The most bytes the warmer uploads as one archive and a copier extracts from one.
+    # An int-or-string, as in the CRD (strict: no float or bool read as a number).
+    max_archive_size: StrictInt | StrictStr = Field(default=TORCH_MAX_ARCHIVE_SIZE, alias="maxArchiveSize")
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir(cls, value: str) -> str:
+        if not TORCH_CACHE_DIR_FORM.match(value):
+            raise ValueError(f"{value!r} is not an absolute directory of segments of letters, digits, '.', '_' and '-' "
+                             f"below '/', without a trailing '/' (e.g. {TORCH_CACHE_DIR})")
+        if any(part in (".", "..") for part in value.split("/")):
+            raise ValueError(f"{value!r} has a '.' or '..' segment")
+        if CACHEWARM_PATH.match(value) and not (value == TORCH_CACHE_DIR or value.startswith(TORCH_CACHE_DIR + "/")):
+            raise ValueError(f"{value!r} is one of cachewarm's own mount paths (/cachewarm*, /opt/cachewarm, "
+                             f"/var/run/secrets/cachewarm) or below one; only {TORCH_CACHE_DIR} may be used")
+        return value
+
+    @field_validator("max_archive_size")
+    @classmethod
+    def _max_archive_size(cls, value: int | str) -> int | str:
+        size = quantity_bytes(value)
+        if not 1 <= size <= quantity_bytes(TORCH_MAX_ARCHIVE_LIMIT):
+            raise ValueError(f"{value!r} is not between 1 byte and {TORCH_MAX_ARCHIVE_LIMIT}")
+        return value
+
+    @property
+    def max_archive_bytes(self) -> int:
+        """max_archive_size in bytes (CACHEWARM_TORCH_MAX_ARCHIVE_BYTES)."""
+        return quantity_bytes(self.max_archive_size)
 
 
 class WaitForWarm(_Model):
@@ -179,6 +240,13 @@ class CacheSpec(_Model):
     jax: JaxSettings = Field(default_factory=JaxSettings)
     injection: Injection = Field(default_factory=Injection)
     warmup: Warmup | None = None
+    # Present: a torch.compile (Inductor) cache; absent: JAX's (spec.jax applies).
+    torch: TorchSettings | None = None
+
+    @property
+    def framework(self) -> Literal["jax", "torch"]:
+        """Whose compilation cache this is: spec.torch present makes it torch's."""
+        return "torch" if self.torch is not None else "jax"
 
     @model_validator(mode="before")
     @classmethod
@@ -202,15 +270,42 @@ class CacheSpec(_Model):
         if injection.get("localCopy") is None and injection.get("readFrom") == "LocalCopy":
             injection["localCopy"] = {}  # asked for by name, with LocalCopy's defaults
         elif injection.get("localCopy") is None and injection.get("readFrom") is None and data.get("warmup") \
-                and injection.get("mode", "ReadOnly") == "ReadOnly" and jax.get("enableXlaCaches", "none") == "none":
+                and injection.get("mode", "ReadOnly") == "ReadOnly" \
+                and (jax.get("enableXlaCaches", "none") == "none" or data.get("torch") is not None):
+            # A torch cache always: Inductor reads a local directory only (spec.jax does not apply).
             injection["localCopy"] = {}
             injection["localCopyByDefault"] = True
         return {**data, "injection": injection}
+
+    @model_validator(mode="after")
+    def _torch_rules(self) -> CacheSpec:
+        """The CRD's rules of spec.torch, for objects stored without them (each message the CRD's)."""
+        if self.torch is None:
+            return self
+        problems = []
+        if self.warmup is None:
+            problems.append("spec.torch needs spec.warmup: only warmers fill a torch cache (pods never write it)")
+        if self.injection.mode != "ReadOnly":
+            problems.append("spec.torch refuses spec.injection.mode ReadWrite: a torch cache is code (its artifacts "
+                            "are pickles and shared objects that run when loaded), so pods only read (ReadOnly)")
+        if self.injection.read_from == "Bucket":
+            problems.append("spec.torch refuses spec.injection.readFrom Bucket: torch reads a local directory only, "
+                            "so its pods always get a local copy")
+        tpu = [pool.name for pool in (self.warmup.pools if self.warmup is not None else []) if pool.tpu is not None]
+        if tpu:
+            problems.append(f"spec.torch refuses TPU pools ({', '.join(tpu)} in spec.warmup.pools): torch on TPU is "
+                            "torch_xla, which cachewarm does not support")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def read_path(self) -> tuple[ReadFrom, str]:
         """(where pods read the cache, why), in words for the LocalCopyAsSpecified condition."""
         injection = self.injection
         if injection.local_copy is not None:
+            if injection.local_copy_by_default and self.torch is not None:
+                return "LocalCopy", ("the default of a torch cache: Inductor reads a local directory only, so its "
+                                     "pods always get a local copy (spec.injection.localCopy configures it)")
             if injection.local_copy_by_default:
                 return "LocalCopy", ("the default: spec.injection sets neither localCopy nor readFrom; set "
                                      "spec.injection.readFrom to Bucket for pods to read gs:// directly")
@@ -233,6 +328,7 @@ def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:
         return CacheSpec.model_validate(dict(spec))
     except ValidationError as exc:
         problems = "; ".join(
-            f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            f"spec.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else f"spec: {err['msg']}"
+            for err in exc.errors()
         )
         raise InvalidSpec(problems) from exc
