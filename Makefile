@@ -6,9 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
+# torch in a venv of its own (5 GB: the PyPI wheel needs its CUDA packages even on CPU), for
+# the integration tests that run torch's agents against the GCS emulator.
+TORCH_VENV := $(CURDIR)/.cache/torch-venv-$(TORCH_VERSION)
+export CACHEWARM_TORCH_PYTHON := $(TORCH_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help venv bin node-deps images lint-manifests kstatus test test-unit mutants lint lint-imports docs dev-up dev-down demo demo-simulated clean
+.PHONY: help venv torch-venv bin node-deps images lint-manifests kstatus test test-unit mutants lint lint-imports docs dev-up dev-down demo demo-simulated clean
 
 help: ## List the targets
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' Makefile
@@ -20,6 +24,14 @@ $(VENV)/.installed: pyproject.toml testbed/pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed ## Create .venv with the project and its test extras
+
+$(TORCH_VENV)/.installed: hack/versions.env
+	rm -rf $(TORCH_VENV)
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	touch $@
+
+torch-venv: $(TORCH_VENV)/.installed ## Create .cache/torch-venv-<version> with torch, for the torch agents' integration tests
 
 bin: ## Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl from Go modules (cached)
 	hack/build-binaries.sh $(BIN_DIR)
@@ -36,7 +48,7 @@ lint-manifests: bin ## kube-score the rendered manifests (built once from the Go
 kstatus: ## Build hack/kstatus, the GitOps health check of Flux and kpt (sigs.k8s.io/cli-utils), for the suite (cached)
 	hack/build-kstatus.sh >/dev/null
 
-test: venv bin node-deps images lint-manifests kstatus lint-imports ## Run the whole suite: manifests lint, import contracts, unit, integration, e2e
+test: venv torch-venv bin node-deps images lint-manifests kstatus lint-imports ## Run the whole suite: manifests lint, import contracts, unit, integration, e2e
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv ## Run the unit tests only (no processes)

@@ -1,7 +1,8 @@
 """Images from our Dockerfiles, built without a Docker daemon, for the real node.
 
-buildah (Debian's) builds `Dockerfile` (the operator), `warmer_image/Dockerfile` and
-`demo/Dockerfile` (the demo's training image with jax) in a private store under
+buildah (Debian's) builds `Dockerfile` (the operator), `warmer_image/Dockerfile`,
+`demo/Dockerfile` (the demo's training image with jax) and `demo/torch/Dockerfile` (the
+torch demo's, 5.4 GB: only callers that ask for it get its archive) in a private store under
 `.cache/images/` (vfs driver, chroot isolation: no daemon, no mounts left behind; its run
 state in /run is removed after each build), and
 exports each as an OCI archive that the real node's containerd imports
@@ -43,6 +44,8 @@ OPERATOR_IMAGE = "docker.io/cachewarm/operator:0.1.0"
 WARMER_IMAGE = "docker.io/cachewarm/warmer:0.1.0"
 # The name pods use: CRI normalizes it to docker.io/cachewarm/demo-train:0.1.0.
 TRAIN_IMAGE = "cachewarm/demo-train:0.1.0"
+# The torch demo's training image (demo/torch/Dockerfile, issue 31): torch and g++, ~5.4 GB.
+TORCH_TRAIN_IMAGE = "cachewarm/demo-torch:0.1.0"
 # The same without any GCS library (demo/Dockerfile's stage `plain`): pods with a local copy.
 PLAIN_TRAIN_IMAGE = "cachewarm/demo-train-plain:0.1.0"
 PYTHON_BASE = "localhost/cachewarm-base/python"
@@ -53,6 +56,9 @@ SUITE = "bookworm"
 # the official image where our Dockerfiles lean on it (python and pip on PATH, pip allowed
 # to install system-wide, libstdc++ as jaxlib needs and python:3.11-slim has).
 MMDEBSTRAP = ["--variant=essential", "--include=python3,python3-pip,passwd,ca-certificates,libstdc++6"]
+# The full python image's part that torch's Inductor needs at run time: a C++ compiler (and
+# python's headers, which its C++ kernels include), as python:3.11 (not -slim) has.
+CXX_PACKAGES = "g++,python3-dev"
 PYTHON_HOOK = ('rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED; ln -sf python3 "$1"/usr/bin/python; '
                'ln -sf pip3 "$1"/usr/bin/pip; rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* '
                '"$1"/usr/share/doc "$1"/usr/share/man')
@@ -67,8 +73,11 @@ class Build:
     dockerfile: str
     context: tuple[str, ...]
     base_arg: str
-    base: str  # "python" or "busybox"
+    base: str  # "python", "python-cxx" (python with g++) or "busybox"
     target: str = ""  # the Dockerfile's stage to build ("": its last)
+    # Built by `make images` but given only to callers that ask for it (build_all(torch=True)):
+    # the torch image is 5.4 GB, which every real node would otherwise import.
+    torch: bool = False
 
 
 BUILDS = (
@@ -78,6 +87,8 @@ BUILDS = (
     Build(f"docker.io/{TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE", "python"),
     Build(f"docker.io/{PLAIN_TRAIN_IMAGE}", "demo/Dockerfile", ("demo/train.py", "demo/programs.py"), "PYTHON_IMAGE",
           "python", target="plain"),
+    Build(f"docker.io/{TORCH_TRAIN_IMAGE}", "demo/torch/Dockerfile", ("demo/torch/train_torch.py",), "PYTHON_IMAGE",
+          "python-cxx", torch=True),
 )
 
 
@@ -139,16 +150,16 @@ class Builder:
         return subprocess.run(["buildah", f"--root={self.store}", f"--runroot={self.runroot}", "--storage-driver=vfs",
                                "inspect", "--type=image", name], capture_output=True).returncode == 0
 
-    def python_base(self, tool_version: str) -> tuple[str, str]:
-        """(image name, key) of the Debian python base, made once per key."""
-        key = self._base_key("python", tool_version)
-        name = f"{PYTHON_BASE}:{key}"
+    def python_base(self, tool_version: str, base: str = "python") -> tuple[str, str]:
+        """(image name, key) of the Debian python base (`python-cxx`: with g++), made once per key."""
+        key = self._base_key(base, tool_version)
+        name = f"{PYTHON_BASE}{'-cxx' if base == 'python-cxx' else ''}:{key}"
         if self._has(name):
             return name, key
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="cachewarm-base-") as tmp:
             rootfs = Path(tmp) / "rootfs.tar"
-            result = subprocess.run(["mmdebstrap", "--quiet", "--mode=root", *MMDEBSTRAP,
+            result = subprocess.run(["mmdebstrap", "--quiet", "--mode=root", *self._mmdebstrap(base),
                                      f"--customize-hook={PYTHON_HOOK}", SUITE, str(rootfs)],
                                     capture_output=True, text=True, timeout=1800)
             if result.returncode != 0:
@@ -162,7 +173,7 @@ class Builder:
                 self.buildah("commit", "--quiet", container, name, step="python base (commit)")
             finally:
                 self.buildah("rm", container, step="python base (rm)")
-        self.timings["python-base"] = round(time.monotonic() - t0, 1)
+        self.timings[f"{base}-base"] = round(time.monotonic() - t0, 1)
         return name, key
 
     def busybox_base(self, tool_version: str) -> tuple[str, str]:
@@ -181,14 +192,17 @@ class Builder:
             self.buildah("tag", image_id.splitlines()[-1], name, step="busybox base (tag)")
         return name, key
 
-    def build_all(self) -> dict[str, Path]:
-        """Build (or find in the cache) every image of BUILDS; ref -> OCI archive."""
+    def build_all(self, torch: bool = False) -> dict[str, Path]:
+        """Build (or find in the cache) every image of BUILDS (the torch image only with
+        `torch`); ref -> OCI archive."""
         tool_version = self._preflight()
         self.cache.mkdir(parents=True, exist_ok=True)
         bases: dict[str, tuple[str, str]] = {}
         out: dict[str, Path] = {}
         try:
             for build in BUILDS:
+                if build.torch and not torch:
+                    continue
                 archive_name = build.ref.rsplit("/", 1)[1].replace(":", "-")
                 if build.base not in bases:
                     # Computing the key needs no build; the base is made only if an archive is missing.
@@ -199,7 +213,7 @@ class Builder:
                     out[build.ref] = archive
                     continue
                 if not bases[build.base][0]:
-                    bases[build.base] = (self.python_base(tool_version) if build.base == "python"
+                    bases[build.base] = (self.python_base(tool_version, build.base) if build.base.startswith("python")
                                          else self.busybox_base(tool_version))
                 t0 = time.monotonic()
                 self._build(build, bases[build.base][0], archive)
@@ -213,9 +227,15 @@ class Builder:
             shutil.rmtree(self.runroot, ignore_errors=True)
         return out
 
+    @staticmethod
+    def _mmdebstrap(base: str) -> list[str]:
+        return MMDEBSTRAP[:-1] + [f"{MMDEBSTRAP[-1]},{CXX_PACKAGES}"] if base == "python-cxx" else MMDEBSTRAP
+
     def _base_key(self, base: str, tool_version: str) -> str:
-        if base == "python":
-            return hashlib.sha256(json.dumps([SUITE, MMDEBSTRAP, PYTHON_HOOK, tool_version]).encode()).hexdigest()[:16]
+        if base.startswith("python"):
+            # The plain python base's key is what it was before python-cxx existed (no rebuild).
+            return hashlib.sha256(json.dumps([SUITE, self._mmdebstrap(base), PYTHON_HOOK, tool_version]).encode()
+                                  ).hexdigest()[:16]
         return hashlib.sha256(BUSYBOX.read_bytes() + tool_version.encode()).hexdigest()[:16]
 
     def _build(self, build: Build, base: str, archive: Path) -> None:
@@ -241,10 +261,11 @@ class Builder:
         self.buildah("rmi", build.ref, step=f"removing {build.ref} from the build store")
 
 
-def build_all(root: Path | None = None) -> dict[str, Path]:
-    """Every image's OCI archive (built when its content changed). Raises StartError."""
+def build_all(root: Path | None = None, *, torch: bool = False) -> dict[str, Path]:
+    """Every image's OCI archive (built when its content changed), the torch image's only
+    with `torch`. Raises StartError."""
     from cachewarm_testbed.cluster import repo_root
-    return Builder(root or repo_root()).build_all()
+    return Builder(root or repo_root()).build_all(torch=torch)
 
 
 def main() -> None:
@@ -260,7 +281,7 @@ def main() -> None:
     builder = Builder(repo_root())
     t0 = time.monotonic()
     try:
-        archives = builder.build_all()
+        archives = builder.build_all(torch=True)
     except StartError as exc:
         sys.exit(f"error: {exc}")
     for ref, archive in archives.items():

@@ -84,8 +84,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PACKAGES_HINT = "run `make node-deps` (Debian: containerd runc containernetworking-plugins busybox-static iptables)"
 
 
-def _run(*argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(list(argv), capture_output=True, text=True, timeout=60, input=input)
+def _run(*argv: str, check: bool = True, input: str | None = None,
+         timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input)
     if check and result.returncode != 0:
         raise StartError(f"`{' '.join(argv)}` failed ({result.returncode}): {result.stderr.strip()}")
     return result
@@ -382,8 +383,8 @@ class RealNode:
     def log_dir(self) -> Path:
         return self.workdir / "logs"
 
-    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run("ctr", f"--address={self.socket}", "-n", "k8s.io", *args, check=check)
+    def ctr(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return _run("ctr", f"--address={self.socket}", "-n", "k8s.io", *args, check=check, timeout=timeout)
 
     # -- start ------------------------------------------------------------------------
 
@@ -606,7 +607,8 @@ state = "{state}"
         """
         for ref, archive in archives.items():
             name_flags = [] if ref in _index_image_names(archive) else ["--index-name", ref]
-            result = self.ctr("images", "import", *name_flags, str(archive), check=False)
+            # The torch image (3 GB compressed, 5.4 GB unpacked) takes minutes on this VM's disk.
+            result = self.ctr("images", "import", *name_flags, str(archive), check=False, timeout=1200)
             if result.returncode != 0:
                 raise StartError(f"ctr images import {archive} failed: {result.stderr.strip()}\n"
                                  f"--- containerd log ---\n{log_tail(self.log_dir / 'containerd.log')}")
