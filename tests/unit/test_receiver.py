@@ -199,3 +199,24 @@ def test_a_followers_forwards_stay_within_the_leaders_per_peer_cap() -> None:
             await listener.stop()
     statuses, refused = asyncio.run(run())
     assert statuses == [202] * (3 * FORWARD_CONNECTIONS) and refused == 0
+
+
+TORCH = {"fxGraphHits": 3, "fxGraphMisses": 0, "fxGraphBypasses": 0, "aotAutogradHits": 2, "aotAutogradMisses": 0,
+         "aotAutogradBypasses": 0, "compileSeconds": 1.5}
+
+
+def test_a_torch_report_is_taken_and_a_malformed_torch_section_refused_before_any_review() -> None:
+    kube = MemoryKube()
+    kube.reviews = {token("good"): REVIEW}
+    fingerprint = {"framework": "torch", "versions": {"torch": "2.15.0"}, "inductorEnv": {"TORCHINDUCTOR_X": "1"}}
+    torch = {**REPORT, "counts": {**REPORT["counts"], "requests": 3, "hits": 3}, "torch": TORCH,
+             "fingerprint": fingerprint}
+    bad = {**torch, "torch": {**TORCH, "fxGraphHits": "3"}}
+    codes, metrics, store = exchange(kube, [(bearer("good"), json.dumps(bad).encode()),
+                                            (bearer("good"), json.dumps(torch).encode())])
+    assert codes == [400, 202]
+    assert kube.calls.count("review_token") == 1  # the malformed one never reached the apiserver
+    usage = store.usage("ml", "llama", dt.datetime.now(dt.timezone.utc))
+    assert usage is not None and usage["torch"]["fxGraphHits"] == 3 and usage["torch"]["pods"] == 1
+    assert store.fingerprints("ml", "llama", dt.datetime.now(dt.timezone.utc)) == [("trainer", fingerprint)]
+    assert metrics.cache_hits.labels("ml", "llama")._value.get() == 3.0

@@ -143,9 +143,30 @@ def _seconds(start: Any, end: Any) -> float | None:
     return max((ended - began).total_seconds(), 0.0)
 
 
+# status.usage.torch (a torch cache's pods, in the usage window), one gauge per field.
+TORCH_GAUGES = {
+    "pods": ("cachewarm_torch_pods", "Pods of a torch cache whose reports carried torch's counters in the usage "
+             "window (status.usage.torch.pods)."),
+    "fxGraphHits": ("cachewarm_torch_fx_graph_hits", "Inductor FX graph cache hits torch counted in the pods "
+                    "(status.usage.torch)."),
+    "fxGraphMisses": ("cachewarm_torch_fx_graph_misses", "Inductor FX graph cache misses torch counted in the pods."),
+    "aotAutogradHits": ("cachewarm_torch_aot_autograd_hits", "AOTAutograd cache hits torch counted in the pods."),
+    "aotAutogradMisses": ("cachewarm_torch_aot_autograd_misses", "AOTAutograd cache misses torch counted in the "
+                          "pods."),
+    "compileSeconds": ("cachewarm_torch_compile_seconds", "Seconds torch spent compiling in the pods."),
+    "warmerCompileSeconds": ("cachewarm_torch_warmer_compile_seconds", "Seconds the pods that hit would have "
+                             "compiled cold, as the warm of their fingerprint took."),
+    "secondsSaved": ("cachewarm_torch_seconds_saved", "Seconds the pods' hits saved, measured against the warm of "
+                     "their fingerprint (status.usage.torch.secondsSaved)."),
+    "hitButNotSaved": ("cachewarm_torch_hit_but_not_saved_pods", "Pods whose torch counters hit but whose compile "
+                       "seconds were not below the warmer's: counted as hits, not as time saved."),
+}
+
+
 class _CacheCollector(Collector):
     """Entries and bytes of each cache as its status last reported them (the inventory), and
-    its pods' missed programs by cause and measured seconds saved (status.usage)."""
+    its pods' missed programs by cause and measured seconds saved (status.usage), and a
+    torch cache's counters and seconds (status.usage.torch)."""
 
     def __init__(self, caches: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
         self._caches = caches
@@ -164,6 +185,8 @@ class _CacheCollector(Collector):
                                   "window, measured (status.usage.measuredSecondsSaved): a program's compile seconds "
                                   "(as pods compiled it in the window, else as the cache's warmer did) times its hits, "
                                   "less their load seconds.", labels=["namespace", "cache"])
+        torch = {name: GaugeMetricFamily(metric, help_text, labels=["namespace", "cache"])
+                 for name, (metric, help_text) in TORCH_GAUGES.items()}
         for body in list(self._caches()):
             meta, status = body.get("metadata") or {}, body.get("status") or {}
             cache, usage = status.get("cache") or {}, status.get("usage") or {}
@@ -181,8 +204,15 @@ class _CacheCollector(Collector):
                 lost.add_metric([*labels, cause], seconds)
             if isinstance(usage.get("measuredSecondsSaved"), (int, float)):
                 saved.add_metric(labels, float(usage["measuredSecondsSaved"]))
+            used = usage.get("torch")
+            used = used if isinstance(used, Mapping) else {}
+            for name, family in torch.items():
+                value = used.get(name)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    family.add_metric(labels, float(value))
         yield entries
         yield size
         yield missed
         yield lost
         yield saved
+        yield from torch.values()

@@ -5,7 +5,9 @@ module groups the entries by program, matches them to the warmer pools that repo
 their keys (with the fingerprint those were computed with) and to the training pods that
 reported hitting them (status.usage.recentHits, from the pods' reporters, within the
 operator's report window), and renders a table or JSON; then the programs those pods still
-compiled, each with its cause (status.usage.missedPrograms).
+compiled, each with its cause (status.usage.missedPrograms). A torch cache's one entry per
+warm is its Inductor archive (`torch-inductor-<sha256>-cache`, shown as the program
+torch-inductor), and its pods' use is torch's own counters (status.usage.torch).
 """
 
 from __future__ import annotations
@@ -139,9 +141,12 @@ def as_json(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, Any
                                for e in p.entries]} for p in progs],
         "pools": [{"name": pool.get("name"), "state": pool.get("state"), "job": pool.get("job"),
                    "fingerprint": pool.get("fingerprint") or {},
-                   "compiledPrograms": list(pool.get("compiledPrograms") or [])} for pool in pools],
+                   "compiledPrograms": list(pool.get("compiledPrograms") or []),
+                   **({"torch": dict(pool["torch"])} if isinstance(pool.get("torch"), Mapping) else {})}
+                  for pool in pools],
         "missedPrograms": _missed_rows(missed),
         **_saved(usage),
+        **({"torch": torch} if (torch := _torch(usage)) is not None else {}),
     }, indent=2)
 
 
@@ -154,12 +159,65 @@ def _size(n: int) -> str:
 
 
 def describe(fingerprint: Mapping[str, Any]) -> str:
-    """A fingerprint in a few words: jax 0.10.2, tpu TPU v5p x8 (2 processes), flags abc123."""
+    """A fingerprint in a few words: jax 0.10.2, tpu TPU v5p x8 (2 processes), flags abc123;
+    or torch's: torch 2.15.0, triton 3.9.0, cpu cpu, Inductor config abc123, torch key
+    0123, env TORCHINDUCTOR_X=1."""
     if not fingerprint:
         return "-"
+    if fingerprint.get("framework") == "torch":
+        return _describe_torch(fingerprint)
     devices = f"{fingerprint.get('platform', '?')} {fingerprint.get('deviceKind', '')} x{fingerprint.get('devices', '?')}"
     processes = f" ({fingerprint['processes']} processes)" if int(fingerprint.get("processes") or 1) > 1 else ""
     return f"jax {fingerprint.get('jax', '?')}, {' '.join(devices.split())}{processes}, flags {fingerprint.get('flagsHash', '?')}"
+
+
+def _describe_torch(fingerprint: Mapping[str, Any]) -> str:
+    found = fingerprint.get("versions")
+    versions: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    words = [f"{name} {versions[name]}" for name in ("torch", "triton") if name in versions]
+    words.append(" ".join(str(fingerprint.get(k)) for k in ("platform", "platformVersion", "deviceKind")
+                          if fingerprint.get(k)) or "?")
+    words += [f"Inductor config {fingerprint.get('inductorConfigHash', '?')}",
+              f"torch key {fingerprint.get('torchKey', '?')}"]
+    for key, said in (("inductorEnv", "env"), ("inductorChanged", "set in code")):
+        named = fingerprint.get(key)
+        if isinstance(named, Mapping) and named:
+            words.append(f"{said} " + " ".join(f"{k}={v}" for k, v in sorted(named.items())))
+    return ", ".join(words)
+
+
+TORCH_FIELDS = ("pods", "fxGraphHits", "fxGraphMisses", "aotAutogradHits", "aotAutogradMisses", "compileSeconds",
+                "warmerCompileSeconds", "secondsSaved", "hitButNotSaved")
+
+
+def _torch(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """status.usage.torch, its known fields (None: not a torch cache, or no pod reported)."""
+    found = (usage or {}).get("torch")
+    return {name: found.get(name) for name in TORCH_FIELDS} if isinstance(found, Mapping) else None
+
+
+def _torch_lines(pools: Sequence[Mapping[str, Any]], usage: Mapping[str, Any] | None) -> list[str]:
+    """A torch cache's warms (each pool's counters, compile seconds and the archive it
+    uploaded) and what its pods' counters said in the window, with the seconds saved."""
+    lines = []
+    warms = [(pool, pool["torch"]) for pool in pools if isinstance(pool.get("torch"), Mapping)]
+    if warms:
+        lines += ["", "POOL  FX GRAPH HITS/MISSES  AOTAUTOGRAD HITS/MISSES  COMPILE S  ARCHIVE"]
+        for pool, warm in warms:
+            counted = warm.get("counted") is not False
+            hits = (f"{warm.get('fxGraphHits')}/{warm.get('fxGraphMisses')}  "
+                    f"{warm.get('aotAutogradHits')}/{warm.get('aotAutogradMisses')}") if counted else "(not counted)"
+            lines.append(f"{pool.get('name')}  {hits}  {warm.get('compileSeconds')}  {warm.get('files')} files, "
+                         f"{_size(int(warm.get('archiveBytes') or 0))}")
+    used = _torch(usage)
+    if used is not None:
+        lines += ["", "TORCH IN PODS (WINDOW)",
+                  f"Pods: {used['pods']}; FX graph hits {used['fxGraphHits']}, misses {used['fxGraphMisses']}; "
+                  f"AOTAutograd hits {used['aotAutogradHits']}, misses {used['aotAutogradMisses']}",
+                  f"Compile seconds: {used['compileSeconds']} in the pods; {used['warmerCompileSeconds']} as the "
+                  f"warmer compiled, for the pods that hit; saved {used['secondsSaved']}",
+                  f"Pods that hit but saved no time (compiled as long as the warmer): {used['hitButNotSaved']}"]
+    return lines
 
 
 def _pods(program: Program) -> str:
@@ -201,7 +259,8 @@ def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, An
               ",".join(p.pools) or "-", _pods(p)) for p in progs]
     lines = [url, "", *_aligned(rows)]
     if not progs:
-        lines.append("(no JAX cache entries)")
+        torch = _torch(usage) is not None or any((p.get("fingerprint") or {}).get("framework") == "torch" for p in pools)
+        lines.append("(no torch Inductor archives)" if torch else "(no JAX cache entries)")
     if pools:
         lines += ["", "POOL  STATE  KEYS COMPUTED WITH"]
         lines += [f"{pool.get('name')}  {pool.get('state', '-')}  {describe(pool.get('fingerprint') or {})}"
@@ -220,4 +279,5 @@ def as_table(url: str, progs: Sequence[Program], pools: Sequence[Mapping[str, An
         lines += ["", "LOADED BY PODS (WINDOW)", *_aligned(_hit_rows(usage or {}))]
     if saved["measuredSecondsSaved"] is not None:
         lines.append(f"Seconds saved (measured): {saved['measuredSecondsSaved']}")
+    lines += _torch_lines(pools, usage)
     return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """KeysMatch: whether the training pods that reported compute their cache keys as the
-cache's warmers did, compared field by field from their fingerprints (what JAX puts in a
-key). Pure."""
+cache's warmers did, compared field by field from their fingerprints (what JAX or torch
+puts in a key). Pure."""
 
 from __future__ import annotations
 
@@ -14,34 +14,90 @@ from typing import Any
 # image (a pod's report does not know its digest) and the cache dir (in keys only while
 # XLA's GPU caches are on; the webhook gives pods and warmers the same string anyway).
 _COMPARED = ("platform", "platformVersion", "deviceKind", "devices", "topology", "flagsHash")
+# What torch.compile (Inductor) puts in its FX graph and AOTAutograd keys and a torch
+# fingerprint (agents/warmer.torch_fingerprint) shows: torch and Triton versions (below),
+# the platform and its CUDA/ROCm version, the device's name, a hash of Inductor's portable
+# config, the hash of torch's own sources (torchKey), and, one by one, the env settings and
+# the config values set in code that change that config. Not compared: the device count
+# (keys take the device's properties, not how many there are), the cache dir (the operator
+# gives warmers and pods the same one), and the device kind where one side did not read it
+# (a pod reads it only once it initialized CUDA itself).
+_TORCH_COMPARED = ("platform", "platformVersion", "inductorConfigHash", "torchKey")
+_TORCH_MAPS = ("inductorEnv", "inductorChanged")
+
+
+def one_line(value: str) -> str:
+    """`value` as one line of plain text (control characters become `?`): how a
+    fingerprint's names and values are kept, by the warmers' side and the pods' alike, so
+    that the same setting compares equal and no text reaches a message unprintable."""
+    return "".join(ch if ch.isprintable() else "?" for ch in value)
+
+
+def framework(fp: Mapping[str, Any]) -> str:
+    """The framework a fingerprint is of: "torch" where it says so, else "jax" (JAX's
+    fingerprints name none)."""
+    return str(fp.get("framework") or "jax")
+
+
+def _word(fp: Mapping[str, Any], f: str) -> str:
+    """One differing field of `fp` in words."""
+    for prefix in _TORCH_MAPS:
+        if f.startswith(prefix + "."):
+            name, values = f.removeprefix(prefix + "."), fp.get(prefix)
+            value = values.get(name) if isinstance(values, Mapping) else None
+            if prefix == "inductorEnv":
+                return f"{name}={value}" if value is not None else f"{name} unset"
+            return (f"torch._inductor.config.{name} = {value} (set in the program)" if value is not None
+                    else f"torch._inductor.config.{name} at its default")
+    if f.startswith("versions."):
+        return f"{f.removeprefix('versions.')} {(fp.get('versions') or {}).get(f.removeprefix('versions.'), 'none')}"
+    words = {"framework": lambda: {"jax": "JAX"}.get(framework(fp), framework(fp)),
+             "devices": lambda: f"{fp.get('devices', '?')} devices",
+             "processes": lambda: f"{fp.get('processes', '?')} processes",
+             "flagsHash": lambda: f"XLA flags {fp.get('flagsHash', '?')}",
+             "cacheDir": lambda: f"cache dir {fp.get('cacheDir') or '(none)'}",
+             "deviceKind": lambda: str(fp.get("deviceKind", "?")),
+             "inductorConfigHash": lambda: f"the Inductor config (set in the program) {fp.get(f, 'none')}",
+             "torchKey": lambda: f"torch sources {fp.get(f, 'none')} (torchKey)"}
+    found = words.get(f)
+    return found() if found is not None else f"{f} {fp.get(f, '?')}"
 
 
 def _describe(fp: Mapping[str, Any], fields: list[str]) -> str:
-    words = []
-    for f in fields:
-        if f.startswith("versions."):
-            words.append(f"{f.removeprefix('versions.')} {(fp.get('versions') or {}).get(f.removeprefix('versions.'), 'none')}")
-        elif f == "devices":
-            words.append(f"{fp.get('devices', '?')} devices")
-        elif f == "processes":
-            words.append(f"{fp.get('processes', '?')} processes")
-        elif f == "flagsHash":
-            words.append(f"XLA flags {fp.get('flagsHash', '?')}")
-        elif f == "cacheDir":
-            words.append(f"cache dir {fp.get('cacheDir') or '(none)'}")
-        elif f == "deviceKind":
-            words.append(str(fp.get("deviceKind", "?")))
-        else:
-            words.append(f"{f} {fp.get(f, '?')}")
-    return ", ".join(words)
+    return ", ".join(_word(fp, f) for f in fields)
 
 
 def differences(warmed: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
-    """The fingerprint fields (versions.<dist> for jaxlib and plugins) that differ."""
-    fields = [f for f in _COMPARED if (f in warmed or f in pod) and warmed.get(f) != pod.get(f)]
+    """The fingerprint fields (versions.<dist> for jaxlib, plugins, torch and triton;
+    inductorEnv.<NAME> and inductorChanged.<key> for torch's) that differ. A pod of
+    another framework than the warm differs in that alone."""
+    if framework(warmed) != framework(pod):
+        return ["framework"]
+    if framework(warmed) == "torch":
+        fields = [f for f in _TORCH_COMPARED if (f in warmed or f in pod) and warmed.get(f) != pod.get(f)]
+        if "deviceKind" in warmed and "deviceKind" in pod and warmed["deviceKind"] != pod["deviceKind"]:
+            fields.append("deviceKind")
+        # An env setting or a config value set in code enters the keys through the config
+        # the hash covers: where both hashes are known and equal, one that differs (a
+        # TORCH_COMPILE_DEBUG in the pods) does not change a key and is not named.
+        config = "inductorConfigHash"
+        if config in fields or config not in warmed or config not in pod:
+            named = [f"{m}.{name}" for m in _TORCH_MAPS for name in _changed(warmed.get(m), pod.get(m))]
+            if named and config in fields:
+                fields.remove(config)  # the settings named are why it differs
+            fields += named
+    else:
+        fields = [f for f in _COMPARED if (f in warmed or f in pod) and warmed.get(f) != pod.get(f)]
     versions_w, versions_p = dict(warmed.get("versions") or {}), dict(pod.get("versions") or {})
     fields += [f"versions.{d}" for d in sorted(set(versions_w) | set(versions_p)) if versions_w.get(d) != versions_p.get(d)]
     return fields
+
+
+def _changed(warmed: Any, pod: Any) -> list[str]:
+    """The names whose values differ between two {name: value} maps (absent: unset)."""
+    w = warmed if isinstance(warmed, Mapping) else {}
+    p = pod if isinstance(pod, Mapping) else {}
+    return sorted(str(name) for name in set(w) | set(p) if w.get(name) != p.get(name))
 
 
 def keys_match(pools: list[Mapping[str, Any]], pods: list[tuple[str, dict[str, Any]]]
@@ -70,5 +126,9 @@ def keys_match(pools: list[Mapping[str, Any]], pods: list[tuple[str, dict[str, A
         return False, "FingerprintsDiffer", (
             f"Training pods compute other keys than the warmers and miss: they run {_describe(fp, fields)}; pool "
             f"{pool_name} was warmed with {_describe(closest, fields)}")[:1000]
+    if all(framework(fp) == "torch" for _, fp in warmed):
+        return True, "FingerprintsMatch", ("The training pods that reported compute their keys as the warmers did "
+                                           "(torch and Triton versions, platform, device, Inductor config and "
+                                           "settings, torch sources)")
     return True, "FingerprintsMatch", ("The training pods that reported compute their keys as the warmers did "
                                        "(versions, platform, devices, topology, XLA flags)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cachewarm.api import constants as c
 from cachewarm.api import timefmt
@@ -32,7 +32,7 @@ from cachewarm.api.model import CacheSpec, Pool, Warmup
 from cachewarm.builders import job as jobs
 from cachewarm.builders.placement import is_pool_manifest, legacy_manifest_object, pool_shape
 from cachewarm.builders.tpu import TpuShapeError
-from cachewarm.reconcile.keysmatch import differences
+from cachewarm.reconcile.keysmatch import differences, one_line
 from cachewarm.reconcile.misses import printable
 
 ACTIVE_STATES = ("Pending", "Running")
@@ -163,7 +163,8 @@ class CompiledProgram(BaseModel):
 
     program: Annotated[str, Field(min_length=1, max_length=200)]
     key: Annotated[str, Field(pattern=r"^[0-9a-f]{1,16}$")] | None = None
-    compileSeconds: float = Field(ge=0.0, le=MAX_SECONDS)
+    # A torch warmer's one program (torch.compile) may name its seconds `seconds`.
+    compileSeconds: float = Field(ge=0.0, le=MAX_SECONDS, validation_alias=AliasChoices("compileSeconds", "seconds"))
     written: bool = True
 
     @field_validator("program")
@@ -180,6 +181,26 @@ class CompiledRest(BaseModel):
 
     programs: int = Field(ge=1, le=MAX_COUNT)
     maxSeconds: float = Field(ge=0.0, le=MAX_SECONDS)
+
+
+class TorchWarm(BaseModel):
+    """What a torch warmer's counters said (its summary's `torch`): FX graph and
+    AOTAutograd cache hits, misses and bypasses, torch's compile seconds, and the archive
+    it uploaded (files, bytes); `counted` false: the command ran as a child, so the counts
+    are not known (the archive is still uploaded)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+    fxGraphHits: int = Field(0, ge=0, le=MAX_COUNT)
+    fxGraphMisses: int = Field(0, ge=0, le=MAX_COUNT)
+    fxGraphBypasses: int = Field(0, ge=0, le=MAX_COUNT)
+    aotAutogradHits: int = Field(0, ge=0, le=MAX_COUNT)
+    aotAutogradMisses: int = Field(0, ge=0, le=MAX_COUNT)
+    aotAutogradBypasses: int = Field(0, ge=0, le=MAX_COUNT)
+    compileSeconds: float = Field(0.0, ge=0.0, le=MAX_SECONDS)
+    files: int = Field(0, ge=0, le=MAX_COUNT)
+    archiveBytes: int = Field(0, ge=0, le=MAX_BYTES)
+    counted: bool = False
 
 
 class WarmerSummary(BaseModel):
@@ -210,6 +231,7 @@ class WarmerSummary(BaseModel):
     packEntries: int | None = Field(None, ge=0, le=MAX_COUNT)
     packBytes: int | None = Field(None, ge=0, le=MAX_BYTES)
     packError: Text | None = None
+    torch: TorchWarm | None = None
     errors: list[Text] = Field(default_factory=list, max_length=100)
 
 
@@ -273,8 +295,13 @@ def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
     return PodsView(tuple(nodes), unschedulable, image, pythonpath_set)
 
 
-FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "platformVersion", "deviceKind", "topology", "error")
+FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "platformVersion", "deviceKind", "topology", "error",
+                    "framework", "inductorConfigHash", "torchKey")
 FINGERPRINT_COUNTS = ("flagCount", "devices", "processes")
+# torch's {name: value} maps (agents/warmer.torch_fingerprint): the env settings and the
+# config values set in code that enter Inductor's keys, each compared by KeysMatch.
+FINGERPRINT_MAPS = ("inductorEnv", "inductorChanged")
+FINGERPRINT_MAP_ITEMS = 20
 
 
 def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any]:
@@ -290,6 +317,11 @@ def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any
     versions = reported.get("versions")
     if isinstance(versions, Mapping):
         out["versions"] = {str(k)[:100]: str(v)[:100] for k, v in list(versions.items())[:16]}
+    for key in FINGERPRINT_MAPS:
+        named = reported.get(key)
+        if isinstance(named, Mapping):  # plain text each: the names reach KeysMatch's message
+            out[key] = {one_line(str(k)[:100]): one_line(str(v)[:100])
+                        for k, v in sorted(named.items(), key=lambda kv: str(kv[0]))[:FINGERPRINT_MAP_ITEMS]}
     if image:
         out["image"] = image[:300]
     return out
@@ -391,6 +423,10 @@ def _summary_status(parsed: Sequence[tuple[WarmerSummary, tuple[str, ...]]], job
         out["compiledPrograms"] = [p.model_dump(exclude_none=True) for p in compiler.compiledPrograms]
         if compiler.compiledRest is not None:  # more than it could name: counted with a bound
             out["compiledRest"] = compiler.compiledRest.model_dump()
+    # A torch warm's counters and archive (process 0's: the only one that uploads).
+    torch = next((w.torch for w in writers if w.torch is not None), None)
+    if torch is not None:
+        out["torch"] = torch.model_dump()
     # The manifest process 0 wrote (D3): the generation pods' copiers read it at.
     generation = next((w.manifestGeneration for w in writers if w.manifestGeneration is not None), None)
     if generation is not None:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cachewarm.api import timefmt
 from cachewarm.reconcile import misses as causes
-from cachewarm.reconcile.keysmatch import differences
+from cachewarm.reconcile.keysmatch import differences, one_line
 from cachewarm.reconcile.warmplan import compiled_fingerprint
 
 MAX_BODY_BYTES = 16 * 1024
@@ -54,6 +54,9 @@ COLD_PODS_NAMED = 5  # pods named in one LocalCopyCold Event (it counts them all
 MISSED_PROGRAMS = 10  # in status: the programs that cost the most compile seconds, each with its cause
 HIT_PROGRAMS = 10  # in status: the programs hit most, with what they cost and saved
 POD_STARTS = 10  # in status: pods' compile seconds warm against cold, the ones that saved most
+
+
+TORCH_NAMED = 20  # env settings and config values a torch fingerprint names, each (torch_fingerprint's bound)
 
 
 class ReportError(Exception):
@@ -177,10 +180,51 @@ class Fingerprint(_Strict):
     processes: int | None = Field(default=None, ge=0, le=10**7)
     topology: str | None = Field(default=None, max_length=100)
     error: str | None = Field(default=None, max_length=300)
+    # torch's (agents/warmer.torch_fingerprint): the names and values reach KeysMatch's
+    # message, so they are kept printable (_printable_map).
+    framework: str | None = Field(default=None, max_length=20)
+    inductor_config_hash: str | None = Field(default=None, alias="inductorConfigHash", max_length=64)
+    torch_key: str | None = Field(default=None, alias="torchKey", max_length=64)
+    inductor_env: dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=100)]] | None = Field(
+        default=None, alias="inductorEnv", max_length=TORCH_NAMED)
+    inductor_changed: dict[Annotated[str, Field(max_length=100)], Annotated[str, Field(max_length=100)]] | None = \
+        Field(default=None, alias="inductorChanged", max_length=TORCH_NAMED)
+
+    @field_validator("framework", "inductor_config_hash", "torch_key")
+    @classmethod
+    def _printable_text(cls, value: str | None) -> str | None:
+        return None if value is None else one_line(value)
+
+    @field_validator("inductor_env", "inductor_changed")
+    @classmethod
+    def _printable_map(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """Env names and values, config keys and reprs as one line of plain text each (a
+        pod's text reaches a condition and an Event: attacker review)."""
+        return None if value is None else {one_line(k): one_line(v) for k, v in value.items()}
 
     def as_status(self) -> dict[str, Any]:
         """The fields the reporter sent, by their wire names (what keys_match reads)."""
         return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TorchCounts(_Strict):
+    """What torch's own counters said in a process of a torch cache (the reporter's `torch`
+    section): FX graph and AOTAutograd cache hits, misses and bypasses, and the seconds
+    torch spent compiling. Checked strictly, as LocalCopy is."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, allow_inf_nan=False)
+
+    fx_graph_hits: int = Field(alias="fxGraphHits", ge=0, le=10**9)
+    fx_graph_misses: int = Field(alias="fxGraphMisses", ge=0, le=10**9)
+    fx_graph_bypasses: int = Field(alias="fxGraphBypasses", ge=0, le=10**9)
+    aot_autograd_hits: int = Field(alias="aotAutogradHits", ge=0, le=10**9)
+    aot_autograd_misses: int = Field(alias="aotAutogradMisses", ge=0, le=10**9)
+    aot_autograd_bypasses: int = Field(alias="aotAutogradBypasses", ge=0, le=10**9)
+    compile_seconds: float = Field(alias="compileSeconds", ge=0, le=1e9)
+
+    @property
+    def hit(self) -> bool:
+        return bool(self.fx_graph_hits or self.aot_autograd_hits)
 
 
 class Report(_Strict):
@@ -193,6 +237,7 @@ class Report(_Strict):
     counts: Counts
     fingerprint: Fingerprint = Field(default_factory=Fingerprint)
     local_copy: LocalCopy | None = Field(default=None, alias="localCopy")
+    torch: TorchCounts | None = None
 
 
 def parse(body: bytes) -> Report:
@@ -479,6 +524,9 @@ class Store:
                 "maxSeconds": round(max(local.seconds for _, local in copies.values()), 3),
             }
         usage.update(programs_usage(processes, body))
+        torch = torch_usage(processes, body)
+        if torch:
+            usage["torch"] = torch
         return usage
 
     @staticmethod
@@ -770,6 +818,47 @@ def _hit(name: str, seen: Mapping[str, Any]) -> dict[str, Any]:
         if hits < seen["hits"]:
             one["hitsMeasured"] = hits  # the others' processes had another fingerprint than every warmer's
     return one
+
+
+TORCH_PROGRAM = "torch.compile"  # how a torch warmer names its compile in compiledPrograms (one per warm)
+
+
+def torch_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.usage.torch: what torch's counters said in the processes of a torch cache
+    (their reports' `torch` sections; {} when none sent one): pods, FX graph and
+    AOTAutograd hits and misses, the seconds torch compiled (compileSeconds), and what the
+    hits saved. A pod whose processes hit is measured against the warm of its fingerprint
+    (a pool whose warmer compiled with that very fingerprint, keysmatch's fields: its
+    compiledPrograms' torch.compile seconds, the mean where several pools match), process
+    by process: warmerCompileSeconds is what those processes would have compiled cold, and
+    the pod saved that less the seconds they compiled, when it is less; a pod whose
+    counters hit but whose compile seconds are not below the warmer's saved nothing that
+    can be shown (on CPU, hits of a cache that lacks the compiled kernels still compile
+    them) and counts in hitButNotSaved, never as saved. A pod with no warm of its
+    fingerprint is in neither."""
+    torch = [(latest, latest.report.torch) for latest in processes if latest.report.torch is not None]
+    if not torch:
+        return {}
+    refs, same, fps = warmer_references(body), _Same(), dict[int, tuple[dict[str, Any], str]]()
+    pods: dict[str, list[tuple[float, float]]] = {}  # uid -> (warmer's seconds, its own) per measured process
+    for latest, counts in torch:
+        mine = pods.setdefault(latest.report.pod.uid, [])
+        fp, fp_key = _fingerprint(latest, fps)
+        reference = _reference(refs, TORCH_PROGRAM, fp, frozenset(), same, fp_key) if counts.hit else None
+        if reference is not None:
+            mine.append((reference, counts.compile_seconds))
+    measured = [(sum(w for w, _ in mine), sum(own for _, own in mine)) for mine in pods.values() if mine]
+    return {
+        "pods": len(pods),
+        "fxGraphHits": sum(c.fx_graph_hits for _, c in torch),
+        "fxGraphMisses": sum(c.fx_graph_misses for _, c in torch),
+        "aotAutogradHits": sum(c.aot_autograd_hits for _, c in torch),
+        "aotAutogradMisses": sum(c.aot_autograd_misses for _, c in torch),
+        "compileSeconds": round(sum(c.compile_seconds for _, c in torch), 3),
+        "warmerCompileSeconds": round(sum(warmer for warmer, _ in measured), 3),
+        "secondsSaved": round(sum(warmer - own for warmer, own in measured if own < warmer), 3),
+        "hitButNotSaved": sum(1 for warmer, own in measured if own >= warmer),
+    }
 
 
 def cold_message(pods: list[tuple[str, str]]) -> str:
