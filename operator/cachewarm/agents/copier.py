@@ -223,6 +223,11 @@ ENV_COPY_DEADLINE_SECONDS = "CACHEWARM_COPY_DEADLINE_SECONDS"
 ENV_COPY_GRACE_SECONDS = "CACHEWARM_COPY_GRACE_SECONDS"
 ENV_COPY_SUMMARY = "CACHEWARM_COPY_SUMMARY"
 ENV_COPY_IN_PROCESS = "CACHEWARM_COPY_IN_PROCESS"  # read by sitecustomize.py, not here
+ENV_TORCH_DIR = "CACHEWARM_TORCH_DIR"  # a torch cache's Inductor directory: its archives are extracted there
+ENV_TORCH_MAX_ARCHIVE_BYTES = "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES"  # the warmer's too
+TORCH_ARCHIVE = re.compile(r"^torch-inductor-[0-9a-f]{64}-cache$")  # the warmer's archive entries
+TORCH_MAX_ARCHIVE_BYTES = 4 << 30  # the CRD's default maxArchiveSize: uncompressed bytes, all archives
+TORCH_MAX_FILES = 100000  # members, all archives (refused ones too)
 
 
 # NamedTuples, not dataclasses: those import inspect, milliseconds of every process's start.
@@ -1601,6 +1606,141 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
     return summary
 
 
+# torch caches (issue 31): the warmer uploads its Inductor directory as one archive (a gzip'd
+# tar named like an entry, `torch-inductor-<sha256>-cache`); the copy downloads and verifies
+# it as any entry, then, with CACHEWARM_TORCH_DIR set, extracts each into that directory,
+# which the pod's torch reads (TORCHINDUCTOR_CACHE_DIR). Inductor's artifacts are code
+# (pickles, shared objects), and an archive's names are not trusted beyond its MD5: only
+# regular files and directories, each name relative, normalized, without "..", NUL or a
+# leading "/", every directory opened without following a link (a link planted in the
+# directory refuses the member), every file created new (O_EXCL|O_NOFOLLOW: one already
+# there, Inductor's names being content hashes, is kept and counted, never overwritten),
+# the uncompressed bytes and the members bounded across all archives. Directories 0o777 and
+# files 0o666 (less the umask), so a training container of any uid writes its own entries
+# beside them (the directory is the pod's emptyDir).
+class TorchBound(Exception):
+    """An archive past the bytes or members bound: extraction stops there."""
+
+
+def torch_member_parts(name: str) -> list[str] | None:
+    """The path components of an archive member's name, or None for a name refused: empty,
+    absolute, with NUL or a backslash, or a ".." component. "." and empty components are
+    dropped (normalized). Pure."""
+    if not name or "\x00" in name or "\\" in name or name.startswith("/"):
+        return None
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    return parts
+
+
+def _open_dir(parent: int, name: str) -> int:
+    """The directory `name` under the descriptor `parent`, made (0o777 less the umask) when
+    missing, opened without following a link (OSError: ELOOP or ENOTDIR for anything else)."""
+    try:
+        os.mkdir(name, 0o777, dir_fd=parent)
+    except FileExistsError:
+        pass
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+
+
+def _extract_member(root: int, parts: list[str], source: Any, size: int, is_dir: bool) -> str:
+    """One member under the directory descriptor `root`: "written", "kept" (a file already
+    there) or "refused" (a link, or not a directory, in the way). Raises OSError."""
+    fds: list[int] = []
+    try:
+        at = root
+        for part in parts if is_dir else parts[:-1]:
+            try:
+                at = _open_dir(at, part)
+            except OSError:
+                return "refused"  # a link or a file where a directory goes
+            fds.append(at)
+        if is_dir:
+            return "written"
+        leaf = parts[-1]
+        try:
+            fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=at)
+        except FileExistsError:
+            import stat  # noqa: PLC0415
+
+            st = os.stat(leaf, dir_fd=at, follow_symlinks=False)
+            return "kept" if stat.S_ISREG(st.st_mode) else "refused"
+        try:
+            with os.fdopen(fd, "wb") as out:
+                left = size
+                while left > 0:
+                    chunk = source.read(min(left, READ_BYTES))
+                    if not chunk:
+                        raise OSError(f"archive member {'/'.join(parts)[:100]} ends early")
+                    out.write(chunk)
+                    left -= len(chunk)
+        except BaseException:
+            os.unlink(leaf, dir_fd=at)  # never a half file under its name
+            raise
+        return "written"
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def extract_torch(archive: str, directory: str, counts: dict[str, Any], max_bytes: int,
+                  max_files: int = TORCH_MAX_FILES) -> None:
+    """The gzip'd tar at `archive` into `directory` (made if missing), safely (see above),
+    counted into `counts` ({"files", "bytes", "kept", "refused", "members"}: bytes and
+    members across the archives of one copy, against `max_bytes` and `max_files`). Raises
+    TorchBound past a bound (what was written stays: whole files), OSError or tarfile's
+    errors for a broken archive."""
+    import tarfile  # noqa: PLC0415 - torch caches alone need it
+
+    os.makedirs(directory, mode=0o777, exist_ok=True)
+    root = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with tarfile.open(archive, mode="r:gz") as tar:
+            for member in tar:
+                counts["members"] += 1
+                if counts["members"] > max_files:
+                    raise TorchBound(f"more than {max_files} members in the torch archives")
+                parts = torch_member_parts(member.name)
+                if parts is None or not (member.isreg() or member.isdir()):
+                    counts["refused"] += 1
+                    continue
+                if member.isreg():
+                    if counts["bytes"] + member.size > max_bytes:
+                        raise TorchBound(f"the torch archives hold more than {max_bytes} bytes (maxArchiveSize)")
+                    source = tar.extractfile(member)
+                else:
+                    source = None
+                done = _extract_member(root, parts, source, member.size, member.isdir())
+                if done == "written" and member.isreg():
+                    counts["files"] += 1
+                    counts["bytes"] += member.size
+                elif done != "written":
+                    counts[done] += 1
+    finally:
+        os.close(root)
+
+
+def seed_torch(dest: str, env: Mapping[str, str], summary: dict[str, Any]) -> dict[str, Any]:
+    """Every torch archive the copy holds in `dest` (verified: the final sweep left nothing
+    else under an entry's name) extracted into CACHEWARM_TORCH_DIR: the summary's `torch`
+    ({"archives", "files", "bytes", "kept", "refused", "seconds"[, "error"]}). Never raises."""
+    started = time.monotonic()
+    counts: dict[str, Any] = {"archives": 0, "files": 0, "bytes": 0, "kept": 0, "refused": 0, "members": 0}
+    try:
+        max_bytes = int(env.get(ENV_TORCH_MAX_ARCHIVE_BYTES) or TORCH_MAX_ARCHIVE_BYTES)
+        names = sorted(n for n in os.listdir(dest) if TORCH_ARCHIVE.match(n)) if os.path.isdir(dest) else []
+        for name in names:
+            extract_torch(os.path.join(dest, name), env[ENV_TORCH_DIR], counts, max_bytes)
+            counts["archives"] += 1
+    except Exception as exc:  # noqa: BLE001 - the pod starts with what was extracted
+        counts["error"] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        add_error(summary, f"torch archives: {counts['error']}")
+    counts.pop("members")
+    counts["seconds"] = round(time.monotonic() - started, 3)
+    return counts
+
+
 def write_summary(path: str, summary: Mapping[str, Any]) -> None:
     """The summary JSON at `path`, whole or not at all (a temp file renamed over it)."""
     directory = os.path.dirname(path) or "."
@@ -1658,6 +1798,8 @@ def copy(env: Mapping[str, str], live: dict[str, Any], on_demand: bool = False) 
         client = Client(settings.endpoint, token or (lambda: None), context)
         live["auth"] = "metadata" if token is not None else "none"
         summary = run(settings, client, live, settings.summary_path if on_demand else "")
+        if env.get(ENV_TORCH_DIR):  # before the summary: a torch process waits for it (sitecustomize)
+            summary["torch"] = seed_torch(settings.dest, env, summary)
         if token is not None:
             summary.update(tokens=token.fetched, tokensRefused=token.refusals)
         return summary

@@ -21,6 +21,13 @@ $CACHEWARM_REPORT_CA) with the pod's ServiceAccount token for audience `cachewar
 shortly after the first compiles, then every $CACHEWARM_REPORT_SECONDS while anything
 changed, and once at exit.
 
+In a torch cache's pods (CACHEWARM_FRAMEWORK=torch, issue 31) it waits for `import torch`
+instead, and each report carries torch's own counters (FX graph cache, AOTAutograd cache,
+compile seconds: the warmer's torch_counts) under `torch` and, as `counts`, FX graphs looked
+up, hit and missed, and torch's compile seconds; its fingerprint is the warmer's
+torch_fingerprint(). torch has no event listener: its counters are looked at every second,
+and the first change starts the reports as JAX's first compile does.
+
 It must never break or slow the training process: every hook swallows its own errors;
 memory is bounded (the last MAX_MISSES misses, counters); reports are sent from a daemon
 thread with a timeout, and the one at exit waits at most EXIT_SECONDS; a report that cannot
@@ -60,6 +67,7 @@ ENV_POD_UID = "CACHEWARM_POD_UID"
 ENV_LOCAL_COPY = "CACHEWARM_LOCAL_COPY_SUMMARY"  # the local copy's summary file (may be missing)
 # "1": put the image's recorded PYTHONPATH back behind ours (read by sitecustomize.py, not here).
 ENV_RESTORE_IMAGE_PYTHONPATH = "CACHEWARM_RESTORE_IMAGE_PYTHONPATH"
+ENV_FRAMEWORK = "CACHEWARM_FRAMEWORK"  # the warmer's: "torch" in a torch cache's pods (torch's counters)
 
 EVENT_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 EVENT_HITS = "/jax/compilation_cache/cache_hits"
@@ -298,20 +306,28 @@ class Tally:
         self.cached = found
 
 
-def _load_fingerprint(here: Path) -> Callable[[], dict[str, Any]]:
-    """The warmer's fingerprint(), from the warmer file shipped beside this one."""
+_WARMERS: dict[str, Any] = {}  # the warmer module loaded from a directory, once
+
+
+def _load_fingerprint(here: Path, attribute: str = "fingerprint") -> Callable[[], dict[str, Any]]:
+    """The warmer's fingerprint() (or another of its functions of no argument that return
+    a dict: torch_fingerprint, torch_counts), from the warmer file shipped beside this one."""
     import importlib.util  # noqa: PLC0415
 
-    for name in ("warm.py", "warmer.py"):
+    module = _WARMERS.get(str(here))
+    for name in ("warm.py", "warmer.py") if module is None else ():
         path = here / name
         if path.is_file():
             spec = importlib.util.spec_from_file_location("_cachewarm_warmer", path)
             if spec is not None and spec.loader is not None:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                found: Callable[[], dict[str, Any]] = module.fingerprint
-                return found
-    return lambda: {}
+                _WARMERS[str(here)] = module
+                break
+    if module is None:
+        return lambda: {}
+    found: Callable[[], dict[str, Any]] = getattr(module, attribute)
+    return found
 
 
 class Reporter:
@@ -338,6 +354,7 @@ class Reporter:
         self.failures = 0
         self.sent = 0
         self.fingerprint: dict[str, Any] | None = None
+        self.torch = False  # a torch cache's process that imported torch: torch's counters, not JAX's
         self.started = time.time()
         self.disabled = False
         self.final = False
@@ -355,25 +372,43 @@ class Reporter:
     def report(self) -> dict[str, Any]:
         if self.fingerprint is None:
             try:
-                self.fingerprint = _load_fingerprint(self.here)()
+                self.fingerprint = _load_fingerprint(self.here, "torch_fingerprint" if self.torch else "fingerprint")()
             except Exception as exc:  # noqa: BLE001
                 self.fingerprint = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         self.sequence += 1
         process: dict[str, Any] = {"pid": os.getpid(), "started": int(self.started)}
         jax = sys.modules.get("jax")
         try:
-            process["index"] = int(jax.process_index()) if jax is not None else 0
+            process["index"] = int(jax.process_index()) if jax is not None and not self.torch else \
+                int(os.environ.get("RANK") or 0) if self.torch else 0
         except Exception:  # noqa: BLE001
             process["index"] = 0
         if self.local_copy is None:
             self.local_copy = local_copy(self.local_copy_file)
+        counts, torch = self.tally.snapshot(), None
+        if self.torch:
+            torch = self.torch_counts()
+            counts = torch_report_counts(torch)
         report: dict[str, Any] = {
             "version": REPORT_VERSION, "pod": self.pod, "cache": self.cache, "process": process,
-            "sequence": self.sequence, "final": self.final, "counts": self.tally.snapshot(),
+            "sequence": self.sequence, "final": self.final, "counts": counts,
             "fingerprint": self.fingerprint}
+        if torch is not None:
+            report["torch"] = torch
         if self.local_copy is not None:
             report["localCopy"] = dict(self.local_copy)
         return report
+
+    def torch_counts(self) -> dict[str, Any]:
+        """torch's counters now (the warmer's torch_counts), each field clipped; zeros when
+        they cannot be read."""
+        try:
+            found = _load_fingerprint(self.here, "torch_counts")()
+        except Exception:  # noqa: BLE001 - another torch, no warmer file: zeros
+            found = {}
+        out: dict[str, Any] = {name: int(_clipped(found.get(name), MAX_COUNT)) for name in TORCH_COUNTS}
+        out["compileSeconds"] = round(float(_clipped(found.get("compileSeconds"), MAX_SECONDS)), 3)
+        return out
 
     def send(self, timeout: float = SEND_TIMEOUT_SECONDS) -> bool:
         """One report; True when the operator took it. Never raises."""
@@ -533,6 +568,51 @@ def _fit(report: dict[str, Any], dumps: Callable[..., str]) -> bytes:
             return body
 
 
+TORCH_COUNTS = ("fxGraphHits", "fxGraphMisses", "fxGraphBypasses", "aotAutogradHits", "aotAutogradMisses",
+                "aotAutogradBypasses")
+TORCH_POLL_SECONDS = 1.0  # how often a torch process's counters are looked at (torch has no listener)
+
+
+def torch_report_counts(torch: dict[str, Any]) -> dict[str, Any]:
+    """A report's `counts` from torch's counters: an FX graph looked up is a request, its
+    hits and misses as torch counts them, each miss a compile, torch's compile seconds
+    spent; JAX's other fields 0 or empty. Pure."""
+    hits, misses = torch["fxGraphHits"], torch["fxGraphMisses"]
+    return {"requests": hits + misses, "hits": hits, "misses": misses, "compileSecondsSaved": 0.0,
+            "compileSecondsSpent": torch["compileSeconds"], "compiles": misses, "lastMisses": [], "hitKeys": []}
+
+
+def on_torch_imported(tally: Tally, reporter: Reporter) -> None:
+    """A torch cache's process imported torch: its counters are read at each report, and
+    looked at every TORCH_POLL_SECONDS so that the first compile (a change) starts the
+    reports as JAX's events do; start the report thread."""
+    try:
+        import atexit  # noqa: PLC0415
+
+        reporter.torch = True
+
+        def poll() -> None:
+            last: Any = None
+            while True:
+                try:
+                    now = _load_fingerprint(reporter.here, "torch_counts")()
+                except Exception:  # noqa: BLE001 - no counters: nothing to poll
+                    return
+                if now and now != last and (now.get("fxGraphHits") or now.get("fxGraphMisses")
+                                            or now.get("aotAutogradHits") or now.get("aotAutogradMisses")):
+                    tally.first.set()
+                    tally.changed.set()
+                last = now
+                time.sleep(TORCH_POLL_SECONDS)
+
+        os.register_at_fork(after_in_child=reporter.forked)
+        threading.Thread(target=poll, name="cachewarm-reporter-torch", daemon=True).start()
+        threading.Thread(target=reporter.loop, name="cachewarm-reporter", daemon=True).start()
+        atexit.register(reporter.at_exit)
+    except Exception as exc:  # noqa: BLE001
+        _warn(f"not counting cache use ({type(exc).__name__}: {exc})")
+
+
 def on_jax_imported(jax: ModuleType, tally: Tally, reporter: Reporter) -> None:
     """Listen to JAX's cache events and miss records; start the report thread."""
     try:
@@ -564,8 +644,9 @@ class _JaxWatch:
     """Runs `then(jax)` right after `import jax` finishes, whoever imports it first (a
     meta path finder: sys.meta_path takes any object with find_spec)."""
 
-    def __init__(self, then: Callable[[ModuleType], None]) -> None:
+    def __init__(self, then: Callable[[ModuleType], None], module: str = "jax") -> None:
         self.then = then
+        self.module = module  # "torch": a torch cache's process (CACHEWARM_FRAMEWORK)
         self.done = False
         self.searching: set[int] = set()  # the threads in our own find_spec("jax")
 
@@ -574,13 +655,13 @@ class _JaxWatch:
         # Left in place until jax's module runs: a find_spec that imports nothing (an "is
         # jax installed" check) must not take it out.
         me = threading.get_ident()
-        if fullname != "jax" or self.done or me in self.searching:
+        if fullname != self.module or self.done or me in self.searching:
             return None
         import importlib.util  # noqa: PLC0415
 
         self.searching.add(me)
         try:
-            spec = importlib.util.find_spec("jax")
+            spec = importlib.util.find_spec(self.module)
         finally:
             self.searching.discard(me)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -621,9 +702,12 @@ def start(here: Path | None = None, env: dict[str, str] | None = None) -> None:
         tally = Tally()
         reporter = Reporter(tally, dict(os.environ) if env is None else env, where)
         then: Callable[[ModuleType], None] = lambda jax: on_jax_imported(jax, tally, reporter)  # noqa: E731
-        if "jax" in sys.modules:
-            then(sys.modules["jax"])
+        module = "jax"
+        if (os.environ if env is None else env).get(ENV_FRAMEWORK) == "torch":  # torch's counters, not JAX's
+            then, module = (lambda _: on_torch_imported(tally, reporter)), "torch"  # noqa: E731
+        if module in sys.modules:
+            then(sys.modules[module])
         else:
-            sys.meta_path.insert(0, _JaxWatch(then))
+            sys.meta_path.insert(0, _JaxWatch(then, module))
     except Exception as exc:  # noqa: BLE001
         _warn(f"not started ({type(exc).__name__}: {exc})")

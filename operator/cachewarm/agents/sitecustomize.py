@@ -31,7 +31,10 @@ fill, or a ConfigMap volume). In order, each step on its own, never raising:
    before the program's own code (cachewarm_copier.copy_in_process); where a wait finds the
    lock free and no summary (the copier died), in process then (another deadline and grace
    at most). A process whose jax was imported before this file ran (a .pth file) is hooked
-   here, at once.
+   here, at once. In a torch cache's pods (CACHEWARM_FRAMEWORK=torch) the same hook is on
+   `import torch`, and there it always waits for the whole copy: the copier extracts the
+   torch archives into the Inductor directory before it writes its summary, and no compile
+   may read that directory half seeded.
 3. The image's own sitecustomize (the one this file shadows), exactly once.
 4. With CACHEWARM_REPORT_URL, the reporter, which counts the process's JAX cache use and
    reports it to cachewarm (loaded only then: every process pays for what it loads, and
@@ -53,6 +56,7 @@ ENV_COPY_DEST = "CACHEWARM_COPY_DEST"
 ENV_COPY_DEADLINE_SECONDS = "CACHEWARM_COPY_DEADLINE_SECONDS"
 ENV_COPY_GRACE_SECONDS = "CACHEWARM_COPY_GRACE_SECONDS"
 ENV_REPORT_URL = "CACHEWARM_REPORT_URL"
+ENV_FRAMEWORK = "CACHEWARM_FRAMEWORK"  # the warmer's: "torch" in a torch cache's pods
 
 try:
     import os
@@ -288,12 +292,13 @@ class _WaitForCopy(object):
     `jax` imported. A find_spec that imports nothing (an "is jax installed" check) leaves
     it in place."""
 
-    def __init__(self, lock_path, summary, child):  # type: (str, str, Optional[int]) -> None
+    def __init__(self, lock_path, summary, child, module="jax"):  # type: (str, str, Optional[int], str) -> None
         self.lock_path, self.summary, self.child = lock_path, summary, child
+        self.module = module  # "torch" for a torch cache: waits there for the whole copy
         self.done = False
 
     def find_spec(self, name, path=None, target=None):  # type: (str, Any, Any) -> Any
-        if name != "jax" or self.done:
+        if name != self.module or self.done:
             return None
         for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None) if finder is not self else None
@@ -312,8 +317,9 @@ class _WaitForCopy(object):
             sys.meta_path.remove(self)
         except ValueError:
             pass
-        try:
-            if not _copy_done(self.lock_path, self.summary) and _on_demand(self.lock_path, self.summary, self.child):
+        try:  # torch reads its directory as a whole (the archives extracted): the whole copy, always
+            if self.module == "jax" and not _copy_done(self.lock_path, self.summary) and \
+                    _on_demand(self.lock_path, self.summary, self.child):
                 return
         except Exception:  # noqa: BLE001 - another jax: wait for the whole copy
             pass
@@ -437,21 +443,22 @@ def _start_copy():  # type: () -> bool
     if fd is None:
         return False
     hook = None
+    module = "torch" if os.environ.get(ENV_FRAMEWORK) == "torch" else "jax"
     try:  # every way out closes fd: copy_in_process, after, takes the lock on another
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # another process of the pod copies: wait for it when jax is imported
-            hook = _WaitForCopy(lock_path, summary, None)
+        except OSError:  # another process of the pod copies: wait for it when jax (torch) is imported
+            hook = _WaitForCopy(lock_path, summary, None, module)
         else:
             if os.path.exists(summary):
                 return True  # copied meanwhile
             _drop_stale_plan(summary)
-            hook = _WaitForCopy(lock_path, summary, _spawn_copier(fd))
+            hook = _WaitForCopy(lock_path, summary, _spawn_copier(fd), module)
     except Exception:  # noqa: BLE001 - no child: the caller copies in process
         return False
     finally:
         os.close(fd)
-    if "jax" in sys.modules:  # imported before us (a .pth file): wait now
+    if module in sys.modules:  # imported before us (a .pth file): wait now
         hook.wait()
     else:
         sys.meta_path.insert(0, hook)

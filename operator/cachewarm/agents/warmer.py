@@ -1079,6 +1079,147 @@ def fingerprint() -> dict[str, Any]:
     return out
 
 
+# torch.compile caches (issue 31). With CACHEWARM_FRAMEWORK=torch the warm runs the torch
+# way (torch imported only then): the entrypoint or targets run with TORCHINDUCTOR_CACHE_DIR
+# on a local directory, and process 0 uploads that directory, as the warm left it, as ONE
+# archive `torch-inductor-<sha256 of its bytes>-cache` under CACHEWARM_CACHE_URL (a JAX
+# entry's shape: the copier's, the operator's listing and the lifecycle rules take it as
+# one), and the manifest naming it. On CPU there is no device index in Inductor's keys, so
+# process 0's directory serves every rank; on GPU a rank with another device index may miss.
+ENV_FRAMEWORK = "CACHEWARM_FRAMEWORK"  # "torch": a torch cache's warmer and pods
+ENV_CACHE_URL = "CACHEWARM_CACHE_URL"  # gs://bucket[/prefix]: where the torch warmer uploads
+ENV_TORCH_MAX_ARCHIVE_BYTES = "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES"
+TORCH_ARCHIVE_PREFIX = "torch-inductor-"
+TORCH_MAX_ARCHIVE_BYTES = 4 << 30  # the CRD's default maxArchiveSize
+TORCH_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
+TORCH_ENV_OPERATORS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # set by the operator, alike in both
+TORCH_MAX_NAMES = 20
+TORCH_MAX_VALUE = 100
+
+
+def torch_member_kept(relative: str, is_dir: bool) -> bool:
+    """Whether the archive takes the directory's member `relative` ("a/b", "/"-separated):
+    not the `locks` directory nor anything under it, no `*.lock`, no temporary file (a
+    name containing `.tmp`, or starting with `tmp`). Pure."""
+    parts = relative.split("/")
+    if parts[0] == "locks":
+        return False
+    leaf = parts[-1]
+    if not is_dir and leaf.endswith(".lock"):
+        return False
+    return ".tmp" not in leaf and not leaf.startswith("tmp")
+
+
+def torch_archive(directory: str) -> tuple[bytes, int]:
+    """The gzip'd PAX tar of `directory` as the archive is written: members sorted by path,
+    only regular files and directories (links, devices, FIFOs are left out, never
+    followed), relative names, the exclusions of torch_member_kept, mode 0o644 (files) or
+    0o755 (directories), mtime kept, uid/gid 0, no owner names; the gzip header without a
+    name or time, so the same directory gives the same bytes. Returns (bytes, files).
+    Raises OSError."""
+    import gzip  # noqa: PLC0415 - torch caches alone need them
+    import io  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+    import tarfile  # noqa: PLC0415
+
+    found: list[tuple[str, os.stat_result]] = []
+    for root, dirs, leaves in os.walk(directory, followlinks=False):
+        for name in dirs + leaves:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, directory).replace(os.sep, "/")
+            st = os.lstat(path)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if not (is_dir or stat.S_ISREG(st.st_mode)) or not torch_member_kept(relative, is_dir):
+                continue
+            found.append((relative, st))
+        dirs[:] = [d for d in dirs if torch_member_kept(
+            os.path.relpath(os.path.join(root, d), directory).replace(os.sep, "/"), True)]
+    raw = io.BytesIO()
+    files = 0
+    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as zipped, \
+            tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for relative, st in sorted(found):
+            info = tarfile.TarInfo(relative)
+            info.mtime = int(st.st_mtime)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if stat.S_ISDIR(st.st_mode):
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+                continue
+            info.type, info.mode = tarfile.REGTYPE, 0o644
+            with open(os.path.join(directory, relative), "rb") as source:
+                data = source.read()
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            files += 1
+    return raw.getvalue(), files
+
+
+def _torch_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The env names that enter torch's keys (TORCH_ENV_PREFIXES, but the operator's
+    TORCH_ENV_OPERATORS), at most TORCH_MAX_NAMES, values cut to TORCH_MAX_VALUE."""
+    names = sorted(k for k in environ if k.startswith(TORCH_ENV_PREFIXES) and k not in TORCH_ENV_OPERATORS)
+    return {k: environ[k][:TORCH_MAX_VALUE] for k in names[:TORCH_MAX_NAMES]}
+
+
+def _torch_module(name: str) -> Any:
+    """torch's module `name` as this process loaded it (torch.compile loads them with its
+    first compile). Nothing of torch is imported here: the agents never load more of the
+    image's torch than its program did. Raises LookupError when it is not loaded."""
+    module = sys.modules.get(name)
+    if module is None:
+        raise LookupError(f"{name} is not loaded (nothing was compiled in this process)")
+    return module
+
+
+def torch_fingerprint(warmer: bool = False) -> dict[str, Any]:
+    """What a torch process's Inductor keys depend on besides the program: torch's and
+    Triton's versions, platform (cpu, cuda, rocm) and its version, the device's name (the
+    warmer's, or where torch.cuda is already initialized: asking would initialize it), the
+    device count, a hash of Inductor's portable config and the settings that differ from
+    their defaults, the env that sets them (an env value is a config's default, so only the
+    env tells it), torch's own source hash, and TORCHINDUCTOR_CACHE_DIR. {} when torch was
+    never imported here; never raises (a part it could not read becomes `error`)."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    out: dict[str, Any] = {"framework": "torch", "versions": {"torch": str(getattr(torch, "__version__", ""))}}
+    try:
+        out["inductorEnv"] = _torch_env(os.environ)
+        out["cacheDir"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+        try:
+            out["versions"]["triton"] = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        version = getattr(torch, "version", None)
+        cuda = torch.cuda.is_available()
+        hip = getattr(version, "hip", None)
+        out["platform"] = ("rocm" if hip else "cuda") if cuda else "cpu"
+        if cuda:
+            out["platformVersion"] = str(hip or getattr(version, "cuda", "") or "")[:200]
+            if warmer or torch.cuda.is_initialized():
+                out["deviceKind"] = str(torch.cuda.get_device_name(0))[:200]
+            out["devices"] = int(torch.cuda.device_count())
+        else:
+            out["deviceKind"], out["devices"] = "cpu", 1
+        codecache, inductor_config = _torch_module("torch._inductor.codecache"), _torch_module("torch._inductor.config")
+        portable = inductor_config.save_config_portable()
+        out["inductorConfigHash"] = hashlib.sha256(repr(sorted(portable.items())).encode()).hexdigest()[:12]
+        defaults = getattr(inductor_config, "_config", {})
+        changed: dict[str, str] = {}
+        for key in sorted(portable):
+            entry = defaults.get(key)
+            default = getattr(entry, "default", portable[key])
+            if portable[key] != default and len(changed) < TORCH_MAX_NAMES:
+                changed[key] = repr(portable[key])[:60]
+        out["inductorChanged"] = changed
+        out["torchKey"] = codecache.torch_key().hex()[:16]
+    except Exception as exc:  # noqa: BLE001 - a fingerprint is a report, never a reason to fail
+        out["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
 def key_hash(key: str) -> str:
     """How a summary names a cache entry: the first 16 hex digits of the hash its key ends
     in (`jit_step-<sha256>`), enough to tell a prefix's entries apart, short enough for
@@ -1231,6 +1372,151 @@ def run_counted(command: list[str]) -> tuple[int, list[dict[str, Any]]]:
     return code, records
 
 
+TORCH_COMPILE_METRICS = ("_compile.compile_inner", "backward._backward_impl")  # every frame's compile; the lazy backward
+
+
+def torch_counts() -> dict[str, Any]:
+    """torch's own cache counters and compile seconds in this process (the summary's and
+    the reporter's `torch`); {} when torch was never imported. Never raises."""
+    if "torch" not in sys.modules:
+        return {}
+    try:
+        utils = _torch_module("torch._dynamo.utils")
+        inductor, aot = utils.counters["inductor"], utils.counters["aot_autograd"]
+        seconds = sum(float(s) for name in TORCH_COMPILE_METRICS for s in utils.compilation_time_metrics.get(name, []))
+        return {"fxGraphHits": int(inductor["fxgraph_cache_hit"]), "fxGraphMisses": int(inductor["fxgraph_cache_miss"]),
+                "fxGraphBypasses": int(inductor["fxgraph_cache_bypass"]),
+                "aotAutogradHits": int(aot["autograd_cache_hit"]), "aotAutogradMisses": int(aot["autograd_cache_miss"]),
+                "aotAutogradBypasses": int(aot["autograd_cache_bypass"]), "compileSeconds": round(seconds, 3)}
+    except Exception:  # noqa: BLE001 - another torch: counts unknown
+        return {}
+
+
+def upload_torch_archive(cache_url: str, data: bytes) -> tuple[str, bool, dict[str, Any]]:
+    """The archive at `<cache_url>/torch-inductor-<sha256>-cache` (put_object, with
+    customTime now), or, when an object of that name (the same bytes: the name is their
+    hash) is already there, its customTime refreshed. Returns (entry name, uploaded,
+    refresh_last_use's answer). Raises what gcsfs raises."""
+    key = TORCH_ARCHIVE_PREFIX + hashlib.sha256(data).hexdigest()
+    base = cache_url[len("gs://"):].rstrip("/")
+    fs = gcs_filesystem()
+    path = f"{base}/{key}-cache"
+    try:
+        fs.invalidate_cache(path)
+        there = int(fs.info(path).get("size") or -1) == len(data)
+    except FileNotFoundError:
+        there = False
+    if there:
+        return f"{key}-cache", False, refresh_last_use(cache_url, [key])
+    put_object(path, data, "application/octet-stream", custom_time=True)
+    return f"{key}-cache", True, {"entriesRefreshed": 0, "refreshFailed": 0}
+
+
+def run_torch(mode: str, targets: Sequence[str], command: list[str], errors: list[str]) -> tuple[int, bool, list[dict[str, Any]]]:
+    """The torch warm's run: the entrypoint (in process for `python FILE`/`-m MOD`, else a
+    child, uncounted) or each target called (its return value ignored). Returns (exit
+    status, counted, targets' results); failures are appended to `errors`."""
+    results: list[dict[str, Any]] = []
+    if mode == "targets":
+        for spec in targets:
+            began = time.monotonic()
+            try:
+                load_target(spec)()
+                results.append({"target": spec, "seconds": round(time.monotonic() - began, 3)})
+                log("Ran target", target=spec)
+            except Exception as exc:  # noqa: BLE001 - said in the summary; the others go on
+                errors.append(f"{spec}: {type(exc).__name__}: {exc}"[:500])
+                traceback.print_exc(file=sys.stderr)
+        return (1 if errors else 0), True, results
+    counted = in_process(command)
+    code = run_command(command)
+    if code != 0:
+        errors.append(f"entrypoint exited with status {code}")
+    return code, counted, results
+
+
+def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath: Mapping[str, str]) -> int:
+    """The warm of a torch cache (CACHEWARM_FRAMEWORK=torch; see the comment above
+    torch_member_kept): run, then process 0 archives TORCHINDUCTOR_CACHE_DIR, uploads it and
+    writes the manifest naming it. Exit 0 when the archive is in the bucket (uploaded or
+    already there), 1 when the command or a target failed (or the upload did), 2 when the
+    directory held nothing (nothing compiled)."""
+    cache_url = os.environ.get(ENV_CACHE_URL, "").rstrip("/")
+    directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    index = process_index()
+    errors: list[str] = []
+    if not directory:
+        errors.append("TORCHINDUCTOR_CACHE_DIR is not set: torch would cache in a temporary directory")
+    if index == 0 and not cache_url.startswith("gs://"):
+        errors.append(f"{ENV_CACHE_URL} must be a gs:// URL, not {cache_url[:200]!r}")
+    try:
+        limit = int(os.environ.get(ENV_TORCH_MAX_ARCHIVE_BYTES) or TORCH_MAX_ARCHIVE_BYTES)
+    except ValueError:
+        errors.append(f"{ENV_TORCH_MAX_ARCHIVE_BYTES} is not a whole number of bytes")
+        limit = TORCH_MAX_ARCHIVE_BYTES
+    sys.path.insert(0, os.getcwd())
+    started = time.monotonic()
+    code, counted = 1, False
+    results: list[dict[str, Any]] = []
+    if not errors:
+        try:
+            code, counted, results = run_torch(mode, targets, command, errors)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}"[:500])
+            traceback.print_exc(file=sys.stderr)
+    failed = bool(errors)
+    counts = torch_counts() if counted else {}
+    fp = torch_fingerprint(warmer=True) if counted else {}
+    seconds = counts.get("compileSeconds", round(time.monotonic() - started, 3))
+    torch_out: dict[str, Any] = {**counts, "counted": bool(counts), "files": 0, "archiveBytes": 0}
+    summary: dict[str, Any] = {
+        "mode": mode, "processIndex": index, "cacheDir": cache_url,
+        "programs": counts.get("fxGraphHits", 0) + counts.get("fxGraphMisses", 0),
+        "entriesFound": counts.get("fxGraphHits", 0), "entriesWritten": 0, "bytesWritten": 0,
+        "entriesRefreshed": 0, "refreshFailed": 0, "compileSeconds": seconds, "notCached": 0,
+        "targets": results, "torch": torch_out, **pythonpath}
+    if not counted and not failed:
+        torch_out["note"] = ("the entrypoint ran in a child process: torch's counters are unknown (the archive "
+                             "is uploaded all the same)")
+    if fp:
+        summary["fingerprint"] = fp
+    empty = False
+    if index == 0 and not failed:
+        try:
+            data, files = torch_archive(directory)
+            torch_out.update(files=files, archiveBytes=len(data))
+            empty = files == 0
+            if empty:
+                errors.append(f"nothing was compiled: {directory} holds no file")
+            elif len(data) > limit:
+                errors.append(f"the archive of {directory} is {len(data)} bytes, over maxArchiveSize "
+                              f"({limit} bytes): not uploaded")
+                failed = True
+            else:
+                name, uploaded, refreshed = upload_torch_archive(cache_url, data)
+                summary.update(refreshed)
+                summary.update(entriesWritten=int(uploaded), bytesWritten=len(data) if uploaded else 0)
+                key = name[:-len("-cache")]
+                summary["keys"] = [key_hash(key)]
+                summary["keyCount"] = 1
+                summary["compiledPrograms"] = [{"program": "torch.compile", "seconds": seconds, "key": key_hash(key)}]
+                log("Uploaded the torch cache directory" if uploaded else "The same archive is already there",
+                    entry=name, files=files, bytes=len(data))
+                manifest = os.environ.get(ENV_MANIFEST, "")
+                if manifest:
+                    summary.update(write_manifest(manifest, [name], fp or None, cache_url))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"could not archive or upload {directory}: {type(exc).__name__}: {exc}"[:500])
+            failed = True
+            traceback.print_exc(file=sys.stderr)
+    summary["errors"] = errors
+    write_summary(summary)
+    log("Finished", framework="torch", files=torch_out["files"], bytes=torch_out["archiveBytes"], errors=len(errors))
+    if failed or code != 0:
+        return 1
+    return 2 if empty else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cachewarm warm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1244,6 +1530,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before anything runs here: an in-process entrypoint may change os.environ.
     pythonpath = image_pythonpath(os.environ)
+    if os.environ.get(ENV_FRAMEWORK) == "torch":
+        argv = list(getattr(args, "argv", None) or [])
+        command = [a for a in argv if a != "--"] if argv[:1] == ["--"] else argv
+        return torch_warm(args.mode, getattr(args, "targets", None) or [], command, pythonpath)
     cache = CacheDir(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
     if not cache.url:
         log("JAX_COMPILATION_CACHE_DIR is not set; nothing would be cached")

@@ -1,0 +1,269 @@
+"""torch caches (issue 31), the agents end to end against the GCS emulator behind its
+fidelity proxy, with a real torch (the python at $CACHEWARM_TORCH_PYTHON: torch 2.15.0,
+CPU, Inductor's C++ backend) and the demo's torch.compile'd training program: the warmer in
+torch command mode uploads the Inductor directory as one archive and writes the manifest
+naming it; the copier (as the init container runs it, and as the child sitecustomize
+starts in process) seeds a fresh directory from that manifest; the program run again on it
+compiles nothing (0 FX graph and 0 AOTAutograd misses, torch's own counters) and its
+reporter says so, with the warmer's fingerprint; an Inductor setting in the env misses and
+its fingerprint names it. A cold compile costs ~25 s of CPU here: the warm runs once per
+module."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.cloud import storage
+
+from cachewarm_testbed.cluster import Testbed
+from cachewarm_testbed.gcsproxy import ProxyControl
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+AGENTS = REPO / "operator" / "cachewarm" / "agents"
+PROGRAM = REPO / "demo" / "torch" / "train_torch.py"
+TORCH_PYTHON = os.environ.get("CACHEWARM_TORCH_PYTHON", "")
+if not TORCH_PYTHON:
+    pytest.skip("CACHEWARM_TORCH_PYTHON is not set (a python with torch: the Makefile sets it)",
+                allow_module_level=True)
+FOLDER = "torch/.cachewarm/pools/ml/demo/cpu"
+
+
+def lent_gcsfs(where: Path) -> Path:
+    """A directory of links to gcsfs and what it requires, from this test's own environment
+    (the same python version as the torch one), put on the warmer's PYTHONPATH. The warmer
+    uploads through gcsfs, as a JAX warmer of a gs:// cache does: a torch training image
+    must have it installed (the torch python here has none, and is shared: nothing is
+    installed into it)."""
+    where.mkdir()
+    seen: set[str] = set()
+    todo = ["gcsfs"]
+    while todo:
+        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [r for r in dist.requires or [] if "extra ==" not in r]
+        for file in dist.files or []:
+            top = file.parts[0]
+            source = Path(str(dist.locate_file(top)))
+            if top.endswith((".dist-info", ".pth")) or top == ".." or not source.exists() or (where / top).exists():
+                continue
+            (where / top).symlink_to(source)
+    return where
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TORCH_PYTHON, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def base_env(extra: dict[str, str]) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("CACHEWARM_", "TORCH", "TRITON_", "PYTHON", "JAX_", "STORAGE_EMULATOR_HOST"))}
+    return {**clean, **extra}
+
+
+class Reports:
+    """An HTTP endpoint taking the reporter's reports (as test_reporter's)."""
+
+    def __init__(self) -> None:
+        self.got: list[dict[str, Any]] = []
+        got = self.got
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                got.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/report"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def warmed(storage_bed: Testbed, storage_only: storage.Client, tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, Any]:
+    """One cold warm of the demo program in torch command mode into a fresh bucket, its
+    Inductor directory at the same path the pods get (then emptied, as a pod's is)."""
+    tmp = tmp_path_factory.mktemp("torch-warm")
+    bucket = f"torch-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    app = tmp / "app"
+    app.mkdir()
+    shutil.copy(PROGRAM, app / "train_torch.py")
+    shutil.copy(AGENTS / "warmer.py", tmp / "warm.py")
+    inductor = tmp / "cachewarm-torch"
+    manifest = f"{FOLDER}/demo-cpu-1.json"
+    env = base_env({"STORAGE_EMULATOR_HOST": storage_bed.storage_emulator_host,
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "PYTHONPATH": str(lent_gcsfs(tmp / "gcsfs")),
+                    "CACHEWARM_FRAMEWORK": "torch", "CACHEWARM_CACHE_URL": f"gs://{bucket}/torch",
+                    "CACHEWARM_MANIFEST": f"gs://{bucket}/{manifest}", "CACHEWARM_SUMMARY_FILE": str(tmp / "summary"),
+                    "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(64 << 20),
+                    "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")})
+    out = run([str(tmp / "warm.py"), "command", "--", "python", "train_torch.py", "--steps", "1"], env, app)
+    summary = json.loads((tmp / "summary").read_text())
+    shutil.rmtree(inductor)
+    return {"code": out.returncode, "log": out.stderr[-4000:], "summary": summary, "bucket": bucket, "tmp": tmp,
+            "app": app, "inductor": inductor, "manifest": f"{manifest}#{summary.get('manifestGeneration')}"}
+
+
+def test_the_warm_uploads_its_directory_as_one_archive_and_the_manifest_names_it(
+        warmed: dict[str, Any], storage_only: storage.Client) -> None:
+    assert warmed["code"] == 0, warmed["log"]
+    summary = warmed["summary"]
+    assert summary["errors"] == [] and summary["entriesWritten"] == 1
+    torch = summary["torch"]
+    assert torch["counted"] is True and torch["fxGraphMisses"] == 3 and torch["aotAutogradMisses"] == 2
+    assert torch["compileSeconds"] > 0 and summary["compileSeconds"] == torch["compileSeconds"]
+    blobs = [b for b in storage_only.list_blobs(warmed["bucket"], prefix="torch/torch-inductor-")]
+    assert len(blobs) == 1
+    data = blobs[0].download_as_bytes()
+    assert blobs[0].name == f"torch/torch-inductor-{hashlib.sha256(data).hexdigest()}-cache"
+    assert summary["bytesWritten"] == torch["archiveBytes"] == len(data) and torch["files"] > 10
+    assert summary["keys"] == [hashlib.sha256(data).hexdigest()[:16]]
+    assert summary["compiledPrograms"] == [{"program": "torch.compile", "seconds": torch["compileSeconds"],
+                                            "key": summary["keys"][0]}]
+    name = warmed["manifest"].split("#")[0]
+    doc = json.loads(storage_only.bucket(warmed["bucket"]).blob(name).download_as_bytes())
+    assert [e["name"] for e in doc["entries"]] == [blobs[0].name.split("/")[-1]]
+    fp = summary["fingerprint"]
+    assert fp["framework"] == "torch" and fp["versions"]["torch"].startswith("2.") and fp["platform"] == "cpu"
+    assert fp["inductorEnv"] == {} and fp["cacheDir"] == str(warmed["inductor"]) and doc["fingerprint"] == fp
+
+
+def copier_env(bed: Testbed, warmed: dict[str, Any], dest: Path, torch_dir: Path) -> dict[str, str]:
+    return {"STORAGE_EMULATOR_HOST": bed.storage_emulator_host, "CACHEWARM_COPY_BUCKET": warmed["bucket"],
+            "CACHEWARM_COPY_PREFIX": "torch", "CACHEWARM_COPY_DEST": str(dest),
+            "CACHEWARM_COPY_MANIFESTS": warmed["manifest"], "CACHEWARM_TORCH_DIR": str(torch_dir),
+            "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(64 << 20)}
+
+
+def site(where: Path) -> Path:
+    """The pod's shipped directory: sitecustomize, the copier, the reporter, the warmer."""
+    where.mkdir(exist_ok=True)
+    for source, name in (("sitecustomize.py", "sitecustomize.py"), ("copier.py", "cachewarm_copier.py"),
+                         ("reporter.py", "cachewarm_reporter.py"), ("warmer.py", "warm.py")):
+        shutil.copy(AGENTS / source, where / name)
+    return where
+
+
+def train(warmed: dict[str, Any], reports: Reports, torch_dir: Path, extra: dict[str, str] | None = None
+          ) -> dict[str, Any]:
+    env = base_env({"PYTHONPATH": str(site(warmed["tmp"] / "site")), "CACHEWARM_FRAMEWORK": "torch",
+                    "TORCHINDUCTOR_CACHE_DIR": str(torch_dir), "TRITON_CACHE_DIR": str(torch_dir / "triton"),
+                    "CACHEWARM_REPORT_URL": reports.url, "CACHEWARM_CACHE": "demo", "CACHEWARM_POD_NAMESPACE": "ml",
+                    "CACHEWARM_POD_NAME": "trainer", "CACHEWARM_POD_UID": "u-1", **(extra or {})})
+    out = run(["train_torch.py", "--steps", "1"], env, warmed["app"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_pod_seeded_from_the_manifest_compiles_nothing_and_reports_it(
+        warmed: dict[str, Any], storage_bed: Testbed) -> None:
+    assert warmed["code"] == 0, warmed["log"]
+    inductor, entries = warmed["inductor"], warmed["tmp"] / "entries"
+    out = run(["-I", "-S", str(AGENTS / "copier.py")], base_env(copier_env(storage_bed, warmed, entries, inductor)),
+              warmed["tmp"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    copy = json.loads(out.stdout.strip().splitlines()[-1])["cachewarm-copier"]
+    assert copy["copied"] == 1 and copy["errors"] == []
+    assert copy["torch"]["archives"] == 1 and copy["torch"]["files"] == warmed["summary"]["torch"]["files"]
+    assert copy["torch"]["refused"] == 0 and copy["torch"]["kept"] == 0
+    reports = Reports()
+    try:
+        seen = train(warmed, reports, inductor)
+    finally:
+        reports.server.shutdown()
+    inductor_counts, aot = seen["counters"]["inductor"], seen["counters"]["aotAutograd"]
+    assert inductor_counts.get("fxgraph_cache_miss", 0) == 0 and inductor_counts["fxgraph_cache_hit"] == 3
+    assert aot.get("autograd_cache_miss", 0) == 0 and aot["autograd_cache_hit"] == 2
+    final = reports.got[-1]
+    assert final["final"] is True
+    assert final["torch"]["fxGraphHits"] == 3 and final["torch"]["fxGraphMisses"] == 0
+    assert final["torch"]["aotAutogradHits"] == 2 and final["torch"]["aotAutogradMisses"] == 0
+    assert final["counts"]["requests"] == 3 and final["counts"]["hits"] == 3 and final["counts"]["compiles"] == 0
+    assert final["fingerprint"] == warmed["summary"]["fingerprint"]  # the same path, env and torch: alike
+
+
+def test_an_inductor_setting_in_the_env_misses_and_the_fingerprint_names_it(
+        warmed: dict[str, Any], tmp_path: Path, storage_bed: Testbed) -> None:
+    assert warmed["code"] == 0, warmed["log"]
+    torch_dir = tmp_path / "inductor"
+    out = run(["-I", "-S", str(AGENTS / "copier.py")], base_env(copier_env(storage_bed, warmed, tmp_path / "e", torch_dir)),
+              tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reports = Reports()
+    try:
+        seen = train(warmed, reports, torch_dir, {"TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"})
+    finally:
+        reports.server.shutdown()
+    assert seen["counters"]["inductor"]["fxgraph_cache_miss"] == 3
+    fp, warm_fp = reports.got[-1]["fingerprint"], warmed["summary"]["fingerprint"]
+    assert fp["inductorEnv"] == {"TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"} and warm_fp["inductorEnv"] == {}
+    assert reports.got[-1]["torch"]["fxGraphMisses"] == 3
+
+
+def test_in_process_the_program_waits_at_import_torch_for_the_whole_copy(
+        warmed: dict[str, Any], tmp_path: Path, storage_bed: Testbed) -> None:
+    """The copier child that sitecustomize starts: its archive download is held at the
+    proxy, and the program's `import torch` does not return until it is released (a marker
+    the program writes right after the import stays absent), then it compiles nothing."""
+    assert warmed["code"] == 0, warmed["log"]
+    torch_dir, marker = tmp_path / "inductor", tmp_path / "imported"
+    wrapper = warmed["app"] / f"wrapped_{uuid.uuid4().hex[:6]}.py"
+    wrapper.write_text("import sys, torch\nopen(sys.argv.pop(1), 'w').close()\nimport runpy\n"
+                       "sys.argv[0] = 'train_torch.py'\nrunpy.run_path('train_torch.py', run_name='__main__')\n")
+    proxy = ProxyControl(storage_bed.storage_emulator_host)
+    proxy.faults([{"method": "GET", "path": "/download/.*torch-inductor-", "hold": "archive", "times": 1}])
+    env = base_env({**copier_env(storage_bed, warmed, tmp_path / "entries", torch_dir),
+                    "CACHEWARM_COPY_IN_PROCESS": "1", "CACHEWARM_COPY_SUMMARY": str(tmp_path / "copy" / "summary"),
+                    "PYTHONPATH": str(site(tmp_path / "site")), "CACHEWARM_FRAMEWORK": "torch",
+                    "TORCHINDUCTOR_CACHE_DIR": str(torch_dir), "TRITON_CACHE_DIR": str(torch_dir / "triton")})
+    program = subprocess.Popen([TORCH_PYTHON, wrapper.name, str(marker), "--steps", "1"], env=env, cwd=warmed["app"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proxy.wait_held("archive")
+        # While held, `import torch` has not returned: a process that did not wait would
+        # write the marker within its import's few seconds. (A bound on seeing it absent,
+        # not on the run: on a machine where the import takes longer than this, a process
+        # that does not wait could pass unseen; one that waits never fails here.)
+        stop = time.monotonic() + 15
+        while time.monotonic() < stop and program.poll() is None:
+            assert not marker.exists(), "import torch returned before the copy was over"
+            time.sleep(0.2)
+        proxy.release("archive")
+        stdout, stderr = program.communicate(timeout=300)
+    finally:
+        proxy.clear_faults()
+        if program.poll() is None:
+            program.kill()
+            program.wait()
+    assert program.returncode == 0, stderr[-3000:]
+    seen = json.loads(stdout.strip().splitlines()[-1])
+    assert seen["counters"]["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert seen["counters"]["aotAutograd"].get("autograd_cache_miss", 0) == 0
+    copy = json.loads((tmp_path / "copy" / "summary").read_text())
+    assert copy["torch"]["archives"] == 1 and copy["torch"]["files"] > 10

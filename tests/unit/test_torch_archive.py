@@ -1,0 +1,198 @@
+"""torch caches (issue 31), the pure parts of the agents: the warmer's archive of the
+Inductor directory (its members, what it leaves out, the same bytes for the same
+directory) and the copier's extraction of one into a pod's directory, which trusts no name
+in it: absolute paths, "..", links, devices and FIFOs are refused, a link planted in the
+destination is never followed, a file already there is kept, and bombs past the bytes or
+member bounds stop. Real directories and real tar files throughout."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachewarm.agents import copier, warmer
+
+
+def inductor_dir(root: Path) -> Path:
+    """A directory shaped like Inductor's after a warm (`<2 chars>/c<hash>.cpp/.so`,
+    fxgraph/, aotautograd/, locks/), with what the archive must leave out."""
+    d = root / "inductor"
+    for rel, data in {"ab/cabc.cpp": b"cpp", "ab/cabc.so": b"\x7fELF so", "fxgraph/x1/entry": b"fx",
+                      "aotautograd/y2/entry": b"aot", "locks/ab.lock": b"", "ab/cabc.so.lock": b"",
+                      "ab/tmpq12": b"temp", "ab/cabc.so.tmp123": b"temp", "fxgraph/.tmp-x": b"temp"}.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    os.chmod(d / "ab/cabc.so", 0o700)
+    os.symlink("/etc/passwd", d / "ab/link")
+    os.mkfifo(d / "fxgraph/fifo")
+    return d
+
+
+def members(data: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        return tar.getmembers()
+
+
+def test_the_archive_holds_the_directorys_files_and_folders_sorted_and_nothing_else(tmp_path: Path) -> None:
+    d = inductor_dir(tmp_path)
+    data, files = warmer.torch_archive(str(d))
+    got = members(data)
+    assert [m.name for m in got] == ["ab", "ab/cabc.cpp", "ab/cabc.so", "aotautograd", "aotautograd/y2",
+                                     "aotautograd/y2/entry", "fxgraph", "fxgraph/x1", "fxgraph/x1/entry"]
+    assert files == 4
+    assert all(m.isdir() or m.isreg() for m in got)
+    assert {(m.name, oct(m.mode)) for m in got if m.isreg()} == {(n, "0o644") for n in (
+        "ab/cabc.cpp", "ab/cabc.so", "aotautograd/y2/entry", "fxgraph/x1/entry")}  # the .so was 0o700
+    assert all(oct(m.mode) == "0o755" for m in got if m.isdir())
+    assert all(m.uid == 0 and m.gid == 0 and m.uname == "" and m.gname == "" for m in got)
+    so = next(m for m in got if m.name == "ab/cabc.so")
+    assert so.mtime == int((d / "ab/cabc.so").stat().st_mtime)
+
+
+def test_the_same_directory_gives_the_same_bytes(tmp_path: Path) -> None:
+    d = inductor_dir(tmp_path)
+    one, _ = warmer.torch_archive(str(d))
+    (d / "locks/another.lock").write_bytes(b"x")  # left out: no difference
+    two, _ = warmer.torch_archive(str(d))
+    assert hashlib.sha256(one).digest() == hashlib.sha256(two).digest()
+    assert one[3] == 0 and one[4:8] == b"\0\0\0\0"  # gzip's header: no file name, no time
+    (d / "fxgraph/x1/entry").write_bytes(b"fx2")
+    os.utime(d / "fxgraph/x1/entry", (0, 0))
+    three, _ = warmer.torch_archive(str(d))
+    assert three != one
+
+
+def test_an_empty_directory_has_no_files(tmp_path: Path) -> None:
+    (tmp_path / "locks").mkdir()
+    (tmp_path / "locks/x.lock").write_bytes(b"")
+    data, files = warmer.torch_archive(str(tmp_path))
+    assert files == 0 and members(data) == []
+
+
+def test_member_names_are_checked() -> None:
+    assert copier.torch_member_parts("ab/./c.so") == ["ab", "c.so"]
+    for bad in ("/etc/passwd", "../x", "ab/../../x", "a\x00b", "", ".", "a\\..\\b"):
+        assert copier.torch_member_parts(bad) is None, bad
+
+
+def tar_of(*items: tuple[str, Any]) -> bytes:
+    """A gzip'd tar of (name, bytes | ("type", a TarInfo type)) members, written as a hostile one would."""
+    raw = io.BytesIO()
+    with gzip.GzipFile(fileobj=raw, mode="wb") as zipped, tarfile.open(fileobj=zipped, mode="w",
+                                                                        format=tarfile.PAX_FORMAT) as tar:
+        for name, what in items:
+            info = tarfile.TarInfo(name)
+            if isinstance(what, bytes):
+                info.size = len(what)
+                tar.addfile(info, io.BytesIO(what))
+            else:
+                info.type = what = what[1]
+                if what in (tarfile.SYMTYPE, ("type", tarfile.LNKTYPE)):
+                    info.linkname = "/etc/passwd"
+                tar.addfile(info)
+    return raw.getvalue()
+
+
+def extract(tmp_path: Path, data: bytes, dest: Path, max_bytes: int = 1 << 20, max_files: int = 1000,
+            counts: dict[str, Any] | None = None) -> dict[str, Any]:
+    archive = tmp_path / f"torch-inductor-{hashlib.sha256(data).hexdigest()}-cache"
+    archive.write_bytes(data)
+    counts = counts if counts is not None else {"files": 0, "bytes": 0, "kept": 0, "refused": 0, "members": 0}
+    copier.extract_torch(str(archive), str(dest), counts, max_bytes, max_files)
+    return counts
+
+
+def test_a_warmers_archive_extracts_whole_with_modes_any_uid_can_write_beside(tmp_path: Path) -> None:
+    data, _ = warmer.torch_archive(str(inductor_dir(tmp_path)))
+    dest = tmp_path / "pod"
+    old = os.umask(0)
+    try:
+        counts = extract(tmp_path, data, dest)
+    finally:
+        os.umask(old)
+    assert counts == {"files": 4, "bytes": len(b"cpp\x7fELF sofxaot"), "kept": 0, "refused": 0, "members": 9}
+    assert (dest / "ab/cabc.so").read_bytes() == b"\x7fELF so"
+    assert stat.S_IMODE((dest / "ab/cabc.so").stat().st_mode) == 0o666
+    assert stat.S_IMODE((dest / "fxgraph/x1").stat().st_mode) == 0o777
+
+
+def test_hostile_members_are_refused_and_nothing_lands_outside(tmp_path: Path) -> None:
+    dest = tmp_path / "pod"
+    data = tar_of(("/abs-file", b"x"), ("../escaped", b"x"), ("ab/../../escaped2", b"x"),
+                  ("sym", ("type", tarfile.SYMTYPE)), ("hard", ("type", tarfile.LNKTYPE)), ("dev", ("type", tarfile.CHRTYPE)),
+                  ("blk", ("type", tarfile.BLKTYPE)), ("fifo", ("type", tarfile.FIFOTYPE)), ("good/file", b"ok"))
+    counts = extract(tmp_path, data, dest)
+    assert counts["refused"] == 8 and counts["files"] == 1
+    assert sorted(p.name for p in dest.rglob("*")) == ["file", "good"]
+    assert not (tmp_path / "escaped").exists() and not Path("/abs-file").exists()
+
+
+def test_a_link_planted_in_the_destination_is_never_followed(tmp_path: Path) -> None:
+    dest, outside = tmp_path / "pod", tmp_path / "outside"
+    dest.mkdir()
+    outside.mkdir()
+    (outside / "target").write_bytes(b"theirs")
+    os.symlink(outside, dest / "ab")  # a directory the archive fills, planted as a link
+    os.symlink(outside / "target", dest / "top")  # a file the archive writes, planted as a link
+    counts = extract(tmp_path, tar_of(("ab/c.so", b"ours"), ("top", b"ours")), dest)
+    assert counts["refused"] == 2 and counts["files"] == 0
+    assert sorted(p.name for p in outside.iterdir()) == ["target"]
+    assert (outside / "target").read_bytes() == b"theirs"
+
+
+def test_a_file_already_there_is_kept_not_overwritten(tmp_path: Path) -> None:
+    dest = tmp_path / "pod"
+    (dest / "ab").mkdir(parents=True)
+    (dest / "ab/c.so").write_bytes(b"the pod's own")
+    counts = extract(tmp_path, tar_of(("ab/c.so", b"archive's"), ("ab/d.so", b"new")), dest)
+    assert (counts["kept"], counts["files"]) == (1, 1)
+    assert (dest / "ab/c.so").read_bytes() == b"the pod's own"
+
+
+@pytest.mark.parametrize("bound", ["bytes", "files"])
+def test_a_bomb_past_the_bounds_stops_with_whole_files_only(tmp_path: Path, bound: str) -> None:
+    dest = tmp_path / "pod"
+    big = b"\0" * 4000  # compresses to almost nothing
+    data = tar_of(*((f"f{i}", big) for i in range(10)))
+    with pytest.raises(copier.TorchBound):
+        if bound == "bytes":
+            extract(tmp_path, data, dest, max_bytes=10000)
+        else:
+            extract(tmp_path, data, dest, max_files=3)
+    written = sorted(p.name for p in dest.iterdir())
+    assert written == (["f0", "f1"] if bound == "bytes" else ["f0", "f1", "f2"])
+    assert all(p.stat().st_size == 4000 for p in dest.iterdir())
+
+
+def test_the_bounds_count_across_a_copys_archives(tmp_path: Path) -> None:
+    dest = tmp_path / "pod"
+    counts = extract(tmp_path, tar_of(("a", b"\0" * 600)), dest, max_bytes=1000)
+    with pytest.raises(copier.TorchBound):
+        extract(tmp_path, tar_of(("b", b"\0" * 600)), dest, max_bytes=1000, counts=counts)
+    assert sorted(p.name for p in dest.iterdir()) == ["a"]
+
+
+def test_seed_torch_extracts_the_verified_archives_and_says_what_it_did(tmp_path: Path) -> None:
+    entries, pod = tmp_path / "entries", tmp_path / "pod"
+    entries.mkdir()
+    data = tar_of(("fxgraph/e", b"fx"), ("../x", b"x"))
+    (entries / f"torch-inductor-{hashlib.sha256(data).hexdigest()}-cache").write_bytes(data)
+    (entries / f"jit_f-{'0' * 64}-cache").write_bytes(b"a JAX entry: not extracted")
+    summary = copier.new_summary("manifest")
+    got = copier.seed_torch(str(entries), {"CACHEWARM_TORCH_DIR": str(pod)}, summary)
+    assert {k: v for k, v in got.items() if k != "seconds"} == {"archives": 1, "files": 1, "bytes": 2, "kept": 0,
+                                                                "refused": 1}
+    assert [p.name for p in pod.iterdir()] == ["fxgraph"] and summary["errors"] == []
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / f"torch-inductor-{'1' * 64}-cache").write_bytes(b"not a tar")
+    got = copier.seed_torch(str(broken), {"CACHEWARM_TORCH_DIR": str(tmp_path / "pod2")}, summary)
+    assert got["archives"] == 0 and "ReadError" in got["error"] and "torch archives" in summary["errors"][0]
