@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from reportdata import REVIEW
@@ -216,11 +216,13 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
                                                                                   max_size=4), max_leaves=12)
 _fingerprint_keys = st.sampled_from(["jax", "versions", "flagsHash", "flagCount", "cacheDir", "platform",
-                                     "platformVersion", "deviceKind", "devices", "processes", "topology", "error"])
+                                     "platformVersion", "deviceKind", "devices", "processes", "topology", "error",
+                                     "framework", "inductorConfigHash", "torchKey", "inductorEnv", "inductorChanged"])
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_fingerprint_keys, _json, max_size=6) | _json)
+@example({"platform": "cpu\n\x1b[2J", "inductorEnv": {"TORCHINDUCTOR_X": "\r"}, "framework": "torch"})
 def test_any_fingerprint_is_refused_with_a_400_or_compared_without_raising(fingerprint: Any) -> None:
     """Whatever a pod puts in its fingerprint: parse answers a ReportError (a 4xx) or a
     report whose fingerprint KeysMatch compares with a warmed pool's without raising, so a
@@ -233,9 +235,14 @@ def test_any_fingerprint_is_refused_with_a_400_or_compared_without_raising(finge
     store = Store()
     store.record(parsed, NOW)
     warmed = [{"name": "cpu", "state": "Succeeded",
-               "fingerprint": {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "devices": 8}}]
-    matched, reason, message = keys_match(warmed, store.fingerprints("ml", "llama", NOW))
-    assert matched in (True, False, None) and reason and message
+               "fingerprint": {"jax": "0.10.2", "versions": {"jaxlib": "0.10.2"}, "devices": 8}},
+              {"name": "torch", "state": "Succeeded",  # a torch warm's (issue 31)
+               "fingerprint": {"framework": "torch", "versions": {"torch": "2.15.0"}, "inductorConfigHash": "a" * 12,
+                               "inductorEnv": {"TORCHINDUCTOR_X": "1"}, "inductorChanged": {"k": "True"}}}]
+    for pools in (warmed[:1], warmed[1:], warmed):
+        matched, reason, message = keys_match(pools, store.fingerprints("ml", "llama", NOW))
+        assert matched in (True, False, None) and reason and message
+        assert message.isprintable()  # a pod's text reaches a condition and an Event as one line
 
 
 def _many(store: Store, pod: str, processes: range, at: dt.datetime, **changes: Any) -> list[int]:

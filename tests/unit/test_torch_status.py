@@ -101,6 +101,12 @@ def test_a_jax_pod_against_a_torch_warm_is_named_by_its_framework_alone() -> Non
     assert keys_match(jax_pools, [("trainer", WARMED)])[2].endswith("they run torch; pool cpu was warmed with JAX")
 
 
+def test_a_difference_is_said_as_one_line_of_plain_text_whatever_the_fingerprints_hold() -> None:
+    pod = parse(raw(torch_report(fingerprint={**WARMED, "platform": "cpu\n\x1b[2J"}))).fingerprint.as_status()
+    message = keys_match(pools({**WARMED, "platformVersion": "12.9\r"}), [("trainer", pod)])[2]
+    assert message.isprintable() and "they run platform cpu??[2J" in message
+
+
 # --- a torch warmer's summary in pool status ---------------------------------------------------
 
 SUMMARY: dict[str, Any] = {

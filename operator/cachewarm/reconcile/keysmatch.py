@@ -123,7 +123,9 @@ def keys_match(pools: list[Mapping[str, Any]], pods: list[tuple[str, dict[str, A
     if found:
         # Said the same way while the difference stays the same (one Event, not one per pod).
         fields, pool_name, closest, fp = found[0]
-        return False, "FingerprintsDiffer", (
+        # One line of plain text: a pod's fingerprint is its own to say (and a warmer's its
+        # image's), and the message reaches a condition and an Event.
+        return False, "FingerprintsDiffer", one_line(
             f"Training pods compute other keys than the warmers and miss: they run {_describe(fp, fields)}; pool "
             f"{pool_name} was warmed with {_describe(closest, fields)}")[:1000]
     if all(framework(fp) == "torch" for _, fp in warmed):
