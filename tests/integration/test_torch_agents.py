@@ -126,7 +126,7 @@ def warmed(storage_bed: Testbed, storage_only: storage.Client, tmp_path_factory:
     out = run([str(tmp / "warm.py"), "command", "--", "python", "train_torch.py", "--steps", "1"], env, app)
     summary = json.loads((tmp / "summary").read_text())
     shutil.rmtree(inductor)
-    return {"code": out.returncode, "log": out.stderr[-4000:], "summary": summary, "bucket": bucket, "tmp": tmp,
+    return {"code": out.returncode, "log": out.stderr[-4000:], "summary": summary, "bucket": bucket, "tmp": tmp, "env": env,
             "app": app, "inductor": inductor, "manifest": f"{manifest}#{summary.get('manifestGeneration')}"}
 
 
@@ -152,6 +152,52 @@ def test_the_warm_uploads_its_directory_as_one_archive_and_the_manifest_names_it
     fp = summary["fingerprint"]
     assert fp["framework"] == "torch" and fp["versions"]["torch"].startswith("2.") and fp["platform"] == "cpu"
     assert fp["inductorEnv"] == {} and fp["cacheDir"] == str(warmed["inductor"]) and doc["fingerprint"] == fp
+
+
+def warm_again(warmed: dict[str, Any], tmp: Path, inductor: Path, *args: str, limit: int = 64 << 20
+               ) -> tuple[int, dict[str, Any], str]:
+    """The warmer once more, into the warm's bucket (another manifest), with `inductor` as
+    its TORCHINDUCTOR_CACHE_DIR."""
+    env = base_env({**warmed["env"], "CACHEWARM_SUMMARY_FILE": str(tmp / "summary"),
+                    "CACHEWARM_MANIFEST": f"gs://{warmed['bucket']}/{FOLDER}/demo-cpu-{uuid.uuid4().hex[:6]}.json",
+                    "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(limit),
+                    "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")})
+    out = run([str(warmed["tmp"] / "warm.py"), *args], env, warmed["app"])
+    return out.returncode, json.loads((tmp / "summary").read_text()), out.stderr[-3000:]
+
+
+def test_a_targets_warm_on_a_seeded_directory_finds_every_graph_and_the_same_archive(
+        warmed: dict[str, Any], tmp_path: Path, storage_bed: Testbed, storage_only: storage.Client) -> None:
+    """targets mode calls the callable (the demo's `warm`: its compiled step and eval on
+    example inputs); seeded from the first warm's archive it compiles nothing, and the
+    directory archives to the same bytes: that object is already there, not written again."""
+    assert warmed["code"] == 0, warmed["log"]
+    inductor = tmp_path / "inductor"
+    out = run(["-I", "-S", str(AGENTS / "copier.py")], base_env(copier_env(storage_bed, warmed, tmp_path / "e", inductor)),
+              tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    code, summary, log = warm_again(warmed, tmp_path, inductor, "targets", "train_torch:warm")
+    assert code == 0, log
+    assert summary["targets"][0]["target"] == "train_torch:warm" and summary["errors"] == []
+    assert summary["torch"]["fxGraphHits"] == 3 and summary["torch"]["fxGraphMisses"] == 0
+    assert summary["entriesFound"] == 3 and summary["programs"] == 3
+    assert summary["entriesWritten"] == 0 and summary["keys"] == warmed["summary"]["keys"]
+    assert len(list(storage_only.list_blobs(warmed["bucket"], prefix="torch/torch-inductor-"))) == 1
+
+
+def test_a_child_entrypoint_is_uncounted_and_an_empty_or_too_large_directory_is_not_uploaded(
+        warmed: dict[str, Any], tmp_path: Path, storage_only: storage.Client) -> None:
+    assert warmed["code"] == 0, warmed["log"]
+    code, summary, log = warm_again(warmed, tmp_path, tmp_path / "empty", "command", "--", "sh", "-c", "true")
+    assert code == 2, log
+    assert summary["torch"]["counted"] is False and "child process" in summary["torch"]["note"]
+    assert any("nothing was compiled" in e for e in summary["errors"]) and "keys" not in summary
+    big = tmp_path / "big"
+    code, summary, log = warm_again(warmed, tmp_path, big, "command", "--", "sh", "-c",
+                                    f"mkdir -p {big}/ab && head -c 5000 /dev/urandom > {big}/ab/c.so", limit=1000)
+    assert code == 1, log
+    assert any("over maxArchiveSize" in e for e in summary["errors"]) and summary["entriesWritten"] == 0
+    assert len(list(storage_only.list_blobs(warmed["bucket"], prefix="torch/torch-inductor-"))) == 1
 
 
 def copier_env(bed: Testbed, warmed: dict[str, Any], dest: Path, torch_dir: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import os
 import stat
 import tarfile
@@ -122,6 +123,34 @@ def test_a_warmers_archive_extracts_whole_with_modes_any_uid_can_write_beside(tm
     assert (dest / "ab/cabc.so").read_bytes() == b"\x7fELF so"
     assert stat.S_IMODE((dest / "ab/cabc.so").stat().st_mode) == 0o666
     assert stat.S_IMODE((dest / "fxgraph/x1").stat().st_mode) == 0o777
+    assert (dest / "ab/cabc.so").stat().st_mtime == int((tmp_path / "inductor/ab/cabc.so").stat().st_mtime)
+    assert warmer.torch_archive(str(dest))[0] == data  # seeded, then archived again: the same bytes
+
+
+def test_bad_bounds_are_an_error_in_the_summary(tmp_path: Path) -> None:
+    summary = copier.new_summary("manifest")
+    got = copier.seed_torch(str(tmp_path), {"CACHEWARM_TORCH_DIR": str(tmp_path / "pod"),
+                                            "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": "4Gi"}, summary)
+    assert "ValueError" in got["error"] and summary["errors"]
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"CACHEWARM_CACHE_URL": "s3://bucket/x"}, "must be a gs:// URL"),
+    ({"CACHEWARM_CACHE_URL": "gs://b/x", "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": "lots"}, "not a whole number"),
+    ({"CACHEWARM_CACHE_URL": "gs://b/x", "TORCHINDUCTOR_CACHE_DIR": ""}, "TORCHINDUCTOR_CACHE_DIR is not set"),
+])
+def test_a_torch_warm_with_bad_settings_runs_nothing_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  env: dict[str, str], said: str) -> None:
+    ran = tmp_path / "ran"
+    monkeypatch.setenv("CACHEWARM_FRAMEWORK", "torch")
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(tmp_path / "summary"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = warmer.main(["command", "--", "touch", str(ran)])
+    summary = json.loads((tmp_path / "summary").read_text())
+    assert code == 1 and not ran.exists()
+    assert any(said in e for e in summary["errors"]) and summary["entriesWritten"] == 0
 
 
 def test_hostile_members_are_refused_and_nothing_lands_outside(tmp_path: Path) -> None:

@@ -1644,9 +1644,10 @@ def _open_dir(parent: int, name: str) -> int:
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
 
 
-def _extract_member(root: int, parts: list[str], source: Any, size: int, is_dir: bool) -> str:
-    """One member under the directory descriptor `root`: "written", "kept" (a file already
-    there) or "refused" (a link, or not a directory, in the way). Raises OSError."""
+def _extract_member(root: int, parts: list[str], source: Any, size: int, is_dir: bool, mtime: float = 0) -> str:
+    """One member under the directory descriptor `root`: "written" (a file with the
+    archive's mtime: the same directory archives to the same bytes again), "kept" (a file
+    already there) or "refused" (a link, or not a directory, in the way). Raises OSError."""
     fds: list[int] = []
     try:
         at = root
@@ -1675,6 +1676,8 @@ def _extract_member(root: int, parts: list[str], source: Any, size: int, is_dir:
                         raise OSError(f"archive member {'/'.join(parts)[:100]} ends early")
                     out.write(chunk)
                     left -= len(chunk)
+                out.flush()
+                os.utime(out.fileno(), (mtime, mtime))
         except BaseException:
             os.unlink(leaf, dir_fd=at)  # never a half file under its name
             raise
@@ -1711,7 +1714,7 @@ def extract_torch(archive: str, directory: str, counts: dict[str, Any], max_byte
                     source = tar.extractfile(member)
                 else:
                     source = None
-                done = _extract_member(root, parts, source, member.size, member.isdir())
+                done = _extract_member(root, parts, source, member.size, member.isdir(), member.mtime)
                 if done == "written" and member.isreg():
                     counts["files"] += 1
                     counts["bytes"] += member.size

@@ -1114,8 +1114,8 @@ def torch_archive(directory: str) -> tuple[bytes, int]:
     """The gzip'd PAX tar of `directory` as the archive is written: members sorted by path,
     only regular files and directories (links, devices, FIFOs are left out, never
     followed), relative names, the exclusions of torch_member_kept, mode 0o644 (files) or
-    0o755 (directories), mtime kept, uid/gid 0, no owner names; the gzip header without a
-    name or time, so the same directory gives the same bytes. Returns (bytes, files).
+    0o755 (directories), files' mtime kept (directories' 0), uid/gid 0, no owner names; the
+    gzip header without a name or time, so the same directory gives the same bytes. Returns (bytes, files).
     Raises OSError."""
     import gzip  # noqa: PLC0415 - torch caches alone need them
     import io  # noqa: PLC0415
@@ -1144,7 +1144,9 @@ def torch_archive(directory: str) -> tuple[bytes, int]:
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             if stat.S_ISDIR(st.st_mode):
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                # A directory's mtime says when it last got a file, not what it holds: 0, so that a
+                # directory seeded from an archive archives to the same bytes again.
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
                 tar.addfile(info)
                 continue
             info.type, info.mode = tarfile.REGTYPE, 0o644
@@ -1372,7 +1374,8 @@ def run_counted(command: list[str]) -> tuple[int, list[dict[str, Any]]]:
     return code, records
 
 
-TORCH_COMPILE_METRICS = ("_compile.compile_inner", "backward._backward_impl")  # every frame's compile; the lazy backward
+# torch's compile seconds: every frame's compile (dynamo, AOT, Inductor's forward), the lazy backward
+TORCH_COMPILE_METRICS = ("_compile.compile_inner", "backward._backward_impl")
 
 
 def torch_counts() -> dict[str, Any]:
@@ -1412,7 +1415,8 @@ def upload_torch_archive(cache_url: str, data: bytes) -> tuple[str, bool, dict[s
     return f"{key}-cache", True, {"entriesRefreshed": 0, "refreshFailed": 0}
 
 
-def run_torch(mode: str, targets: Sequence[str], command: list[str], errors: list[str]) -> tuple[int, bool, list[dict[str, Any]]]:
+def run_torch(mode: str, targets: Sequence[str], command: list[str], errors: list[str]
+              ) -> tuple[int, bool, list[dict[str, Any]]]:
     """The torch warm's run: the entrypoint (in process for `python FILE`/`-m MOD`, else a
     child, uncounted) or each target called (its return value ignored). Returns (exit
     status, counted, targets' results); failures are appended to `errors`."""
