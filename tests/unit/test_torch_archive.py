@@ -225,3 +225,31 @@ def test_seed_torch_extracts_the_verified_archives_and_says_what_it_did(tmp_path
     (broken / f"torch-inductor-{'1' * 64}-cache").write_bytes(b"not a tar")
     got = copier.seed_torch(str(broken), {"CACHEWARM_TORCH_DIR": str(tmp_path / "pod2")}, summary)
     assert got["archives"] == 0 and "ReadError" in got["error"] and "torch archives" in summary["errors"][0]
+
+
+def test_a_torch_process_that_compiled_between_two_looks_still_reports_at_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's counters are polled (no listener): a process that compiles and exits before
+    the next look is still reported, at exit, from the counters as they are then."""
+    from cachewarm.agents import reporter
+
+    counts = {"fxGraphHits": 3, "fxGraphMisses": 0, "aotAutogradHits": 2, "compileSeconds": 1.5}
+    monkeypatch.setattr(reporter, "_load_fingerprint", lambda here, name="fingerprint": (
+        (lambda: dict(counts)) if name == "torch_counts" else (lambda: {"framework": "torch"})))
+    sent: list[dict[str, Any]] = []
+    one = reporter.Reporter(reporter.Tally(), {"CACHEWARM_REPORT_URL": "http://127.0.0.1:9/r"}, tmp_path)
+    one.torch = True
+    monkeypatch.setattr(one, "send", lambda timeout=0: sent.append(one.report()) or True)
+    one.at_exit()
+    assert len(sent) == 1 and sent[0]["final"] is True and sent[0]["fingerprint"] == {"framework": "torch"}
+    assert sent[0]["torch"] == {"fxGraphHits": 3, "fxGraphMisses": 0, "fxGraphBypasses": 0, "aotAutogradHits": 2,
+                                "aotAutogradMisses": 0, "aotAutogradBypasses": 0, "compileSeconds": 1.5}
+    assert sent[0]["counts"]["requests"] == 3 and sent[0]["counts"]["hits"] == 3 and sent[0]["counts"]["misses"] == 0
+    assert sent[0]["counts"]["compileSecondsSpent"] == 1.5 and sent[0]["counts"]["compiles"] == 0
+    counts.update(fxGraphHits=0, aotAutogradHits=0)  # nothing compiled: nothing sent
+    sent.clear()
+    other = reporter.Reporter(reporter.Tally(), {"CACHEWARM_REPORT_URL": "http://127.0.0.1:9/r"}, tmp_path)
+    other.torch = True
+    monkeypatch.setattr(other, "send", lambda timeout=0: sent.append(other.report()) or True)
+    other.at_exit()
+    assert sent == []

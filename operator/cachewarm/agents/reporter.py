@@ -470,6 +470,8 @@ class Reporter:
         """The last report, waited for at most EXIT_SECONDS (from a thread: a hung
         connection cannot hold the process longer)."""
         try:
+            if self.torch and not self.tally.first.is_set() and _torch_compiled(self.torch_counts()):
+                self.tally.first.set()  # compiled since the last look (torch's counters are polled)
             if not self.tally.first.is_set() or self.disabled:
                 return  # no compile used the cache: nothing to tell
             self.final = True
@@ -582,6 +584,11 @@ def torch_report_counts(torch: dict[str, Any]) -> dict[str, Any]:
             "compileSecondsSpent": torch["compileSeconds"], "compiles": misses, "lastMisses": [], "hitKeys": []}
 
 
+def _torch_compiled(counts: dict[str, Any]) -> bool:
+    """Whether torch's counters say the process looked up a compiled graph (hit or miss)."""
+    return any(counts.get(name) for name in TORCH_COUNTS)
+
+
 def on_torch_imported(tally: Tally, reporter: Reporter) -> None:
     """A torch cache's process imported torch: its counters are read at each report, and
     looked at every TORCH_POLL_SECONDS so that the first compile (a change) starts the
@@ -598,8 +605,7 @@ def on_torch_imported(tally: Tally, reporter: Reporter) -> None:
                     now = _load_fingerprint(reporter.here, "torch_counts")()
                 except Exception:  # noqa: BLE001 - no counters: nothing to poll
                     return
-                if now and now != last and (now.get("fxGraphHits") or now.get("fxGraphMisses")
-                                            or now.get("aotAutogradHits") or now.get("aotAutogradMisses")):
+                if now and now != last and _torch_compiled(now):
                     tally.first.set()
                     tally.changed.set()
                 last = now
