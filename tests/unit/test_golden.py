@@ -101,6 +101,13 @@ SPECS: dict[str, dict[str, Any]] = {
     "bucket-root": {
         "storage": {"gcs": {"bucket": "b-1", "location": "US", "lifecycle": {"allowBucketRoot": True}}},
     },
+    # A torch cache (issue 31): the torch env and directory in the Jobs and pods, the default copy.
+    "torch-cpu-gpu-pools": {
+        "storage": _gcs(),
+        "torch": {"cacheDir": "/data/inductor", "maxArchiveSize": "1Gi"},
+        "warmup": {"image": "registry.example/train-torch:7", "command": ["python", "train_torch.py", "--steps", "1"],
+                   "pools": [CPU_POOL, A100_POOL]},
+    },
 }
 
 PODS: dict[str, dict[str, Any]] = {

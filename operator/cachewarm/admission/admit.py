@@ -10,7 +10,7 @@ from typing import Any
 
 from cachewarm.api import constants as c
 from cachewarm.api.model import CacheSpec, InvalidSpec, LocalCopy, parse_spec
-from cachewarm.builders.injection import inject_pod
+from cachewarm.builders.injection import add_torch_dir, inject_pod
 from cachewarm.builders.localcopy import HOST_PATH_WITHDRAWN, add_local_copy, add_local_copy_in_process
 from cachewarm.builders.localcopy import default_copy_refused, default_copy_size, local_copy_possible, served
 from cachewarm.builders.localcopy import in_process as is_in_process
@@ -85,6 +85,12 @@ def _with_local(cache: CacheSpec, local: LocalCopy | None) -> CacheSpec:
     return cache.model_copy(update={"injection": cache.injection.model_copy(update={"local_copy": local})})
 
 
+def _without_copy(cache: CacheSpec) -> str:
+    """What a pod without its local copy reads: the bucket, or for a torch cache (Inductor
+    reads a local directory only) nothing."""
+    return "starts with an empty torch cache directory (cold)" if cache.torch is not None else "reads the bucket"
+
+
 def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, reporting: Reporting | None,
             warmer_image: str | None, warnings: list[str], cache_bytes: int = 0,
             manifests: Mapping[str, str] | None = None) -> tuple[CacheSpec, Reporting | None, str]:
@@ -98,7 +104,7 @@ def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, repo
         why = default_copy_refused(cache, pod_spec, manifests or {}, cache_bytes)
         if why:
             warnings.append(f"cachewarm: CompilationCache {cache_name!r} gives pods a local copy by default, but "
-                            f"this pod reads the bucket: {why}")
+                            f"this pod {_without_copy(cache)}: {why}")
             return _served(_with_local(cache, None), pod_spec, cache_name, reporting, warmer_image, warnings)
         size = default_copy_size(local.size_limit, cache_bytes)
         if size != local.size_limit:
@@ -116,7 +122,7 @@ def _served(cache: CacheSpec, pod_spec: Mapping[str, Any], cache_name: str, repo
                         "cannot get (a Windows pod, a volume of its own named cachewarm-cache, cachewarm-boot, "
                         "cachewarm-reporter or cachewarm-report-token, or a mount of one, or one mounted at "
                         "/cachewarm-cache, /cachewarm-boot, /cachewarm-copy, /cachewarm-reporter or "
-                        "/var/run/secrets/cachewarm, or no warmer image configured); it reads the bucket")
+                        f"/var/run/secrets/cachewarm, or no warmer image configured); it {_without_copy(cache)}")
     reports = reporting if cache.injection.report else None
     why, opted_out = token_withheld(pod_spec) if reports is not None else ("", False)
     if not opted_out:
@@ -145,6 +151,25 @@ def _without_env(containers: list[str], cache_name: str) -> list[str]:
     return [f"cachewarm: container {name!r} has envFrom sources and got no cache env: CompilationCache "
             f"{cache_name!r} has no env ConfigMap the operator verified (see its InjectionReady condition); "
             "it reads no cache" for name in containers]
+
+
+def _add_torch_dir(out: Admission, cache: CacheSpec, cache_name: str, containers: list[dict[str, Any]],
+                   init_containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> None:
+    """A torch cache's pod: its torch directory (injection.add_torch_dir) in the patch as the
+    env injection and the local copy left it (`out.spec`, else the given lists), said in
+    warnings where a container keeps its own or the pod gets none."""
+    torch = add_torch_dir(cache, out.spec.get("containers", containers),
+                          out.spec.get("initContainers", init_containers), out.spec.get("volumes", volumes))
+    if torch.changed:
+        out.spec["containers"], out.spec["volumes"] = torch.containers, torch.volumes
+        if torch.init_containers:
+            out.spec["initContainers"] = torch.init_containers
+        out.injected = True
+    out.warnings += [f"cachewarm: container {name!r} mounts its own volume at the torch cache directory; "
+                     f"CompilationCache {cache_name!r}'s was not mounted in it" for name in torch.kept]
+    if torch.refused:
+        out.warnings.append(f"cachewarm: CompilationCache {cache_name!r}: {torch.refused}; torch compiles "
+                            "into the container's own filesystem, cold")
 
 
 @dataclass
@@ -220,6 +245,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
             out.spec["containers"], out.spec["initContainers"], out.spec["volumes"] = copied
             out.injected = True
             out.warnings += _claim_root(cache, pod_spec)
+    if cache.torch is not None:
+        _add_torch_dir(out, cache, cache_name, containers, init_containers, volumes)
     gates = list((pod.get("spec") or {}).get("schedulingGates") or [])
     if cache.injection.wait_for_warm.enabled and cache.warmup is not None and not entry["warmed"] \
             and not entry.get("refused"):

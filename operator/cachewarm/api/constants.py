@@ -30,6 +30,14 @@ from cachewarm.agents.reporter import ENV_RESTORE_IMAGE_PYTHONPATH as ENV_RESTOR
 # Warmers: the gs:// URL of the pool's manifest (builders/placement.manifest_url), where
 # process 0 writes the entries its warm relied on.
 from cachewarm.agents.warmer import ENV_MANIFEST as ENV_MANIFEST
+# torch caches (spec.torch): the directory the copier extracts a torch cache's archives
+# into (the pods' TORCHINDUCTOR_CACHE_DIR), and the most bytes of one archive (the copier's
+# extraction bound, the warmer's upload bound).
+from cachewarm.agents.copier import ENV_TORCH_DIR as ENV_TORCH_DIR
+from cachewarm.agents.copier import ENV_TORCH_MAX_ARCHIVE_BYTES as ENV_TORCH_MAX_ARCHIVE_BYTES
+# "torch" in a torch cache's warmers and pods; the gs:// URL the torch warmer uploads to.
+from cachewarm.agents.warmer import ENV_CACHE_URL as ENV_CACHE_URL
+from cachewarm.agents.warmer import ENV_FRAMEWORK as ENV_FRAMEWORK
 
 GROUP: Final = "cachewarm.dev"
 VERSION: Final = "v1alpha1"
@@ -223,3 +231,11 @@ ENV_PROCESS_ID: Final = "JAX_PROCESS_ID"
 # JAX_COMPILATION_CACHE_DIR) and the init container that fills it (builders/localcopy.py).
 LOCAL_COPY_DIR: Final = "/cachewarm-cache"
 LOCAL_COPY_CONTAINER: Final = "cachewarm-copy"
+
+# torch.compile caches (spec.torch): Inductor and Triton read these at their first use;
+# the operator sets them, the same in warmers and pods (spec.torch.cacheDir), so no path
+# differs between them. The volume at that path is a writable emptyDir in both.
+ENV_TORCHINDUCTOR_CACHE_DIR: Final = "TORCHINDUCTOR_CACHE_DIR"
+ENV_TRITON_CACHE_DIR: Final = "TRITON_CACHE_DIR"
+TRITON_SUBDIR: Final = "triton"
+TORCH_VOLUME: Final = "cachewarm-torch"

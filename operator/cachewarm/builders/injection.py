@@ -41,6 +41,8 @@ def cache_env(cache: CacheSpec, role: Role, *, local: bool = True) -> list[dict[
     `local` is false (the ConfigMap for envFrom containers, which may be in a pod that got
     no copy: they read the bucket).
     """
+    if cache.torch is not None:
+        return torch_env(cache, role)
     gcs = cache.storage.gcs
     directory = c.LOCAL_COPY_DIR if role == "pod" and local and cache.injection.local_copy is not None else gcs.url
     if role == "warmer":  # the one writer, writing once: every program unless the cache says otherwise
@@ -55,6 +57,45 @@ def cache_env(cache: CacheSpec, role: Role, *, local: bool = True) -> list[dict[
         {"name": c.ENV_MIN_ENTRY_SIZE, "value": str(cache.jax.min_entry_size_bytes)},
         {"name": c.ENV_ENABLE_XLA_CACHES, "value": cache.jax.enable_xla_caches},
     ]
+
+
+def torch_env(cache: CacheSpec, role: Role) -> list[dict[str, str]]:
+    """The env of a torch cache's (spec.torch) warmers and pods: the framework, Inductor's
+    and Triton's directories (spec.torch.cacheDir, the same in both, a writable emptyDir
+    there: torch_dir_volume), and for a `warmer` where it uploads its archive and the most
+    bytes that archive may hold. No JAX cache env: a torch cache is not JAX's."""
+    torch = cache.torch
+    assert torch is not None
+    env = [
+        {"name": c.ENV_FRAMEWORK, "value": "torch"},
+        {"name": c.ENV_TORCHINDUCTOR_CACHE_DIR, "value": torch.cache_dir},
+        {"name": c.ENV_TRITON_CACHE_DIR, "value": f"{torch.cache_dir}/{c.TRITON_SUBDIR}"},
+    ]
+    if role == "warmer":
+        env += [{"name": c.ENV_CACHE_URL, "value": cache.storage.gcs.url},
+                {"name": c.ENV_TORCH_MAX_ARCHIVE_BYTES, "value": str(torch_max_archive_bytes(cache))}]
+    return env
+
+
+def torch_max_archive_bytes(cache: CacheSpec) -> int:
+    """spec.torch.maxArchiveSize in bytes (the warmer's upload bound, the copier's extraction bound)."""
+    assert cache.torch is not None
+    return cache.torch.max_archive_bytes
+
+
+def torch_dir_volume() -> dict[str, Any]:
+    """The pod volume at spec.torch.cacheDir of warmers and training pods: their own,
+    writable (Inductor takes lock files even to read, and a pod adds what it compiles). No
+    sizeLimit: what a pod compiles is bounded as whatever else it writes, by its node's
+    ephemeral storage and its containers' limits (a sizeLimit would evict a pod that
+    compiles more than its warmer did)."""
+    return {"name": c.TORCH_VOLUME, "emptyDir": {}}
+
+
+def torch_dir_mount(cache: CacheSpec) -> dict[str, Any]:
+    """The writable mount of torch_dir_volume at spec.torch.cacheDir."""
+    assert cache.torch is not None
+    return {"name": c.TORCH_VOLUME, "mountPath": cache.torch.cache_dir}
 
 
 @dataclass(frozen=True)
@@ -185,6 +226,56 @@ def _inject(container: Mapping[str, Any], env: Sequence[Mapping[str, str]], conf
     if added:
         out["env"] = [*(out.get("env") or []), *added]
     return out, bool(added)
+
+
+# The reporter's init containers compile nothing and extract nothing: no torch directory.
+# The copier's (c.LOCAL_COPY_CONTAINER) gets it: it extracts the archives there.
+NO_TORCH_DIR = (COPY_CONTAINER, PATH_CONTAINER)
+
+
+@dataclass
+class TorchDir:
+    """The torch directory's part of the pod patch (add_torch_dir)."""
+
+    containers: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]]
+    volumes: list[dict[str, Any]]
+    changed: bool = False
+    # Containers that mount a volume of their own at spec.torch.cacheDir: theirs wins.
+    kept: list[str] = field(default_factory=list)
+    # Why the pod got no torch directory at all ("" when it got one).
+    refused: str = ""
+
+
+def add_torch_dir(cache: CacheSpec, containers: Sequence[Mapping[str, Any]],
+                  init_containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]]) -> TorchDir:
+    """A torch cache's pod: the writable emptyDir (torch_dir_volume) at spec.torch.cacheDir
+    in every container and init container of the pod's own and in the copier (which
+    extracts the archives there), as the rest of the patch leaves them. A container that
+    mounts something at that path already keeps it (`kept`; ours, on reinvocation, too);
+    a pod with a volume of its own named like ours gets none (`refused`), as then ours
+    could not be told from its. Applying the result again changes nothing."""
+    mount = torch_dir_mount(cache)
+    out = TorchDir([copy.deepcopy(dict(ct)) for ct in containers],
+                   [copy.deepcopy(dict(ct)) for ct in init_containers], [copy.deepcopy(dict(v)) for v in volumes])
+    same = [v for v in volumes if v.get("name") == c.TORCH_VOLUME]
+    if same and dict(same[0]) != torch_dir_volume():
+        out.refused = (f"it has a volume of its own named {c.TORCH_VOLUME}, so cachewarm mounts no torch cache "
+                       f"directory at {mount['mountPath']}")
+        return out
+    takers = [*out.containers, *(ct for ct in out.init_containers if ct.get("name") not in NO_TORCH_DIR)]
+    for ct in takers:
+        mounts = list(ct.get("volumeMounts") or [])
+        if any(str(m.get("mountPath") or "").rstrip("/") == mount["mountPath"] for m in mounts):
+            if not any(m.get("name") == c.TORCH_VOLUME for m in mounts):
+                out.kept.append(str(ct.get("name") or ""))
+            continue
+        ct["volumeMounts"] = [*mounts, dict(mount)]
+        out.changed = True
+    if not same and any(m.get("name") == c.TORCH_VOLUME for ct in takers for m in ct.get("volumeMounts") or []):
+        out.volumes.append(torch_dir_volume())
+        out.changed = True
+    return out
 
 
 def annotation_value(cache_name: str, generation: int, cache: CacheSpec) -> str:

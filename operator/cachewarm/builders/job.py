@@ -14,7 +14,7 @@ from typing import Any
 
 from cachewarm.agents import payload
 from cachewarm.api import constants as c
-from cachewarm.builders.injection import cache_env
+from cachewarm.builders.injection import cache_env, torch_dir_mount, torch_dir_volume
 from cachewarm.builders.placement import manifest_url, placement, pool_shape, quantity
 from cachewarm.api.model import CacheSpec, Pool, Warmup
 
@@ -200,8 +200,14 @@ def warmer_job(
     hosts = pool_shape(pool).hosts
     selector, tolerations, resources = placement(pool)
     env = warmer_env(cache, cache_name=cache_name, namespace=namespace, pool=pool, name=name, hosts=hosts)
-    pod_spec = warmer_pod_spec(warmup, warmer_container(warmup, env, resources), warmer_image=warmer_image,
-                               selector=selector, tolerations=tolerations)
+    container = warmer_container(warmup, env, resources)
+    pod_spec = warmer_pod_spec(warmup, container, warmer_image=warmer_image, selector=selector,
+                               tolerations=tolerations)
+    if cache.torch is not None:
+        # Inductor's and Triton's directory (TORCHINDUCTOR_CACHE_DIR, the pods' path too):
+        # the warm compiles into it, process 0 archives it.
+        container["volumeMounts"].append(torch_dir_mount(cache))
+        pod_spec["volumes"].append(torch_dir_volume())
     job_spec: dict[str, Any] = {
         # A multi-host warmer is one JAX distributed runtime: when one process fails, the
         # others leave it, so a retried pod of the same index would only wait out the

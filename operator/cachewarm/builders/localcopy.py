@@ -19,7 +19,7 @@ from cachewarm.agents import payload
 from cachewarm.api import constants as c
 from cachewarm.builders import reporting as reporter
 from cachewarm.builders.injection import boot_configmap_name as boot_configmap_name
-from cachewarm.builders.injection import cache_configmap, configmap_hash
+from cachewarm.builders.injection import cache_configmap, configmap_hash, torch_max_archive_bytes
 from cachewarm.builders.placement import is_pool_manifest, placement
 from cachewarm.builders.tpu import TpuShapeError
 from cachewarm.api.model import CacheSpec, GcsStorage, LocalCopy, Pool
@@ -241,6 +241,11 @@ def copier_env(cache: CacheSpec, namespace: str, cache_name: str, pools: Sequenc
         {"name": c.ENV_COPY_WORKERS, "value": str(local.workers)},
         {"name": c.ENV_COPY_DEADLINE_SECONDS, "value": str(local.timeout_seconds)},
         {"name": c.ENV_COPY_SUMMARY, "value": SUMMARY_FILE},
+        # A torch cache's copier extracts the archives it copied into the pod's torch
+        # directory (spec.torch.cacheDir, mounted in it too: injection.add_torch_dir).
+        *([{"name": c.ENV_TORCH_DIR, "value": cache.torch.cache_dir},
+           {"name": c.ENV_TORCH_MAX_ARCHIVE_BYTES, "value": str(torch_max_archive_bytes(cache))}]
+          if cache.torch is not None else []),
     ]
 
 
