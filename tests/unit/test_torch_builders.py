@@ -27,6 +27,8 @@ MANIFESTS = {"cpu": "llama/.cachewarm/pools/team/llama/cpu/llama-cpu-1.json#1700
 TORCH_POD_ENV = {"CACHEWARM_FRAMEWORK": "torch", "TORCHINDUCTOR_CACHE_DIR": "/cachewarm-torch",
                  "TRITON_CACHE_DIR": "/cachewarm-torch/triton"}
 TORCH_VOLUME = {"name": "cachewarm-torch", "emptyDir": {}}
+JAX_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"}
 TORCH_MOUNT = {"name": "cachewarm-torch", "mountPath": "/cachewarm-torch"}
 
 
@@ -85,6 +87,19 @@ def test_a_torch_warmer_job_uses_the_specs_directory_and_archive_bound() -> None
     assert (got["TORCHINDUCTOR_CACHE_DIR"], got["TRITON_CACHE_DIR"]) == ("/data/inductor", "/data/inductor/triton")
     assert got["CACHEWARM_TORCH_MAX_ARCHIVE_BYTES"] == str(500 * 2**20)
     assert {"name": "cachewarm-torch", "mountPath": "/data/inductor"} in warm["volumeMounts"]
+
+
+def test_a_two_host_torch_pool_tells_each_warmer_its_process_index_and_no_jax_cache_env() -> None:
+    """The torch warmer reads its process index where the JAX one does (process 0 alone
+    uploads the archive); that is not a cache setting, and no JAX cache env comes with it."""
+    spec = parse_spec(torch_spec(pools=[{"name": "h100x2", "hosts": 2,
+                                         "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}]))
+    job = build(spec, "h100x2")
+    [warm] = job["spec"]["template"]["spec"]["containers"]
+    names = {e["name"] for e in warm["env"]}
+    assert {"JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_COORDINATOR_ADDRESS"} <= names
+    assert not names & JAX_CACHE_ENV, names
+    assert env(warm)["TORCHINDUCTOR_CACHE_DIR"] == "/cachewarm-torch" and job["spec"]["completions"] == 2
 
 
 def test_the_torch_settings_enter_the_warmers_spec_hash() -> None:
