@@ -15,7 +15,7 @@ from cachewarm.admission import admit as admission
 from cachewarm.builders import injection
 from cachewarm.builders import job as jb
 from cachewarm.builders.reporting import Reporting
-from cachewarm.api.model import CacheSpec, parse_spec
+from cachewarm.api.model import CacheSpec, InvalidSpec, parse_spec
 
 OWNER = {"name": "llama", "uid": "0000-1111"}
 WARMER = "cachewarm/warmer:0.1.0"
@@ -100,6 +100,18 @@ def test_a_two_host_torch_pool_tells_each_warmer_its_process_index_and_no_jax_ca
     assert {"JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_COORDINATOR_ADDRESS"} <= names
     assert not names & JAX_CACHE_ENV, names
     assert env(warm)["TORCHINDUCTOR_CACHE_DIR"] == "/cachewarm-torch" and job["spec"]["completions"] == 2
+
+
+def test_a_tpu_pool_the_model_refuses_for_torch_does_not_crash_the_job_builder() -> None:
+    """The CRD and the model refuse a torch cache with a TPU pool (torch_xla); a spec that
+    got past them (model_copy does not validate) still builds a Job, as any pool's."""
+    tpu = [{"name": "v5e", "tpu": {"type": "tpu-v5-lite-podslice", "topology": "2x4"}}]
+    with pytest.raises(InvalidSpec, match="TPU"):
+        parse_spec(torch_spec(pools=tpu))
+    jax = parse_spec({k: v for k, v in torch_spec(pools=tpu).items() if k != "torch"})
+    spec = jax.model_copy(update={"torch": parse_spec(torch_spec()).torch})
+    [warm] = build(spec, "v5e")["spec"]["template"]["spec"]["containers"]
+    assert env(warm)["CACHEWARM_FRAMEWORK"] == "torch" and TORCH_MOUNT in warm["volumeMounts"]
 
 
 def test_the_torch_settings_enter_the_warmers_spec_hash() -> None:
