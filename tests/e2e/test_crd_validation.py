@@ -63,6 +63,33 @@ def with_local_copy(local_copy: Any, mode: Any = "ReadOnly", jax: dict[str, Any]
         obj["spec"]["jax"] = jax
     return obj
 
+
+def with_torch(torch: Any = None, **spec: Any) -> dict[str, Any]:
+    """A valid torch cache (spec.torch `torch`, {} when None) on a CPU pool, with `spec`'s
+    keys set over the valid cache's (DELETE removes one)."""
+    obj = with_change("spec.torch", {} if torch is None else torch)
+    obj["spec"]["warmup"]["pools"] = [{"name": "cpu"}]
+    for key, value in spec.items():
+        if value is DELETE:
+            del obj["spec"][key]
+        else:
+            obj["spec"][key] = value
+    return obj
+
+
+TPU_POOL = {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}}
+CACHE_DIR_FORM = "torch.cacheDir must be an absolute directory below '/'"
+CACHE_DIR_DOTS = "torch.cacheDir must not contain '.' or '..' path segments"
+CACHE_DIR_OURS = "torch.cacheDir must not be one of cachewarm's own mount paths"
+SIZE_FORM = "torch.maxArchiveSize must be a number of bytes or a Kubernetes quantity"
+SIZE_RANGE = "torch.maxArchiveSize must be at least 1 byte and at most 64Gi"
+
+
+def torch_field(case: str, field: str, value: Any, message: str) -> tuple[str, dict[str, Any], str]:
+    """A WRONG case: spec.torch.`field` set to `value`, refused with `message` as the
+    apiserver says it (naming the field and the value)."""
+    return case, with_torch({field: value}), f"spec.torch.{field}: Invalid value: {json.dumps(value)}: {message}"
+
 # (id, object, text the apiserver's message must contain)
 WRONG: list[tuple[str, dict[str, Any], str]] = [
     ("bucket-uppercase", with_change("spec.storage.gcs.bucket", "Team-Cache"), "spec.storage.gcs.bucket"),
@@ -205,6 +232,52 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
      "spec.warmup.minCompileTimeSecs in body should be greater than or equal to 0"),
     ("warmup-min-compile-string", with_change("spec.warmup.minCompileTimeSecs", "1s"),
      "spec.warmup.minCompileTimeSecs: Invalid value"),
+    # spec.torch (issue 31): each message as users see it, naming the field.
+    ("torch-not-object", with_change("spec.torch", True), "spec.torch: Invalid value"),
+    ("torch-unknown-field", with_torch({"cachedir": "/torch"}), 'unknown field "spec.torch.cachedir"'),
+    torch_field("torch-cache-dir-relative", "cacheDir", "torch-cache", CACHE_DIR_FORM),
+    torch_field("torch-cache-dir-root", "cacheDir", "/", CACHE_DIR_FORM),
+    ("torch-cache-dir-empty", with_torch({"cacheDir": ""}), "spec.torch.cacheDir: Invalid value"),
+    torch_field("torch-cache-dir-trailing-slash", "cacheDir", "/tmp/torch/", CACHE_DIR_FORM),
+    torch_field("torch-cache-dir-double-slash", "cacheDir", "/tmp//torch", CACHE_DIR_FORM),
+    torch_field("torch-cache-dir-space", "cacheDir", "/tmp/my torch", CACHE_DIR_FORM),
+    torch_field("torch-cache-dir-dotdot", "cacheDir", "/tmp/../etc", CACHE_DIR_DOTS),
+    torch_field("torch-cache-dir-dot", "cacheDir", "/tmp/./torch", CACHE_DIR_DOTS),
+    torch_field("torch-cache-dir-cachewarm", "cacheDir", "/cachewarm", CACHE_DIR_OURS),
+    torch_field("torch-cache-dir-cachewarm-cache", "cacheDir", "/cachewarm-cache/torch", CACHE_DIR_OURS),
+    torch_field("torch-cache-dir-cachewarm-prefix", "cacheDir", "/cachewarm-torchx", CACHE_DIR_OURS),
+    torch_field("torch-cache-dir-opt-cachewarm", "cacheDir", "/opt/cachewarm/torch", CACHE_DIR_OURS),
+    torch_field("torch-cache-dir-token", "cacheDir", "/var/run/secrets/cachewarm", CACHE_DIR_OURS),
+    ("torch-cache-dir-too-long", with_torch({"cacheDir": "/" + "a" * 200}), "spec.torch.cacheDir: Too long"),
+    ("torch-cache-dir-number", with_torch({"cacheDir": 5}), "spec.torch.cacheDir: Invalid value"),
+    torch_field("torch-size-not-quantity", "maxArchiveSize", "four gigs", SIZE_FORM),
+    torch_field("torch-size-lowercase-unit", "maxArchiveSize", "4gi", SIZE_FORM),
+    torch_field("torch-size-too-big", "maxArchiveSize", "65Gi", SIZE_RANGE),
+    torch_field("torch-size-exa", "maxArchiveSize", "1E", SIZE_RANGE),
+    torch_field("torch-size-too-big-bytes", "maxArchiveSize", 64 * 2**30 + 1, SIZE_RANGE),
+    torch_field("torch-size-zero", "maxArchiveSize", "0", SIZE_RANGE),
+    torch_field("torch-size-zero-bytes", "maxArchiveSize", 0, SIZE_RANGE),
+    torch_field("torch-size-negative", "maxArchiveSize", "-1Gi", SIZE_RANGE),
+    torch_field("torch-size-negative-bytes", "maxArchiveSize", -1, SIZE_RANGE),
+    torch_field("torch-size-half-byte", "maxArchiveSize", "500m", SIZE_RANGE),
+    ("torch-size-too-long", with_torch({"maxArchiveSize": "1" * 65}), "spec.torch.maxArchiveSize: Too long"),
+    ("torch-size-float", with_torch({"maxArchiveSize": 1.5}), "spec.torch.maxArchiveSize: Invalid value"),
+    ("torch-size-bool", with_torch({"maxArchiveSize": True}), "spec.torch.maxArchiveSize: Invalid value"),
+    ("torch-without-warmup", with_torch(warmup=DELETE),
+     "spec.torch: Required value: spec.torch needs spec.warmup: only warmers fill a torch cache"),
+    ("torch-read-write", with_torch(injection={"mode": "ReadWrite"}),
+     "spec.injection.mode: Forbidden: spec.torch refuses injection.mode ReadWrite: a torch cache is code"),
+    ("torch-read-from-bucket", with_torch(injection={"readFrom": "Bucket"}),
+     "spec.injection.readFrom: Forbidden: spec.torch refuses injection.readFrom Bucket: torch reads a local "
+     "directory only"),
+    ("torch-tpu-pool", with_torch(warmup={**valid_cache()["spec"]["warmup"], "pools": [{"name": "cpu"}, TPU_POOL]}),
+     "spec.warmup.pools: Forbidden: spec.torch refuses pools with tpu: torch on TPU is torch_xla"),
+    ("torch-env-inductor-dir", with_torch(warmup={**valid_cache()["spec"]["warmup"], "pools": [{"name": "cpu"}],
+                                                  "env": [{"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/x"}]}),
+     "spec.warmup.env: Forbidden: warmup.env of a torch cache must not set TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR"),
+    ("torch-env-triton-dir", with_torch(warmup={**valid_cache()["spec"]["warmup"], "pools": [{"name": "cpu"}],
+                                                "env": [{"name": "TRITON_CACHE_DIR", "value": "/x"}]}),
+     "spec.warmup.env: Forbidden: warmup.env of a torch cache must not set TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR"),
 ]
 
 
@@ -231,6 +304,37 @@ def test_wrong_cache_is_rejected_with_message(
     code, out = create(crd_installed, namespace, copy.deepcopy(obj))
     assert code != 0, f"apiserver accepted an invalid CompilationCache:\n{out}"
     assert message in out
+
+
+def test_torch_cache_is_stored_with_its_defaults(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, with_torch())
+    assert code == 0, out
+    spec = stored_spec(crd_installed, namespace, "llama")
+    assert spec["torch"] == {"cacheDir": "/cachewarm-torch", "maxArchiveSize": "4Gi"}
+    # Like a JAX cache's: no read path written in (the operator gives it the local copy).
+    assert spec["injection"] == {"mode": "ReadOnly", "report": True}
+
+
+@pytest.mark.parametrize("torch", [
+    pytest.param({"cacheDir": "/cachewarm-torch/inductor", "maxArchiveSize": 1}, id="min-bytes"),
+    pytest.param({"cacheDir": "/root/.cache/torch", "maxArchiveSize": "64Gi"}, id="max-quantity"),
+    pytest.param({"cacheDir": "/" + "a" * 199, "maxArchiveSize": 64 * 2**30}, id="longest-dir-max-bytes"),
+    pytest.param({"cacheDir": "/workspace/inductor_cache-2.15", "maxArchiveSize": "1.5Gi"}, id="fraction"),
+])
+def test_torch_variants_are_accepted(crd_installed: Testbed, namespace: str, torch: dict[str, Any]) -> None:
+    code, out = create(crd_installed, namespace, with_torch(torch))
+    assert code == 0, out
+    assert stored_spec(crd_installed, namespace, "llama")["torch"] == torch
+
+
+def test_torch_cache_on_gpu_with_a_copy_and_jax_settings_is_accepted(crd_installed: Testbed, namespace: str) -> None:
+    # spec.jax does not apply to a torch cache: XLA's caches do not refuse its local copy.
+    obj = with_torch(injection={"readFrom": "LocalCopy", "localCopy": {"sizeLimit": "20Gi"}},
+                     jax={"enableXlaCaches": "all"})
+    obj["spec"]["warmup"]["pools"] = valid_cache()["spec"]["warmup"]["pools"]
+    obj["spec"]["warmup"]["env"] = [{"name": "TORCHINDUCTOR_MAX_AUTOTUNE", "value": "1"}]
+    code, out = create(crd_installed, namespace, obj)
+    assert code == 0, out
 
 
 def test_local_copy_is_stored_with_its_defaults(crd_installed: Testbed, namespace: str) -> None:
@@ -314,6 +418,45 @@ def test_pool_status_fields_are_typed(crd_installed: Testbed, namespace: str) ->
     for case, pool, message in WRONG_POOL_STATUS:
         bad = crd_installed.kubectl_run("patch", "ccache", "st", "-n", namespace, "--subresource=status",
                                         "--type=merge", "-p", json.dumps({"status": {"warmup": {"pools": [pool]}}}))
+        assert bad.returncode != 0, case
+        assert message in bad.stderr, (case, bad.stderr)
+
+
+TORCH_FINGERPRINT = {
+    "framework": "torch", "versions": {"torch": "2.15.0", "triton": "3.9.0"}, "platform": "cpu", "deviceKind": "cpu",
+    "devices": 1, "inductorConfigHash": "0123456789ab", "inductorEnv": {"TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"},
+    "inductorChanged": {"max_autotune": "True"}, "torchKey": "0123456789abcdef", "cacheDir": "/cachewarm-torch"}
+TORCH_USAGE = {"pods": 2, "fxGraphHits": 6, "fxGraphMisses": 0, "aotAutogradHits": 4, "aotAutogradMisses": 0,
+               "compileSeconds": 3.5, "warmerCompileSeconds": 42.25, "secondsSaved": 38.75, "hitButNotSaved": 1}
+WRONG_TORCH_STATUS: list[tuple[str, dict[str, Any], str]] = [
+    ("framework-unknown", {"warmup": {"pools": [{"name": "a", "fingerprint": {"framework": "tensorflow"}}]}},
+     'supported values: "jax", "torch"'),
+    ("inductor-env-int", {"warmup": {"pools": [{"name": "a", "fingerprint": {"inductorEnv": {"A": 1}}}]}},
+     "status.warmup.pools[0].fingerprint.inductorEnv.A"),
+    ("inductor-env-long", {"warmup": {"pools": [{"name": "a", "fingerprint": {"inductorEnv": {"A": "x" * 101}}}]}},
+     "status.warmup.pools[0].fingerprint.inductorEnv.A"),
+    ("inductor-changed-list", {"warmup": {"pools": [{"name": "a", "fingerprint": {"inductorChanged": ["a"]}}]}},
+     "status.warmup.pools[0].fingerprint.inductorChanged"),
+    ("torch-key-int", {"warmup": {"pools": [{"name": "a", "fingerprint": {"torchKey": 5}}]}},
+     "status.warmup.pools[0].fingerprint.torchKey"),
+    ("usage-hits-string", {"usage": {"torch": {"fxGraphHits": "six"}}}, "status.usage.torch.fxGraphHits"),
+    ("usage-saved-string", {"usage": {"torch": {"secondsSaved": "lots"}}}, "status.usage.torch.secondsSaved"),
+]
+
+
+def test_torch_status_fields_are_typed(crd_installed: Testbed, namespace: str) -> None:
+    code, out = create(crd_installed, namespace, with_torch() | {"metadata": {"name": "ts"}})
+    assert code == 0, out
+    good = {"warmup": {"pools": [{"name": "cpu", "fingerprint": TORCH_FINGERPRINT}]}, "usage": {"torch": TORCH_USAGE}}
+    ok = crd_installed.kubectl_run("patch", "ccache", "ts", "-n", namespace, "--subresource=status", "--type=merge",
+                                   "-p", json.dumps({"status": good}), "-o", "json")
+    assert ok.returncode == 0, ok.stderr
+    stored = json.loads(ok.stdout)["status"]  # the patch's answer, as in test_pool_status_fields_are_typed
+    assert stored["warmup"]["pools"][0]["fingerprint"] == TORCH_FINGERPRINT  # declared, so not pruned
+    assert stored["usage"]["torch"] == TORCH_USAGE
+    for case, status, message in WRONG_TORCH_STATUS:
+        bad = crd_installed.kubectl_run("patch", "ccache", "ts", "-n", namespace, "--subresource=status",
+                                        "--type=merge", "-p", json.dumps({"status": status}))
         assert bad.returncode != 0, case
         assert message in bad.stderr, (case, bad.stderr)
 

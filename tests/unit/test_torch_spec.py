@@ -4,11 +4,24 @@ InvalidSpec naming the field."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from cachewarm.api.model import InvalidSpec, TorchSettings, parse_spec, quantity_bytes
+from cachewarm.api.model import (
+    CACHEWARM_PATH,
+    TORCH_CACHE_DIR,
+    TORCH_CACHE_DIR_FORM,
+    TORCH_MAX_ARCHIVE_LIMIT,
+    InvalidSpec,
+    TorchSettings,
+    parse_spec,
+    quantity_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 GCS = {"bucket": "b-1", "location": "US"}
 WARMUP = {"image": "i", "targets": ["m:f"], "pools": [{"name": "cpu"}]}
@@ -166,3 +179,28 @@ def test_a_torch_cache_keeps_the_copy_it_asks_for() -> None:
 def test_max_archive_size_is_an_int_or_a_string(size: Any) -> None:
     with pytest.raises(InvalidSpec, match=r"spec\.torch\.maxArchiveSize"):
         parse_spec(torch_spec({"maxArchiveSize": size}))
+
+
+@pytest.mark.parametrize("name", ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"])
+def test_torch_warmup_env_must_not_set_the_cache_dirs(name: str) -> None:
+    warmup = {**WARMUP, "env": [{"name": "TORCHINDUCTOR_MAX_AUTOTUNE", "value": "1"}, {"name": name, "value": "/x"}]}
+    with pytest.raises(InvalidSpec, match=rf"spec\.warmup\.env of a torch cache must not set {name}: "):
+        parse_spec(torch_spec(warmup=warmup))
+    assert parse_spec({"storage": {"gcs": GCS}, "warmup": warmup}).framework == "jax"  # a JAX cache's own business
+
+
+def test_the_models_defaults_and_bounds_are_the_crds() -> None:
+    # Objects read as the apiserver stores them: the same defaults, the same limits.
+    crd = yaml.safe_load((REPO / "crds" / "cachewarm.dev_compilationcaches.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["torch"]
+    fields = schema["properties"]
+    assert fields["cacheDir"]["default"] == TorchSettings().cache_dir == TORCH_CACHE_DIR
+    assert fields["maxArchiveSize"]["default"] == TorchSettings().max_archive_size
+    assert fields["cacheDir"]["maxLength"] == TorchSettings.model_fields["cache_dir"].metadata[0].max_length
+    rules = " ".join(rule["rule"] for rule in fields["maxArchiveSize"]["x-kubernetes-validations"])
+    assert f"quantity('{TORCH_MAX_ARCHIVE_LIMIT}')" in rules
+    assert str(quantity_bytes(TORCH_MAX_ARCHIVE_LIMIT)) in rules
+    [form] = [r["rule"] for r in fields["cacheDir"]["x-kubernetes-validations"] if "matches('^(/[" in r["rule"]]
+    assert TORCH_CACHE_DIR_FORM.pattern in form
+    [ours] = [r["rule"] for r in fields["cacheDir"]["x-kubernetes-validations"] if "/opt/cachewarm" in r["rule"]]
+    assert CACHEWARM_PATH.pattern in ours

@@ -295,6 +295,11 @@ class CacheSpec(_Model):
         if tpu:
             problems.append(f"spec.torch refuses TPU pools ({', '.join(tpu)} in spec.warmup.pools): torch on TPU is "
                             "torch_xla, which cachewarm does not support")
+        env = [var.name for var in (self.warmup.env if self.warmup is not None else [])
+               if var.name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]
+        if env:
+            problems.append(f"spec.warmup.env of a torch cache must not set {' or '.join(env)}: cachewarm sets them "
+                            "from spec.torch.cacheDir")
         if problems:
             raise ValueError("; ".join(problems))
         return self
