@@ -445,6 +445,9 @@ def test_injected_pods_keep_cachewarms_shape(installed: Testbed, ns: str) -> Non
     bad("rw-root", lambda s: copier(s)["securityContext"].pop("readOnlyRootFilesystem"), "readOnlyRootFilesystem")
     bad("hostpath", lambda s: volume(s, "cachewarm-cache").update(emptyDir=None, hostPath={"path": "/var/lib"}),
         "hostPath")
+    # A torch cache's writable Inductor directory (issue 31): an emptyDir, never a host directory.
+    bad("torch-hostpath", lambda s: s["volumes"].append({"name": "cachewarm-torch", "hostPath": {"path": "/var/lib"}}),
+        "cachewarm-torch are emptyDirs")
     bad("token-secret", lambda s: volume(s, "cachewarm-report-token")["projected"]["sources"].append(
         {"secret": {"name": "db-password"}}), "projected ServiceAccount token")
     bad("boot-secret", lambda s: volume(s, "cachewarm-boot").update(configMap=None, secret={"secretName": "x"}),

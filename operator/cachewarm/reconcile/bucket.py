@@ -453,7 +453,8 @@ def _lifecycle_condition(bucket: BucketInfo, spec: GcsStorage, mine: b.Claim, pl
     if days is None:
         return Cond(c.Condition.LIFECYCLE_READY, False, c.Reason.BUCKET_BUSY,
                     f"cachewarm's lifecycle rule for {spec.url} is not on the bucket yet; retrying")
-    message = (f"JAX entries under {spec.url} are deleted {days} days after their customTime, which warmers "
+    message = (f"Cache entries under {spec.url} (JAX's entries, torch's archives) are deleted {days} days after "
+               "their customTime, which warmers "
                "move forward on every entry they write or find, and so are the warmers' packs (*.cachewarm-pack); "
                "other objects never match cachewarm's rules")
     others = b.other_instances(bucket, instance)
