@@ -527,6 +527,12 @@ def test_the_pool_keeps_process_0s_fingerprint_typed_and_bounded_with_the_image_
         "flagCount": 3, "cacheDir": "gs://b/p", "image": "us-docker.pkg.dev/team/train@sha256:" + "a" * 64}
     assert fingerprint_status({"jax": "x" * 1000, "devices": "many"}, "")["jax"] == "x" * 300
     assert "devices" not in fingerprint_status({"devices": "many"}, "")
+    # The warmer runs in the user's image: its text reaches conditions, Events and `cachewarm
+    # inspect` as plain text, as the pods' side keeps it (a terminal escape or newline is `?`).
+    dirty = fingerprint_status({"platform": "cpu\x1b]52;c;eA==\x07", "torchKey": "ab\ncd",
+                                "versions": {"torch\x1b[2J": "2.15.0\r"}}, "")
+    assert (dirty["platform"], dirty["torchKey"], dirty["versions"]) == \
+        ("cpu?]52;c;eA==?", "ab?cd", {"torch?[2J": "2.15.0?"})
     # A warmer too old to report one (or an entrypoint in a child process): no fingerprint.
     assert "fingerprint" not in pool_status("j", spec().warmup.pools[0], "h", job, [{"entriesWritten": 1}])
 

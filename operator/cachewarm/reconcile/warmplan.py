@@ -307,7 +307,10 @@ FINGERPRINT_MAP_ITEMS = 20
 def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any]:
     """A warmer's fingerprint as status keeps it: the known fields only, typed and bounded
     (the summary is the warmer's, run in the user's image, so not trusted to be tidy)."""
-    out: dict[str, Any] = {k: str(reported[k])[:300] for k in FINGERPRINT_TEXT if reported.get(k) not in (None, "")}
+    # Plain text, as the pods' side keeps it (reports/store.py): a value compares equal to the
+    # pods' and reaches no condition, Event or `cachewarm inspect` with a terminal escape.
+    out: dict[str, Any] = {k: one_line(str(reported[k])[:300]) for k in FINGERPRINT_TEXT
+                           if reported.get(k) not in (None, "")}
     for key in FINGERPRINT_COUNTS:
         value = reported.get(key)
         if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:
@@ -316,7 +319,7 @@ def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any
             out[key] = value
     versions = reported.get("versions")
     if isinstance(versions, Mapping):
-        out["versions"] = {str(k)[:100]: str(v)[:100] for k, v in list(versions.items())[:16]}
+        out["versions"] = {one_line(str(k)[:100]): one_line(str(v)[:100]) for k, v in list(versions.items())[:16]}
     for key in FINGERPRINT_MAPS:
         named = reported.get(key)
         if isinstance(named, Mapping):  # plain text each: the names reach KeysMatch's message
