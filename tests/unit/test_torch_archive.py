@@ -172,18 +172,103 @@ def test_a_link_planted_in_the_destination_is_never_followed(tmp_path: Path) -> 
     os.symlink(outside, dest / "ab")  # a directory the archive fills, planted as a link
     os.symlink(outside / "target", dest / "top")  # a file the archive writes, planted as a link
     counts = extract(tmp_path, tar_of(("ab/c.so", b"ours"), ("top", b"ours")), dest)
-    assert counts["refused"] == 2 and counts["files"] == 0
+    # The directory link refuses its member; the file link is removed (unlink never follows
+    # it) and the member written in its place.
+    assert counts["refused"] == 1 and counts["files"] == 1
     assert sorted(p.name for p in outside.iterdir()) == ["target"]
     assert (outside / "target").read_bytes() == b"theirs"
+    assert not (dest / "top").is_symlink() and (dest / "top").read_bytes() == b"ours"
 
 
-def test_a_file_already_there_is_kept_not_overwritten(tmp_path: Path) -> None:
+def test_a_file_already_there_of_the_members_size_is_kept_not_overwritten(tmp_path: Path) -> None:
     dest = tmp_path / "pod"
     (dest / "ab").mkdir(parents=True)
-    (dest / "ab/c.so").write_bytes(b"the pod's own")
+    (dest / "ab/c.so").write_bytes(b"the pod's")  # the member's size: Inductor's names are content hashes
     counts = extract(tmp_path, tar_of(("ab/c.so", b"archive's"), ("ab/d.so", b"new")), dest)
     assert (counts["kept"], counts["files"]) == (1, 1)
-    assert (dest / "ab/c.so").read_bytes() == b"the pod's own"
+    assert (dest / "ab/c.so").read_bytes() == b"the pod's"
+
+
+def test_a_truncated_file_left_by_a_stopped_copy_is_replaced_and_stopping_leaves_no_partial_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy killed mid-member (its watchdog's os._exit) must not leave a short file under
+    the member's name: a restarted copier would keep it and torch would load it (SIGBUS). A
+    short one already there (from a copier before this fix) is replaced."""
+    dest = tmp_path / "pod"
+    (dest / "ab").mkdir(parents=True)
+    (dest / "ab/c.so").write_bytes(b"\x7fEL")  # cut short
+    body = b"\x7fELF the whole shared object"
+    counts = extract(tmp_path, tar_of(("ab/c.so", body)), dest)
+    assert (counts["kept"], counts["files"]) == (0, 1) and (dest / "ab/c.so").read_bytes() == body
+
+    class Killed(BaseException):
+        pass
+
+    real = copier.os.utime
+
+    def killed(*args: Any, **kwargs: Any) -> None:  # the process dies with the bytes written, before the end
+        raise Killed
+
+    real_unlink = copier.os.unlink
+    monkeypatch.setattr(copier.os, "utime", killed)
+    monkeypatch.setattr(copier.os, "unlink", lambda *a, **k: None)  # os._exit: no clean-up runs either
+    fresh = tmp_path / "fresh"
+    with pytest.raises(Killed):
+        extract(tmp_path, tar_of(("ab/d.so", body)), fresh)
+    monkeypatch.setattr(copier.os, "utime", real)
+    monkeypatch.setattr(copier.os, "unlink", real_unlink)
+    assert not (fresh / "ab/d.so").exists()  # nothing under the member's name
+    left = [p.name for p in (fresh / "ab").iterdir()]
+    assert len(left) == 1 and left[0].startswith(".cachewarm.tmp-")  # a temp name, which nothing reads
+    counts = extract(tmp_path, tar_of(("ab/d.so", body)), fresh)
+    assert counts["files"] == 1 and (fresh / "ab/d.so").read_bytes() == body
+
+
+def test_a_stale_temp_name_is_skipped_by_inductor_and_left_out_of_a_warmers_archive() -> None:
+    name = copier.TORCH_TEMP_PREFIX + "12-abcdef"
+    assert name.startswith(".")  # Inductor's FX graph lookup skips names starting with "."
+    assert not warmer.torch_member_kept(f"fxgraph/x1/{name}", False)
+
+
+def test_extraction_stops_at_the_copys_deadline_and_says_so(tmp_path: Path) -> None:
+    entries, pod = tmp_path / "entries", tmp_path / "pod"
+    entries.mkdir()
+    data = tar_of(("fxgraph/e", b"fx"))
+    (entries / f"torch-inductor-{hashlib.sha256(data).hexdigest()}-cache").write_bytes(data)
+    summary = copier.new_summary("manifest")
+    got = copier.seed_torch(str(entries), {"CACHEWARM_TORCH_DIR": str(pod)}, summary, deadline=0.0)
+    assert got["stoppedAtDeadline"] == 1 and got["files"] == 0 and "deadline" in summary["errors"][0]
+    assert not (pod / "fxgraph").exists()
+
+
+def test_directories_the_copier_makes_are_0o777_whatever_the_umask(tmp_path: Path) -> None:
+    data, _ = warmer.torch_archive(str(inductor_dir(tmp_path)))
+    dest = tmp_path / "pod"
+    old = os.umask(0o022)
+    try:
+        extract(tmp_path, data, dest)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o777
+    assert stat.S_IMODE((dest / "fxgraph/x1").stat().st_mode) == 0o777
+    assert not (dest.stat().st_mode & stat.S_ISVTX)
+
+
+def test_an_archive_whose_bytes_are_not_its_name_is_refused_and_only_the_copys_names_are_read(tmp_path: Path) -> None:
+    entries, pod = tmp_path / "entries", tmp_path / "pod"
+    entries.mkdir()
+    good, evil = tar_of(("fxgraph/good", b"ok")), tar_of(("fxgraph/evil", b"code"))
+    good_name = f"torch-inductor-{hashlib.sha256(good).hexdigest()}-cache"
+    (entries / good_name).write_bytes(good)
+    (entries / f"torch-inductor-{'2' * 64}-cache").write_bytes(evil)  # a name that is not its bytes' hash
+    stray = tar_of(("fxgraph/stray", b"x"))
+    (entries / f"torch-inductor-{hashlib.sha256(stray).hexdigest()}-cache").write_bytes(stray)  # not the copy's
+    summary = copier.new_summary("manifest")
+    got = copier.seed_torch(str(entries), {"CACHEWARM_TORCH_DIR": str(pod)}, summary,
+                            names=[good_name, f"torch-inductor-{'2' * 64}-cache"])
+    assert got["archives"] == 1 and got["archivesRefused"] == 1
+    assert sorted(p.name for p in (pod / "fxgraph").iterdir()) == ["good"]
+    assert "not the SHA-256" in summary["errors"][0]
 
 
 @pytest.mark.parametrize("bound", ["bytes", "files"])
@@ -222,7 +307,7 @@ def test_seed_torch_extracts_the_verified_archives_and_says_what_it_did(tmp_path
     assert [p.name for p in pod.iterdir()] == ["fxgraph"] and summary["errors"] == []
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / f"torch-inductor-{'1' * 64}-cache").write_bytes(b"not a tar")
+    (broken / f"torch-inductor-{hashlib.sha256(b'not a tar').hexdigest()}-cache").write_bytes(b"not a tar")
     got = copier.seed_torch(str(broken), {"CACHEWARM_TORCH_DIR": str(tmp_path / "pod2")}, summary)
     assert got["archives"] == 0 and "ReadError" in got["error"] and "torch archives" in summary["errors"][0]
 

@@ -1498,13 +1498,15 @@ class Downloads:
                 start(wanted)
 
 
-def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None, on_demand: str = ""
-        ) -> dict[str, Any]:
+def run(settings: Settings, client: Client, summary: dict[str, Any] | None = None, on_demand: str = "",
+        verified: set[str] | None = None) -> dict[str, Any]:
     """Copy what `plan` picks, counting into `summary` (a new_summary; main's watchdog
     reads the same one). With `on_demand` (the summary's path, in process: child()), the
     plan's names go to `<on_demand>.plan` once the destination is swept and before any
     download, and the entries the pod's processes ask for in `<on_demand>.want/` jump the
-    queue (Downloads). Never raises: the summary says what happened."""
+    queue (Downloads). `verified`, given, gets the names of the verified entries the
+    destination holds at the end (present or copied). Never raises: the summary says what
+    happened."""
     started = time.monotonic()
     client.deadline = started + settings.deadline_seconds
     summary = new_summary("prefix") if summary is None else summary
@@ -1600,6 +1602,8 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
         add_error(summary, f"removing what is not an entry: {type(exc).__name__}: {exc}")
     if on_demand:
         drop_plan(on_demand)
+    if verified is not None:
+        verified.update(kept)
     summary["cold"] = not listed or (summary["copied"] + summary["present"] == 0
                                      and bool(summary["errors"] or summary["failed"]))
     summary["seconds"] = round(time.monotonic() - started, 3)
@@ -1634,20 +1638,89 @@ def torch_member_parts(name: str) -> list[str] | None:
     return parts
 
 
+# A member is written under TORCH_TEMP_PREFIX + a random suffix beside its final name, then
+# linked to that name (never over a file there): a copy stopped mid-write (its watchdog's
+# os._exit, a kill) leaves at most a temp file, never a truncated .so under an Inductor name
+# that a restarted copier would keep and torch would load (SIGBUS). The prefix starts with
+# "." (Inductor skips such names when it lists a key's directory) and holds ".tmp" (the
+# warmer's archive leaves it out).
+TORCH_TEMP_PREFIX = ".cachewarm.tmp-"
+
+
 def _open_dir(parent: int, name: str) -> int:
-    """The directory `name` under the descriptor `parent`, made (0o777 less the umask) when
-    missing, opened without following a link (OSError: ELOOP or ENOTDIR for anything else)."""
+    """The directory `name` under the descriptor `parent`, made (0o777, set with fchmod
+    whatever the umask: a training container of another uid writes beside it) when missing,
+    opened without following a link (OSError: ELOOP or ENOTDIR for anything else)."""
     try:
-        os.mkdir(name, 0o777, dir_fd=parent)
+        os.mkdir(name, 0o700, dir_fd=parent)
+        made = True
     except FileExistsError:
-        pass
-    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        made = False
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    if made:
+        try:
+            os.fchmod(fd, 0o777)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _regular_of_size(at: int, leaf: str, size: int) -> bool | None:
+    """Whether `leaf` under `at` is a regular file of `size` bytes (not following a link);
+    None when nothing is there."""
+    import stat  # noqa: PLC0415
+
+    try:
+        st = os.stat(leaf, dir_fd=at, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+
+def _write_new(at: int, leaf: str, parts: list[str], source: Any, size: int, mtime: float) -> str:
+    """The member's bytes under a temp name in `at`, linked to `leaf` (never over what is
+    there: "kept" when a regular file of its size got there first, "refused" otherwise),
+    the temp name removed either way: "written". Raises OSError."""
+    temp = f"{TORCH_TEMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=at)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            left = size
+            while left > 0:
+                chunk = source.read(min(left, READ_BYTES))
+                if not chunk:
+                    raise OSError(f"archive member {'/'.join(parts)[:100]} ends early")
+                out.write(chunk)
+                left -= len(chunk)
+            out.flush()
+            os.utime(out.fileno(), (mtime, mtime))
+        try:
+            os.link(temp, leaf, src_dir_fd=at, dst_dir_fd=at, follow_symlinks=False)
+        except FileExistsError:
+            return "kept" if _regular_of_size(at, leaf, size) else "refused"
+        except OSError:  # a filesystem without hard links: a rename, only where nothing is there
+            if _regular_of_size(at, leaf, size) is not None:
+                return "kept" if _regular_of_size(at, leaf, size) else "refused"
+            os.rename(temp, leaf, src_dir_fd=at, dst_dir_fd=at)
+        return "written"
+    finally:
+        try:
+            os.unlink(temp, dir_fd=at)
+        except FileNotFoundError:
+            pass
 
 
 def _extract_member(root: int, parts: list[str], source: Any, size: int, is_dir: bool, mtime: float = 0) -> str:
     """One member under the directory descriptor `root`: "written" (a file with the
-    archive's mtime: the same directory archives to the same bytes again), "kept" (a file
-    already there) or "refused" (a link, or not a directory, in the way). Raises OSError."""
+    archive's mtime: the same directory archives to the same bytes again; or a directory),
+    "kept" (a regular file of the member's size already there: Inductor's names are content
+    hashes) or "refused" (a link, or not a directory, where a directory goes; a directory
+    where the file goes). Anything else under the file's name (a link, a file of another
+    size: a write cut short before the temp names) is removed (unlink never follows a link)
+    and the member written in its place. Raises OSError."""
+    import stat  # noqa: PLC0415
+
     fds: list[int] = []
     try:
         at = root
@@ -1660,47 +1733,43 @@ def _extract_member(root: int, parts: list[str], source: Any, size: int, is_dir:
         if is_dir:
             return "written"
         leaf = parts[-1]
-        try:
-            fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=at)
-        except FileExistsError:
-            import stat  # noqa: PLC0415
-
-            st = os.stat(leaf, dir_fd=at, follow_symlinks=False)
-            return "kept" if stat.S_ISREG(st.st_mode) else "refused"
-        try:
-            with os.fdopen(fd, "wb") as out:
-                left = size
-                while left > 0:
-                    chunk = source.read(min(left, READ_BYTES))
-                    if not chunk:
-                        raise OSError(f"archive member {'/'.join(parts)[:100]} ends early")
-                    out.write(chunk)
-                    left -= len(chunk)
-                out.flush()
-                os.utime(out.fileno(), (mtime, mtime))
-        except BaseException:
-            os.unlink(leaf, dir_fd=at)  # never a half file under its name
-            raise
-        return "written"
+        there = _regular_of_size(at, leaf, size)
+        if there:
+            return "kept"
+        if there is not None:
+            if stat.S_ISDIR(os.stat(leaf, dir_fd=at, follow_symlinks=False).st_mode):
+                return "refused"
+            os.unlink(leaf, dir_fd=at)
+        return _write_new(at, leaf, parts, source, size, mtime)
     finally:
         for fd in fds:
             os.close(fd)
 
 
+class TorchDeadline(Exception):
+    """The copy's deadline passed: extraction stops before the next member."""
+
+
 def extract_torch(archive: str, directory: str, counts: dict[str, Any], max_bytes: int,
-                  max_files: int = TORCH_MAX_FILES) -> None:
+                  max_files: int = TORCH_MAX_FILES, deadline: float = float("inf")) -> None:
     """The gzip'd tar at `archive` into `directory` (made if missing), safely (see above),
     counted into `counts` ({"files", "bytes", "kept", "refused", "members"}: bytes and
     members across the archives of one copy, against `max_bytes` and `max_files`). Raises
-    TorchBound past a bound (what was written stays: whole files), OSError or tarfile's
-    errors for a broken archive."""
+    TorchBound past a bound, TorchDeadline past `deadline` (time.monotonic()), checked
+    before each member (what was written stays: whole files), OSError or tarfile's errors
+    for a broken archive."""
     import tarfile  # noqa: PLC0415 - torch caches alone need it
 
+    made = not os.path.isdir(directory)
     os.makedirs(directory, mode=0o777, exist_ok=True)
     root = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        if made:
+            os.fchmod(root, 0o777)
         with tarfile.open(archive, mode="r:gz") as tar:
             for member in tar:
+                if time.monotonic() > deadline:
+                    raise TorchDeadline("the copy's deadline passed before every torch archive member was extracted")
                 counts["members"] += 1
                 if counts["members"] > max_files:
                     raise TorchBound(f"more than {max_files} members in the torch archives")
@@ -1724,18 +1793,43 @@ def extract_torch(archive: str, directory: str, counts: dict[str, Any], max_byte
         os.close(root)
 
 
-def seed_torch(dest: str, env: Mapping[str, str], summary: dict[str, Any]) -> dict[str, Any]:
-    """Every torch archive the copy holds in `dest` (verified: the final sweep left nothing
-    else under an entry's name) extracted into CACHEWARM_TORCH_DIR: the summary's `torch`
-    ({"archives", "files", "bytes", "kept", "refused", "seconds"[, "error"]}). Never raises."""
+def _sha256_of(path: str) -> str:
+    import hashlib  # noqa: PLC0415 - torch caches alone need it
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for chunk in iter(lambda: source.read(READ_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def seed_torch(dest: str, env: Mapping[str, str], summary: dict[str, Any], names: Iterable[str] | None = None,
+               deadline: float = float("inf")) -> dict[str, Any]:
+    """The torch archives among `names` (the copy's verified entries in `dest`; None: every
+    one there, for tests) extracted into CACHEWARM_TORCH_DIR, each only when its bytes'
+    SHA-256 is the one its name says (else refused: "archivesRefused" and an error), until
+    `deadline` (time.monotonic(); past it: "stoppedAtDeadline" and an error): the summary's
+    `torch` ({"archives", "files", "bytes", "kept", "refused", "seconds"[,
+    "archivesRefused"][, "stoppedAtDeadline"][, "error"]}). Never raises."""
     started = time.monotonic()
     counts: dict[str, Any] = {"archives": 0, "files": 0, "bytes": 0, "kept": 0, "refused": 0, "members": 0}
     try:
         max_bytes = int(env.get(ENV_TORCH_MAX_ARCHIVE_BYTES) or TORCH_MAX_ARCHIVE_BYTES)
-        names = sorted(n for n in os.listdir(dest) if TORCH_ARCHIVE.match(n)) if os.path.isdir(dest) else []
-        for name in names:
-            extract_torch(os.path.join(dest, name), env[ENV_TORCH_DIR], counts, max_bytes)
+        if names is None:
+            names = os.listdir(dest) if os.path.isdir(dest) else []
+        for name in sorted(n for n in set(names) if TORCH_ARCHIVE.match(n)):
+            path = os.path.join(dest, name)
+            if _sha256_of(path) != name[len("torch-inductor-"):-len("-cache")]:
+                counts["archivesRefused"] = counts.get("archivesRefused", 0) + 1
+                add_error(summary, f"torch archive {name[:100]}: its bytes are not the SHA-256 its name says: "
+                                   "not extracted")
+                continue
+            extract_torch(path, env[ENV_TORCH_DIR], counts, max_bytes, deadline=deadline)
             counts["archives"] += 1
+    except TorchDeadline as exc:
+        counts["stoppedAtDeadline"] = 1
+        counts["error"] = str(exc)[:MAX_ERROR_CHARS]
+        add_error(summary, f"torch archives: {counts['error']}")
     except Exception as exc:  # noqa: BLE001 - the pod starts with what was extracted
         counts["error"] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         add_error(summary, f"torch archives: {counts['error']}")
@@ -1800,9 +1894,11 @@ def copy(env: Mapping[str, str], live: dict[str, Any], on_demand: bool = False) 
         token = metadata_token(settings.token_url) if settings.token_url else None
         client = Client(settings.endpoint, token or (lambda: None), context)
         live["auth"] = "metadata" if token is not None else "none"
-        summary = run(settings, client, live, settings.summary_path if on_demand else "")
+        deadline = time.monotonic() + settings.deadline_seconds  # run's, give or take its setup
+        verified: set[str] = set()
+        summary = run(settings, client, live, settings.summary_path if on_demand else "", verified)
         if env.get(ENV_TORCH_DIR):  # before the summary: a torch process waits for it (sitecustomize)
-            summary["torch"] = seed_torch(settings.dest, env, summary)
+            summary["torch"] = seed_torch(settings.dest, env, summary, verified, deadline)
         if token is not None:
             summary.update(tokens=token.fetched, tokensRefused=token.refusals)
         return summary
