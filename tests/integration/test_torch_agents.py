@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import importlib.metadata
 import json
 import os
-import re
 import shutil
 import subprocess
 import threading
@@ -28,6 +26,7 @@ from typing import Any
 import pytest
 from google.cloud import storage
 
+from cachewarm.agents import warmer
 from cachewarm_testbed.cluster import Testbed
 from cachewarm_testbed.gcsproxy import ProxyControl
 
@@ -41,34 +40,6 @@ if not TORCH_PYTHON:
     pytest.skip("CACHEWARM_TORCH_PYTHON is not set (a python with torch: the Makefile sets it)",
                 allow_module_level=True)
 FOLDER = "torch/.cachewarm/pools/ml/demo/cpu"
-
-
-def lent_gcsfs(where: Path) -> Path:
-    """A directory of links to gcsfs and what it requires, from this test's own environment
-    (the same python version as the torch one), put on the warmer's PYTHONPATH. The warmer
-    uploads through gcsfs, as a JAX warmer of a gs:// cache does: a torch training image
-    must have it installed (the torch python here has none, and is shared: nothing is
-    installed into it)."""
-    where.mkdir()
-    seen: set[str] = set()
-    todo = ["gcsfs"]
-    while todo:
-        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        todo += [r for r in dist.requires or [] if "extra ==" not in r]
-        for file in dist.files or []:
-            top = file.parts[0]
-            source = Path(str(dist.locate_file(top)))
-            if top.endswith((".dist-info", ".pth")) or top == ".." or not source.exists() or (where / top).exists():
-                continue
-            (where / top).symlink_to(source)
-    return where
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -118,7 +89,7 @@ def warmed(storage_bed: Testbed, storage_only: storage.Client, tmp_path_factory:
     inductor = tmp / "cachewarm-torch"
     manifest = f"{FOLDER}/demo-cpu-1.json"
     env = base_env({"STORAGE_EMULATOR_HOST": storage_bed.storage_emulator_host,
-                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "PYTHONPATH": str(lent_gcsfs(tmp / "gcsfs")),
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
                     "CACHEWARM_FRAMEWORK": "torch", "CACHEWARM_CACHE_URL": f"gs://{bucket}/torch",
                     "CACHEWARM_MANIFEST": f"gs://{bucket}/{manifest}", "CACHEWARM_SUMMARY_FILE": str(tmp / "summary"),
                     "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(64 << 20),
@@ -313,3 +284,80 @@ def test_in_process_the_program_waits_at_import_torch_for_the_whole_copy(
     assert seen["counters"]["aotAutograd"].get("autograd_cache_miss", 0) == 0
     copy = json.loads((tmp_path / "copy" / "summary").read_text())
     assert copy["torch"]["archives"] == 1 and copy["torch"]["files"] > 10
+
+
+@pytest.fixture
+def gcs_env(storage_bed: Testbed, storage_only: storage.Client, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The warmer in this process against the emulator (its gcsfs is this venv's; the
+    torch python is not needed for these): a fresh bucket's name."""
+    for key, value in storage_bed.env().items():
+        if key != "KUBECONFIG":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    monkeypatch.setattr(warmer, "_FILESYSTEM", None)
+    bucket = f"torch-{uuid.uuid4().hex[:10]}"
+    storage_only.create_bucket(bucket, location="us-central1")
+    return bucket
+
+
+def child_warm(bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, dict[str, Any]]:
+    """A torch warm whose entrypoint is a child (uncounted) that writes one Inductor-shaped
+    file: the archive it leaves, uploaded, and the manifest."""
+    inductor = tmp_path / "inductor"
+    for name, value in {"CACHEWARM_FRAMEWORK": "torch", "CACHEWARM_CACHE_URL": f"gs://{bucket}/torch",
+                        "CACHEWARM_MANIFEST": f"gs://{bucket}/{FOLDER}/demo-cpu-1.json",
+                        "CACHEWARM_SUMMARY_FILE": str(tmp_path / "summary"),
+                        "TORCHINDUCTOR_CACHE_DIR": str(inductor)}.items():
+        monkeypatch.setenv(name, value)
+    code = warmer.main(["command", "--", "sh", "-c", f"mkdir -p {inductor}/ab && echo so > {inductor}/ab/cx.so"])
+    return code, json.loads((tmp_path / "summary").read_text())
+
+
+def test_the_manifest_names_the_archive_the_warmer_built_not_one_swapped_in_after_the_upload(
+        gcs_env: str, storage_only: storage.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone with write on the prefix replaces the archive (same name, same size, other
+    bytes) between the warmer's upload and its manifest: the manifest still records the
+    warmer's MD5 and the generation it wrote, so a copier refuses the swapped object."""
+    real = warmer.put_object
+    swapped: list[int] = []
+
+    def put_then_swap(path: str, data: bytes, content_type: str, custom_time: bool = False) -> str:
+        generation = real(path, data, content_type, custom_time)
+        if "torch-inductor-" in path:
+            blob = storage_only.bucket(gcs_env).blob(path.split("/", 1)[1])
+            blob.upload_from_string(b"\0" * len(data))
+            [listed] = storage_only.list_blobs(gcs_env, prefix=blob.name)
+            swapped.append(int(listed.generation))
+        return generation
+
+    monkeypatch.setattr(warmer, "put_object", put_then_swap)
+    code, summary = child_warm(gcs_env, tmp_path, monkeypatch)
+    assert code == 0 and summary["entriesWritten"] == 1, summary["errors"]
+    doc = json.loads(storage_only.bucket(gcs_env).blob(f"{FOLDER}/demo-cpu-1.json").download_as_bytes())
+    archive = warmer.torch_archive(str(tmp_path / "inductor"))[0]
+    [entry] = doc["entries"]
+    assert entry["name"] == f"torch-inductor-{hashlib.sha256(archive).hexdigest()}-cache"
+    assert entry["md5"] == warmer._md5_base64(archive) and entry["size"] == len(archive)
+    assert swapped and int(entry["generation"]) != swapped[0]  # the warmer's own, not the swapped object's
+
+
+def test_a_same_size_object_already_under_the_archives_name_is_replaced_not_trusted(
+        gcs_env: str, storage_only: storage.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object of the archive's name and size placed beforehand, other bytes: not "the
+    same archive already there"; the warmer uploads its own and the manifest names it."""
+    inductor = tmp_path / "inductor"
+    (inductor / "ab").mkdir(parents=True)
+    (inductor / "ab/cx.so").write_text("so\n")
+    archive = warmer.torch_archive(str(inductor))[0]
+    name = f"torch/torch-inductor-{hashlib.sha256(archive).hexdigest()}-cache"
+    storage_only.bucket(gcs_env).blob(name).upload_from_string(b"\1" * len(archive))
+    code, summary = child_warm(gcs_env, tmp_path, monkeypatch)
+    assert code == 0 and summary["entriesWritten"] == 1, summary["errors"]
+    [blob] = storage_only.list_blobs(gcs_env, prefix=name)
+    generation = str(blob.generation)  # before the download, which resets the blob's properties here
+    assert blob.download_as_bytes() == archive
+    doc = json.loads(storage_only.bucket(gcs_env).blob(f"{FOLDER}/demo-cpu-1.json").download_as_bytes())
+    assert doc["entries"] == [{"name": name.split("/")[-1], "size": len(archive), "md5": warmer._md5_base64(archive),
+                               "generation": generation}]
+    code, again = child_warm(gcs_env, tmp_path, monkeypatch)  # now the same bytes are there: refreshed, not uploaded
+    assert code == 0 and again["entriesWritten"] == 0 and again["entriesRefreshed"] == 1, again["errors"]

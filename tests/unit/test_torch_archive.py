@@ -204,19 +204,19 @@ def test_a_truncated_file_left_by_a_stopped_copy_is_replaced_and_stopping_leaves
     class Killed(BaseException):
         pass
 
-    real = copier.os.utime
+    real = os.utime
 
     def killed(*args: Any, **kwargs: Any) -> None:  # the process dies with the bytes written, before the end
         raise Killed
 
-    real_unlink = copier.os.unlink
-    monkeypatch.setattr(copier.os, "utime", killed)
-    monkeypatch.setattr(copier.os, "unlink", lambda *a, **k: None)  # os._exit: no clean-up runs either
+    real_unlink = os.unlink
+    monkeypatch.setattr(os, "utime", killed)
+    monkeypatch.setattr(os, "unlink", lambda *a, **k: None)  # os._exit: no clean-up runs either
     fresh = tmp_path / "fresh"
     with pytest.raises(Killed):
         extract(tmp_path, tar_of(("ab/d.so", body)), fresh)
-    monkeypatch.setattr(copier.os, "utime", real)
-    monkeypatch.setattr(copier.os, "unlink", real_unlink)
+    monkeypatch.setattr(os, "utime", real)
+    monkeypatch.setattr(os, "unlink", real_unlink)
     assert not (fresh / "ab/d.so").exists()  # nothing under the member's name
     left = [p.name for p in (fresh / "ab").iterdir()]
     assert len(left) == 1 and left[0].startswith(".cachewarm.tmp-")  # a temp name, which nothing reads
@@ -343,3 +343,41 @@ def test_a_torch_process_that_compiled_between_two_looks_still_reports_at_exit(
     monkeypatch.setattr(other, "send", lambda timeout=0: record(other))
     other.at_exit()
     assert sent == []
+
+
+def test_secret_looking_env_values_are_hashed_and_names_and_values_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    for name in [k for k in os.environ if k.startswith(warmer.TORCH_ENV_PREFIXES)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TRITON_API_TOKEN", "hunter2")
+    monkeypatch.setenv("TORCHINDUCTOR_REMOTE_Auth_HEADER", "Bearer abc")
+    monkeypatch.setenv("TORCHDYNAMO_" + "N" * 150, "v" * 150)
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    monkeypatch.setitem(__import__("sys").modules, "torch", types.SimpleNamespace(
+        __version__="2.15.0", cuda=types.SimpleNamespace(is_available=lambda: False)))
+    env = warmer.torch_fingerprint()["inductorEnv"]
+    assert env["TRITON_API_TOKEN"] == "sha256:" + hashlib.sha256(b"hunter2").hexdigest()[:12]
+    assert env["TORCHINDUCTOR_REMOTE_Auth_HEADER"] == "sha256:" + hashlib.sha256(b"Bearer abc").hexdigest()[:12]
+    assert env["TORCHINDUCTOR_MAX_AUTOTUNE"] == "1"  # not a secret's name: shown
+    assert "hunter2" not in json.dumps(env) and "Bearer" not in json.dumps(env)
+    assert all(len(k) <= 100 and len(v) <= 100 for k, v in env.items())
+    assert ("TORCHDYNAMO_" + "N" * 150)[:100] in env
+
+
+def test_a_torch_fingerprint_at_its_bounds_shrinks_to_whole_json_in_the_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(tmp_path / "summary"))
+    fp = {"framework": "torch", "versions": {"torch": "2.15.0"}, "torchKey": "0" * 16,
+          "inductorEnv": {f"TORCHINDUCTOR_{i:02d}" + "N" * 84: "v" * 100 for i in range(20)},
+          "inductorChanged": {f"key_{i:02d}" + "k" * 90: "'" + "r" * 58 + "'" for i in range(20)}}
+    summary = {"mode": "command", "keys": ["a" * 16], "keyCount": 1, "errors": [], "targets": [],
+               "compiledPrograms": [{"program": "torch.compile", "seconds": 20.5, "key": "a" * 16}], "fingerprint": fp}
+    assert len(json.dumps(summary)) > warmer.SUMMARY_LIMIT
+    warmer.write_summary(summary)
+    text = (tmp_path / "summary").read_text()
+    got = json.loads(text)  # whole JSON, not cut
+    assert len(text) <= warmer.SUMMARY_LIMIT
+    assert got["keys"] == ["a" * 16] and got["compiledPrograms"] == summary["compiledPrograms"]
+    assert got["fingerprint"]["fingerprintCut"] is True and got["fingerprint"]["torchKey"] == "0" * 16
+    assert got["fingerprint"]["inductorChanged"] == {} and len(got["fingerprint"]["inductorEnv"]) > 5

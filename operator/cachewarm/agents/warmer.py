@@ -752,10 +752,12 @@ def write_pack(manifest: str, recorded: list[dict[str, Any]], cache_url: str) ->
             "members": [name for name, _ in members]}
 
 
-def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, cache_url: str = "") -> dict[str, Any]:
+def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, cache_url: str = "",
+                   own: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Write the pool's manifest: the entries (names ending in -cache, under the gs:// cache
     directory `cache_url`) this warm relied on, with GCS's size, md5Hash and generation of
-    each, so a pod's local copy takes only those and checks each; and, first, the pack of its
+    each (or, given `own`, those entries as the writer built them: nothing listed), so a pod's
+    local copy takes only those and checks each; and, first, the pack of its
     small entries (write_pack), which the manifest names. gs:// only. Never raises:
     returns {"manifestEntries": n, "manifestGeneration": g[, "manifestLeftOut": k]
     [, "packEntries": m, "packBytes": b | , "packError": why]}, or {"manifestError": why}
@@ -765,7 +767,10 @@ def write_manifest(url: str, entries: Iterable[str], fp: dict[str, Any] | None, 
     try:
         if not url.startswith("gs://") or not cache_url.startswith("gs://"):
             raise ValueError(f"{ENV_MANIFEST} and the cache directory must be gs:// URLs")
-        recorded, left_out = entry_digests(cache_url, entries)
+        if own is None:
+            recorded, left_out = entry_digests(cache_url, entries)
+        else:  # the writer's own entries (a torch archive: its bytes' size and MD5, the generation read back)
+            recorded, left_out = sorted((dict(e) for e in own), key=lambda e: str(e["name"])), 0
         path = url[len("gs://"):]
         try:
             pack = write_pack(path, recorded, cache_url)
@@ -1158,11 +1163,29 @@ def torch_archive(directory: str) -> tuple[bytes, int]:
     return raw.getvalue(), files
 
 
+# An env name like these holds a secret (a token in TRITON_*, say): its value enters the
+# fingerprint (compared) only as a hash, never shown in status, conditions or Events.
+TORCH_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def _plain(text: str) -> str:
+    """`text` as valid UTF-8 (an undecodable env byte becomes "?"), at most TORCH_MAX_VALUE characters."""
+    return text.encode("utf-8", "replace").decode("utf-8")[:TORCH_MAX_VALUE]
+
+
 def _torch_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The env names that enter torch's keys (TORCH_ENV_PREFIXES, but the operator's
-    TORCH_ENV_OPERATORS), at most TORCH_MAX_NAMES, values cut to TORCH_MAX_VALUE."""
+    TORCH_ENV_OPERATORS), at most TORCH_MAX_NAMES, names and values cut to TORCH_MAX_VALUE
+    (the report store's bounds); the value of a name that looks like a secret's
+    (TORCH_SECRET_NAME) as "sha256:<its first 12 hex>": still compared, never shown."""
     names = sorted(k for k in environ if k.startswith(TORCH_ENV_PREFIXES) and k not in TORCH_ENV_OPERATORS)
-    return {k: environ[k][:TORCH_MAX_VALUE] for k in names[:TORCH_MAX_NAMES]}
+    out: dict[str, str] = {}
+    for name in names[:TORCH_MAX_NAMES]:
+        value = environ[name]
+        if TORCH_SECRET_NAME.search(name):
+            value = "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        out[_plain(name)] = _plain(value)
+    return out
 
 
 def _torch_module(name: str) -> Any:
@@ -1246,7 +1269,8 @@ COMPILED_KEPT_BEFORE_KEYS = 4  # compiledPrograms kept while keys are cut (the s
 
 def write_summary(summary: dict[str, Any]) -> None:
     """Write the summary as JSON within SUMMARY_LIMIT characters: errors and targets are
-    cut first, then compiledPrograms down to COMPILED_KEPT_BEFORE_KEYS (the fastest
+    cut first, then a torch fingerprint's inductorChanged and inductorEnv (the last names
+    first, `fingerprintCut` said in it), then compiledPrograms down to COMPILED_KEPT_BEFORE_KEYS (the fastest
     compiles first, counted in compiledRest), then keys (said so), then the rest of compiledPrograms, then
     unstablePrograms; imagePythonPath (at most 1000
     characters) survives them, and is left out only when the summary would not be whole
@@ -1254,6 +1278,14 @@ def write_summary(summary: dict[str, Any]) -> None:
     text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     if len(text) > SUMMARY_LIMIT:
         summary = {**summary, "errors": [e[:200] for e in summary.get("errors", [])[:3]], "targets": []}
+        text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    fp = summary.get("fingerprint")
+    while len(text) > SUMMARY_LIMIT and isinstance(fp, dict) and (fp.get("inductorChanged") or fp.get("inductorEnv")):
+        # A torch fingerprint at its bounds (20 env names and 20 config values of 100
+        # characters) is near the limit alone: its last names go, said so (fingerprintCut).
+        field = "inductorChanged" if fp.get("inductorChanged") else "inductorEnv"
+        fp = {**fp, field: dict(list(fp[field].items())[:-1]), "fingerprintCut": True}
+        summary = {**summary, "fingerprint": fp}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
     keys = list(summary.get("keys") or [])
     compiled = list(summary.get("compiledPrograms") or [])
@@ -1395,24 +1427,29 @@ def torch_counts() -> dict[str, Any]:
         return {}
 
 
-def upload_torch_archive(cache_url: str, data: bytes) -> tuple[str, bool, dict[str, Any]]:
+def upload_torch_archive(cache_url: str, data: bytes) -> tuple[dict[str, Any], bool, dict[str, Any]]:
     """The archive at `<cache_url>/torch-inductor-<sha256>-cache` (put_object, with
-    customTime now), or, when an object of that name (the same bytes: the name is their
-    hash) is already there, its customTime refreshed. Returns (entry name, uploaded,
-    refresh_last_use's answer). Raises what gcsfs raises."""
+    customTime now), or, when an object of that name already holds these bytes (its MD5 and
+    size, read back: written_generation), its customTime refreshed; one of that name that
+    does not (a same-size object placed there by someone with write on the prefix) is
+    replaced by an upload. Returns (the manifest's entry, uploaded, refresh_last_use's
+    answer): the entry built from the warmer's own bytes (name, size, MD5) and the generation
+    read back holding them, never from a later listing (the object could be swapped between
+    the upload and a listing). Raises what gcsfs raises, or ValueError."""
     key = TORCH_ARCHIVE_PREFIX + hashlib.sha256(data).hexdigest()
-    base = cache_url[len("gs://"):].rstrip("/")
-    fs = gcs_filesystem()
-    path = f"{base}/{key}-cache"
+    path = f"{cache_url[len('gs://'):].rstrip('/')}/{key}-cache"
+    entry: dict[str, Any] = {"name": f"{key}-cache", "size": len(data), "md5": _md5_base64(data)}
     try:
-        fs.invalidate_cache(path)
-        there = int(fs.info(path).get("size") or -1) == len(data)
+        generation = written_generation(path, data)
     except FileNotFoundError:
-        there = False
-    if there:
-        return f"{key}-cache", False, refresh_last_use(cache_url, [key])
-    put_object(path, data, "application/octet-stream", custom_time=True)
-    return f"{key}-cache", True, {"entriesRefreshed": 0, "refreshFailed": 0}
+        generation = ""
+    except ValueError:
+        log("An object of the archive's name does not hold its bytes: uploading it again", entry=entry["name"])
+        generation = ""
+    if generation:
+        return {**entry, "generation": generation}, False, refresh_last_use(cache_url, [key])
+    generation = put_object(path, data, "application/octet-stream", custom_time=True)
+    return {**entry, "generation": generation}, True, {"entriesRefreshed": 0, "refreshFailed": 0}
 
 
 def run_torch(mode: str, targets: Sequence[str], command: list[str], errors: list[str]
@@ -1497,7 +1534,8 @@ def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath
                               f"({limit} bytes): not uploaded")
                 failed = True
             else:
-                name, uploaded, refreshed = upload_torch_archive(cache_url, data)
+                entry, uploaded, refreshed = upload_torch_archive(cache_url, data)
+                name = str(entry["name"])
                 summary.update(refreshed)
                 summary.update(entriesWritten=int(uploaded), bytesWritten=len(data) if uploaded else 0)
                 key = name[:-len("-cache")]
@@ -1508,7 +1546,7 @@ def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath
                     entry=name, files=files, bytes=len(data))
                 manifest = os.environ.get(ENV_MANIFEST, "")
                 if manifest:
-                    summary.update(write_manifest(manifest, [name], fp or None, cache_url))
+                    summary.update(write_manifest(manifest, [name], fp or None, cache_url, own=[entry]))
         except Exception as exc:  # noqa: BLE001
             errors.append(f"could not archive or upload {directory}: {type(exc).__name__}: {exc}"[:500])
             failed = True
