@@ -229,8 +229,22 @@ def test_a_pods_own_torchinductor_cache_dir_is_kept_and_said(image_pythonpath: s
     assert [e["name"] for e in train["env"]].count("TORCHINDUCTOR_CACHE_DIR") == 1
     assert got["TRITON_CACHE_DIR"] == "/cachewarm-torch/triton"
     assert "cachewarm: container 'train' keeps its own TORCHINDUCTOR_CACHE_DIR; the value from CompilationCache " \
-        "'llama' was not applied to it" in answer.warnings
+        "'llama' was not applied to it; torch reads only its own TORCHINDUCTOR_CACHE_DIR, so it compiles cold: the " \
+        "copy seeds /cachewarm-torch, a directory torch does not read there" in answer.warnings
     assert answer.annotations["cachewarm.dev/injected"].endswith("; kept its own train/TORCHINDUCTOR_CACHE_DIR")
+
+
+def test_a_pods_own_triton_cache_dir_is_said_to_compile_its_kernels_cold() -> None:
+    pod = training_pod(own_env=[{"name": "TRITON_CACHE_DIR", "value": "/mine"}])
+    answer = admit(pod, torch_spec(), None)
+    assert any(w.startswith("cachewarm: container 'train' keeps its own TRITON_CACHE_DIR;") and
+               w.endswith("so its Triton kernels compile cold: the copy seeds /cachewarm-torch/triton, a directory "
+                          "torch does not read there") for w in answer.warnings)
+    # Another variable of its own is only said kept: it takes nothing from the seeded directory.
+    other = admit(training_pod(own_env=[{"name": "CACHEWARM_FRAMEWORK", "value": "jax"}]), torch_spec(), None)
+    assert [w for w in other.warnings if "keeps its own" in w] == [
+        "cachewarm: container 'train' keeps its own CACHEWARM_FRAMEWORK; the value from CompilationCache 'llama' was "
+        "not applied to it"]
 
 
 def test_a_container_that_mounts_its_own_volume_at_the_torch_directory_keeps_it() -> None:

@@ -42,10 +42,24 @@ def test_the_same_torch_fingerprint_matches_and_the_message_says_no_xla_flags() 
     matched, reason, message = keys_match(pools(), [("trainer", pod)])
     assert (matched, reason) == (True, "FingerprintsMatch")
     assert "XLA" not in message and "Inductor config" in message
-    # Not in Inductor's keys: how many devices, the cache dir (the same in both); a device
-    # kind the pod did not read (it had not initialized CUDA itself).
-    quiet = {**{k: v for k, v in pod.items() if k != "deviceKind"}, "devices": 8, "cacheDir": "/elsewhere"}
+    # Not in Inductor's keys: how many devices; a device kind the pod did not read (it had
+    # not initialized CUDA itself); a cache dir one side did not say.
+    quiet = {**{k: v for k, v in pod.items() if k not in ("deviceKind", "cacheDir")}, "devices": 8}
     assert keys_match(pools(), [("trainer", quiet)])[:2] == (True, "FingerprintsMatch")
+
+
+def test_a_pod_that_keeps_its_own_torch_cache_dir_reads_nothing_seeded_and_is_named() -> None:
+    # torch reads only its TORCHINDUCTOR_CACHE_DIR: a pod's own value wins, and the seeded
+    # directory is never read (every graph misses), though the keys are the same.
+    pod = {**WARMED, "cacheDir": "/x"}
+    assert differences(WARMED, pod) == ["cacheDir"]
+    matched, reason, message = keys_match(pools(), [("trainer", pod)])
+    assert (matched, reason) == (False, "FingerprintsDiffer")
+    assert message.startswith("Training pods do not read the seeded directory and miss: they use "
+                              "TORCHINDUCTOR_CACHE_DIR /x; pool cpu's warm was seeded at /cachewarm-torch")
+    # With another difference too, both are named.
+    both = {**pod, "torchKey": "f" * 16}
+    assert "TORCHINDUCTOR_CACHE_DIR /x" in keys_match(pools(), [("trainer", both)])[2]
 
 
 def test_an_env_setting_that_enters_the_key_is_named_in_words() -> None:
@@ -257,11 +271,38 @@ def test_usage_sums_torch_counters_and_measures_each_pod_against_the_warm_of_its
                                     "aotAutogradMisses": 2, "compileSeconds": 20.0}),  # no hit: neither
         torch_report("other", fingerprint={**WARMED, "torchKey": "f" * 16}),        # no warm of its fingerprint
     )
-    assert usage["torch"] == {"pods": 4, "fxGraphHits": 9, "fxGraphMisses": 3, "aotAutogradHits": 6,
-                              "aotAutogradMisses": 2, "compileSeconds": 45.0, "warmerCompileSeconds": 42.0,
+    # The slow pod's hits are not hits: they are said apart; the unmeasured pod's stay.
+    assert usage["torch"] == {"pods": 4, "fxGraphHits": 6, "fxGraphHitsNotSaved": 3, "fxGraphMisses": 3,
+                              "aotAutogradHits": 4, "aotAutogradHitsNotSaved": 2, "aotAutogradMisses": 2,
+                              "compileSeconds": 45.0, "warmerCompileSeconds": 42.0, "measuredCompileSeconds": 23.5,
                               "secondsSaved": 19.5, "hitButNotSaved": 1}
-    # The generic counts come from the same counters (the reporter maps them).
-    assert (usage["pods"], usage["hits"], usage["misses"]) == (4, 9, 3)
+    # The generic counts come from the same counters (the reporter maps them), less the slow pod's hits;
+    # the generic seconds saved is torch's.
+    assert (usage["pods"], usage["hits"], usage["misses"], usage["hitRatio"]) == (4, 6, 3, 0.5)
+    assert usage["compileSecondsSaved"] == 19.5
+
+
+@pytest.mark.parametrize(("seconds", "saved"), [
+    (14.7, False),  # 0.7x the warm's 21 s: what torch's Mega-Cache artifact alone gives on CPU, every counter a hit
+    (10.6, False),  # just above half
+    (10.5, True),   # half: the most that counts as saved
+    (1.5, True),    # a warm directory (0.07x)
+])
+def test_a_pod_saved_time_only_at_most_half_the_warms_seconds(seconds: float, saved: bool) -> None:
+    usage = usage_of(torch_report("p", torch={"compileSeconds": seconds}))
+    torch = usage["torch"]
+    assert (torch["hitButNotSaved"], torch["fxGraphHits"], torch["fxGraphHitsNotSaved"]) == (
+        (0, 3, 0) if saved else (1, 0, 3))
+    assert (torch["warmerCompileSeconds"], torch["measuredCompileSeconds"]) == (21.0, seconds)
+    assert torch["secondsSaved"] == usage["compileSecondsSaved"] == (round(21.0 - seconds, 3) if saved else 0.0)
+    assert usage["hits"] == (3 if saved else 0) and usage["hitRatio"] == (1.0 if saved else 0.0)
+
+
+def test_a_torch_reports_hits_are_not_added_to_the_hits_counter_at_intake() -> None:
+    # Whether they saved time is known only against the warm, over the window (status and the torch gauges).
+    store = Store()
+    assert store.record(parse(raw(torch_report())), NOW)["hits"] == 0.0
+    assert store.record(parse(raw({k: v for k, v in torch_report("jax").items() if k != "torch"})), NOW)["hits"] == 3.0
 
 
 def test_a_pod_that_compiled_exactly_as_long_as_the_warmer_saved_nothing() -> None:
@@ -273,9 +314,9 @@ def test_a_pods_processes_each_count_against_the_warm_and_the_pod_once() -> None
     torch = usage_of(torch_report("two", pid=1), torch_report("two", pid=2, torch={"compileSeconds": 2.5}))["torch"]
     assert (torch["pods"], torch["warmerCompileSeconds"], torch["secondsSaved"], torch["hitButNotSaved"]) == (
         1, 42.0, 38.0, 0)
-    # One process as slow as the warm and one fast: the pod, in all, saved the difference.
+    # One process as slow as the warm and one fast: the pod, in all, compiled 23.5 s of 42: above half, not saved.
     torch = usage_of(torch_report("two", pid=1), torch_report("two", pid=2, torch={"compileSeconds": 22.0}))["torch"]
-    assert (torch["secondsSaved"], torch["hitButNotSaved"]) == (18.5, 0)
+    assert (torch["secondsSaved"], torch["hitButNotSaved"], torch["measuredCompileSeconds"]) == (0.0, 1, 23.5)
 
 
 def test_several_pools_of_the_pods_fingerprint_are_one_mean_and_a_failed_warm_still_counts() -> None:
@@ -301,7 +342,9 @@ def test_metrics_and_inspect_show_usage_torch_and_the_archive() -> None:
     labels = {"namespace": "ml", "cache": "llama"}
     assert registry.get_sample_value("cachewarm_torch_seconds_saved", labels) == 19.5
     assert registry.get_sample_value("cachewarm_torch_hit_but_not_saved_pods", labels) == 1.0
-    assert registry.get_sample_value("cachewarm_torch_fx_graph_hits", labels) == 6.0
+    assert registry.get_sample_value("cachewarm_torch_fx_graph_hits", labels) == 3.0
+    assert registry.get_sample_value("cachewarm_torch_fx_graph_hits_not_saved", labels) == 3.0
+    assert registry.get_sample_value("cachewarm_torch_measured_compile_seconds", labels) == 23.5
     assert registry.get_sample_value("cachewarm_torch_aot_autograd_misses", labels) == 0.0
     assert registry.get_sample_value("cachewarm_torch_warmer_compile_seconds", labels) == 42.0
     objects = [ObjectInfo(f"torch/torch-inductor-{ARCHIVE}-cache", 3_300_000, created=NOW, custom_time=NOW)]
@@ -315,7 +358,28 @@ def test_metrics_and_inspect_show_usage_torch_and_the_archive() -> None:
     assert (f"cpu  Succeeded  torch 2.15.0, triton 3.9.0, cpu cpu, Inductor config 0a1b2c3d4e5f, torch key "
             f"0123456789abcdef, env {AUTOTUNE}=1") in table
     assert "cpu  0/3  0/2  25.93  101 files, 3.1 MiB" in table
-    assert ("Compile seconds: 23.5 in the pods; 42.0 as the warmer compiled, for the pods that hit; saved 19.5"
-            in table)
-    assert "Pods that hit but saved no time (compiled as long as the warmer): 1" in table
+    assert ("Compile seconds: 23.5 in all the pods; the pods measured against their warm: 23.5, where the warmer "
+            "compiled 42.0; saved 19.5" in table)
+    assert ("Pods that hit but saved no time (above half the warmer's seconds): 1 (their FX graph hits 3, "
+            "AOTAutograd hits 2, not counted as hits)" in table)
+    assert "FX graph hits 3, misses 0; AOTAutograd hits 2, misses 0" in table
     assert "(no torch Inductor archives)" in inspection.as_table("gs://b/torch", [], [pool], [], usage)
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "Torch", "jax\n", "x" * 30])
+def test_a_warmers_framework_outside_the_crds_enum_is_left_out(framework: str) -> None:
+    # status.warmup.pools[].fingerprint.framework is enum [jax, torch]: another value would have
+    # the apiserver refuse the whole status patch, on every reconcile.
+    fp = pool_entry({**SUMMARY, "fingerprint": {**WARMED, "framework": framework}})["fingerprint"]
+    assert "framework" not in fp and fp["torchKey"] == WARMED["torchKey"]
+    assert pool_entry(SUMMARY)["fingerprint"]["framework"] == "torch"
+
+
+def test_inspect_says_an_uncounted_warm_was_not_counted_not_zero_seconds() -> None:
+    uncounted = {**SUMMARY["torch"], "counted": False, "fxGraphMisses": 0, "aotAutogradMisses": 0,
+                 "compileSeconds": 0.0}
+    pool = {**pool_entry({**SUMMARY, "torch": uncounted}), "name": "cpu"}
+    table = inspection.as_table("gs://b/torch", [], [pool], [], None)
+    line = next(one for one in table.splitlines() if one.startswith("cpu  -"))
+    assert line.startswith("cpu  -  -  -  101 files, 3.1 MiB") and "not counted" in line
+    assert "0.0" not in line

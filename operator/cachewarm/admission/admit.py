@@ -172,6 +172,17 @@ def _add_torch_dir(out: Admission, cache: CacheSpec, cache_name: str, containers
                             "into the container's own filesystem, cold")
 
 
+def _torch_dir_kept(cache: CacheSpec, name: str) -> str:
+    """What a torch cache's container that keeps its own cache dir loses: torch reads only
+    that directory, so what the copy seeded is never read ('' for any other variable)."""
+    if cache.torch is None or name not in (c.ENV_TORCHINDUCTOR_CACHE_DIR, c.ENV_TRITON_CACHE_DIR):
+        return ""
+    seeded = cache.torch.cache_dir + ("/triton" if name == c.ENV_TRITON_CACHE_DIR else "")
+    what = "its Triton kernels compile" if name == c.ENV_TRITON_CACHE_DIR else "it compiles"
+    return (f"; torch reads only its own {name}, so {what} cold: the copy seeds {seeded}, a directory "
+            "torch does not read there")
+
+
 @dataclass
 class Admission:
     """The webhook's answer for one pod: fields to set, annotations, warnings. Nothing to
@@ -254,8 +265,8 @@ def admit_pod(pod: Mapping[str, Any], lookup: CacheLookup, reporting: Reporting 
             out.spec["schedulingGates"] = [*gates, {"name": c.WAIT_GATE}]
     out.warnings += _without_env(result.without_env, cache_name)
     for kept in result.kept:
-        out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; "
-                            f"the value from CompilationCache {cache_name!r} was not applied to it")
+        out.warnings.append(f"cachewarm: container {kept.container!r} keeps its own {kept.name}; the value from "
+                            f"CompilationCache {cache_name!r} was not applied to it{_torch_dir_kept(cache, kept.name)}")
     if result.kept and c.INJECTED_ANNOTATION in out.annotations:
         # Said on the pod itself (no Event: admission writes nothing).
         names = ", ".join(sorted({f"{k.container}/{k.name}" for k in result.kept}))

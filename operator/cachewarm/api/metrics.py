@@ -60,7 +60,8 @@ class Metrics:
             "(relayed to the pod), or failed when the leader could not be reached.", ["code"],
             registry=self.registry)
         self.cache_hits = Counter(
-            "cachewarm_cache_hits", "Persistent-cache hits training pods reported (the leader's count).",
+            "cachewarm_cache_hits", "Persistent-cache hits training pods reported (the leader's count). Not a torch "
+            "cache's: those are cachewarm_torch_fx_graph_hits, of the pods that saved time.",
             ["namespace", "cache"], registry=self.registry)
         self.cache_misses = Counter(
             "cachewarm_cache_misses", "Compile requests training pods reported that did not hit the cache.",
@@ -147,19 +148,26 @@ def _seconds(start: Any, end: Any) -> float | None:
 TORCH_GAUGES = {
     "pods": ("cachewarm_torch_pods", "Pods of a torch cache whose reports carried torch's counters in the usage "
              "window (status.usage.torch.pods)."),
-    "fxGraphHits": ("cachewarm_torch_fx_graph_hits", "Inductor FX graph cache hits torch counted in the pods "
-                    "(status.usage.torch)."),
+    "fxGraphHits": ("cachewarm_torch_fx_graph_hits", "Inductor FX graph cache hits torch counted in the pods, "
+                    "but for those of pods that hit and saved no time (status.usage.torch.fxGraphHits)."),
+    "fxGraphHitsNotSaved": ("cachewarm_torch_fx_graph_hits_not_saved", "Inductor FX graph cache hits torch counted "
+                            "in the pods whose counters hit but that saved no time (hitButNotSaved)."),
     "fxGraphMisses": ("cachewarm_torch_fx_graph_misses", "Inductor FX graph cache misses torch counted in the pods."),
-    "aotAutogradHits": ("cachewarm_torch_aot_autograd_hits", "AOTAutograd cache hits torch counted in the pods."),
+    "aotAutogradHits": ("cachewarm_torch_aot_autograd_hits", "AOTAutograd cache hits torch counted in the pods, "
+                        "but for those of pods that hit and saved no time."),
+    "aotAutogradHitsNotSaved": ("cachewarm_torch_aot_autograd_hits_not_saved", "AOTAutograd cache hits torch "
+                                "counted in the pods whose counters hit but that saved no time."),
     "aotAutogradMisses": ("cachewarm_torch_aot_autograd_misses", "AOTAutograd cache misses torch counted in the "
                           "pods."),
     "compileSeconds": ("cachewarm_torch_compile_seconds", "Seconds torch spent compiling in the pods."),
     "warmerCompileSeconds": ("cachewarm_torch_warmer_compile_seconds", "Seconds the pods that hit would have "
                              "compiled cold, as the warm of their fingerprint took."),
+    "measuredCompileSeconds": ("cachewarm_torch_measured_compile_seconds", "Seconds those same pods (the ones "
+                               "measured against a warm) spent compiling."),
     "secondsSaved": ("cachewarm_torch_seconds_saved", "Seconds the pods' hits saved, measured against the warm of "
                      "their fingerprint (status.usage.torch.secondsSaved)."),
     "hitButNotSaved": ("cachewarm_torch_hit_but_not_saved_pods", "Pods whose torch counters hit but whose compile "
-                       "seconds were not below the warmer's: counted as hits, not as time saved."),
+                       "seconds were above half the warmer's: not counted as hits, nor as time saved."),
 }
 
 

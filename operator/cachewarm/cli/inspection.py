@@ -186,8 +186,9 @@ def _describe_torch(fingerprint: Mapping[str, Any]) -> str:
     return ", ".join(words)
 
 
-TORCH_FIELDS = ("pods", "fxGraphHits", "fxGraphMisses", "aotAutogradHits", "aotAutogradMisses", "compileSeconds",
-                "warmerCompileSeconds", "secondsSaved", "hitButNotSaved")
+TORCH_FIELDS = ("pods", "fxGraphHits", "fxGraphHitsNotSaved", "fxGraphMisses", "aotAutogradHits",
+                "aotAutogradHitsNotSaved", "aotAutogradMisses", "compileSeconds", "warmerCompileSeconds",
+                "measuredCompileSeconds", "secondsSaved", "hitButNotSaved")
 
 
 def _torch(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -204,19 +205,26 @@ def _torch_lines(pools: Sequence[Mapping[str, Any]], usage: Mapping[str, Any] | 
     if warms:
         lines += ["", "POOL  FX GRAPH HITS/MISSES  AOTAUTOGRAD HITS/MISSES  COMPILE S  ARCHIVE"]
         for pool, warm in warms:
+            # An uncounted warm (a child entrypoint: torch's counters and seconds not seen) says so,
+            # rather than the 0 its summary holds.
             counted = warm.get("counted") is not False
             hits = (f"{warm.get('fxGraphHits')}/{warm.get('fxGraphMisses')}  "
-                    f"{warm.get('aotAutogradHits')}/{warm.get('aotAutogradMisses')}") if counted else "(not counted)"
-            lines.append(f"{pool.get('name')}  {hits}  {warm.get('compileSeconds')}  {warm.get('files')} files, "
-                         f"{_size(int(warm.get('archiveBytes') or 0))}")
+                    f"{warm.get('aotAutogradHits')}/{warm.get('aotAutogradMisses')}") if counted else "-  -"
+            seconds = warm.get("compileSeconds") if counted else "-"
+            lines.append(f"{pool.get('name')}  {hits}  {seconds}  {warm.get('files')} files, "
+                         f"{_size(int(warm.get('archiveBytes') or 0))}" + ("" if counted else
+                         " (not counted: the warm ran its command as a child, torch's counters not seen)"))
     used = _torch(usage)
     if used is not None:
         lines += ["", "TORCH IN PODS (WINDOW)",
                   f"Pods: {used['pods']}; FX graph hits {used['fxGraphHits']}, misses {used['fxGraphMisses']}; "
                   f"AOTAutograd hits {used['aotAutogradHits']}, misses {used['aotAutogradMisses']}",
-                  f"Compile seconds: {used['compileSeconds']} in the pods; {used['warmerCompileSeconds']} as the "
-                  f"warmer compiled, for the pods that hit; saved {used['secondsSaved']}",
-                  f"Pods that hit but saved no time (compiled as long as the warmer): {used['hitButNotSaved']}"]
+                  f"Compile seconds: {used['compileSeconds']} in all the pods; the pods measured against their "
+                  f"warm: {used['measuredCompileSeconds']}, where the warmer compiled "
+                  f"{used['warmerCompileSeconds']}; saved {used['secondsSaved']}",
+                  f"Pods that hit but saved no time (above half the warmer's seconds): {used['hitButNotSaved']} "
+                  f"(their FX graph hits {used['fxGraphHitsNotSaved']}, AOTAutograd hits "
+                  f"{used['aotAutogradHitsNotSaved']}, not counted as hits)"]
     return lines
 
 

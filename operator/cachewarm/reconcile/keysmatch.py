@@ -18,10 +18,11 @@ _COMPARED = ("platform", "platformVersion", "deviceKind", "devices", "topology",
 # fingerprint (agents/warmer.torch_fingerprint) shows: torch and Triton versions (below),
 # the platform and its CUDA/ROCm version, the device's name, a hash of Inductor's portable
 # config, the hash of torch's own sources (torchKey), and, one by one, the env settings and
-# the config values set in code that change that config. Not compared: the device count
-# (keys take the device's properties, not how many there are), the cache dir (the operator
-# gives warmers and pods the same one), and the device kind where one side did not read it
-# (a pod reads it only once it initialized CUDA itself).
+# the config values set in code that change that config; and the cache dir where both name
+# one (not in a key, but torch reads only its TORCHINDUCTOR_CACHE_DIR: a pod that keeps its
+# own never reads the directory cachewarm seeded, so every graph misses). Not compared: the
+# device count (keys take the device's properties, not how many there are), and the device
+# kind where one side did not read it (a pod reads it only once it initialized CUDA itself).
 _TORCH_COMPARED = ("platform", "platformVersion", "inductorConfigHash", "torchKey")
 _TORCH_MAPS = ("inductorEnv", "inductorChanged")
 
@@ -55,7 +56,8 @@ def _word(fp: Mapping[str, Any], f: str) -> str:
              "devices": lambda: f"{fp.get('devices', '?')} devices",
              "processes": lambda: f"{fp.get('processes', '?')} processes",
              "flagsHash": lambda: f"XLA flags {fp.get('flagsHash', '?')}",
-             "cacheDir": lambda: f"cache dir {fp.get('cacheDir') or '(none)'}",
+             "cacheDir": lambda: (f"TORCHINDUCTOR_CACHE_DIR {fp.get('cacheDir')}" if framework(fp) == "torch"
+                                  else f"cache dir {fp.get('cacheDir') or '(none)'}"),
              "deviceKind": lambda: str(fp.get("deviceKind", "?")),
              "inductorConfigHash": lambda: f"the Inductor config (set in the program) {fp.get(f, 'none')}",
              "torchKey": lambda: f"torch sources {fp.get(f, 'none')} (torchKey)"}
@@ -75,8 +77,7 @@ def differences(warmed: Mapping[str, Any], pod: Mapping[str, Any]) -> list[str]:
         return ["framework"]
     if framework(warmed) == "torch":
         fields = [f for f in _TORCH_COMPARED if (f in warmed or f in pod) and warmed.get(f) != pod.get(f)]
-        if "deviceKind" in warmed and "deviceKind" in pod and warmed["deviceKind"] != pod["deviceKind"]:
-            fields.append("deviceKind")
+        fields += [f for f in ("deviceKind", "cacheDir") if f in warmed and f in pod and warmed[f] != pod[f]]
         # An env setting or a config value set in code enters the keys through the config
         # the hash covers: where both hashes are known and equal, one that differs (a
         # TORCH_COMPILE_DEBUG in the pods) does not change a key and is not named.
@@ -125,6 +126,11 @@ def keys_match(pools: list[Mapping[str, Any]], pods: list[tuple[str, dict[str, A
         fields, pool_name, closest, fp = found[0]
         # One line of plain text: a pod's fingerprint is its own to say (and a warmer's its
         # image's), and the message reaches a condition and an Event.
+        if fields == ["cacheDir"] and framework(fp) == "torch":
+            return False, "FingerprintsDiffer", one_line(
+                f"Training pods do not read the seeded directory and miss: they use {_describe(fp, fields)}; pool "
+                f"{pool_name}'s warm was seeded at {closest.get('cacheDir')} (torch reads only its "
+                "TORCHINDUCTOR_CACHE_DIR: remove the pods' own value)")[:1000]
         return False, "FingerprintsDiffer", one_line(
             f"Training pods compute other keys than the warmers and miss: they run {_describe(fp, fields)}; pool "
             f"{pool_name} was warmed with {_describe(closest, fields)}")[:1000]

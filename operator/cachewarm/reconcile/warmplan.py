@@ -298,6 +298,7 @@ def read_pods(pods: Sequence[Mapping[str, Any]]) -> PodsView:
 FINGERPRINT_TEXT = ("jax", "flagsHash", "cacheDir", "platform", "platformVersion", "deviceKind", "topology", "error",
                     "framework", "inductorConfigHash", "torchKey")
 FINGERPRINT_COUNTS = ("flagCount", "devices", "processes")
+FRAMEWORKS = ("jax", "torch")  # the CRD's enum of status.warmup.pools[].fingerprint.framework
 # torch's {name: value} maps (agents/warmer.torch_fingerprint): the env settings and the
 # config values set in code that enter Inductor's keys, each compared by KeysMatch.
 FINGERPRINT_MAPS = ("inductorEnv", "inductorChanged")
@@ -311,6 +312,9 @@ def fingerprint_status(reported: Mapping[str, Any], image: str) -> dict[str, Any
     # pods' and reaches no condition, Event or `cachewarm inspect` with a terminal escape.
     out: dict[str, Any] = {k: one_line(str(reported[k])[:300]) for k in FINGERPRINT_TEXT
                            if reported.get(k) not in (None, "")}
+    if out.get("framework") not in (None, *FRAMEWORKS):
+        # The CRD's enum: another value would make the apiserver refuse the whole status patch.
+        del out["framework"]
     for key in FINGERPRINT_COUNTS:
         value = reported.get(key)
         if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 9:

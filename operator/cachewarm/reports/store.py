@@ -425,7 +425,10 @@ class Store:
             self._pods[report.pod.uid] = pod
             if before is not None and before.report.sequence >= report.sequence:
                 return none  # older than what is kept
-            new = (report.counts.hits, report.counts.misses, report.counts.compile_seconds_saved)
+            # A torch report's hits are not yet known to have saved time (torch_usage decides, over
+            # the window): they are not added to the cache's hits counter; its gauges say them.
+            new = (report.counts.hits if report.torch is None else 0, report.counts.misses,
+                   report.counts.compile_seconds_saved)
             if before is None and report.sequence > 1:
                 processes[proc] = _Latest(report, now, new)
                 self._bound(processes)
@@ -483,7 +486,9 @@ class Store:
     def _usage(self, processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
         """usage's figures from its snapshot of the window's processes."""
         requests = sum(p.report.counts.requests for p in processes)
-        hits = sum(p.report.counts.hits for p in processes)
+        # A torch pod whose counters hit but that saved no time is not counted as a hit (torch_usage).
+        torch, not_saved = torch_usage(processes, body)
+        hits = sum(p.report.counts.hits for p in processes if p.report.pod.uid not in not_saved)
         misses: list[tuple[dt.datetime, dict[str, str]]] = []
         for latest in processes:
             for miss in latest.report.counts.last_misses:
@@ -504,7 +509,9 @@ class Store:
             "compileRequests": requests,
             "hits": hits,
             "misses": sum(p.report.counts.misses for p in processes),
-            "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes), 3),
+            # A torch process's own estimate is none: its pod's saving is usage.torch.secondsSaved.
+            "compileSecondsSaved": round(sum(p.report.counts.compile_seconds_saved for p in processes
+                                             if p.report.torch is None) + float(torch.get("secondsSaved", 0.0)), 3),
             "compileSecondsSpent": round(sum(p.report.counts.compile_seconds_spent for p in processes), 3),
             "lastReportTime": timefmt.rfc3339(max(p.at for p in processes)),
             "lastMisses": [m for _, m in misses[:LAST_MISSES]],
@@ -524,7 +531,6 @@ class Store:
                 "maxSeconds": round(max(local.seconds for _, local in copies.values()), 3),
             }
         usage.update(programs_usage(processes, body))
-        torch = torch_usage(processes, body)
         if torch:
             usage["torch"] = torch
         return usage
@@ -823,22 +829,28 @@ def _hit(name: str, seen: Mapping[str, Any]) -> dict[str, Any]:
 TORCH_PROGRAM = "torch.compile"  # how a torch warmer names its compile in compiledPrograms (one per warm)
 
 
-def torch_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> dict[str, Any]:
+# A pod of a torch cache saved time only when its processes that hit compiled at most this
+# share of the seconds the warm of their fingerprint took: a warm directory measured here gives
+# 0.05-0.1x, torch's Mega-Cache artifact alone 0.64-0.85x with every counter a hit (docs/torch.md).
+TORCH_SAVED_AT_MOST = 0.5
+
+
+def torch_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> tuple[dict[str, Any], frozenset[str]]:
     """status.usage.torch: what torch's counters said in the processes of a torch cache
-    (their reports' `torch` sections; {} when none sent one): pods, FX graph and
-    AOTAutograd hits and misses, the seconds torch compiled (compileSeconds), and what the
-    hits saved. A pod whose processes hit is measured against the warm of its fingerprint
-    (a pool whose warmer compiled with that very fingerprint, keysmatch's fields: its
-    compiledPrograms' torch.compile seconds, the mean where several pools match), process
-    by process: warmerCompileSeconds is what those processes would have compiled cold, and
-    the pod saved that less the seconds they compiled, when it is less; a pod whose
-    counters hit but whose compile seconds are not below the warmer's saved nothing that
-    can be shown (on CPU, hits of a cache that lacks the compiled kernels still compile
-    them) and counts in hitButNotSaved, never as saved. A pod with no warm of its
-    fingerprint is in neither."""
+    (their reports' `torch` sections; {} when none sent one), and the pods (uid) whose
+    counters hit but that saved no time. A pod whose processes hit is measured against the
+    warm of its fingerprint (a pool whose warmer compiled with that very fingerprint,
+    keysmatch's fields: its compiledPrograms' torch.compile seconds, the mean where several
+    pools match), process by process: warmerCompileSeconds is what those processes would
+    have compiled cold, measuredCompileSeconds what they compiled. The pod saved the
+    difference only when its seconds are at most TORCH_SAVED_AT_MOST of the warm's; else its
+    counters hit but the time was not saved (on CPU, hits of a cache that lacks the compiled
+    kernels still build them): it counts in hitButNotSaved, and its hits in
+    fxGraphHitsNotSaved/aotAutogradHitsNotSaved, not in fxGraphHits/aotAutogradHits. A pod
+    with no warm of its fingerprint is not measured: its hits stay hits, it saved nothing."""
     torch = [(latest, latest.report.torch) for latest in processes if latest.report.torch is not None]
     if not torch:
-        return {}
+        return {}, frozenset()
     refs, same, fps = warmer_references(body), _Same(), dict[int, tuple[dict[str, Any], str]]()
     pods: dict[str, list[tuple[float, float]]] = {}  # uid -> (warmer's seconds, its own) per measured process
     for latest, counts in torch:
@@ -847,18 +859,25 @@ def torch_usage(processes: list[_Latest], body: Mapping[str, Any] | None) -> dic
         reference = _reference(refs, TORCH_PROGRAM, fp, frozenset(), same, fp_key) if counts.hit else None
         if reference is not None:
             mine.append((reference, counts.compile_seconds))
-    measured = [(sum(w for w, _ in mine), sum(own for _, own in mine)) for mine in pods.values() if mine]
+    measured = {uid: (sum(w for w, _ in mine), sum(own for _, own in mine)) for uid, mine in pods.items() if mine}
+    saved = {uid: (w, own) for uid, (w, own) in measured.items() if own <= TORCH_SAVED_AT_MOST * w}
+    not_saved = frozenset(measured) - frozenset(saved)
+    kept = [c for latest, c in torch if latest.report.pod.uid not in not_saved]
+    lost = [c for latest, c in torch if latest.report.pod.uid in not_saved]
     return {
         "pods": len(pods),
-        "fxGraphHits": sum(c.fx_graph_hits for _, c in torch),
+        "fxGraphHits": sum(c.fx_graph_hits for c in kept),
+        "fxGraphHitsNotSaved": sum(c.fx_graph_hits for c in lost),
         "fxGraphMisses": sum(c.fx_graph_misses for _, c in torch),
-        "aotAutogradHits": sum(c.aot_autograd_hits for _, c in torch),
+        "aotAutogradHits": sum(c.aot_autograd_hits for c in kept),
+        "aotAutogradHitsNotSaved": sum(c.aot_autograd_hits for c in lost),
         "aotAutogradMisses": sum(c.aot_autograd_misses for _, c in torch),
         "compileSeconds": round(sum(c.compile_seconds for _, c in torch), 3),
-        "warmerCompileSeconds": round(sum(warmer for warmer, _ in measured), 3),
-        "secondsSaved": round(sum(warmer - own for warmer, own in measured if own < warmer), 3),
-        "hitButNotSaved": sum(1 for warmer, own in measured if own >= warmer),
-    }
+        "warmerCompileSeconds": round(sum(warmer for warmer, _ in measured.values()), 3),
+        "measuredCompileSeconds": round(sum(own for _, own in measured.values()), 3),
+        "secondsSaved": round(sum(warmer - own for warmer, own in saved.values()), 3),
+        "hitButNotSaved": len(not_saved),
+    }, not_saved
 
 
 def cold_message(pods: list[tuple[str, str]]) -> str:
