@@ -81,6 +81,7 @@ TPU_POOL = {"name": "v5p", "tpu": {"type": "tpu-v5p-slice", "topology": "2x2x1"}
 CACHE_DIR_FORM = "torch.cacheDir must be an absolute directory below '/'"
 CACHE_DIR_DOTS = "torch.cacheDir must not contain '.' or '..' path segments"
 CACHE_DIR_OURS = "torch.cacheDir must not be one of cachewarm's own mount paths"
+CACHE_DIR_SYSTEM = "torch.cacheDir must not be a system directory"
 SIZE_FORM = "torch.maxArchiveSize must be a number of bytes or a Kubernetes quantity"
 SIZE_RANGE = "torch.maxArchiveSize must be at least 1 byte and at most 64Gi"
 
@@ -249,6 +250,10 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
     torch_field("torch-cache-dir-opt-cachewarm", "cacheDir", "/opt/cachewarm/torch", CACHE_DIR_OURS),
     torch_field("torch-cache-dir-token", "cacheDir", "/var/run/secrets/cachewarm", CACHE_DIR_OURS),
     ("torch-cache-dir-too-long", with_torch({"cacheDir": "/" + "a" * 200}), "spec.torch.cacheDir: Too long"),
+    *[torch_field(f"torch-cache-dir-system{path.replace('/', '-')}", "cacheDir", path, CACHE_DIR_SYSTEM)
+      for path in ("/usr", "/usr/lib/torch", "/etc", "/lib64", "/bin", "/sbin/x", "/proc", "/sys", "/dev/shm",
+                   "/run", "/var/run/secrets/kubernetes.io", "/boot", "/root", "/home", "/opt", "/var",
+                   "/var/lib", "/srv", "/mnt")],
     ("torch-cache-dir-number", with_torch({"cacheDir": 5}), "spec.torch.cacheDir: Invalid value"),
     torch_field("torch-size-not-quantity", "maxArchiveSize", "four gigs", SIZE_FORM),
     torch_field("torch-size-lowercase-unit", "maxArchiveSize", "4gi", SIZE_FORM),
@@ -320,6 +325,9 @@ def test_torch_cache_is_stored_with_its_defaults(crd_installed: Testbed, namespa
     pytest.param({"cacheDir": "/root/.cache/torch", "maxArchiveSize": "64Gi"}, id="max-quantity"),
     pytest.param({"cacheDir": "/" + "a" * 199, "maxArchiveSize": 64 * 2**30}, id="longest-dir-max-bytes"),
     pytest.param({"cacheDir": "/workspace/inductor_cache-2.15", "maxArchiveSize": "1.5Gi"}, id="fraction"),
+    # Below the system directories users keep caches in, and /tmp itself: accepted.
+    *[pytest.param({"cacheDir": path, "maxArchiveSize": "4Gi"}, id=f"dir{path.replace('/', '-')}")
+      for path in ("/tmp", "/home/me/.cache/torch", "/opt/app/cache", "/var/lib/torch", "/usrx", "/runs")],
 ])
 def test_torch_variants_are_accepted(crd_installed: Testbed, namespace: str, torch: dict[str, Any]) -> None:
     code, out = create(crd_installed, namespace, with_torch(torch))

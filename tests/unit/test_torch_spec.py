@@ -76,7 +76,9 @@ def test_max_archive_size_wrong(size: Any, says: str) -> None:
 
 
 @pytest.mark.parametrize("cache_dir", ["/cachewarm-torch", "/cachewarm-torch/inductor", "/tmp/torch", "/root/.cache/t",
-                                       "/workspace/inductor-cache", "/" + "a" * 199])
+                                       "/workspace/inductor-cache", "/" + "a" * 199, "/tmp", "/home/me/.cache",
+                                       "/opt/app/cache", "/var/tmp/torch", "/var/lib/torch", "/usrx", "/devices",
+                                       "/mnt/cache", "/runs/torch"])
 def test_cache_dir_accepted(cache_dir: str) -> None:
     cache = parse_spec(torch_spec({"cacheDir": cache_dir}))
     assert cache.torch is not None and cache.torch.cache_dir == cache_dir
@@ -101,6 +103,11 @@ def test_cache_dir_accepted(cache_dir: str) -> None:
     ("/opt/cachewarm/torch", "one of cachewarm's own mount paths"),
     ("/var/run/secrets/cachewarm", "one of cachewarm's own mount paths"),
     ("/" + "a" * 200, "at most 200 characters"),
+    # System directories: an emptyDir there would hide the image's own files in every labelled container.
+    *[(path, "is a system directory") for path in (
+        "/usr", "/usr/lib/torch", "/etc", "/etc/torch", "/lib", "/lib64/x", "/bin", "/sbin", "/proc", "/sys/x",
+        "/dev", "/dev/shm", "/run", "/run/torch", "/boot", "/var/run", "/var/run/secrets/kubernetes.io",
+        "/root", "/home", "/opt", "/var", "/var/lib", "/srv", "/mnt")],
 ])
 def test_cache_dir_wrong(cache_dir: str, says: str) -> None:
     with pytest.raises(InvalidSpec, match=rf"spec\.torch\.cacheDir: .*{says}"):

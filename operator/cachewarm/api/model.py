@@ -76,6 +76,11 @@ TORCH_CACHE_DIR_FORM = re.compile(r"^(/[A-Za-z0-9._-]+)+$")
 # cachewarm's own mount paths in warmers and pods (the default cacheDir is the one of
 # them a torch cache's directory may be): no cacheDir may be one of them or below one.
 CACHEWARM_PATH = re.compile(r"^(/cachewarm[^/]*|/opt/cachewarm|/var/run/secrets/cachewarm)(/|$)")
+# The system directories no cacheDir may be or lie below, and those it may lie below but not
+# be: the writable emptyDir mounted there would hide what the image keeps there, in every
+# labelled container. /tmp and below is fine (an emptyDir at /tmp is common practice).
+SYSTEM_PATH = re.compile(r"^/(bin|boot|dev|etc|lib|lib32|lib64|libx32|proc|run|sbin|sys|usr|var/run)(/|$)")
+SYSTEM_PARENT = re.compile(r"^/(root|home|opt|var|var/lib|srv|mnt)$")
 # A Kubernetes quantity, as the apiserver's isQuantity() reads one (the Kubernetes client's
 # parser alone also takes surrounding blanks).
 QUANTITY_FORM = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))?$")
@@ -111,6 +116,10 @@ class TorchSettings(_Model):
         if CACHEWARM_PATH.match(value) and not (value == TORCH_CACHE_DIR or value.startswith(TORCH_CACHE_DIR + "/")):
             raise ValueError(f"{value!r} is one of cachewarm's own mount paths (/cachewarm*, /opt/cachewarm, "
                              f"/var/run/secrets/cachewarm) or below one; only {TORCH_CACHE_DIR} may be used")
+        if SYSTEM_PATH.match(value) or SYSTEM_PARENT.match(value):
+            raise ValueError(f"{value!r} is a system directory (/bin, /boot, /dev, /etc, /lib*, /proc, /run, /sbin, "
+                             "/sys, /usr, /var/run or below one; /root, /home, /opt, /var, /var/lib, /srv or /mnt "
+                             "itself): the writable emptyDir mounted there would hide what the image keeps there")
         return value
 
     @field_validator("max_archive_size")
