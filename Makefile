@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 BIN_DIR := $(CURDIR)/.cache/bin/k8s-v$(K8S_VERSION)_etcd-v$(ETCD_VERSION)
 export CACHEWARM_TESTBED_BIN := $(BIN_DIR)
 # torch in a venv of its own (5 GB: the PyPI wheel needs its CUDA packages even on CPU), for
-# the integration tests that run torch's agents against the GCS emulator.
+# the integration tests that run torch's agents against the GCS emulator; with gcsfs, as the
+# torch demo image has it (the warmer uploads through it).
 TORCH_VENV := $(CURDIR)/.cache/torch-venv-$(TORCH_VERSION)
 export CACHEWARM_TORCH_PYTHON := $(TORCH_VENV)/bin/python
 PYTEST_ARGS ?=
@@ -28,7 +29,7 @@ venv: $(VENV)/.installed ## Create .venv with the project and its test extras
 $(TORCH_VENV)/.installed: hack/versions.env
 	rm -rf $(TORCH_VENV)
 	$(PYTHON) -m venv $(TORCH_VENV)
-	$(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) gcsfs==$(GCSFS_VERSION)
 	touch $@
 
 torch-venv: $(TORCH_VENV)/.installed ## Create .cache/torch-venv-<version> with torch, for the torch agents' integration tests

@@ -16,9 +16,11 @@ from cachewarm_testbed.images), and the default pull policy finds them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,7 @@ from cachewarm_testbed.processes import StartError
 
 if TYPE_CHECKING:
     from cachewarm_testbed.cluster import Testbed
+    from cachewarm_testbed.realnode import RealNode
 
 NAMESPACE = "cachewarm-system"
 DEPLOYMENT = "cachewarm-operator"
@@ -130,3 +133,31 @@ def describe_operator(bed: Testbed) -> str:
                            "--prefix", "--tail=30").stdout
     events = bed.kubectl_run("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp").stdout
     return f"--- pods ---\n{pods}--- events ---\n{events[-3000:]}--- operator log ---\n{logs}"
+
+
+# How pods of a testbed cluster find GCS (the emulator behind the testbed's proxy).
+GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+@contextlib.contextmanager
+def on_real_node(env: Mapping[str, str] | None = None, *, torch: bool = False
+                 ) -> Iterator[tuple[Testbed, RealNode, dict[str, Any]]]:
+    """(the control plane, the real node, the operator's leader Pod): a control plane with
+    the controller manager and a real node holding our images (the torch demo's too, with
+    `torch`), cachewarm installed by `kubectl apply -k manifests/` with the GCS emulator's
+    address and `env` in the operator's env. Everything is stopped after the block."""
+    from cachewarm_testbed import images  # noqa: PLC0415 - buildah only where this runs
+    from cachewarm_testbed.cluster import Testbed, repo_root  # noqa: PLC0415 - cluster imports this module
+
+    archives = images.build_all(torch=torch)
+    bed = Testbed()
+    try:
+        bed.start(controller_manager=True, real_node=True)
+        node = bed.start_real_node()
+        node.import_images(archives)
+        bed_env = bed.env()
+        operator = install_operator(bed, repo_root() / "manifests",
+                                    {**{k: bed_env[k] for k in GCS_ENV}, **(env or {})})
+        yield bed, node, operator
+    finally:
+        bed.stop()
