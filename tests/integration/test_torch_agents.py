@@ -115,7 +115,7 @@ def test_the_warm_uploads_its_directory_as_one_archive_and_the_manifest_names_it
     assert blobs[0].name == f"torch/torch-inductor-{hashlib.sha256(data).hexdigest()}-cache"
     assert summary["bytesWritten"] == torch["archiveBytes"] == len(data) and torch["files"] > 10
     assert summary["keys"] == [hashlib.sha256(data).hexdigest()[:16]]
-    assert summary["compiledPrograms"] == [{"program": "torch.compile", "seconds": torch["compileSeconds"],
+    assert summary["compiledPrograms"] == [{"program": "torch.compile", "compileSeconds": torch["compileSeconds"],
                                             "key": summary["keys"][0]}]
     name = warmed["manifest"].split("#")[0]
     doc = json.loads(storage_only.bucket(warmed["bucket"]).blob(name).download_as_bytes())
@@ -162,11 +162,13 @@ def test_a_child_entrypoint_is_uncounted_and_an_empty_or_too_large_directory_is_
     code, summary, log = warm_again(warmed, tmp_path, tmp_path / "empty", "command", "--", "sh", "-c", "true")
     assert code == 2, log
     assert summary["torch"]["counted"] is False and "child process" in summary["torch"]["note"]
+    assert "compileSeconds" not in summary and "compiledPrograms" not in summary  # no wall time as compile seconds
     assert any("nothing was compiled" in e for e in summary["errors"]) and "keys" not in summary
     big = tmp_path / "big"
     code, summary, log = warm_again(warmed, tmp_path, big, "command", "--", "sh", "-c",
-                                    f"mkdir -p {big}/ab && head -c 5000 /dev/urandom > {big}/ab/c.so", limit=1000)
+                                    f"mkdir -p {big}/ab && head -c 5000 /dev/zero > {big}/ab/c.so", limit=1000)
     assert code == 1, log
+    # maxArchiveSize bounds the uncompressed bytes: 5000 zeros gzip to far less than 1000 bytes
     assert any("over maxArchiveSize" in e for e in summary["errors"]) and summary["entriesWritten"] == 0
     assert len(list(storage_only.list_blobs(warmed["bucket"], prefix="torch/torch-inductor-"))) == 1
 
@@ -318,19 +320,18 @@ def test_the_manifest_names_the_archive_the_warmer_built_not_one_swapped_in_afte
     """Someone with write on the prefix replaces the archive (same name, same size, other
     bytes) between the warmer's upload and its manifest: the manifest still records the
     warmer's MD5 and the generation it wrote, so a copier refuses the swapped object."""
-    real = warmer.put_object
+    real = warmer.put_file
     swapped: list[int] = []
 
-    def put_then_swap(path: str, data: bytes, content_type: str, custom_time: bool = False) -> str:
-        generation = real(path, data, content_type, custom_time)
-        if "torch-inductor-" in path:
-            blob = storage_only.bucket(gcs_env).blob(path.split("/", 1)[1])
-            blob.upload_from_string(b"\0" * len(data))
-            [listed] = storage_only.list_blobs(gcs_env, prefix=blob.name)
-            swapped.append(int(listed.generation))
+    def put_then_swap(path: str, local: str, md5: str, size: int, custom_time: bool = False) -> str:
+        generation = real(path, local, md5, size, custom_time)
+        blob = storage_only.bucket(gcs_env).blob(path.split("/", 1)[1])
+        blob.upload_from_string(b"\0" * size)
+        [listed] = storage_only.list_blobs(gcs_env, prefix=blob.name)
+        swapped.append(int(listed.generation))
         return generation
 
-    monkeypatch.setattr(warmer, "put_object", put_then_swap)
+    monkeypatch.setattr(warmer, "put_file", put_then_swap)
     code, summary = child_warm(gcs_env, tmp_path, monkeypatch)
     assert code == 0 and summary["entriesWritten"] == 1, summary["errors"]
     doc = json.loads(storage_only.bucket(gcs_env).blob(f"{FOLDER}/demo-cpu-1.json").download_as_bytes())

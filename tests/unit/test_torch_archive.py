@@ -24,11 +24,14 @@ from cachewarm.agents import copier, warmer
 
 def inductor_dir(root: Path) -> Path:
     """A directory shaped like Inductor's after a warm (`<2 chars>/c<hash>.cpp/.so`,
-    fxgraph/, aotautograd/, locks/), with what the archive must leave out."""
+    fxgraph/, aotautograd/, locks/), with what the archive must leave out: locks, and the
+    temporary names torch's write_atomic and Triton's cache leave (see warmer.TORCH_TEMP_NAME)."""
     d = root / "inductor"
     for rel, data in {"ab/cabc.cpp": b"cpp", "ab/cabc.so": b"\x7fELF so", "fxgraph/x1/entry": b"fx",
                       "aotautograd/y2/entry": b"aot", "locks/ab.lock": b"", "ab/cabc.so.lock": b"",
-                      "ab/tmpq12": b"temp", "ab/cabc.so.tmp123": b"temp", "fxgraph/.tmp-x": b"temp"}.items():
+                      "ab/.1234.140213.tmp": b"temp", "fxgraph/x1/.77.1.tmp": b"temp",
+                      "triton/tmp.pid_12_0f3e/k.json": b"temp", "triton/HASH/k.cubin.tmp.pid_12_0f3e": b"temp",
+                      "fxgraph/x1/" + copier.TORCH_TEMP_PREFIX + "9-ab": b"temp"}.items():
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / rel).write_bytes(data)
     os.chmod(d / "ab/cabc.so", 0o700)
@@ -47,7 +50,8 @@ def test_the_archive_holds_the_directorys_files_and_folders_sorted_and_nothing_e
     data, files = warmer.torch_archive(str(d))
     got = members(data)
     assert [m.name for m in got] == ["ab", "ab/cabc.cpp", "ab/cabc.so", "aotautograd", "aotautograd/y2",
-                                     "aotautograd/y2/entry", "fxgraph", "fxgraph/x1", "fxgraph/x1/entry"]
+                                     "aotautograd/y2/entry", "fxgraph", "fxgraph/x1", "fxgraph/x1/entry",
+                                     "triton", "triton/HASH"]
     assert files == 4
     assert all(m.isdir() or m.isreg() for m in got)
     assert {(m.name, oct(m.mode)) for m in got if m.isreg()} == {(n, "0o644") for n in (
@@ -119,7 +123,7 @@ def test_a_warmers_archive_extracts_whole_with_modes_any_uid_can_write_beside(tm
         counts = extract(tmp_path, data, dest)
     finally:
         os.umask(old)
-    assert counts == {"files": 4, "bytes": len(b"cpp\x7fELF sofxaot"), "kept": 0, "refused": 0, "members": 9}
+    assert counts == {"files": 4, "bytes": len(b"cpp\x7fELF sofxaot"), "kept": 0, "refused": 0, "members": 11}
     assert (dest / "ab/cabc.so").read_bytes() == b"\x7fELF so"
     assert stat.S_IMODE((dest / "ab/cabc.so").stat().st_mode) == 0o666
     assert stat.S_IMODE((dest / "fxgraph/x1").stat().st_mode) == 0o777
@@ -381,3 +385,194 @@ def test_a_torch_fingerprint_at_its_bounds_shrinks_to_whole_json_in_the_summary(
     assert got["keys"] == ["a" * 16] and got["compiledPrograms"] == summary["compiledPrograms"]
     assert got["fingerprint"]["fingerprintCut"] is True and got["fingerprint"]["torchKey"] == "0" * 16
     assert got["fingerprint"]["inductorChanged"] == {} and len(got["fingerprint"]["inductorEnv"]) > 5
+
+
+def test_entries_whose_content_hash_starts_with_tmp_are_archived_and_only_real_temp_names_left_out() -> None:
+    # FX graph and AOTAutograd entries are named by base32 content hashes: 1 in 32768 starts "tmp".
+    for kept in ("fxgraph/tm/tmpqzk3x/entry", "aotautograd/tm/tmpabc", "fxgraph/x1/tmpq12", "ab/ctmp.so",
+                 "ab/cabc.so.tmp123"):
+        assert warmer.torch_member_kept(kept, False), kept
+    assert warmer.torch_member_kept("fxgraph/tm/tmpqzk3x", True)
+    for temp in ("ab/.1234.140213.tmp", "triton/tmp.pid_12_0f3e", "triton/tmp.pid_12_0f3e/k.json",
+                 "triton/HASH/k.cubin.tmp.pid_12_0f3e", "locks/x", "ab/c.so.lock"):
+        assert not warmer.torch_member_kept(temp, temp == "triton/tmp.pid_12_0f3e"), temp
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["--", "python", "train.py", "--", "--steps", "1"], ["python", "train.py", "--", "--steps", "1"]),
+    (["torchrun", "--nproc-per-node=2", "train.py", "--", "x"], ["torchrun", "--nproc-per-node=2", "train.py", "--", "x"]),
+    (["--", "--"], ["--"]),
+    ([], []),
+])
+def test_only_the_leading_separator_is_taken_from_the_entrypoint(argv: list[str], command: list[str]) -> None:
+    assert warmer.entrypoint(argv) == command
+
+
+def torch_summary_at_bounds(seconds_key: str = "compileSeconds", programs: int = 1, wide: str = "\u00e9"
+                            ) -> dict[str, Any]:
+    """A torch warmer's summary with every field at its bound, the text fields made of `wide`
+    (non-ASCII: JSON writes each such character as six)."""
+    fp = {"framework": "torch", "versions": {"torch": "2.15.0" + wide * 40, "triton": "3.9.0"}, "platform": "cuda",
+          "platformVersion": wide * 200, "deviceKind": wide * 200, "devices": 8, "error": wide * 200,
+          "cacheDir": "/c" + "x" * 198, "inductorConfigHash": "0" * 12, "torchKey": "0" * 16,
+          "inductorEnv": {f"TORCHINDUCTOR_{i:02d}" + wide * 84: wide * 100 for i in range(20)},
+          "inductorChanged": {f"key_{i:02d}" + wide * 90: "'" + wide * 58 + "'" for i in range(20)}}
+    return {"mode": "command", "processIndex": 0, "cacheDir": "gs://b/" + "p" * 200, "programs": 3, "entriesFound": 0,
+            "entriesWritten": 1, "bytesWritten": 5, "entriesRefreshed": 0, "refreshFailed": 0, "notCached": 0,
+            "compileSeconds": 25.9, "keys": ["a" * 16], "keyCount": 1,
+            "compiledPrograms": [{"program": "torch.compile", seconds_key: 25.9 - i, "key": f"{i:016x}"}
+                                 for i in range(programs)],
+            "targets": [{"target": wide * 300, "seconds": 1.0}] * 50, "errors": [wide * 500] * 5,
+            "torch": {"fxGraphHits": 0, "fxGraphMisses": 3, "fxGraphBypasses": 0, "aotAutogradHits": 0,
+                      "aotAutogradMisses": 2, "aotAutogradBypasses": 0, "compileSeconds": 25.9, "counted": True,
+                      "files": 100000, "archiveBytes": 1 << 32, "uncompressedBytes": 1 << 32},
+            "manifestEntries": 1, "manifestGeneration": "1" * 20, "packError": wide * 300, "manifestError": wide * 300,
+            "imagePythonPath": wide * 1000, "fingerprint": fp}
+
+
+@pytest.mark.parametrize(("seconds_key", "programs", "wide"), [
+    ("compileSeconds", 1, "\u00e9"), ("compileSeconds", 16, "\u00e9"), ("seconds", 16, "\u00e9"),
+    ("compileSeconds", 1, "e"), ("compileSeconds", 16, "e")])
+def test_a_torch_summary_at_every_bound_is_whole_json_within_the_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        seconds_key: str, programs: int, wide: str) -> None:
+    """write_summary never raises on a torch summary (its compiledPrograms cut through
+    compiled_rest) and never writes cut JSON: the operator records the manifest from it."""
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(tmp_path / "summary"))
+    summary = torch_summary_at_bounds(seconds_key, programs, wide)
+    assert len(json.dumps(summary)) > 3 * warmer.SUMMARY_LIMIT
+    warmer.write_summary(summary)
+    text = (tmp_path / "summary").read_text()
+    got = json.loads(text)
+    assert len(text) <= warmer.SUMMARY_LIMIT
+    assert got["manifestGeneration"] == "1" * 20 and got["entriesWritten"] == 1 and got["keyCount"] == 1
+    assert got["keys"] == ["a" * 16] or got["keysTruncated"] is True
+
+
+def test_a_torch_warms_compiled_program_has_the_key_the_summary_cuts_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What torch_upload puts in compiledPrograms is cut by write_summary (compiled_rest reads
+    compileSeconds): a warm whose summary is over the limit still writes one."""
+    monkeypatch.setenv("CACHEWARM_SUMMARY_FILE", str(tmp_path / "summary"))
+    inductor = tmp_path / "inductor"
+    (inductor / "ab").mkdir(parents=True)
+    (inductor / "ab/c.so").write_bytes(b"so")
+    monkeypatch.delenv("CACHEWARM_MANIFEST", raising=False)
+    monkeypatch.setattr(warmer, "upload_torch_archive", lambda url, local, sha, md5, size: (
+        {"name": f"torch-inductor-{sha}-cache", "size": size, "md5": md5, "generation": "7"}, True, {}))
+    summary = {**torch_summary_at_bounds(), "compiledPrograms": [], "keys": []}
+    errors: list[str] = []
+    assert warmer.torch_upload(str(inductor), "gs://b/p", 1 << 20, summary, errors) == (False, False)
+    [program] = summary["compiledPrograms"]
+    assert program["compileSeconds"] == 25.9 and "seconds" not in program
+    summary["compiledPrograms"] = [program] * 8  # past COMPILED_KEPT_BEFORE_KEYS: cut with compiled_rest
+    warmer.write_summary(summary)
+    assert len(json.loads((tmp_path / "summary").read_text())["compiledPrograms"]) <= 8
+
+
+def test_an_uncounted_warm_reports_no_compile_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A child entrypoint (torchrun) is not counted: its wall time is no compile's seconds, so
+    neither compileSeconds nor compiledPrograms is in the summary (torch.counted says why)."""
+    inductor = tmp_path / "inductor"
+    for name, value in {"CACHEWARM_FRAMEWORK": "torch", "CACHEWARM_CACHE_URL": "gs://b/torch",
+                        "CACHEWARM_SUMMARY_FILE": str(tmp_path / "summary"),
+                        "TORCHINDUCTOR_CACHE_DIR": str(inductor)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("CACHEWARM_MANIFEST", raising=False)
+    monkeypatch.setattr(warmer, "upload_torch_archive", lambda url, local, sha, md5, size: (
+        {"name": f"torch-inductor-{sha}-cache", "size": size, "md5": md5, "generation": "7"}, True, {}))
+    argv_file = tmp_path / "argv"
+    code = warmer.main(["command", "--", "sh", "-c", f'sleep 0.2; mkdir -p {inductor}/ab && echo so > {inductor}/ab/c.so'
+                        f' && echo "$@" > {argv_file}', "sh", "--", "x"])
+    summary = json.loads((tmp_path / "summary").read_text())
+    assert code == 0, summary["errors"]
+    assert summary["torch"]["counted"] is False and "compile seconds are unknown" in summary["torch"]["note"]
+    assert "compileSeconds" not in summary and "compiledPrograms" not in summary
+    assert summary["keys"] and summary["entriesWritten"] == 1
+    assert argv_file.read_text().split() == ["--", "x"]  # the entrypoint's own "--" reached it
+
+
+def test_a_directory_over_max_archive_size_uncompressed_is_refused_before_an_archive_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """maxArchiveSize bounds the uncompressed bytes of one archive: zeros that gzip to almost
+    nothing are refused all the same, before anything is built or uploaded."""
+    inductor = tmp_path / "inductor"
+    (inductor / "ab").mkdir(parents=True)
+    (inductor / "ab/c.so").write_bytes(b"\0" * 5000)
+    built: list[int] = []
+    monkeypatch.setattr(warmer, "torch_archive_into", lambda *a, **k: built.append(1) or 0)
+    monkeypatch.setattr(warmer, "upload_torch_archive", lambda *a: pytest.fail("uploaded"))
+    summary: dict[str, Any] = {"torch": {}}
+    errors: list[str] = []
+    assert warmer.torch_upload(str(inductor), "gs://b/p", 4999, summary, errors) == (False, True)
+    assert built == [] and any("5000 bytes, over maxArchiveSize (4999 bytes, uncompressed)" in e for e in errors)
+    assert summary["torch"]["uncompressedBytes"] == 5000
+
+
+def test_the_warmer_streams_the_archive_to_a_file_hashing_it_as_written(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    d = inductor_dir(tmp_path)
+    data, files = warmer.torch_archive(str(d))
+    seen: dict[str, Any] = {}
+
+    def upload(url: str, local: str, sha: str, md5: str, size: int) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        seen.update(bytes=Path(local).read_bytes(), sha=sha, md5=md5, size=size)
+        return {"name": f"torch-inductor-{sha}-cache", "size": size, "md5": md5, "generation": "7"}, True, {}
+
+    monkeypatch.setattr(warmer, "upload_torch_archive", upload)
+    monkeypatch.delenv("CACHEWARM_MANIFEST", raising=False)
+    summary: dict[str, Any] = {"torch": {}}
+    assert warmer.torch_upload(str(d), "gs://b/p", 1 << 20, summary, []) == (False, False)
+    assert seen["bytes"] == data and seen["sha"] == hashlib.sha256(data).hexdigest() and seen["size"] == len(data)
+    assert seen["md5"] == warmer._md5_base64(data) and summary["torch"]["files"] == files
+    assert summary["torch"]["archiveBytes"] == len(data) and summary["bytesWritten"] == len(data)
+
+
+def fake_torch(monkeypatch: pytest.MonkeyPatch, initialized: bool) -> list[str]:
+    """A stand-in torch in sys.modules whose torch.cuda records what is asked of it."""
+    import sys
+    import types
+
+    asked: list[str] = []
+
+    def ask(name: str, value: Any) -> Any:
+        return lambda *a: asked.append(name) or value
+
+    cuda = types.SimpleNamespace(is_initialized=lambda: initialized, is_available=ask("is_available", True),
+                                 device_count=ask("device_count", 8), get_device_name=ask("get_device_name", "H100"))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
+        __version__="2.15.0", cuda=cuda, version=types.SimpleNamespace(cuda="12.8", hip=None)))
+    return asked
+
+
+@pytest.mark.parametrize(("warmer_process", "initialized", "platform"), [
+    (False, False, "cpu"), (False, True, "cuda"), (True, False, "cuda")])
+def test_the_fingerprint_asks_cuda_only_where_it_is_initialized_or_in_the_warmer(
+        monkeypatch: pytest.MonkeyPatch, warmer_process: bool, initialized: bool, platform: str) -> None:
+    """is_available() and device_count() run cuInit: a reporter's thread must not, in a
+    process that has not initialized CUDA (a fork after it fails)."""
+    asked = fake_torch(monkeypatch, initialized)
+    fp = warmer.torch_fingerprint(warmer=warmer_process)
+    assert fp["platform"] == platform
+    if platform == "cpu":
+        assert asked == [] and fp["deviceKind"] == "cpu" and fp["devices"] == 1
+    else:
+        assert "is_available" in asked and fp["deviceKind"] == "H100" and fp["devices"] == 8
+
+
+def test_reading_torchs_counters_inserts_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's counters are a defaultdict that torch's threads iterate; the reporter's poll
+    reads them from another thread, so reading must never insert."""
+    import collections
+    import sys
+    import types
+
+    counters: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    counters["inductor"]["fxgraph_cache_hit"] = 3
+    utils = types.SimpleNamespace(counters=counters, compilation_time_metrics={"_compile.compile_inner": [1.5]})
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", utils)
+    got = warmer.torch_counts()
+    assert got["fxGraphHits"] == 3 and got["aotAutogradMisses"] == 0 and got["compileSeconds"] == 1.5
+    assert list(counters) == ["inductor"] and dict(counters["inductor"]) == {"fxgraph_cache_hit": 3}

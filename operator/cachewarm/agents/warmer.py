@@ -49,6 +49,7 @@ IMAGE_PYTHONPATH_LIMIT characters or not valid text.
 from __future__ import annotations
 
 import argparse
+import base64
 import concurrent.futures
 import hashlib
 import importlib
@@ -491,7 +492,8 @@ def compiled_rest(left_out: Sequence[Mapping[str, Any]], rest: Mapping[str, Any]
     earlier `rest`: {"programs": how many, "maxSeconds": the longest any of them took}.
     Pods' hits of them are counted, as unmeasured, with that bound."""
     programs = int((rest or {}).get("programs") or 0) + len(left_out)
-    longest = max([float((rest or {}).get("maxSeconds") or 0.0), *(float(p["compileSeconds"]) for p in left_out)])
+    longest = max([float((rest or {}).get("maxSeconds") or 0.0),
+                   *(float(p.get("compileSeconds", p.get("seconds")) or 0.0) for p in left_out)])
     return {"programs": programs, "maxSeconds": round(longest, 3)} if programs else {}
 
 
@@ -629,12 +631,16 @@ def written_generation(path: str, data: bytes) -> str:
     """The generation of the object at `path` (bucket/name), read back from GCS, when it
     holds `data` (its MD5 and size): the manifest this warmer wrote, not one rewritten
     since. Raises ValueError when it does not, or what the read raises."""
+    return generation_holding(path, _md5_base64(data), len(data))
+
+
+def generation_holding(path: str, md5: str, size: int) -> str:
+    """written_generation for bytes known by their MD5 (GCS's base64 form) and size."""
     fs = gcs_filesystem()
     fs.invalidate_cache(path)
     info = fs.info(path)
     generation = str(info.get("generation") or "")
-    if info.get("md5Hash") != _md5_base64(data) or int(info.get("size") or -1) != len(data) or \
-            not generation.isdigit():
+    if info.get("md5Hash") != md5 or int(info.get("size") or -1) != size or not generation.isdigit():
         raise ValueError(f"gs://{path} does not hold the manifest just written (rewritten meanwhile?)")
     return generation
 
@@ -719,6 +725,24 @@ def put_object(path: str, data: bytes, content_type: str, custom_time: bool = Fa
             fs.pipe_file(path, data, content_type=content_type)
             fs.setxattrs(path, fixed_key_metadata={"custom_time": now})
     return written_generation(path, data)
+
+
+def put_file(path: str, local: str, md5: str, size: int, custom_time: bool = False) -> str:
+    """put_object for the bytes of the local file `local` (their MD5, GCS's base64 form, and
+    size given), streamed from it: a torch archive of gigabytes is never held in memory."""
+    fs = gcs_filesystem()
+    kind = "application/octet-stream"
+    if not custom_time:
+        fs.put_file(local, path, content_type=kind)
+    else:
+        t = time.time()
+        now = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+        try:
+            fs.put_file(local, path, content_type=kind, fixed_key_metadata={"custom_time": now})
+        except TypeError:  # a gcsfs older than fixed_key_metadata on uploads
+            fs.put_file(local, path, content_type=kind)
+            fs.setxattrs(path, fixed_key_metadata={"custom_time": now})
+    return generation_holding(path, md5, size)
 
 
 def write_pack(manifest: str, recorded: list[dict[str, Any]], cache_url: str) -> dict[str, Any]:
@@ -1004,6 +1028,13 @@ def in_process(argv: list[str]) -> bool:
     return (argv[1] == "-m" and len(argv) > 2) or not argv[1].startswith("-")
 
 
+def entrypoint(argv: Sequence[str]) -> list[str]:
+    """The entrypoint of `command -- ENTRYPOINT...` as argparse leaves it: without the
+    leading "--" (the separator), every later "--" kept (the entrypoint's own). Pure."""
+    argv = list(argv)
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
 def run_command(argv: list[str], child_env: Mapping[str, str] | None = None) -> int:
     """Run the entrypoint: a python one in this process (JAX counters visible), else a child.
     `child_env`: the environment for child processes (ChildHook.env); an in-process
@@ -1102,30 +1133,32 @@ TORCH_MAX_NAMES = 20
 TORCH_MAX_VALUE = 100
 
 
+# Temporary names that torch and the copier leave in the directory (a warm or a copy stopped
+# mid-write), never an entry: Inductor's write_atomic writes `.<pid>.<thread>.tmp` beside the
+# file (torch/_inductor/codecache.py), Triton a folder `tmp.pid_<pid>_<uuid>` in its cache
+# (triton/runtime/cache.py) and names ending `.tmp.pid_<pid>_<uuid>` (triton/compiler/compiler.py),
+# the copier `.cachewarm.tmp-<pid>-<hex>` (copier.TORCH_TEMP_PREFIX). Entries' own names are
+# content hashes (base32 or hex), which may start with "tmp": those are kept.
+TORCH_TEMP_NAME = re.compile(r"^\..*\.tmp$|^tmp\.pid_|\.tmp\.pid_|^\.cachewarm\.tmp-")
+
+
 def torch_member_kept(relative: str, is_dir: bool) -> bool:
     """Whether the archive takes the directory's member `relative` ("a/b", "/"-separated):
-    not the `locks` directory nor anything under it, no `*.lock`, no temporary file (a
-    name containing `.tmp`, or starting with `tmp`). Pure."""
+    not the `locks` directory nor anything under it, no `*.lock`, nothing under a temporary
+    name (TORCH_TEMP_NAME) nor in a temporary folder. Pure."""
     parts = relative.split("/")
     if parts[0] == "locks":
         return False
-    leaf = parts[-1]
-    if not is_dir and leaf.endswith(".lock"):
+    if not is_dir and parts[-1].endswith(".lock"):
         return False
-    return ".tmp" not in leaf and not leaf.startswith("tmp")
+    return not any(TORCH_TEMP_NAME.search(part) for part in parts)
 
 
-def torch_archive(directory: str) -> tuple[bytes, int]:
-    """The gzip'd PAX tar of `directory` as the archive is written: members sorted by path,
-    only regular files and directories (links, devices, FIFOs are left out, never
-    followed), relative names, the exclusions of torch_member_kept, mode 0o644 (files) or
-    0o755 (directories), files' mtime kept (directories' 0), uid/gid 0, no owner names; the
-    gzip header without a name or time, so the same directory gives the same bytes. Returns (bytes, files).
-    Raises OSError."""
-    import gzip  # noqa: PLC0415 - torch caches alone need them
-    import io  # noqa: PLC0415
-    import stat  # noqa: PLC0415
-    import tarfile  # noqa: PLC0415
+def torch_members(directory: str) -> list[tuple[str, os.stat_result]]:
+    """The members the archive of `directory` takes (relative name, lstat), sorted by name:
+    only regular files and directories (links, devices, FIFOs are left out, never followed),
+    the exclusions of torch_member_kept. Raises OSError."""
+    import stat  # noqa: PLC0415 - torch caches alone need it
 
     found: list[tuple[str, os.stat_result]] = []
     for root, dirs, leaves in os.walk(directory, followlinks=False):
@@ -1139,11 +1172,25 @@ def torch_archive(directory: str) -> tuple[bytes, int]:
             found.append((relative, st))
         dirs[:] = [d for d in dirs if torch_member_kept(
             os.path.relpath(os.path.join(root, d), directory).replace(os.sep, "/"), True)]
-    raw = io.BytesIO()
-    files = 0
-    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as zipped, \
+    return sorted(found)
+
+
+def torch_archive_into(directory: str, found: Sequence[tuple[str, os.stat_result]], out: Any,
+                       limit: int | None = None) -> int:
+    """The gzip'd PAX tar of `found` (torch_members of `directory`) written to the binary
+    file object `out`: members sorted by path, relative names, mode 0o644 (files) or 0o755
+    (directories), files' mtime kept (directories' 0), uid/gid 0, no owner names; the gzip
+    header without a name or time, so the same directory gives the same bytes. Each file is
+    read as it is when opened (its size then); past `limit` uncompressed bytes in all
+    (a file grown since the walk): ValueError. Returns the files written. Raises OSError."""
+    import gzip  # noqa: PLC0415 - torch caches alone need them
+    import stat  # noqa: PLC0415
+    import tarfile  # noqa: PLC0415
+
+    files = total = 0
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as zipped, \
             tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for relative, st in sorted(found):
+        for relative, st in found:
             info = tarfile.TarInfo(relative)
             info.mtime = int(st.st_mtime)
             info.uid = info.gid = 0
@@ -1156,11 +1203,40 @@ def torch_archive(directory: str) -> tuple[bytes, int]:
                 continue
             info.type, info.mode = tarfile.REGTYPE, 0o644
             with open(os.path.join(directory, relative), "rb") as source:
-                data = source.read()
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+                info.size = os.fstat(source.fileno()).st_size
+                total += info.size
+                if limit is not None and total > limit:
+                    raise ValueError(f"{directory} grew past maxArchiveSize ({limit} bytes) while archived")
+                tar.addfile(info, source)
             files += 1
+    return files
+
+
+def torch_archive(directory: str) -> tuple[bytes, int]:
+    """The archive of `directory` (torch_members, torch_archive_into) in memory, and its
+    files: for tests and small directories (the warmer streams it to a file). Raises OSError."""
+    import io  # noqa: PLC0415
+
+    raw = io.BytesIO()
+    files = torch_archive_into(directory, torch_members(directory), raw)
     return raw.getvalue(), files
+
+
+class _Hashing:
+    """A binary file object that writes through to `out`, hashing (SHA-256, MD5) and counting."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.size = out, 0
+        self.sha256, self.md5 = hashlib.sha256(), hashlib.md5()  # noqa: S324 - GCS's md5Hash
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        self.md5.update(data)
+        self.size += len(data)
+        return int(self.out.write(data))
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 # An env name like these holds a secret (a token in TRITON_*, say): its value enters the
@@ -1200,9 +1276,9 @@ def _torch_module(name: str) -> Any:
 
 def torch_fingerprint(warmer: bool = False) -> dict[str, Any]:
     """What a torch process's Inductor keys depend on besides the program: torch's and
-    Triton's versions, platform (cpu, cuda, rocm) and its version, the device's name (the
-    warmer's, or where torch.cuda is already initialized: asking would initialize it), the
-    device count, a hash of Inductor's portable config and the settings that differ from
+    Triton's versions, platform (cpu, cuda, rocm) and its version, the device's name and the
+    device count (the warmer's, or where torch.cuda is already initialized: asking would
+    initialize it, so a process that has not is "cpu"), a hash of Inductor's portable config and the settings that differ from
     their defaults, the env that sets them (an env value is a config's default, so only the
     env tells it), torch's own source hash, and TORCHINDUCTOR_CACHE_DIR. {} when torch was
     never imported here; never raises (a part it could not read becomes `error`)."""
@@ -1218,13 +1294,16 @@ def torch_fingerprint(warmer: bool = False) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             pass
         version = getattr(torch, "version", None)
-        cuda = torch.cuda.is_available()
+        # is_available() and device_count() initialize the CUDA driver (cuInit), which a
+        # reporter's thread must not do in a process that has not (it may fork after, and a
+        # forked child of an initialized driver fails): only the warmer, or where torch already
+        # did. A process that has not touched CUDA compiled for the CPU.
+        cuda = bool((warmer or getattr(torch.cuda, "is_initialized", lambda: False)()) and torch.cuda.is_available())
         hip = getattr(version, "hip", None)
         out["platform"] = ("rocm" if hip else "cuda") if cuda else "cpu"
         if cuda:
             out["platformVersion"] = str(hip or getattr(version, "cuda", "") or "")[:200]
-            if warmer or torch.cuda.is_initialized():
-                out["deviceKind"] = str(torch.cuda.get_device_name(0))[:200]
+            out["deviceKind"] = str(torch.cuda.get_device_name(0))[:200]
             out["devices"] = int(torch.cuda.device_count())
         else:
             out["deviceKind"], out["devices"] = "cpu", 1
@@ -1311,7 +1390,8 @@ def write_summary(summary: dict[str, Any]) -> None:
         # without it the webhook falls back; cut, the whole summary would be lost.
         summary = {k: v for k, v in summary.items() if k != "imagePythonPath"}
         text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
-    text = text[:SUMMARY_LIMIT]
+    if len(text) > SUMMARY_LIMIT:
+        text = summary_at_last(summary)
     path = os.environ.get(ENV_SUMMARY_FILE, "/dev/termination-log")
     try:
         with open(path, "w") as out:
@@ -1319,6 +1399,33 @@ def write_summary(summary: dict[str, Any]) -> None:
     except OSError as exc:
         log("Could not write the summary", path=path, error=repr(exc))
     print(text, flush=True)
+
+
+# What a summary keeps to the last (summary_at_last): what the operator records from a warm.
+SUMMARY_KEPT_AT_LAST = ("mode", "processIndex", "cacheDir", "programs", "entriesFound", "entriesWritten",
+                        "bytesWritten", "compileSeconds", "keys", "keyCount", "keysTruncated", "compiledPrograms",
+                        "compiledRest", "manifestEntries", "manifestGeneration", "torch")
+
+
+def summary_at_last(summary: Mapping[str, Any]) -> str:
+    """The summary as whole JSON within SUMMARY_LIMIT when write_summary's cuts were not
+    enough (text fields at their bounds, and non-ASCII, which JSON writes as six characters
+    each): the largest fields the operator does not record go first (said: summaryCut),
+    then all but SUMMARY_KEPT_AT_LAST. Never a cut string: a summary that is not JSON is no
+    summary, and the operator would record nothing of the warm. Pure."""
+    out = {**summary, "summaryCut": True}
+    text = json.dumps(out, separators=(",", ":"), sort_keys=True)
+    while len(text) > SUMMARY_LIMIT:
+        rest = [k for k in out if k not in SUMMARY_KEPT_AT_LAST and k != "summaryCut"]
+        if not rest:
+            break
+        del out[max(rest, key=lambda k: (len(json.dumps(out[k])), k))]
+        text = json.dumps(out, separators=(",", ":"), sort_keys=True)
+    if len(text) > SUMMARY_LIMIT:
+        out = {"summaryCut": True, **{k: summary[k] for k in ("mode", "processIndex", "entriesWritten",
+                                                               "manifestGeneration") if k in summary}}
+        text = json.dumps(out, separators=(",", ":"), sort_keys=True)[:SUMMARY_LIMIT]
+    return text
 
 
 def process_index() -> int:
@@ -1417,30 +1524,37 @@ def torch_counts() -> dict[str, Any]:
         return {}
     try:
         utils = _torch_module("torch._dynamo.utils")
-        inductor, aot = utils.counters["inductor"], utils.counters["aot_autograd"]
-        seconds = sum(float(s) for name in TORCH_COMPILE_METRICS for s in utils.compilation_time_metrics.get(name, []))
-        return {"fxGraphHits": int(inductor["fxgraph_cache_hit"]), "fxGraphMisses": int(inductor["fxgraph_cache_miss"]),
-                "fxGraphBypasses": int(inductor["fxgraph_cache_bypass"]),
-                "aotAutogradHits": int(aot["autograd_cache_hit"]), "aotAutogradMisses": int(aot["autograd_cache_miss"]),
-                "aotAutogradBypasses": int(aot["autograd_cache_bypass"]), "compileSeconds": round(seconds, 3)}
+        # Read with .get(): counters is a defaultdict, and indexing one inserts a key, from the
+        # reporter's polling thread while torch's own threads may iterate it.
+        inductor, aot = utils.counters.get("inductor") or {}, utils.counters.get("aot_autograd") or {}
+        seconds = sum(float(s) for name in TORCH_COMPILE_METRICS
+                      for s in list(utils.compilation_time_metrics.get(name, [])))
+        return {"fxGraphHits": int(inductor.get("fxgraph_cache_hit", 0)),
+                "fxGraphMisses": int(inductor.get("fxgraph_cache_miss", 0)),
+                "fxGraphBypasses": int(inductor.get("fxgraph_cache_bypass", 0)),
+                "aotAutogradHits": int(aot.get("autograd_cache_hit", 0)),
+                "aotAutogradMisses": int(aot.get("autograd_cache_miss", 0)),
+                "aotAutogradBypasses": int(aot.get("autograd_cache_bypass", 0)), "compileSeconds": round(seconds, 3)}
     except Exception:  # noqa: BLE001 - another torch: counts unknown
         return {}
 
 
-def upload_torch_archive(cache_url: str, data: bytes) -> tuple[dict[str, Any], bool, dict[str, Any]]:
-    """The archive at `<cache_url>/torch-inductor-<sha256>-cache` (put_object, with
-    customTime now), or, when an object of that name already holds these bytes (its MD5 and
-    size, read back: written_generation), its customTime refreshed; one of that name that
-    does not (a same-size object placed there by someone with write on the prefix) is
-    replaced by an upload. Returns (the manifest's entry, uploaded, refresh_last_use's
-    answer): the entry built from the warmer's own bytes (name, size, MD5) and the generation
-    read back holding them, never from a later listing (the object could be swapped between
-    the upload and a listing). Raises what gcsfs raises, or ValueError."""
-    key = TORCH_ARCHIVE_PREFIX + hashlib.sha256(data).hexdigest()
+def upload_torch_archive(cache_url: str, local: str, sha256: str, md5: str, size: int
+                         ) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+    """The archive (the local file `local`, of that SHA-256 hex, MD5 in GCS's base64 form and
+    size) at `<cache_url>/torch-inductor-<sha256>-cache` (put_file, with customTime now), or,
+    when an object of that name already holds these bytes (its MD5 and size, read back:
+    generation_holding), its customTime refreshed; one of that name that does not (a
+    same-size object placed there by someone with write on the prefix) is replaced by an
+    upload. Returns (the manifest's entry, uploaded, refresh_last_use's answer): the entry
+    built from the warmer's own bytes (name, size, MD5) and the generation read back holding
+    them, never from a later listing (the object could be swapped between the upload and a
+    listing). Raises what gcsfs raises, or ValueError."""
+    key = TORCH_ARCHIVE_PREFIX + sha256
     path = f"{cache_url[len('gs://'):].rstrip('/')}/{key}-cache"
-    entry: dict[str, Any] = {"name": f"{key}-cache", "size": len(data), "md5": _md5_base64(data)}
+    entry: dict[str, Any] = {"name": f"{key}-cache", "size": size, "md5": md5}
     try:
-        generation = written_generation(path, data)
+        generation = generation_holding(path, md5, size)
     except FileNotFoundError:
         generation = ""
     except ValueError:
@@ -1448,7 +1562,7 @@ def upload_torch_archive(cache_url: str, data: bytes) -> tuple[dict[str, Any], b
         generation = ""
     if generation:
         return {**entry, "generation": generation}, False, refresh_last_use(cache_url, [key])
-    generation = put_object(path, data, "application/octet-stream", custom_time=True)
+    generation = put_file(path, local, md5, size, custom_time=True)
     return {**entry, "generation": generation}, True, {"entriesRefreshed": 0, "refreshFailed": 0}
 
 
@@ -1496,7 +1610,6 @@ def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath
         errors.append(f"{ENV_TORCH_MAX_ARCHIVE_BYTES} is not a whole number of bytes")
         limit = TORCH_MAX_ARCHIVE_BYTES
     sys.path.insert(0, os.getcwd())
-    started = time.monotonic()
     code, counted = 1, False
     results: list[dict[str, Any]] = []
     if not errors:
@@ -1508,45 +1621,25 @@ def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath
     failed = bool(errors)
     counts = torch_counts() if counted else {}
     fp = torch_fingerprint(warmer=True) if counted else {}
-    seconds = counts.get("compileSeconds", round(time.monotonic() - started, 3))
     torch_out: dict[str, Any] = {**counts, "counted": bool(counts), "files": 0, "archiveBytes": 0}
     summary: dict[str, Any] = {
         "mode": mode, "processIndex": index, "cacheDir": cache_url,
         "programs": counts.get("fxGraphHits", 0) + counts.get("fxGraphMisses", 0),
         "entriesFound": counts.get("fxGraphHits", 0), "entriesWritten": 0, "bytesWritten": 0,
-        "entriesRefreshed": 0, "refreshFailed": 0, "compileSeconds": seconds, "notCached": 0,
+        "entriesRefreshed": 0, "refreshFailed": 0, "notCached": 0,
         "targets": results, "torch": torch_out, **pythonpath}
-    if not counted and not failed:
-        torch_out["note"] = ("the entrypoint ran in a child process: torch's counters are unknown (the archive "
-                             "is uploaded all the same)")
+    if counts:  # torch's own compile seconds; uncounted, none: the run's wall time is not a compile's
+        summary["compileSeconds"] = counts["compileSeconds"]
+    elif not failed:
+        torch_out["note"] = (("the entrypoint ran in a child process" if not counted else "torch was not imported here")
+                             + ": torch's counters and compile seconds are unknown (the archive is uploaded all "
+                             "the same)")
     if fp:
         summary["fingerprint"] = fp
     empty = False
     if index == 0 and not failed:
         try:
-            data, files = torch_archive(directory)
-            torch_out.update(files=files, archiveBytes=len(data))
-            empty = files == 0
-            if empty:
-                errors.append(f"nothing was compiled: {directory} holds no file")
-            elif len(data) > limit:
-                errors.append(f"the archive of {directory} is {len(data)} bytes, over maxArchiveSize "
-                              f"({limit} bytes): not uploaded")
-                failed = True
-            else:
-                entry, uploaded, refreshed = upload_torch_archive(cache_url, data)
-                name = str(entry["name"])
-                summary.update(refreshed)
-                summary.update(entriesWritten=int(uploaded), bytesWritten=len(data) if uploaded else 0)
-                key = name[:-len("-cache")]
-                summary["keys"] = [key_hash(key)]
-                summary["keyCount"] = 1
-                summary["compiledPrograms"] = [{"program": "torch.compile", "seconds": seconds, "key": key_hash(key)}]
-                log("Uploaded the torch cache directory" if uploaded else "The same archive is already there",
-                    entry=name, files=files, bytes=len(data))
-                manifest = os.environ.get(ENV_MANIFEST, "")
-                if manifest:
-                    summary.update(write_manifest(manifest, [name], fp or None, cache_url, own=[entry]))
+            empty, failed = torch_upload(directory, cache_url, limit, summary, errors)
         except Exception as exc:  # noqa: BLE001
             errors.append(f"could not archive or upload {directory}: {type(exc).__name__}: {exc}"[:500])
             failed = True
@@ -1557,6 +1650,52 @@ def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath
     if failed or code != 0:
         return 1
     return 2 if empty else 0
+
+
+def torch_upload(directory: str, cache_url: str, limit: int, summary: dict[str, Any], errors: list[str]
+                 ) -> tuple[bool, bool]:
+    """Process 0's part of a torch warm: the archive of `directory`, refused before it is built
+    when its files hold more than `limit` bytes (maxArchiveSize: the uncompressed bytes of one
+    archive), else built into a temporary file (hashed while written, never held in memory),
+    uploaded and named by the manifest; said in `summary` (its `torch`) and `errors`. Returns
+    (empty: no file to archive, failed). Raises OSError or what the upload raises."""
+    import stat  # noqa: PLC0415 - torch caches alone need them
+    import tempfile  # noqa: PLC0415
+
+    torch_out = summary["torch"]
+    found = torch_members(directory)
+    sizes = [st.st_size for _, st in found if stat.S_ISREG(st.st_mode)]
+    files, total = len(sizes), sum(sizes)
+    torch_out.update(files=files, uncompressedBytes=total)
+    if files == 0:
+        errors.append(f"nothing was compiled: {directory} holds no file")
+        return True, False
+    if total > limit:
+        errors.append(f"the files of {directory} hold {total} bytes, over maxArchiveSize ({limit} bytes, "
+                      "uncompressed): not archived, not uploaded")
+        return False, True
+    with tempfile.NamedTemporaryFile(prefix="cachewarm-torch-", suffix=".tar.gz") as spool:
+        hashing = _Hashing(spool)
+        torch_archive_into(directory, found, hashing, limit)
+        spool.flush()
+        size, sha256 = hashing.size, hashing.sha256.hexdigest()
+        md5 = base64.b64encode(hashing.md5.digest()).decode()
+        torch_out["archiveBytes"] = size
+        entry, uploaded, refreshed = upload_torch_archive(cache_url, spool.name, sha256, md5, size)
+    name = str(entry["name"])
+    key = name[:-len("-cache")]
+    summary.update(refreshed)
+    summary.update(entriesWritten=int(uploaded), bytesWritten=size if uploaded else 0,
+                   keys=[key_hash(key)], keyCount=1)
+    if "compileSeconds" in summary:  # counted: what torch spent compiling, for pods' seconds saved
+        summary["compiledPrograms"] = [{"program": "torch.compile", "compileSeconds": summary["compileSeconds"],
+                                        "key": key_hash(key)}]
+    log("Uploaded the torch cache directory" if uploaded else "The same archive is already there",
+        entry=name, files=files, bytes=size)
+    manifest = os.environ.get(ENV_MANIFEST, "")
+    if manifest:
+        summary.update(write_manifest(manifest, [name], summary.get("fingerprint") or None, cache_url, own=[entry]))
+    return False, False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1573,9 +1712,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before anything runs here: an in-process entrypoint may change os.environ.
     pythonpath = image_pythonpath(os.environ)
     if os.environ.get(ENV_FRAMEWORK) == "torch":
-        argv = list(getattr(args, "argv", None) or [])
-        command = [a for a in argv if a != "--"] if argv[:1] == ["--"] else argv
-        return torch_warm(args.mode, getattr(args, "targets", None) or [], command, pythonpath)
+        return torch_warm(args.mode, getattr(args, "targets", None) or [],
+                          entrypoint(getattr(args, "argv", None) or []), pythonpath)
     cache = CacheDir(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
     if not cache.url:
         log("JAX_COMPILATION_CACHE_DIR is not set; nothing would be cached")
@@ -1609,7 +1747,7 @@ def main(argv: list[str] | None = None) -> int:
                 distributed = initialize_distributed()
                 results, errors = run_targets(args.targets, args.parallel)
             else:
-                command = [a for a in args.argv if a != "--"] if args.argv[:1] == ["--"] else args.argv
+                command = entrypoint(args.argv)
                 own_counted = in_process(command)
                 code, records = run_counted(command)
                 counted = own_counted or bool(records)
