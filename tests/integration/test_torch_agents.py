@@ -211,6 +211,13 @@ def test_a_pod_seeded_from_the_manifest_compiles_nothing_and_reports_it(
     assert copy["copied"] == 1 and copy["errors"] == []
     assert copy["torch"]["archives"] == 1 and copy["torch"]["files"] == warmed["summary"]["torch"]["files"]
     assert copy["torch"]["refused"] == 0 and copy["torch"]["kept"] == 0
+    assert not [p for p in entries.iterdir() if p.name.startswith("torch-inductor-")]  # extracted, then unlinked
+    again = run(["-I", "-S", str(AGENTS / "copier.py")], base_env(copier_env(storage_bed, warmed, entries, inductor)),
+                warmed["tmp"], timeout=120)  # an init container run again in the same pod: nothing fetched again
+    again_copy = json.loads(again.stdout.strip().splitlines()[-1])["cachewarm-copier"]
+    assert (again_copy["copied"], again_copy["present"], again_copy["failed"], again_copy["errors"],
+            again_copy["cold"]) == (0, 1, 0, [], False)
+    assert again_copy["torch"]["extractedBefore"] == 1 and again_copy["torch"]["files"] == 0
     reports = Reports()
     try:
         seen = train(warmed, reports, inductor)

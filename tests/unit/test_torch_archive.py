@@ -290,12 +290,19 @@ def test_a_bomb_past_the_bounds_stops_with_whole_files_only(tmp_path: Path, boun
     assert all(p.stat().st_size == 4000 for p in dest.iterdir())
 
 
-def test_the_bounds_count_across_a_copys_archives(tmp_path: Path) -> None:
+def test_the_bytes_bound_is_each_archives_and_the_members_bound_the_copys(tmp_path: Path) -> None:
+    """maxArchiveSize is the uncompressed bytes of one archive (as the warmer bounds it): two
+    archives of 600 bytes each pass a bound of 1000, one of 1200 does not; members count
+    across the copy's archives."""
     dest = tmp_path / "pod"
     counts = extract(tmp_path, tar_of(("a", b"\0" * 600)), dest, max_bytes=1000)
+    extract(tmp_path, tar_of(("b", b"\0" * 600)), dest, max_bytes=1000, counts=counts)
+    assert sorted(p.name for p in dest.iterdir()) == ["a", "b"] and counts["bytes"] == 1200
     with pytest.raises(copier.TorchBound):
-        extract(tmp_path, tar_of(("b", b"\0" * 600)), dest, max_bytes=1000, counts=counts)
-    assert sorted(p.name for p in dest.iterdir()) == ["a"]
+        extract(tmp_path, tar_of(("c", b"\0" * 600), ("d", b"\0" * 600)), dest, max_bytes=1000, counts=counts)
+    with pytest.raises(copier.TorchBound):
+        extract(tmp_path, tar_of(("e", b"e"), ("f", b"f")), dest, max_bytes=1000, max_files=5, counts=counts)
+    assert sorted(p.name for p in dest.iterdir()) == ["a", "b", "c", "e"]
 
 
 def test_seed_torch_extracts_the_verified_archives_and_says_what_it_did(tmp_path: Path) -> None:
@@ -576,3 +583,88 @@ def test_reading_torchs_counters_inserts_no_key(monkeypatch: pytest.MonkeyPatch)
     got = warmer.torch_counts()
     assert got["fxGraphHits"] == 3 and got["aotAutogradMisses"] == 0 and got["compileSeconds"] == 1.5
     assert list(counters) == ["inductor"] and dict(counters["inductor"]) == {"fxgraph_cache_hit": 3}
+
+
+class Bucket:
+    """A stand-in for the copier's GCS client in prefix mode: it lists the archives it holds
+    (GCS's fields) and writes one into the destination at each download, counted."""
+
+    def __init__(self, *archives: bytes) -> None:
+        self.held = {f"torch/torch-inductor-{hashlib.sha256(a).hexdigest()}-cache": a for a in archives}
+        self.downloads: list[str] = []
+        self.deadline = 0.0
+
+    def list(self, bucket: str, prefix: str) -> list[dict[str, str]]:
+        return [{"name": name, "size": str(len(data)), "md5Hash": warmer._md5_base64(data), "generation": "5"}
+                for name, data in self.held.items()]
+
+    def download(self, bucket: str, wanted: copier.Wanted, dest: str) -> tuple[int, bool]:
+        self.downloads.append(wanted.base)
+        (Path(dest) / wanted.base).write_bytes(self.held[wanted.name])
+        return wanted.entry.size, False
+
+
+def copy_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: Bucket) -> dict[str, Any]:
+    monkeypatch.setattr(copier, "Client", lambda *a, **k: client)
+    env = {"CACHEWARM_COPY_BUCKET": "b", "CACHEWARM_COPY_PREFIX": "torch", "CACHEWARM_COPY_DEST": str(tmp_path / "e"),
+           "CACHEWARM_TORCH_DIR": str(tmp_path / "inductor"), "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}
+    return copier.copy(env, copier.new_summary("prefix"))
+
+
+def test_an_extracted_archive_is_unlinked_and_a_restarted_copy_neither_fetches_nor_counts_it_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod keeps the extraction, not the archive too; an init container run again in the
+    same pod (its volumes kept) finds the archive's mark: present, not downloaded again, not
+    extracted again, not a failure, not cold."""
+    archive = tar_of(("fxgraph/e", b"fx"), ("ab/c.so", b"so"))
+    name = f"torch-inductor-{hashlib.sha256(archive).hexdigest()}-cache"
+    client = Bucket(archive)
+    first = copy_with(tmp_path, monkeypatch, client)
+    assert first["copied"] == 1 and first["torch"]["archives"] == 1 and first["torch"]["files"] == 2
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [copier.torch_mark(name)]  # the archive unlinked
+    assert (tmp_path / "inductor/ab/c.so").read_bytes() == b"so"
+    again = copy_with(tmp_path, monkeypatch, client)
+    assert client.downloads == [name]  # once
+    assert (again["copied"], again["present"], again["failed"], again["removedForeign"], again["errors"],
+            again["cold"]) == (0, 1, 0, 0, [], False)
+    assert again["torch"]["extractedBefore"] == 1 and again["torch"]["files"] == 0
+    assert (tmp_path / "e" / copier.torch_mark(name)).exists()
+
+
+def test_a_torch_copy_whose_extraction_failed_is_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The archive came (copied, verified) but none of it could be extracted: the pod starts
+    without what it should have had, as after a failed copy (coldPods, LocalCopyCold)."""
+    broken = b"not a tar at all"
+    summary = copy_with(tmp_path, monkeypatch, Bucket(broken))
+    assert summary["copied"] == 1 and summary["torch"]["files"] == 0 and "ReadError" in summary["torch"]["error"]
+    assert summary["cold"] is True and any("torch archives" in e for e in summary["errors"])
+    name = f"torch-inductor-{hashlib.sha256(broken).hexdigest()}-cache"
+    assert (tmp_path / "e" / name).exists() and not (tmp_path / "e" / copier.torch_mark(name)).exists()
+
+
+def test_one_archive_that_fails_does_not_stop_the_next_and_the_copy_is_not_cold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = tar_of(("fxgraph/e", b"fx"))
+    summary = copy_with(tmp_path, monkeypatch, Bucket(b"\0" * 10, good))  # the broken one is named 01d448af...: extracted first
+    assert summary["torch"]["archives"] == 1 and summary["torch"]["files"] == 1 and summary["torch"]["error"]
+    assert summary["cold"] is False
+    for counts, cold in (({"files": 0, "kept": 0, "error": "x"}, True), ({"files": 0, "kept": 3, "error": "x"}, False),
+                         ({"files": 0, "kept": 0, "archivesRefused": 1}, True), ({"files": 0, "kept": 0}, False)):
+        assert copier.torch_cold(counts) is cold, counts
+
+
+def test_the_warmers_spool_file_is_in_the_directory_under_a_name_no_archive_takes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = inductor_dir(tmp_path)
+    before, _ = warmer.torch_archive(str(d))
+    spooled: list[str] = []
+
+    def upload(url: str, local: str, sha: str, md5: str, size: int) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        spooled.append(local)
+        assert warmer.torch_archive(str(d))[0] == before  # the spool, there now, is not in an archive
+        return {"name": f"torch-inductor-{sha}-cache", "size": size, "md5": md5, "generation": "7"}, True, {}
+
+    monkeypatch.setattr(warmer, "upload_torch_archive", upload)
+    monkeypatch.delenv("CACHEWARM_MANIFEST", raising=False)
+    warmer.torch_upload(str(d), "gs://b/p", 1 << 20, {"torch": {}}, [])
+    assert os.path.dirname(spooled[0]) == str(d) and not os.path.exists(spooled[0])  # removed after

@@ -156,7 +156,8 @@ stderr, and in CACHEWARM_COPY_SUMMARY):
   (items without a generation, not read), manifestsRefused (read but refused: version 1,
   another generation or MD5) and, when it is 0, nothingTrusted (why); errors (at most 5, 300
   characters each); cold (the pod starts without entries it should have had: nothing
-  copied or present and something went wrong, or the listing failed); seconds;
+  copied or present and something went wrong, or the listing failed; in a torch cache also
+  when no file of its archives is in place and an extraction failed); seconds;
   manifestsMissing (the names that were 404 at their generation, at most 5) and
   manifestError (the first other failure); destWorldWritable when so; auth "metadata" |
   "none" and, with "metadata", tokens (fetched from the metadata server) and tokensRefused
@@ -165,6 +166,8 @@ stderr, and in CACHEWARM_COPY_SUMMARY):
   Manifests are read with the same retries as entries. In process, the summary may be
   written after the pod's first compiles (those waited only for their own entries): until
   then there is none (the reporter says nothing of the copy, neither cold nor failed).
+  With CACHEWARM_TORCH_DIR: torch (seed_torch's counts; an archive extracted whole is
+  unlinked from the destination, a mark left for a restarted copy: TORCH_EXTRACTED).
   With packs: packs (read and checked), packBytes, fromPack (of the copied, those written
   from a pack), packFallback, packIgnored.
 """
@@ -226,7 +229,7 @@ ENV_COPY_IN_PROCESS = "CACHEWARM_COPY_IN_PROCESS"  # read by sitecustomize.py, n
 ENV_TORCH_DIR = "CACHEWARM_TORCH_DIR"  # a torch cache's Inductor directory: its archives are extracted there
 ENV_TORCH_MAX_ARCHIVE_BYTES = "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES"  # the warmer's too
 TORCH_ARCHIVE = re.compile(r"^torch-inductor-[0-9a-f]{64}-cache$")  # the warmer's archive entries
-TORCH_MAX_ARCHIVE_BYTES = 4 << 30  # the CRD's default maxArchiveSize: uncompressed bytes, all archives
+TORCH_MAX_ARCHIVE_BYTES = 4 << 30  # the CRD's default maxArchiveSize: the uncompressed bytes of one archive
 TORCH_MAX_FILES = 100000  # members, all archives (refused ones too)
 
 
@@ -1058,7 +1061,7 @@ def _copiers_own(name: str, summary_name: str) -> bool:
     lock and write_summary's temp files. Never a name JAX reads (`*-cache`). Pure."""
     if name.endswith("-cache"):
         return False
-    if name.startswith(PARTIAL):
+    if name.startswith((PARTIAL, TORCH_EXTRACTED)):
         return True
     return bool(summary_name) and (name in (summary_name, f"{summary_name}.lock")
                                    or (name.startswith(f".{summary_name}.") and name.endswith(".tmp")))
@@ -1531,8 +1534,9 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
             objects = objects or client.list(settings.bucket, settings.prefix)
             listed = True
         wanted, _ = wanted_entries(objects, settings.prefix, names)
-        picked = plan(objects, settings.prefix, names, settings.max_bytes,
-                      verified_present(settings.dest, wanted, settings.workers))
+        present = verified_present(settings.dest, wanted, settings.workers)
+        present.update(torch_extracted(settings.dest, wanted))  # extracted and unlinked by an earlier copy
+        picked = plan(objects, settings.prefix, names, settings.max_bytes, present)
         summary["leftOut"] = picked.left
         summary["wanted"] = len(picked.download) + len(picked.present)
         summary["present"], summary["presentBytes"] = len(picked.present), picked.present_bytes
@@ -1619,7 +1623,7 @@ def run(settings: Settings, client: Client, summary: dict[str, Any] | None = Non
 # leading "/", every directory opened without following a link (a link planted in the
 # directory refuses the member), every file created new (O_EXCL|O_NOFOLLOW: one already
 # there, Inductor's names being content hashes, is kept and counted, never overwritten),
-# the uncompressed bytes and the members bounded across all archives. Directories 0o777 and
+# the uncompressed bytes of each archive and the members of all bounded. Directories 0o777 and
 # files 0o666 (less the umask), so a training container of any uid writes its own entries
 # beside them (the directory is the pod's emptyDir).
 class TorchBound(Exception):
@@ -1753,14 +1757,17 @@ class TorchDeadline(Exception):
 def extract_torch(archive: str, directory: str, counts: dict[str, Any], max_bytes: int,
                   max_files: int = TORCH_MAX_FILES, deadline: float = float("inf")) -> None:
     """The gzip'd tar at `archive` into `directory` (made if missing), safely (see above),
-    counted into `counts` ({"files", "bytes", "kept", "refused", "members"}: bytes and
-    members across the archives of one copy, against `max_bytes` and `max_files`). Raises
+    counted into `counts` ({"files", "bytes", "kept", "refused", "members"}: files and bytes
+    written, members across the archives of one copy). Bounds: the uncompressed bytes of
+    this archive's files (written or kept) `max_bytes` (maxArchiveSize, as the warmer
+    bounds one archive), the members of every archive of the copy `max_files`. Raises
     TorchBound past a bound, TorchDeadline past `deadline` (time.monotonic()), checked
     before each member (what was written stays: whole files), OSError or tarfile's errors
     for a broken archive."""
     import tarfile  # noqa: PLC0415 - torch caches alone need it
 
     made = not os.path.isdir(directory)
+    total = 0  # this archive's uncompressed bytes
     os.makedirs(directory, mode=0o777, exist_ok=True)
     root = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -1778,8 +1785,10 @@ def extract_torch(archive: str, directory: str, counts: dict[str, Any], max_byte
                     counts["refused"] += 1
                     continue
                 if member.isreg():
-                    if counts["bytes"] + member.size > max_bytes:
-                        raise TorchBound(f"the torch archives hold more than {max_bytes} bytes (maxArchiveSize)")
+                    total += member.size
+                    if total > max_bytes:
+                        raise TorchBound(f"a torch archive holds more than {max_bytes} bytes uncompressed "
+                                         "(maxArchiveSize)")
                     source = tar.extractfile(member)
                 else:
                     source = None
@@ -1803,39 +1812,103 @@ def _sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
+# An archive extracted whole is unlinked from the copy's directory (the pod would otherwise hold
+# it and its extraction): TORCH_EXTRACTED + its name (without "-cache") is left there instead,
+# an empty file that says so. A restarted copier (an init container run again in the same pod,
+# whose volumes stay) takes an archive with that mark as present (torch_extracted: not
+# downloaded again, not a failure) and does not extract it again (seed_torch). The mark is the
+# copier's own (sweep keeps it); its name holds the archive's SHA-256, so it names those bytes
+# only. A mark a pod's process planted would only keep its own pod from being seeded.
+TORCH_EXTRACTED = ".cachewarm-extracted-"
+
+
+def torch_mark(name: str) -> str:
+    """The mark of the extracted archive `name` (torch-inductor-<sha256>-cache). Pure."""
+    return TORCH_EXTRACTED + name[:-len("-cache")]
+
+
+def torch_extracted(dest: str, wanted: Iterable[Wanted]) -> dict[str, tuple[int, str]]:
+    """The wanted torch archives that an earlier copy of this pod extracted whole and
+    unlinked (their mark in `dest`, a regular file), as verified_present gives present
+    entries (name -> the wanted (size, MD5))."""
+    import stat  # noqa: PLC0415
+
+    out: dict[str, tuple[int, str]] = {}
+    for w in wanted:
+        if TORCH_ARCHIVE.match(w.base) is None:
+            continue
+        try:
+            if stat.S_ISREG(os.lstat(os.path.join(dest, torch_mark(w.base))).st_mode):
+                out[w.base] = (w.entry.size, w.entry.md5)
+        except OSError:
+            continue
+    return out
+
+
+def _extracted(dest: str, name: str) -> None:
+    """`name` in `dest` extracted whole: its mark made, then the archive unlinked. Raises OSError."""
+    fd = os.open(os.path.join(dest, torch_mark(name)), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+    os.unlink(os.path.join(dest, name))
+
+
 def seed_torch(dest: str, env: Mapping[str, str], summary: dict[str, Any], names: Iterable[str] | None = None,
                deadline: float = float("inf")) -> dict[str, Any]:
     """The torch archives among `names` (the copy's verified entries in `dest`; None: every
     one there, for tests) extracted into CACHEWARM_TORCH_DIR, each only when its bytes'
     SHA-256 is the one its name says (else refused: "archivesRefused" and an error), until
-    `deadline` (time.monotonic(); past it: "stoppedAtDeadline" and an error): the summary's
-    `torch` ({"archives", "files", "bytes", "kept", "refused", "seconds"[,
-    "archivesRefused"][, "stoppedAtDeadline"][, "error"]}). Never raises."""
+    `deadline` (time.monotonic(); past it: "stoppedAtDeadline" and an error); each one
+    extracted whole then unlinked from `dest` (its mark left: TORCH_EXTRACTED), one an
+    earlier copy extracted (its mark there, the archive not) counted "extractedBefore"; one
+    that fails (broken, past maxArchiveSize) is an error, and the next is extracted all
+    the same. The summary's `torch` ({"archives", "files", "bytes", "kept", "refused",
+    "seconds"[, "archivesRefused"][, "extractedBefore"][, "stoppedAtDeadline"][, "error"]},
+    "error" the first). Never raises."""
     started = time.monotonic()
     counts: dict[str, Any] = {"archives": 0, "files": 0, "bytes": 0, "kept": 0, "refused": 0, "members": 0}
+
+    def failed(message: str) -> None:
+        counts.setdefault("error", message[:MAX_ERROR_CHARS])
+        add_error(summary, f"torch archives: {message}"[:MAX_ERROR_CHARS])
+
     try:
         max_bytes = int(env.get(ENV_TORCH_MAX_ARCHIVE_BYTES) or TORCH_MAX_ARCHIVE_BYTES)
         if names is None:
             names = os.listdir(dest) if os.path.isdir(dest) else []
         for name in sorted(n for n in set(names) if TORCH_ARCHIVE.match(n)):
             path = os.path.join(dest, name)
+            if not os.path.lexists(path) and os.path.lexists(os.path.join(dest, torch_mark(name))):
+                counts["extractedBefore"] = counts.get("extractedBefore", 0) + 1
+                continue
             if _sha256_of(path) != name[len("torch-inductor-"):-len("-cache")]:
                 counts["archivesRefused"] = counts.get("archivesRefused", 0) + 1
                 add_error(summary, f"torch archive {name[:100]}: its bytes are not the SHA-256 its name says: "
                                    "not extracted")
                 continue
-            extract_torch(path, env[ENV_TORCH_DIR], counts, max_bytes, deadline=deadline)
+            try:
+                extract_torch(path, env[ENV_TORCH_DIR], counts, max_bytes, deadline=deadline)
+            except TorchDeadline:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this archive stops here; the next one is extracted
+                failed(f"{name[:100]}: {type(exc).__name__}: {exc}")
+                continue
             counts["archives"] += 1
+            _extracted(dest, name)
     except TorchDeadline as exc:
         counts["stoppedAtDeadline"] = 1
-        counts["error"] = str(exc)[:MAX_ERROR_CHARS]
-        add_error(summary, f"torch archives: {counts['error']}")
+        failed(str(exc))
     except Exception as exc:  # noqa: BLE001 - the pod starts with what was extracted
-        counts["error"] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        add_error(summary, f"torch archives: {counts['error']}")
+        failed(f"{type(exc).__name__}: {exc}")
     counts.pop("members")
     counts["seconds"] = round(time.monotonic() - started, 3)
     return counts
+
+
+def torch_cold(counts: Mapping[str, Any]) -> bool:
+    """Whether a torch copy's extraction (seed_torch's counts) leaves the pod cold: no file of
+    an archive in place (written, kept or extracted before) and something failed."""
+    in_place = int(counts.get("files") or 0) + int(counts.get("kept") or 0) + int(counts.get("extractedBefore") or 0)
+    return in_place == 0 and bool(counts.get("error") or counts.get("archivesRefused"))
 
 
 def write_summary(path: str, summary: Mapping[str, Any]) -> None:
@@ -1899,6 +1972,8 @@ def copy(env: Mapping[str, str], live: dict[str, Any], on_demand: bool = False) 
         summary = run(settings, client, live, settings.summary_path if on_demand else "", verified)
         if env.get(ENV_TORCH_DIR):  # before the summary: a torch process waits for it (sitecustomize)
             summary["torch"] = seed_torch(settings.dest, env, summary, verified, deadline)
+            if torch_cold(summary["torch"]):  # usage.localCopy.coldPods and LocalCopyCold, as a failed copy
+                summary["cold"] = True
         if token is not None:
             summary.update(tokens=token.fetched, tokensRefused=token.refusals)
         return summary
