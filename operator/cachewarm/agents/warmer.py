@@ -1656,7 +1656,8 @@ def torch_upload(directory: str, cache_url: str, limit: int, summary: dict[str, 
                  ) -> tuple[bool, bool]:
     """Process 0's part of a torch warm: the archive of `directory`, refused before it is built
     when its files hold more than `limit` bytes (maxArchiveSize: the uncompressed bytes of one
-    archive), else built into a temporary file (hashed while written, never held in memory),
+    archive), else built into a temporary file in `directory` (hashed while written, never
+    held in memory),
     uploaded and named by the manifest; said in `summary` (its `torch`) and `errors`. Returns
     (empty: no file to archive, failed). Raises OSError or what the upload raises."""
     import stat  # noqa: PLC0415 - torch caches alone need them
@@ -1674,7 +1675,9 @@ def torch_upload(directory: str, cache_url: str, limit: int, summary: dict[str, 
         errors.append(f"the files of {directory} hold {total} bytes, over maxArchiveSize ({limit} bytes, "
                       "uncompressed): not archived, not uploaded")
         return False, True
-    with tempfile.NamedTemporaryFile(prefix="cachewarm-torch-", suffix=".tar.gz") as spool:
+    # In the directory itself: the one place the warmer surely may write (an emptyDir; the
+    # image's /tmp may be read-only), under a temp name no archive takes (TORCH_TEMP_NAME).
+    with tempfile.NamedTemporaryFile(prefix=".cachewarm.tmp-archive-", dir=directory) as spool:
         hashing = _Hashing(spool)
         torch_archive_into(directory, found, hashing, limit)
         spool.flush()
