@@ -1126,7 +1126,7 @@ ENV_FRAMEWORK = "CACHEWARM_FRAMEWORK"  # "torch": a torch cache's warmer and pod
 ENV_CACHE_URL = "CACHEWARM_CACHE_URL"  # gs://bucket[/prefix]: where the torch warmer uploads
 ENV_TORCH_MAX_ARCHIVE_BYTES = "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES"
 TORCH_ARCHIVE_PREFIX = "torch-inductor-"
-TORCH_MAX_ARCHIVE_BYTES = 4 << 30  # the CRD's default maxArchiveSize
+TORCH_MAX_ARCHIVE_BYTES = 4 << 30  # the CRD's default maxArchiveSize: the uncompressed bytes of one archive
 TORCH_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
 TORCH_ENV_OPERATORS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # set by the operator, alike in both
 TORCH_MAX_NAMES = 20
@@ -1591,8 +1591,7 @@ def run_torch(mode: str, targets: Sequence[str], command: list[str], errors: lis
 
 
 def torch_warm(mode: str, targets: Sequence[str], command: list[str], pythonpath: Mapping[str, str]) -> int:
-    """The warm of a torch cache (CACHEWARM_FRAMEWORK=torch; see the comment above
-    torch_member_kept): run, then process 0 archives TORCHINDUCTOR_CACHE_DIR, uploads it and
+    """The warm of a torch cache (CACHEWARM_FRAMEWORK=torch; docs/torch.md): run, then process 0 archives TORCHINDUCTOR_CACHE_DIR, uploads it and
     writes the manifest naming it. Exit 0 when the archive is in the bucket (uploaded or
     already there), 1 when the command or a target failed (or the upload did), 2 when the
     directory held nothing (nothing compiled)."""
