@@ -48,15 +48,13 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from cachewarm_testbed import images, install
-from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm, repo_root
+from cachewarm_testbed.cluster import Testbed, eventually, exit_on_sigterm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rounds import order, paired  # noqa: E402 - bench/rounds.py
 
-REPO = repo_root()
 NS = "bench"
 CACHE = "mlp"
-GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 PROGRAM = ["python", "train_torch.py", "--steps", "1"]
 KINDS = ("cold", "warm", "floor")
 LABELS = {"cold": "(a) cold", "warm": "(b) warm from the bucket", "floor": "(c) local floor"}
@@ -65,6 +63,16 @@ TORCH_DIR = "/cachewarm-torch"
 
 def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def program_line(logs: str) -> dict[str, Any]:
+    """The program's JSON line (its last): the container's log interleaves torch's warnings on
+    stderr with it (a warning's source line can come last)."""
+    for text in reversed(logs.strip().splitlines()):
+        if text.startswith("{") and '"counters"' in text:
+            line: dict[str, Any] = json.loads(text)
+            return line
+    raise AssertionError(f"no line of the program's in its log:\n{logs[-3000:]}")
 
 
 class Bench:
@@ -127,7 +135,7 @@ class Bench:
         logs = self.bed.kubectl_run("logs", name, "-n", NS, "-c", "train").stdout
         if done["status"]["phase"] != "Succeeded":
             raise SystemExit(f"pod {name} failed:\n{logs[-3000:]}")
-        line = json.loads(logs.strip().splitlines()[-1])
+        line = program_line(logs)
         misses = line["counters"]["inductor"].get("fxgraph_cache_miss", 0)
         if kind != "cold" and misses:
             raise SystemExit(f"pod {name} ({LABELS[kind]}) missed {misses} FX graphs: {line}")
@@ -157,46 +165,42 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     exit_on_sigterm()
-    archives = images.build_all(torch=True)
-    bed = Testbed()
     disk = Path(tempfile.mkdtemp(prefix="cachewarm-torch-floor-"))
     try:
-        bed.start(controller_manager=True, real_node=True)
-        node = bed.start_real_node()
-        t = time.monotonic()
-        node.import_images(archives)
-        say(f"images imported into the node in {time.monotonic() - t:.1f} s")
-        env = bed.env()
-        install.install_operator(bed, REPO / "manifests", {**{k: env[k] for k in GCS_ENV},
-                                                           "CACHEWARM_WARM_POLL_SECONDS": "1"})
-        bed.kubectl_run("create", "namespace", NS)
-        eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
-        bench = Bench(bed, [{"name": k, "value": env[k]} for k in GCS_ENV], disk)
-        t = time.monotonic()
-        obj = bench.warm()
-        say(f"warmed through the operator in {time.monotonic() - t:.1f} s: {obj['status']['warmup']['pools']}")
-        client = storage.Client(project="bench", credentials=AnonymousCredentials(),
-                                client_options={"api_endpoint": env["STORAGE_EMULATOR_HOST"]})
-        data = bench.archive(client)
-        say(f"the warmer's archive: {len(data)} bytes")
-        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
-        for i in range(args.rounds):
-            for kind in order(i, KINDS):
-                got = bench.run(kind, data)
-                runs[kind].append(got)
-                say(f"round {i + 1} {LABELS[kind]}: first step {got['firstStep']} s, to first step "
-                    f"{got['toFirstStep']} s, {got['counters']}")
-        pairs = {}
-        for label, (a, b) in {"(b)/(a) warm / cold": ("warm", "cold"), "(c)/(a) floor / cold": ("floor", "cold"),
-                              "(b)/(c) warm / floor": ("warm", "floor")}.items():
-            pairs[label] = {m: paired([r[m] for r in runs[a]], [r[m] for r in runs[b]])
-                            for m in ("firstStep", "toFirstStep")}
-        if args.json:
-            args.json.write_text(json.dumps({"archiveBytes": len(data), "runs": runs, "paired": pairs}, indent=1))
-        print(table(runs, pairs))
+        with install.on_real_node({"CACHEWARM_WARM_POLL_SECONDS": "1"}, torch=True) as (bed, _, _):
+            measure(bed, args.rounds, disk, args.json)
     finally:
-        bed.stop()
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def measure(bed: Testbed, rounds: int, disk: Path, out: Path | None) -> None:
+    """The torch cache warmed through the operator, then `rounds` rounds of the three kinds."""
+    env = bed.env()
+    bed.kubectl_run("create", "namespace", NS)
+    eventually(lambda: bed.get_json("serviceaccount", "default", NS), what="default ServiceAccount")
+    bench = Bench(bed, [{"name": k, "value": env[k]} for k in install.GCS_ENV], disk)
+    t = time.monotonic()
+    obj = bench.warm()
+    say(f"warmed through the operator in {time.monotonic() - t:.1f} s: {obj['status']['warmup']['pools']}")
+    client = storage.Client(project="bench", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": env["STORAGE_EMULATOR_HOST"]})
+    data = bench.archive(client)
+    say(f"the warmer's archive: {len(data)} bytes")
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
+    for i in range(rounds):
+        for kind in order(i, KINDS):
+            got = bench.run(kind, data)
+            runs[kind].append(got)
+            say(f"round {i + 1} {LABELS[kind]}: first step {got['firstStep']} s, to first step "
+                f"{got['toFirstStep']} s, {got['counters']}")
+    pairs = {}
+    for label, (a, b) in {"(b)/(a) warm / cold": ("warm", "cold"), "(c)/(a) floor / cold": ("floor", "cold"),
+                          "(b)/(c) warm / floor": ("warm", "floor")}.items():
+        pairs[label] = {m: paired([r[m] for r in runs[a]], [r[m] for r in runs[b]]) for m in ("firstStep", "toFirstStep")}
+    if out:
+        out.write_text(json.dumps({"archiveBytes": len(data), "warm": obj["status"]["warmup"]["pools"], "runs": runs,
+                                   "paired": pairs}, indent=1))
+    print(table(runs, pairs))
 
 
 if __name__ == "__main__":
