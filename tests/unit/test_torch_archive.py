@@ -668,3 +668,43 @@ def test_the_warmers_spool_file_is_in_the_directory_under_a_name_no_archive_take
     monkeypatch.delenv("CACHEWARM_MANIFEST", raising=False)
     warmer.torch_upload(str(d), "gs://b/p", 1 << 20, {"torch": {}}, [])
     assert os.path.dirname(spooled[0]) == str(d) and not os.path.exists(spooled[0])  # removed after
+
+
+def test_a_directory_a_stopped_copy_left_0o700_is_made_0o777_by_the_next(tmp_path: Path) -> None:
+    """A copy stopped between its mkdir and its fchmod left a directory of the umask's mode:
+    the next copy (same uid) still opens it to every uid of the pod (re-review)."""
+    data, _ = warmer.torch_archive(str(inductor_dir(tmp_path)))
+    dest = tmp_path / "pod"
+    (dest / "fxgraph").mkdir(parents=True)
+    (dest / "fxgraph").chmod(0o700)
+    extract(tmp_path, data, dest)
+    assert stat.S_IMODE((dest / "fxgraph").stat().st_mode) == 0o777
+
+
+def test_an_archive_extracted_but_not_marked_does_not_stop_the_next(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marking an extracted archive can fail (a full or read-only copy directory): the
+    archive stays extracted and the next one is extracted too (re-review: it skipped them)."""
+    entries, pod = tmp_path / "entries", tmp_path / "pod"
+    entries.mkdir()
+    for name in ("a", "b"):
+        data = tar_of((f"fxgraph/{name}", name.encode()))
+        (entries / f"torch-inductor-{hashlib.sha256(data).hexdigest()}-cache").write_bytes(data)
+
+    def cannot_mark(dest: str, name: str) -> None:
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(copier, "_extracted", cannot_mark)
+    summary = copier.new_summary("manifest")
+    got = copier.seed_torch(str(entries), {"CACHEWARM_TORCH_DIR": str(pod)}, summary)
+    assert got["archives"] == 2 and sorted(p.name for p in (pod / "fxgraph").iterdir()) == ["a", "b"], got
+    assert "not marked" in summary["errors"][0]
+
+
+def test_the_last_cut_of_a_summary_drops_errors_before_the_fingerprint() -> None:
+    """The operator records a warm's fingerprint (KeysMatch reads it): a summary over the
+    limit loses its errors and the like first, whichever is larger (re-review)."""
+    fp = {"framework": "torch", "platform": "\u00e9" * 310}
+    got = json.loads(warmer.summary_at_last({
+        "mode": "command", "processIndex": 0, "entriesWritten": 1, "manifestGeneration": "1", "fingerprint": fp,
+        "errors": ["\u00e9" * 100] * 3, "packError": "\u00e9" * 200}))
+    assert got["fingerprint"] == fp and "errors" not in got and got["summaryCut"] is True

@@ -1656,12 +1656,14 @@ def _open_dir(parent: int, name: str) -> int:
     whatever the umask: a training container of another uid writes beside it) when missing,
     opened without following a link (OSError: ELOOP or ENOTDIR for anything else)."""
     try:
-        os.mkdir(name, 0o700, dir_fd=parent)
-        made = True
+        os.mkdir(name, 0o777, dir_fd=parent)
     except FileExistsError:
-        made = False
+        pass
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
-    if made:
+    st = os.fstat(fd)
+    # Also one this copier's uid made before it was stopped between mkdir and fchmod (the
+    # umask's mode left): not only the one made just now.
+    if st.st_uid == os.getuid() and st.st_mode & 0o777 != 0o777:
         try:
             os.fchmod(fd, 0o777)
         except BaseException:
@@ -1893,7 +1895,10 @@ def seed_torch(dest: str, env: Mapping[str, str], summary: dict[str, Any], names
                 failed(f"{name[:100]}: {type(exc).__name__}: {exc}")
                 continue
             counts["archives"] += 1
-            _extracted(dest, name)
+            try:
+                _extracted(dest, name)
+            except OSError as exc:  # extracted whole, only not marked: the next archive is extracted too
+                add_error(summary, f"torch archive {name[:100]} extracted but not marked: {exc}"[:MAX_ERROR_CHARS])
     except TorchDeadline as exc:
         counts["stoppedAtDeadline"] = 1
         failed(str(exc))

@@ -1416,7 +1416,10 @@ def summary_at_last(summary: Mapping[str, Any]) -> str:
     out = {**summary, "summaryCut": True}
     text = json.dumps(out, separators=(",", ":"), sort_keys=True)
     while len(text) > SUMMARY_LIMIT:
-        rest = [k for k in out if k not in SUMMARY_KEPT_AT_LAST and k != "summaryCut"]
+        # The fingerprint (KeysMatch reads it) goes only after every other field not kept.
+        rest = [k for k in out if k not in SUMMARY_KEPT_AT_LAST and k not in ("summaryCut", "fingerprint")]
+        if not rest and "fingerprint" in out:
+            rest = ["fingerprint"]
         if not rest:
             break
         del out[max(rest, key=lambda k: (len(json.dumps(out[k])), k))]
