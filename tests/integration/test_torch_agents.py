@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -48,7 +49,7 @@ def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 300) -
 
 def base_env(extra: dict[str, str]) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("CACHEWARM_", "TORCH", "TRITON_", "PYTHON", "JAX_", "STORAGE_EMULATOR_HOST"))}
+             if not k.startswith(("CACHEWARM_", "TORCH", "TRITON_", "PYTHON", "JAX_", "STORAGE_EMULATOR_HOST", "TMPDIR"))}
     return {**clean, **extra}
 
 
@@ -92,13 +93,20 @@ def warmed(storage_bed: Testbed, storage_only: storage.Client, tmp_path_factory:
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
                     "CACHEWARM_FRAMEWORK": "torch", "CACHEWARM_CACHE_URL": f"gs://{bucket}/torch",
                     "CACHEWARM_MANIFEST": f"gs://{bucket}/{manifest}", "CACHEWARM_SUMMARY_FILE": str(tmp / "summary"),
-                    "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(64 << 20),
-                    "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")})
+                    "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(1 << 30),  # the precompiled header is ~160 MB
+                    "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton"),
+                    # A temp dir of its own, as a container has: Inductor builds its precompiled
+                    # header under it unless the warmer links it into the directory it archives
+                    # (this host's shared /tmp would hold one from another run: kinder than a pod).
+                    "TMPDIR": str(tmp / "warmer-tmp")})
+    (tmp / "warmer-tmp").mkdir()
     out = run([str(tmp / "warm.py"), "command", "--", "python", "train_torch.py", "--steps", "1"], env, app)
     summary = json.loads((tmp / "summary").read_text())
+    headers = sorted(p.name for p in (inductor / "precompiled_headers").glob("*.gch"))
     shutil.rmtree(inductor)
     return {"code": out.returncode, "log": out.stderr[-4000:], "summary": summary, "bucket": bucket, "tmp": tmp, "env": env,
-            "app": app, "inductor": inductor, "manifest": f"{manifest}#{summary.get('manifestGeneration')}"}
+            "app": app, "inductor": inductor, "manifest": f"{manifest}#{summary.get('manifestGeneration')}",
+            "headers": headers}
 
 
 def test_the_warm_uploads_its_directory_as_one_archive_and_the_manifest_names_it(
@@ -125,14 +133,15 @@ def test_the_warm_uploads_its_directory_as_one_archive_and_the_manifest_names_it
     assert fp["inductorEnv"] == {} and fp["cacheDir"] == str(warmed["inductor"]) and doc["fingerprint"] == fp
 
 
-def warm_again(warmed: dict[str, Any], tmp: Path, inductor: Path, *args: str, limit: int = 64 << 20
+def warm_again(warmed: dict[str, Any], tmp: Path, inductor: Path, *args: str, limit: int = 1 << 30
                ) -> tuple[int, dict[str, Any], str]:
     """The warmer once more, into the warm's bucket (another manifest), with `inductor` as
     its TORCHINDUCTOR_CACHE_DIR."""
     env = base_env({**warmed["env"], "CACHEWARM_SUMMARY_FILE": str(tmp / "summary"),
                     "CACHEWARM_MANIFEST": f"gs://{warmed['bucket']}/{FOLDER}/demo-cpu-{uuid.uuid4().hex[:6]}.json",
                     "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(limit),
-                    "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton")})
+                    "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(inductor / "triton"),
+                    "TMPDIR": tempfile.mkdtemp(dir=tmp)})  # another Job's pod: its own /tmp
     out = run([str(warmed["tmp"] / "warm.py"), *args], env, warmed["app"])
     return out.returncode, json.loads((tmp / "summary").read_text()), out.stderr[-3000:]
 
@@ -177,7 +186,7 @@ def copier_env(bed: Testbed, warmed: dict[str, Any], dest: Path, torch_dir: Path
     return {"STORAGE_EMULATOR_HOST": bed.storage_emulator_host, "CACHEWARM_COPY_BUCKET": warmed["bucket"],
             "CACHEWARM_COPY_PREFIX": "torch", "CACHEWARM_COPY_DEST": str(dest),
             "CACHEWARM_COPY_MANIFESTS": warmed["manifest"], "CACHEWARM_TORCH_DIR": str(torch_dir),
-            "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(64 << 20)}
+            "CACHEWARM_TORCH_MAX_ARCHIVE_BYTES": str(1 << 30)}
 
 
 def site(where: Path) -> Path:
@@ -194,7 +203,9 @@ def train(warmed: dict[str, Any], reports: Reports, torch_dir: Path, extra: dict
     env = base_env({"PYTHONPATH": str(site(warmed["tmp"] / "site")), "CACHEWARM_FRAMEWORK": "torch",
                     "TORCHINDUCTOR_CACHE_DIR": str(torch_dir), "TRITON_CACHE_DIR": str(torch_dir / "triton"),
                     "CACHEWARM_REPORT_URL": reports.url, "CACHEWARM_CACHE": "demo", "CACHEWARM_POD_NAMESPACE": "ml",
-                    "CACHEWARM_POD_NAME": "trainer", "CACHEWARM_POD_UID": "u-1", **(extra or {})})
+                    "CACHEWARM_POD_NAME": "trainer", "CACHEWARM_POD_UID": "u-1",
+                    "TMPDIR": tempfile.mkdtemp(dir=warmed["tmp"]),  # each container's own /tmp
+                    **(extra or {})})
     out = run(["train_torch.py", "--steps", "1"], env, warmed["app"])
     assert out.returncode == 0, out.stderr[-3000:]
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -219,10 +230,18 @@ def test_a_pod_seeded_from_the_manifest_compiles_nothing_and_reports_it(
             again_copy["cold"]) == (0, 1, 0, [], False)
     assert again_copy["torch"]["extractedBefore"] == 1 and again_copy["torch"]["files"] == 0
     reports = Reports()
+    pod_tmp = warmed["tmp"] / "pod-tmp"
+    pod_tmp.mkdir()
     try:
-        seen = train(warmed, reports, inductor)
+        seen = train(warmed, reports, inductor, {"TMPDIR": str(pod_tmp)})
     finally:
         reports.server.shutdown()
+    # Inductor's precompiled header (~160 MB, built with g++ by every fresh container before it
+    # loads cached kernels) came with the warmer's archive: the pod's temp dir links to the
+    # seeded directory, which holds the warmer's header and no other, and none was built here.
+    assert warmed["headers"], "the warmer's archive carries no precompiled header"
+    assert sorted(p.name for p in (inductor / "precompiled_headers").glob("*.gch")) == warmed["headers"]
+    assert [f for _, _, files in os.walk(pod_tmp) for f in files if f.endswith(".gch")] == []
     inductor_counts, aot = seen["counters"]["inductor"], seen["counters"]["aotAutograd"]
     assert inductor_counts.get("fxgraph_cache_miss", 0) == 0 and inductor_counts["fxgraph_cache_hit"] == 3
     assert aot.get("autograd_cache_miss", 0) == 0 and aot["autograd_cache_hit"] == 2

@@ -465,6 +465,49 @@ def _start_copy():  # type: () -> bool
     return True
 
 
+def _link_precompiled_headers(directory):
+    # type: (str) -> str
+    """Inductor keeps its precompiled header (a ~160 MB .gch that every fresh container
+    builds with g++ before it loads the cached kernels: ~5.5 s of the demo's warm first step)
+    in <tempdir>/torchinductor_<user>/precompiled_headers, as torch computes it
+    (torch/_inductor/runtime/cache_dir_utils.default_cache_dir), outside
+    TORCHINDUCTOR_CACHE_DIR: a link there to <directory>/precompiled_headers has the pod read
+    the header its copy seeded (the warmer builds it there: warm.py's
+    link_precompiled_headers, the same code). Nothing where that path exists already (the
+    image's own, or another process of this container linked it). Returns what was done
+    ("linked", "exists", or an error's text); never raises."""
+    try:
+        import getpass
+        import re
+        import tempfile
+
+        try:
+            user = getpass.getuser()
+        except (KeyError, ImportError, OSError):
+            user = "uid_%d" % os.getuid()
+        default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+        link = os.path.join(default, "precompiled_headers")
+        if os.path.islink(link) and not os.path.exists(link):
+            os.unlink(link)  # a link of an earlier process to a directory gone since
+        if os.path.lexists(link):
+            return "exists"
+        target = os.path.join(directory, "precompiled_headers")
+        if not os.path.isdir(target):
+            os.makedirs(target)
+        if not os.path.isdir(default):
+            os.makedirs(default)
+        os.symlink(target, link)
+        return "linked"
+    except Exception as exc:  # noqa: BLE001 - the pod builds the header itself then
+        return ("%s: %s" % (type(exc).__name__, exc))[:200]
+
+
+try:
+    if os.environ.get(ENV_FRAMEWORK) == "torch" and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        _link_precompiled_headers(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+except Exception:  # noqa: BLE001 - training must start whatever happens here
+    pass
+
 try:
     if os.environ.get(ENV_COPY_IN_PROCESS) == "1":
         try:
